@@ -1,0 +1,10 @@
+"""Only the optional C kernel lives here; all metadata is in pyproject.toml. `optional=True`
+keeps `pip install` working on machines without a compiler (the NumPy paths remain)."""
+import sys
+
+from setuptools import Extension, setup
+
+openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+setup(ext_modules=[Extension(
+    "convkernels._cpu._kernels", ["convkernels/_cpu/kernels.c"],
+    extra_compile_args=["-O3", *openmp], extra_link_args=openmp, optional=True)])
