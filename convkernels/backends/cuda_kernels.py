@@ -1,0 +1,362 @@
+"""The CUDA backend's non-conv kernels (CuPy RawModule, compiled once per storage dtype):
+conv epilogue (bias, activation, residual), activations, GroupNorm (+activation) in three
+launches, channels-last LayerNorm (+activation), row softmax, and float32 casts.
+
+Storage types: float32 is `float`; float16 and bfloat16 are both `unsigned short` bit
+patterns converted to float in registers (bfloat16 has no CuPy dtype, so bf16 arrays live
+as uint16; this also keeps the kernels free of cuda_fp16.h / cuda_bf16.h includes, which
+NVRTC may not find). All arithmetic is float32; GroupNorm statistics accumulate in float64.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+ACT_CODES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+BLOCK = 256
+
+_SOURCE = r"""
+#if DT == 0
+typedef float T;
+__device__ __forceinline__ float ld(T v) { return v; }
+__device__ __forceinline__ T st(float f) { return f; }
+#elif DT == 1
+typedef unsigned short T;
+__device__ __forceinline__ float ld(T v) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }
+__device__ __forceinline__ T st(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+#else
+typedef unsigned short T;
+__device__ __forceinline__ float ld(T v) { return __uint_as_float(((unsigned int)v) << 16); }
+__device__ __forceinline__ T st(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)0x7fc0;   // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                          // round to nearest even
+    return (T)(u >> 16);
+}
+#endif
+
+__device__ __forceinline__ float act(float v, int a) {
+    if (a == 1) return v / (1.0f + expf(-v));
+    if (a == 2) return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    if (a == 3) return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    if (a == 4) return v > 0.0f ? v : 0.0f;
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// block-wide reductions for blockDim.x == 256 (8 warps); every thread gets the result
+__device__ float block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = l < (blockDim.x >> 5) ? sh[l] : 0.0f;
+    return warp_sum(v);
+}
+__device__ float block_max(float v, float* sh) {
+    v = warp_max(v);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = l < (blockDim.x >> 5) ? sh[l] : -__int_as_float(0x7f800000);
+    return warp_max(v);
+}
+
+// y = act(x + bias[c]) + res   (y may alias x)
+extern "C" __global__ void epilogue(const T* x, const T* bias, const T* res, T* y,
+                                    long long n, int C, int has_bias, int has_res, int a) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = ld(x[i]);
+        if (has_bias) v += ld(bias[i % C]);
+        v = act(v, a);
+        if (has_res) v += ld(res[i]);
+        y[i] = st(v);
+    }
+}
+
+extern "C" __global__ void to_f32(const T* x, float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) y[i] = ld(x[i]);
+}
+
+extern "C" __global__ void from_f32(const float* x, T* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) y[i] = st(x[i]);
+}
+
+// GroupNorm pass 1: per (batch item, chunk of spatial rows) per-channel sum and sum of squares.
+// Threads cover channels (coalesced, channels-last) and, when C < blockDim, several rows.
+extern "C" __global__ void gn_partial(const T* x, double* psum, double* psq, long long S, int C,
+                                      long long rows_per_chunk, int nchunks) {
+    __shared__ double sh_s[256];
+    __shared__ double sh_q[256];
+    int n = blockIdx.y, chunk = blockIdx.x;
+    long long s0 = (long long)chunk * rows_per_chunk;
+    long long s1 = s0 + rows_per_chunk; if (s1 > S) s1 = S;
+    int cpb = C < (int)blockDim.x ? C : (int)blockDim.x;
+    int rpar = blockDim.x / cpb;
+    int tc = threadIdx.x % cpb, tr = threadIdx.x / cpb;
+    for (int cbase = 0; cbase < C; cbase += cpb) {
+        int c = cbase + tc;
+        double s = 0.0, q = 0.0;
+        if (tr < rpar && c < C) {
+            for (long long r = s0 + tr; r < s1; r += rpar) {
+                double v = (double)ld(x[((long long)n * S + r) * C + c]);
+                s += v; q += v * v;
+            }
+        }
+        sh_s[threadIdx.x] = s; sh_q[threadIdx.x] = q;
+        __syncthreads();
+        if (tr == 0 && c < C) {
+            for (int k = 1; k < rpar; ++k) { s += sh_s[k * cpb + tc]; q += sh_q[k * cpb + tc]; }
+            long long o = ((long long)n * nchunks + chunk) * C + c;
+            psum[o] = s; psq[o] = q;
+        }
+        __syncthreads();
+    }
+}
+
+// GroupNorm pass 2: one 256-thread block per (n, g): mean and 1/sqrt(var + eps).
+extern "C" __global__ void gn_finalize(const double* psum, const double* psq, float* mean, float* rstd,
+                                       int N, int G, int Cg, int nchunks, double count, float eps) {
+    __shared__ double sh_s[256];
+    __shared__ double sh_q[256];
+    int i = blockIdx.x;
+    int n = i / G, g = i % G, C = G * Cg;
+    double s = 0.0, q = 0.0;
+    for (int j = threadIdx.x; j < nchunks * Cg; j += blockDim.x) {
+        int k = j / Cg, c = g * Cg + j % Cg;
+        long long o = ((long long)n * nchunks + k) * C + c;
+        s += psum[o]; q += psq[o];
+    }
+    sh_s[threadIdx.x] = s; sh_q[threadIdx.x] = q;
+    __syncthreads();
+    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h) { sh_s[threadIdx.x] += sh_s[threadIdx.x + h]; sh_q[threadIdx.x] += sh_q[threadIdx.x + h]; }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        double m = sh_s[0] / count;
+        double var = sh_q[0] / count - m * m;
+        if (var < 0.0) var = 0.0;
+        mean[i] = (float)m;
+        rstd[i] = (float)(1.0 / sqrt(var + (double)eps));
+    }
+}
+
+// GroupNorm pass 3: normalise, affine, activation.
+extern "C" __global__ void gn_apply(const T* x, T* y, const float* mean, const float* rstd,
+                                    const T* w, const T* b, long long per_item, int C, int Cg, int G,
+                                    int has_w, int has_b, int a, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        long long item = i / per_item;
+        int k = (int)(item * G + c / Cg);
+        float v = (ld(x[i]) - mean[k]) * rstd[k];
+        if (has_w) v *= ld(w[c]);
+        if (has_b) v += ld(b[c]);
+        y[i] = st(act(v, a));
+    }
+}
+
+// LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
+extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, long long rows, int C,
+                                   int has_w, int has_b, float eps, int a) {
+    long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + row * C;
+    T* yr = y + row * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += 32) s += ld(xr[c]);
+    float m = warp_sum(s) / C;
+    float q = 0.0f;
+    for (int c = lane; c < C; c += 32) { float d = ld(xr[c]) - m; q += d * d; }
+    float r = rsqrtf(warp_sum(q) / C + eps);
+    for (int c = lane; c < C; c += 32) {
+        float v = (ld(xr[c]) - m) * r;
+        if (has_w) v *= ld(w[c]);
+        if (has_b) v += ld(b[c]);
+        yr[c] = st(act(v, a));
+    }
+}
+
+// Depthwise 2-d conv, channels-last, one thread per output element (coalesced over channels),
+// weights pre-transposed to (KH, KW, C); fused epilogue act(conv + bias) + residual.
+extern "C" __global__ void dw2d(const T* x, const T* wt, const T* bias, const T* res, T* y,
+                                int H, int W, int C, int OH, int OW, int KH, int KW, int sh, int sw,
+                                int ph, int pw, int dh, int dw, int has_bias, int has_res, int a,
+                                long long total) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        int c = (int)(i % C);
+        long long t = i / C;
+        int ow = (int)(t % OW); t /= OW;
+        int oh = (int)(t % OH);
+        long long n = t / OH;
+        int ih0 = oh * sh - ph, iw0 = ow * sw - pw;
+        float acc = 0.0f;
+        for (int kh = 0; kh < KH; ++kh) {
+            int ih = ih0 + kh * dh;
+            if (ih < 0 || ih >= H) continue;
+            const T* xrow = x + ((n * H + ih) * (long long)W) * C + c;
+            const T* wrow = wt + (long long)kh * KW * C + c;
+            for (int kw = 0; kw < KW; ++kw) {
+                int iw = iw0 + kw * dw;
+                if (iw < 0 || iw >= W) continue;
+                acc += ld(xrow[(long long)iw * C]) * ld(wrow[kw * C]);
+            }
+        }
+        if (has_bias) acc += ld(bias[c]);
+        acc = act(acc, a);
+        if (has_res) acc += ld(res[i]);
+        y[i] = st(acc);
+    }
+}
+
+// Softmax over rows of length L, of x * scale: one 256-thread block per row.
+extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L, float scale) {
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    if (row >= rows) return;
+    const T* xr = x + row * L;
+    T* yr = y + row * L;
+    float m = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, ld(xr[j]) * scale);
+    m = block_max(m, sh);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(ld(xr[j]) * scale - m);
+    s = block_sum(s, sh);
+    float inv = 1.0f / s;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = st(expf(ld(xr[j]) * scale - m) * inv);
+}
+"""
+
+
+def _grid(n: int) -> int:
+    return max(1, min((n + BLOCK - 1) // BLOCK, 132 * 32))
+
+
+class Kernels:
+    """The compiled kernels for one storage dtype ('float32', 'float16', 'bfloat16')."""
+
+    _cache: dict[str, "Kernels"] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "Kernels":
+        with cls._lock:
+            k = cls._cache.get(dtype)
+            if k is None:
+                k = cls._cache[dtype] = cls(dtype)
+            return k
+
+    def __init__(self, dtype: str):
+        import cupy as cp
+
+        self.cp = cp
+        self.dtype = dtype
+        self.module = cp.RawModule(code=_SOURCE, options=(f"-DDT={DTYPE_CODES[dtype]}",))
+        self._fns = {}
+
+    def fn(self, name: str):
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = self.module.get_function(name)
+        return f
+
+    # ---- wrappers (inputs must be C-contiguous) -------------------------------------------
+    def epilogue(self, x, bias, residual, activation, out=None):
+        y = out if out is not None else self.cp.empty_like(x)
+        n = x.size
+        c = x.shape[-1]
+        self.fn("epilogue")((_grid(n),), (BLOCK,), (
+            x, bias if bias is not None else x, residual if residual is not None else x, y,
+            np.int64(n), np.int32(c), np.int32(bias is not None), np.int32(residual is not None),
+            np.int32(ACT_CODES[activation])))
+        return y
+
+    def to_f32(self, x):
+        y = self.cp.empty(x.shape, dtype=self.cp.float32)
+        self.fn("to_f32")((_grid(x.size),), (BLOCK,), (x, y, np.int64(x.size)))
+        return y
+
+    def from_f32(self, x, storage_dtype):
+        y = self.cp.empty(x.shape, dtype=storage_dtype)
+        self.fn("from_f32")((_grid(x.size),), (BLOCK,), (x, y, np.int64(x.size)))
+        return y
+
+    def group_norm(self, x, groups, weight, bias, eps, activation):
+        cp = self.cp
+        n, c = x.shape[0], x.shape[-1]
+        s = x.size // (n * c)
+        # enough chunks to fill the GPU (>= ~4 blocks per SM), each at least 16 rows
+        nchunks = max(1, min(s // 16 if s >= 16 else 1, max(1, 1024 // n)))
+        rows_per_chunk = (s + nchunks - 1) // nchunks
+        nchunks = (s + rows_per_chunk - 1) // rows_per_chunk
+        psum = cp.empty((n, nchunks, c), dtype=cp.float64)
+        psq = cp.empty((n, nchunks, c), dtype=cp.float64)
+        self.fn("gn_partial")((nchunks, n), (BLOCK,), (
+            x, psum, psq, np.int64(s), np.int32(c), np.int64(rows_per_chunk), np.int32(nchunks)))
+        mean = cp.empty((n * groups,), dtype=cp.float32)
+        rstd = cp.empty((n * groups,), dtype=cp.float32)
+        cg = c // groups
+        self.fn("gn_finalize")((n * groups,), (BLOCK,), (
+            psum, psq, mean, rstd, np.int32(n), np.int32(groups), np.int32(cg), np.int32(nchunks),
+            np.float64(s * cg), np.float32(eps)))
+        y = cp.empty_like(x)
+        total = x.size
+        self.fn("gn_apply")((_grid(total),), (BLOCK,), (
+            x, y, mean, rstd, weight if weight is not None else x, bias if bias is not None else x,
+            np.int64(s * c), np.int32(c), np.int32(cg), np.int32(groups),
+            np.int32(weight is not None), np.int32(bias is not None), np.int32(ACT_CODES[activation]),
+            np.int64(total)))
+        return y
+
+    def layer_norm(self, x, weight, bias, eps, activation):
+        c = x.shape[-1]
+        rows = x.size // c
+        y = self.cp.empty_like(x)
+        per_block = BLOCK // 32
+        self.fn("ln_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), (
+            x, y, weight if weight is not None else x, bias if bias is not None else x,
+            np.int64(rows), np.int32(c), np.int32(weight is not None), np.int32(bias is not None),
+            np.float32(eps), np.int32(ACT_CODES[activation])))
+        return y
+
+    def depthwise2d(self, x, wt, bias, residual, activation, stride, pad_lo, dilation, out_shape):
+        """x (N,H,W,C), wt (KH,KW,C) contiguous -> act(conv + bias) + residual, (N,OH,OW,C)."""
+        y = self.cp.empty(out_shape, dtype=x.dtype)
+        n, h, w, c = x.shape
+        kh, kw = wt.shape[0], wt.shape[1]
+        total = y.size
+        i32 = np.int32
+        self.fn("dw2d")((_grid(total),), (BLOCK,), (
+            x, wt, bias if bias is not None else x, residual if residual is not None else x, y,
+            i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),
+            i32(stride[0]), i32(stride[1]), i32(pad_lo[0]), i32(pad_lo[1]), i32(dilation[0]), i32(dilation[1]),
+            i32(bias is not None), i32(residual is not None), i32(ACT_CODES[activation]), np.int64(total)))
+        return y
+
+    def softmax_rows(self, x, scale: float = 1.0):
+        """Softmax over the last axis of contiguous x (times `scale` first)."""
+        length = x.shape[-1]
+        rows = x.size // length
+        y = self.cp.empty_like(x)
+        if rows:
+            self.fn("softmax_rows")((rows,), (BLOCK,), (x, y, np.int64(rows), np.int32(length),
+                                                         np.float32(scale)))
+        return y

@@ -1,0 +1,398 @@
+"""The NumPy backend: the CPU default. Computes in float32 (float64 when given float64);
+float16/bfloat16 inputs are accepted and computed in float32."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import weakref
+
+import numpy as np
+
+from .. import _cpu
+from ..backend import Backend
+from ..paths import ConvPath
+from ..spec import ConvKey, prod, upsample_shapes
+from . import numpy_conv as nc
+
+DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
+# gemms below this many multiply-adds run on one BLAS thread: OpenBLAS wakes its pool for
+# them anyway, and on a busy box each wake-up stalls ~16 ms for 0.05 ms of work (measured on
+# the 2-core CI kind: (2048,16)@(16,64) took 16 ms with the pool, 0.06 ms pinned to one thread)
+SMALL_GEMM_MACS = 1 << 24
+
+
+class _BlasThreads:
+    """Context factory that pins BLAS to one thread for small gemms (no-op without threadpoolctl)."""
+
+    def __init__(self):
+        try:
+            from threadpoolctl import ThreadpoolController
+            self._ctl = ThreadpoolController()
+        except Exception:  # threadpoolctl missing or no BLAS found: leave BLAS as it is
+            self._ctl = None
+
+    def for_macs(self, macs: float):
+        if self._ctl is None or macs >= SMALL_GEMM_MACS:
+            return contextlib.nullcontext()
+        return self._ctl.limit(limits=1, user_api="blas")
+
+
+# erf(z) ~ z * P(z^2) / Q(z^2) on [-4, 4]: the float32 rational fit of Eigen / XLA (no exp).
+# The same coefficients are in _cpu/kernels.c; this is the fallback without a compiler.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+_CHUNK = 1 << 15  # elements per sweep: the temporaries stay in L2
+
+
+def _gelu_numpy(v: np.ndarray) -> np.ndarray:
+    """Exact-erf GELU in float32 over L2-sized chunks, in place on a fresh copy."""
+    out = np.array(v, dtype=v.dtype, copy=True).reshape(-1)
+    inv_sqrt2 = v.dtype.type(1.0 / math.sqrt(2.0))
+    for s in range(0, out.size, _CHUNK):
+        x = out[s:s + _CHUNK]
+        z = np.clip(x * inv_sqrt2, -4.0, 4.0)
+        z2 = z * z
+        p = np.full_like(z, _ERF_P[0])
+        for coef in _ERF_P[1:]:
+            p *= z2
+            p += coef
+        q = np.full_like(z, _ERF_Q[0])
+        for coef in _ERF_Q[1:]:
+            q *= z2
+            q += coef
+        p *= z
+        p /= q
+        p += 1.0
+        p *= 0.5
+        x *= p
+    return out.reshape(v.shape)
+
+
+_GN_ACT = {None: 0, "silu": 1, "gelu": 2}  # activation codes of the C group_norm
+
+
+def _c_ready(x: np.ndarray) -> bool:
+    return _cpu.AVAILABLE and x.dtype == np.float32 and x.flags.c_contiguous and x.ndim >= 1
+
+
+def gelu(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """GELU(x + bias), exact (erf) form."""
+    if _c_ready(x) and (bias is None or bias.dtype == np.float32):
+        c = x.shape[-1] if x.ndim else 1
+        out = np.empty_like(x)
+        b = np.ascontiguousarray(bias) if bias is not None else np.zeros(1, np.float32)
+        _cpu._kernels.bias_gelu(x, b, out, bias is not None, x.size // max(c, 1), c)
+        return out
+    if bias is not None:
+        x = x + bias
+    if x.dtype == np.float64:  # the float32 fit is not good to float64 precision
+        return 0.5 * x * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
+    return _gelu_numpy(x)
+
+
+def apply_activation(x: np.ndarray, activation: str | None) -> np.ndarray:
+    if activation is None:
+        return x
+    with np.errstate(over="ignore"):
+        if activation == "silu":
+            return x / (1.0 + np.exp(-x))
+        if activation == "gelu":
+            return gelu(x)
+        if activation == "gelu_tanh":
+            c = np.asarray(math.sqrt(2.0 / math.pi), x.dtype)
+            return 0.5 * x * (1.0 + np.tanh(c * (x + np.asarray(0.044715, x.dtype) * x * x * x)))
+        if activation == "relu":
+            return np.maximum(x, 0)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    supported_dtypes = ("float32", "float64")
+
+    def __init__(self, dtype: str = "float32", unfold_limit_bytes: int | None = None,
+                 timing_sample_rate: float = 1.0, attention_chunk: int = 2048,
+                 autotune_min_macs: float = 5e7):
+        env_limit = os.environ.get("CONVSERVE_UNFOLD_LIMIT_BYTES")
+        self.unfold_limit_bytes = int(unfold_limit_bytes or env_limit or DEFAULT_UNFOLD_LIMIT)
+        self.attention_chunk = attention_chunk
+        # Convs above this size pick their path by timing every valid one once (Winograd vs
+        # shift-gemm vs unfold flips with channels, size and BLAS build); smaller ones use the
+        # static cost rule, where measuring would cost more than it saves. inf disables.
+        self.autotune_min_macs = float(autotune_min_macs)
+        self.blas_threads = _BlasThreads()
+        self._wino_cache: dict = {}
+        super().__init__(dtype, timing_sample_rate)
+
+    # ---- arrays ---------------------------------------------------------------------------
+    def _compute_dtype(self, dt) -> np.dtype:
+        return np.dtype(np.float64) if np.dtype(dt) == np.float64 else np.dtype(np.float32)
+
+    def asarray(self, host, dtype=None):
+        host = np.asarray(host)
+        if host.dtype.kind != "f" and str(host.dtype) != "bfloat16":
+            raise ValueError(f"numpy backend: expected a floating array, got dtype {host.dtype}")
+        return np.ascontiguousarray(host, dtype=self._compute_dtype(dtype or self.dtype))
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+    def dtype_of(self, x) -> str:
+        return str(np.asarray(x).dtype) if not isinstance(x, np.ndarray) else str(x.dtype)
+
+    def _f(self, x):
+        """Upcast half inputs to float32 (the compute dtype); leave f32/f64 alone."""
+        x = np.asarray(x)
+        if x.dtype in (np.float32, np.float64):
+            return x
+        return x.astype(np.float32)
+
+    def measure_paths(self):
+        def measure(key: ConvKey, valid: list[ConvPath]) -> ConvPath:
+            if key.macs() < self.autotune_min_macs:
+                return min(valid, key=lambda p: p.cost(key))
+            rng = np.random.default_rng(0)
+            dt = np.float64 if key.dtype == "float64" else np.float32
+            x = rng.standard_normal(key.x_shape).astype(dt)
+            w = rng.standard_normal(key.w_shape).astype(dt)
+            timings = []
+            for p in valid:
+                t0 = time.perf_counter()
+                p.run(x, w, key, None, None, None)
+                timings.append((time.perf_counter() - t0, p.cost(key), p.name, p))
+            return min(timings)[-1]
+        return measure
+
+    # ---- conv paths -----------------------------------------------------------------------
+    def conv_paths(self) -> list[ConvPath]:
+        def is_pointwise(k: ConvKey) -> bool:
+            s = k.spec
+            return (not s.transpose and s.groups == 1 and all(v == 1 for v in k.kernel)
+                    and all(v == 1 for v in s.stride) and not any(lo or hi for lo, hi in s.padding))
+
+        def fits(k: ConvKey) -> bool:
+            return nc.unfold_bytes(k) <= self.unfold_limit_bytes
+
+        def dense_cost(k: ConvKey) -> float:
+            return float(k.macs())
+
+        def depthwise_cost(k: ConvKey) -> float:
+            # shifted multiply-adds beat per-channel gemms whenever the conv is depthwise
+            return float(k.macs()) * (0.5 if k.is_depthwise else 1e9)
+
+        def direct_depthwise_ok(k: ConvKey) -> bool:
+            return (_cpu.AVAILABLE and k.is_depthwise and not k.spec.transpose and k.spec.nd == 2
+                    and k.dtype in ("float32", "float16", "bfloat16"))
+
+        def shift_ok(k: ConvKey) -> bool:
+            s = k.spec
+            # per-tap gemms need a deep enough reduction (C_in) to keep BLAS efficient
+            return (not s.transpose and s.groups == 1 and all(v == 1 for v in s.stride)
+                    and prod(k.kernel) > 1 and k.in_channels >= 32)
+
+        def winograd_ok(k: ConvKey) -> bool:
+            s = k.spec
+            return (not s.transpose and s.nd == 2 and k.kernel == (3, 3) and s.groups == 1
+                    and s.stride == (1, 1) and s.dilation == (1, 1) and k.in_channels >= 32
+                    and k.out_channels >= 32)
+
+        return [
+            ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise),
+            # measured on 2 Xeon cores: 7x7 depthwise 96ch 56x56 15 ms shifted, ~1 ms direct
+            ConvPath("depthwise_direct", direct_depthwise_ok, lambda k: 0.05 * k.macs(), self._run_depthwise_direct),
+            ConvPath("depthwise_shift", lambda k: k.is_depthwise and not k.spec.transpose,
+                     depthwise_cost, self._run_depthwise),
+            # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
+            # 2.25x fewer multiplies; oneDNN uses Winograd for these convs too
+            ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd),
+            ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
+            ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
+            ConvPath("tiled_unfold", lambda k: not fits(k), dense_cost, self._run_unfold),
+        ]
+
+    def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
+        # small convs run their gemms on one BLAS thread (see SMALL_GEMM_MACS)
+        rows = int(np.prod(x.shape[:-1])) * int(np.prod(spec.stride)) if spec.transpose else \
+            x.shape[0] * int(np.prod(spec.output_spatial(x.shape[1:-1], w.shape[1:-1])))
+        macs = float(rows) * w.shape[0] * int(np.prod(w.shape[1:]))
+        with self.blas_threads.for_macs(macs):
+            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
+
+    def _epilogue(self, out, bias, residual, activation):
+        if bias is not None:
+            out += self._f(bias).astype(out.dtype, copy=False)
+        out = apply_activation(out, activation)
+        if residual is not None:
+            out = out + self._f(residual).astype(out.dtype, copy=False)
+        return out
+
+    def _operands(self, x, w):
+        x, w = self._f(x), self._f(w)
+        dt = np.result_type(x.dtype, w.dtype)
+        return x.astype(dt, copy=False), w.astype(dt, copy=False)
+
+    def _run_pointwise(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        return self._epilogue(nc.conv_pointwise(x, w, key), bias, residual, activation)
+
+    def _run_depthwise(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        return self._epilogue(nc.conv_depthwise_shift(x, w, key), bias, residual, activation)
+
+    def _run_depthwise_direct(self, x, w, key, bias, residual, activation):
+        out = nc.conv_depthwise_direct(self._f(x), self._f(w), key, None if bias is None else self._f(bias))
+        return self._epilogue(out, None, residual, activation)
+
+    def _run_winograd(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        if _c_ready(x):
+            out = nc.conv_winograd_f2x3_compiled(x, w, key, self.unfold_limit_bytes, self._winograd_u(w))
+        else:
+            out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
+        return self._epilogue(out, bias, residual, activation)
+
+    def _winograd_u(self, w: np.ndarray) -> np.ndarray:
+        """Transformed weights, cached per weight array: the transform costs about a third of the
+        conv (26 ms at 512->512) and model weights never change."""
+        key = (id(w), w.__array_interface__["data"][0], w.shape)
+        hit = self._wino_cache.get(key)
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        u = nc.winograd_weights(np.asarray(w, np.float32))
+        try:
+            ref = weakref.ref(w, lambda _r, k=key: self._wino_cache.pop(k, None))
+        except TypeError:  # not weak-referenceable (a view of a temporary): do not cache
+            return u
+        self._wino_cache[key] = (ref, u)
+        return u
+
+    def _run_shift(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        return self._epilogue(nc.conv_shift_gemm(x, w, key, self.unfold_limit_bytes), bias, residual, activation)
+
+    def _run_unfold(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        if key.spec.transpose:
+            out = nc.conv_transpose_col2im(x, w, key, self.unfold_limit_bytes)
+        else:
+            out = nc.conv_unfold_gemm(x, w, key, self.unfold_limit_bytes)
+        return self._epilogue(out, bias, residual, activation)
+
+    # ---- other ops ------------------------------------------------------------------------
+    def _group_norm(self, x, num_groups, weight, bias, eps, activation):
+        x = self._f(x)
+        if _c_ready(x) and activation in _GN_ACT:
+            n, c = x.shape[0], x.shape[-1]
+            out = np.empty_like(x)
+            w = np.ascontiguousarray(self._f(weight), np.float32) if weight is not None else np.zeros(1, np.float32)
+            b = np.ascontiguousarray(self._f(bias), np.float32) if bias is not None else np.zeros(1, np.float32)
+            _cpu._kernels.group_norm(x, w, b, out, weight is not None, bias is not None, n, x.size // (n * c), c,
+                                     num_groups, eps, _GN_ACT[activation])
+            return out
+        n, c = x.shape[0], x.shape[-1]
+        xr = x.reshape(n, -1, num_groups, c // num_groups)
+        mean = xr.mean(axis=(1, 3), keepdims=True)
+        centered = xr - mean
+        var = np.square(centered).mean(axis=(1, 3), keepdims=True)
+        out = (centered * (1.0 / np.sqrt(var + eps)).astype(x.dtype)).reshape(x.shape)
+        if weight is not None:
+            out *= self._f(weight).astype(out.dtype, copy=False)
+        if bias is not None:
+            out += self._f(bias).astype(out.dtype, copy=False)
+        return apply_activation(out, activation)
+
+    def _layer_norm(self, x, weight, bias, eps, activation):
+        x = self._f(x)
+        if _c_ready(x):
+            c = x.shape[-1]
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            w = np.ascontiguousarray(self._f(weight), np.float32) if weight is not None else np.zeros(1, np.float32)
+            b = np.ascontiguousarray(self._f(bias), np.float32) if bias is not None else np.zeros(1, np.float32)
+            _cpu._kernels.layer_norm(x, w, b, out, weight is not None, bias is not None, x.size // c, c, eps)
+            return apply_activation(out, activation)
+        mean = x.mean(axis=-1, keepdims=True)
+        centered = x - mean
+        var = np.square(centered).mean(axis=-1, keepdims=True)
+        out = centered * (1.0 / np.sqrt(var + eps)).astype(x.dtype)
+        if weight is not None:
+            out *= self._f(weight).astype(out.dtype, copy=False)
+        if bias is not None:
+            out += self._f(bias).astype(out.dtype, copy=False)
+        return apply_activation(out, activation)
+
+    def _rms_norm(self, x, weight, eps, activation):
+        # direct: one pass for the sum of squares (einsum, no x*x temporary), one to scale;
+        # the base class's layer_norm route does about three times the work
+        x = self._f(x)
+        ms = np.einsum("...c,...c->...", x, x)[..., None] * np.asarray(1.0 / x.shape[-1], x.dtype)
+        out = x * (1.0 / np.sqrt(ms + np.asarray(eps, x.dtype)))
+        if weight is not None:
+            out *= self._f(weight).astype(out.dtype, copy=False)
+        return apply_activation(out, activation)
+
+    def _activation(self, x, activation):
+        return apply_activation(self._f(x), activation)
+
+    def _upsample_nearest(self, x, scale):
+        x = np.asarray(x)
+        expanded, target, final = upsample_shapes(x.shape, scale)
+        return np.ascontiguousarray(np.broadcast_to(x.reshape(expanded), target)).reshape(final)
+
+    def _pad(self, x, pads, mode):
+        width = ((0, 0), *pads, (0, 0))
+        return np.pad(np.asarray(x), width, mode="constant" if mode == "zeros" else "edge")
+
+    def _linear(self, x, weight, bias, residual, activation):
+        x, weight = self._operands(x, weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
+            out = np.matmul(x2, weight.T)
+        b = None if bias is None else self._f(bias).astype(out.dtype, copy=False)
+        if activation == "gelu":
+            out = gelu(out, b)
+        else:
+            if b is not None:
+                out += b
+            out = apply_activation(out, activation)
+        out = out.reshape(*x.shape[:-1], weight.shape[0])
+        if residual is not None:
+            out += self._f(residual).astype(out.dtype, copy=False)
+        return out
+
+    def _matmul(self, a, b):
+        a, b = self._f(a), self._f(b)
+        macs = float(np.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) or (1,))) * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        with self.blas_threads.for_macs(macs):
+            return np.matmul(a, b)
+
+    def _softmax(self, x, axis):
+        x = self._f(x)
+        e = np.exp(x - x.max(axis=axis, keepdims=True))
+        e /= e.sum(axis=axis, keepdims=True)
+        return e
+
+    def _attention(self, q, k, v, scale):
+        # query rows in chunks so the score matrix stays bounded for large latents
+        q, k, v = self._f(q), self._f(k), self._f(v)
+        kt = np.swapaxes(k, -1, -2)
+        lq = q.shape[-2]
+        out = np.empty((*q.shape[:-1], v.shape[-1]), dtype=np.result_type(q, v))
+        step = max(1, self.attention_chunk)
+        for s in range(0, lq, step):
+            scores = np.matmul(q[..., s:s + step, :], kt) * np.asarray(scale, q.dtype)
+            out[..., s:s + step, :] = np.matmul(self._softmax(scores, -1), v)
+        return out
+
+    def _concat(self, xs, axis):
+        return np.concatenate([np.asarray(x) for x in xs], axis=axis)
+
+    def _mean(self, x, axes, keepdims):
+        return self._f(x).mean(axis=axes, keepdims=keepdims)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "unfold_limit_bytes": self.unfold_limit_bytes}

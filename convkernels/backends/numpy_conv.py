@@ -1,0 +1,289 @@
+"""NumPy convolution algorithms (channels-last, N-d): unfold + BLAS gemm in row tiles,
+col2im for transposed convs (no zero-stuffed input), depthwise as shifted multiply-adds."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ..spec import ConvKey, prod
+
+
+def pad_spatial(x: np.ndarray, pads) -> np.ndarray:
+    if not any(lo or hi for lo, hi in pads):
+        return x
+    return np.pad(x, ((0, 0), *pads, (0, 0)))
+
+
+def windows(xp: np.ndarray, out_sp, kernel, stride, dilation) -> np.ndarray:
+    """Read-only view (N, *out_sp, *kernel, C) of a padded channels-last input."""
+    nd = len(kernel)
+    st = xp.strides
+    shape = (xp.shape[0], *out_sp, *kernel, xp.shape[-1])
+    strides = (st[0], *(st[1 + i] * stride[i] for i in range(nd)),
+               *(st[1 + i] * dilation[i] for i in range(nd)), st[-1])
+    return as_strided(xp, shape, strides, writeable=False)
+
+
+def unfold_bytes(key: ConvKey, itemsize: int = 4) -> int:
+    """Bytes of the unfold buffer an untiled im2col (or col2im) would need for one group."""
+    g = key.spec.groups
+    k = prod(key.kernel)
+    if key.spec.transpose:
+        rows = prod(key.x_shape[:-1])
+        return rows * k * (key.out_channels // g) * itemsize
+    rows = prod(key.out_shape[:-1])
+    return rows * k * key.w_shape[-1] * itemsize
+
+
+def _rows_per_tile(bytes_per_row: int, limit: int, total: int) -> int:
+    return max(1, min(total, limit // max(1, bytes_per_row)))
+
+
+def conv_unfold_gemm(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
+    """Forward conv: unfold to a patch matrix and multiply with BLAS, tiled over (batch, first
+    output axis) rows so the patch buffer stays under `limit_bytes`."""
+    spec = key.spec
+    xp = pad_spatial(x, spec.padding)
+    out_shape = key.out_shape
+    out_sp = out_shape[1:-1]
+    g = spec.groups
+    og, cg = key.out_channels // g, key.w_shape[-1]
+    kernel = key.kernel
+    win = windows(xp, out_sp, kernel, spec.stride, spec.dilation)
+    out = np.empty(out_shape, dtype=x.dtype)
+    kc = prod(kernel) * cg
+    wmats = [w[i * og:(i + 1) * og].reshape(og, kc).T for i in range(g)]
+    n = x.shape[0]
+    row_px = prod(out_sp[1:])
+    itemsize = x.dtype.itemsize
+    if n * prod(out_sp) * kc * itemsize <= limit_bytes:
+        tiles = [(slice(None), slice(None))]
+    else:
+        rows = _rows_per_tile(row_px * kc * itemsize, limit_bytes, out_sp[0])
+        tiles = [(b, slice(r, min(r + rows, out_sp[0]))) for b in range(n) for r in range(0, out_sp[0], rows)]
+    for bsel, rsel in tiles:
+        wv = win[bsel, rsel] if isinstance(bsel, slice) else win[bsel:bsel + 1, rsel]
+        lead = wv.shape[:1 + len(out_sp)]
+        m = prod(lead)
+        dst = out[bsel, rsel] if isinstance(bsel, slice) else out[bsel:bsel + 1, rsel]
+        for i in range(g):
+            cols = wv[..., i * cg:(i + 1) * cg].reshape(m, kc)
+            if g == 1:
+                np.matmul(cols, wmats[0], out=dst.reshape(m, og))
+            else:
+                dst[..., i * og:(i + 1) * og] = (cols @ wmats[i]).reshape(*lead, og)
+    return out
+
+
+def conv_pointwise(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarray:
+    """1x1, stride 1, unpadded, ungrouped: the input already is the patch matrix."""
+    c = x.shape[-1]
+    out = np.ascontiguousarray(x).reshape(-1, c) @ w.reshape(w.shape[0], c).T
+    return out.reshape(key.out_shape)
+
+
+def conv_depthwise_shift(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarray:
+    """Depthwise conv as prod(kernel) shifted multiply-adds over strided views."""
+    spec = key.spec
+    xp = pad_spatial(x, spec.padding)
+    out_shape = key.out_shape
+    out_sp = out_shape[1:-1]
+    acc = np.zeros(out_shape, dtype=x.dtype)
+    tmp = np.empty(out_shape, dtype=x.dtype)
+    wk = w.reshape(w.shape[0], -1).T  # (taps, C)
+    for t, offs in enumerate(itertools.product(*(range(k) for k in key.kernel))):
+        sl = tuple(slice(o * d, o * d + (n - 1) * s + 1, s)
+                   for o, d, n, s in zip(offs, spec.dilation, out_sp, spec.stride))
+        np.multiply(xp[(slice(None), *sl)], wk[t], out=tmp)
+        acc += tmp
+    return acc
+
+
+def conv_transpose_col2im(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
+    """Transposed conv without zero-stuffing: cols = x @ W (input rows in tiles under
+    `limit_bytes`), then each kernel tap's slab is added into the strided output positions."""
+    spec = key.spec
+    g = spec.groups
+    og, cg = key.out_channels // g, key.w_shape[-1]
+    kernel = key.kernel
+    taps = list(itertools.product(*(range(k) for k in kernel)))
+    in_sp = x.shape[1:-1]
+    full = [(n - 1) * s + d * (k - 1) + 1 for n, s, d, k in zip(in_sp, spec.stride, spec.dilation, kernel)]
+    out_shape = key.out_shape
+    lo = [p[0] for p in spec.padding]
+    buf_sp = [max(f, l + o) for f, l, o in zip(full, lo, out_shape[1:-1])]
+    n = x.shape[0]
+    buf = np.zeros((n, *buf_sp, key.out_channels), dtype=x.dtype)
+    # W_g as (Cg, taps * Og): column (t, o) holds w[o, tap t, c]
+    wmats = [np.ascontiguousarray(w[i * og:(i + 1) * og].reshape(og, len(taps), cg).transpose(2, 1, 0))
+             .reshape(cg, len(taps) * og) for i in range(g)]
+    row_px = prod(in_sp[1:])
+    rows = _rows_per_tile(n * row_px * len(taps) * og * x.dtype.itemsize, limit_bytes, in_sp[0])
+    for r0 in range(0, in_sp[0], rows):
+        r1 = min(r0 + rows, in_sp[0])
+        xs = x[:, r0:r1]
+        m = prod(xs.shape[:-1])
+        for i in range(g):
+            cols = (xs[..., i * cg:(i + 1) * cg].reshape(m, cg) @ wmats[i]).reshape(*xs.shape[:-1], len(taps), og)
+            for t, offs in enumerate(taps):
+                starts = [o * d for o, d in zip(offs, spec.dilation)]
+                starts[0] += r0 * spec.stride[0]
+                sl = tuple(slice(st, st + (cnt - 1) * s + 1, s)
+                           for st, cnt, s in zip(starts, xs.shape[1:-1], spec.stride))
+                buf[(slice(None), *sl, slice(i * og, (i + 1) * og))] += cols[..., t, :]
+    crop = tuple(slice(l, l + o) for l, o in zip(lo, out_shape[1:-1]))
+    return np.ascontiguousarray(buf[(slice(None), *crop)])
+
+
+def conv_depthwise_direct(x: np.ndarray, w: np.ndarray, key: ConvKey, bias: np.ndarray | None) -> np.ndarray:
+    """2-D depthwise conv through the compiled kernel: padding handled by tap ranges (no padded
+    copy of the input), bias folded into the accumulator init."""
+    from .._cpu import _kernels
+
+    spec = key.spec
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    c = x.shape[-1]
+    taps = np.ascontiguousarray(w.reshape(c, -1).T, dtype=np.float32)  # (kh*kw, C)
+    b = np.ascontiguousarray(bias, dtype=np.float32) if bias is not None else np.zeros(1, np.float32)
+    out = np.empty(key.out_shape, dtype=np.float32)
+    (kh, kw), (sh, sw), (dh, dw) = key.kernel, spec.stride, spec.dilation
+    (ph, _), (pw, _) = spec.padding
+    _kernels.depthwise2d(x, taps, b, out, bias is not None, x.shape[0], x.shape[1], x.shape[2], c,
+                         kh, kw, sh, sw, dh, dw, ph, pw, out.shape[1], out.shape[2])
+    return out
+
+
+def conv_shift_gemm(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
+    """Stride-1 dense conv with no unfold buffer: on the padded input flattened over its spatial
+    axes, each kernel tap is a constant offset, so tap t contributes x_flat[off_t : off_t + L] @ W_t
+    (a contiguous view, no copy). Rows past the valid width are computed and dropped. Tiled over
+    output rows of the first axis so the per-tap product stays under `limit_bytes`."""
+    spec = key.spec
+    pads = list(spec.padding)
+    lo0, hi0 = pads[0]
+    pads[0] = (lo0, hi0 + 1)  # one spare row: the last tap's slice runs past the final valid row
+    xp = pad_spatial(x, pads)
+    n, c = x.shape[0], x.shape[-1]
+    sp = xp.shape[1:-1]
+    inner = prod(sp[1:])  # flat length of one row of the first axis
+    strides_flat = [prod(sp[a + 1:]) for a in range(len(sp))]
+    out_shape = key.out_shape
+    out_sp = out_shape[1:-1]
+    o = key.out_channels
+    taps = list(itertools.product(*(range(k) for k in key.kernel)))
+    offsets = [sum(t * d * s for t, d, s in zip(tap, spec.dilation, strides_flat)) for tap in taps]
+    wt = [np.ascontiguousarray(w[(slice(None), *tap, slice(None))].T) for tap in taps]  # (C, O) each
+    xf = xp.reshape(n, -1, c)
+    rows = _rows_per_tile(inner * o * x.dtype.itemsize, limit_bytes, out_sp[0])
+    out = np.empty(out_shape, dtype=x.dtype)
+    acc = np.empty((rows * inner, o), dtype=x.dtype)
+    tmp = np.empty_like(acc)
+    valid = tuple(slice(0, v) for v in out_sp[1:])
+    for b in range(n):
+        for r0 in range(0, out_sp[0], rows):
+            r1 = min(r0 + rows, out_sp[0])
+            m = (r1 - r0) * inner
+            a, t = acc[:m], tmp[:m]
+            base = r0 * inner
+            for i, (off, wm) in enumerate(zip(offsets, wt)):
+                src = xf[b, base + off:base + off + m]
+                if i == 0:
+                    np.matmul(src, wm, out=a)
+                else:
+                    np.matmul(src, wm, out=t)
+                    a += t
+            out[b, r0:r1] = a.reshape(r1 - r0, *sp[1:], o)[(slice(None), *valid)]
+    return out
+
+
+def winograd_weights(w: np.ndarray) -> np.ndarray:
+    return _winograd_weights(w)
+
+
+def _winograd_weights(w: np.ndarray) -> np.ndarray:
+    """U = G g G^T for every (out, in) pair: (O,3,3,C) -> (16, C, O), ready for batched gemm."""
+    g0, g1, g2 = w[:, 0], w[:, 1], w[:, 2]  # rows of the 3x3 kernel: (O, 3, C)
+    rows = np.stack([g0, 0.5 * (g0 + g1 + g2), 0.5 * (g0 - g1 + g2), g2], axis=1)  # (O, 4, 3, C)
+    c0, c1, c2 = rows[:, :, 0], rows[:, :, 1], rows[:, :, 2]
+    u = np.stack([c0, 0.5 * (c0 + c1 + c2), 0.5 * (c0 - c1 + c2), c2], axis=2)  # (O, 4, 4, C)
+    return np.ascontiguousarray(u.reshape(w.shape[0], 16, w.shape[-1]).transpose(1, 2, 0))
+
+
+def conv_winograd_f2x3_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
+                                u: np.ndarray | None = None) -> np.ndarray:
+    """Winograd F(2x2, 3x3) with the tile transforms in the C extension and the 16 gemms in BLAS.
+    `u`: the transformed weights (16, C, O) when the caller caches them."""
+    from .._cpu import _kernels
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, h, wd, c = x.shape
+    ho, wo, o = key.out_shape[1], key.out_shape[2], key.out_channels
+    th, tw = (ho + 1) // 2, (wo + 1) // 2
+    (pt, _), (pl, _) = key.spec.padding
+    if u is None:
+        u = _winograd_weights(w.astype(np.float32, copy=False))
+    zeros = np.zeros(c, np.float32)
+    out = np.empty((n, ho, wo, o), dtype=np.float32)
+    rows = _rows_per_tile(16 * tw * max(c, o) * 4, limit_bytes, th)
+    v = np.empty(16 * rows * tw * c, np.float32)
+    for b in range(n):
+        for r0 in range(0, th, rows):
+            r1 = min(r0 + rows, th)
+            p = (r1 - r0) * tw
+            vb = v[:16 * p * c].reshape(16, p, c)
+            _kernels.winograd_input(x[b], vb, zeros, h, wd, c, tw, pt, pl, r0, r1)
+            m = np.matmul(vb, u)
+            _kernels.winograd_output(m, out[b], ho, wo, o, tw, r0, r1)
+    return out
+
+
+def conv_winograd_f2x3(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
+    """3x3 stride-1 conv by Winograd F(2x2, 3x3): 2.25x fewer multiplies than direct, spent in 16
+    batched gemms; the transforms are a few adds over the tiles. Tiled over rows of output tiles
+    so the transformed buffers stay under `limit_bytes`."""
+    n, c = x.shape[0], x.shape[-1]
+    out_shape = key.out_shape
+    ho, wo, o = out_shape[1], out_shape[2], key.out_channels
+    th, tw = (ho + 1) // 2, (wo + 1) // 2
+    (plo, phi), (qlo, qhi) = key.spec.padding
+    # pad so the tile grid (2 outputs per tile, 4 inputs) fits exactly
+    xp = np.pad(x, ((0, 0), (plo, 2 * th + 2 - x.shape[1] - plo), (qlo, 2 * tw + 2 - x.shape[2] - qlo), (0, 0)))
+    u = _winograd_weights(w.astype(x.dtype, copy=False))
+    out = np.empty((n, 2 * th, 2 * tw, o), dtype=x.dtype)
+    st = xp.strides
+    tiles = as_strided(xp, (n, th, tw, 4, 4, c), (st[0], 2 * st[1], 2 * st[2], st[1], st[2], st[3]), writeable=False)
+    rows = _rows_per_tile(16 * tw * max(c, o) * x.dtype.itemsize, limit_bytes, th)
+    for b in range(n):
+        for r0 in range(0, th, rows):
+            r1 = min(r0 + rows, th)
+            d = tiles[b, r0:r1]  # (tr, tw, 4, 4, C)
+            p = (r1 - r0) * tw
+            # B^T d: along the tile's row axis
+            t = np.empty((4, r1 - r0, tw, 4, c), dtype=x.dtype)
+            np.subtract(d[:, :, 0], d[:, :, 2], out=t[0])
+            np.add(d[:, :, 1], d[:, :, 2], out=t[1])
+            np.subtract(d[:, :, 2], d[:, :, 1], out=t[2])
+            np.subtract(d[:, :, 1], d[:, :, 3], out=t[3])
+            # (B^T d) B: along the column axis, written as 16 (P, C) matrices
+            v = np.empty((4, 4, r1 - r0, tw, c), dtype=x.dtype)
+            np.subtract(t[:, :, :, 0], t[:, :, :, 2], out=v[:, 0])
+            np.add(t[:, :, :, 1], t[:, :, :, 2], out=v[:, 1])
+            np.subtract(t[:, :, :, 2], t[:, :, :, 1], out=v[:, 2])
+            np.subtract(t[:, :, :, 1], t[:, :, :, 3], out=v[:, 3])
+            m = np.matmul(v.reshape(16, p, c), u).reshape(4, 4, p, o)
+            # A^T m A
+            y_rows = np.empty((2, 4, p, o), dtype=x.dtype)
+            np.add(m[0], m[1], out=y_rows[0])
+            y_rows[0] += m[2]
+            np.subtract(m[1], m[2], out=y_rows[1])
+            y_rows[1] -= m[3]
+            y = np.empty((2, 2, p, o), dtype=x.dtype)
+            np.add(y_rows[:, 0], y_rows[:, 1], out=y[:, 0])
+            y[:, 0] += y_rows[:, 2]
+            np.subtract(y_rows[:, 1], y_rows[:, 2], out=y[:, 1])
+            y[:, 1] -= y_rows[:, 3]
+            out[b, 2 * r0:2 * r1] = y.reshape(2, 2, r1 - r0, tw, o).transpose(2, 0, 3, 1, 4).reshape(
+                2 * (r1 - r0), 2 * tw, o)
+    return out[:, :ho, :wo]

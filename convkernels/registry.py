@@ -1,0 +1,71 @@
+"""Backend registry: get_backend('numpy' | 'mlx' | 'cuda' | 'auto')."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import platform
+
+from .backend import Backend
+
+log = logging.getLogger("convkernels")
+
+NAMES = ("auto", "numpy", "mlx", "cuda")
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, reason): a CUDA GPU visible to CuPy and the cuDNN frontend importable."""
+    if importlib.util.find_spec("cupy") is None:
+        return False, "cupy is not installed"
+    if importlib.util.find_spec("cudnn") is None:
+        return False, "nvidia-cudnn-frontend (import cudnn) is not installed"
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # driver missing, no device, ...
+        return False, f"no usable CUDA device ({exc.__class__.__name__}: {exc})"
+    if n < 1:
+        return False, "no CUDA device"
+    return True, f"{n} CUDA device(s)"
+
+
+def metal_status() -> tuple[bool, str]:
+    if importlib.util.find_spec("mlx") is None:
+        return False, "mlx is not installed"
+    try:
+        import mlx.core as mx
+        ok = bool(mx.metal.is_available())
+    except Exception as exc:
+        return False, f"mlx present but Metal check failed ({exc})"
+    return (ok, "Metal available" if ok else f"mlx present, no Metal on {platform.system()}")
+
+
+def get_backend(name: str = "auto", **options) -> Backend:
+    """Create a backend by name; 'auto' picks cuda, then mlx on Metal, then numpy, and logs why."""
+    if name not in NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
+    if name == "auto":
+        ok, why = cuda_status()
+        if ok:
+            log.info("backend auto -> cuda: %s", why)
+            name = "cuda"
+        else:
+            ok_m, why_m = metal_status()
+            if ok_m:
+                log.info("backend auto -> mlx: %s (cuda: %s)", why_m, why)
+                name = "mlx"
+            else:
+                log.info("backend auto -> numpy (cuda: %s; mlx: %s)", why, why_m)
+                name = "numpy"
+    if name == "numpy":
+        from .backends.numpy_backend import NumpyBackend
+        return NumpyBackend(**options)
+    if name == "mlx":
+        if importlib.util.find_spec("mlx") is None:
+            raise RuntimeError("backend 'mlx' needs the mlx extra: pip install 'convserve[mlx]'")
+        from .backends.mlx_backend import MlxBackend
+        return MlxBackend(**options)
+    ok, why = cuda_status()
+    if not ok:
+        raise RuntimeError(f"backend 'cuda' is not usable here: {why}")
+    from .backends.cuda_backend import CudaBackend
+    return CudaBackend(**options)
