@@ -1,0 +1,6 @@
+"""convserve models: image VAEs, the Wan video VAE and ConvNeXt, written on the backend
+interface. Public API (docs/interfaces.md): `load_model`, `PRESETS`."""
+from .registry import PRESETS, PresetInfo, load_model
+from .weights import WeightsError
+
+__all__ = ["PRESETS", "PresetInfo", "WeightsError", "load_model"]

@@ -1,0 +1,428 @@
+"""diffusers `AutoencoderKL` (SD 1.x/2.x, SDXL, FLUX image VAEs) on the backend interface.
+
+The layer tree mirrors diffusers' module names exactly, so a diffusers checkpoint loads by name:
+`post_quant_conv`, `decoder.{conv_in, mid_block, up_blocks, conv_norm_out, conv_out}` and, when
+the checkpoint holds it, `encoder.*` + `quant_conv`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import tiling
+from .layers import (Conv2d, Downsample2D, GroupNorm, Layer, ResnetBlock2D, SpatialAttention, Upsample2D,
+                     random_state_dict)
+from .weights import WeightsError, check_state_dict, read_checkpoint
+
+log = logging.getLogger("convserve.models")
+
+#: diffusers' VAE blocks use this eps for every GroupNorm (resnets, attention, conv_norm_out)
+VAE_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class AutoencoderKLConfig:
+    """The fields of diffusers' AutoencoderKL config.json that shape the computation."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    down_block_types: tuple[str, ...] = ("DownEncoderBlock2D",)
+    up_block_types: tuple[str, ...] = ("UpDecoderBlock2D",)
+    block_out_channels: tuple[int, ...] = (64,)
+    layers_per_block: int = 1
+    act_fn: str = "silu"
+    latent_channels: int = 4
+    norm_num_groups: int = 32
+    sample_size: int = 32
+    scaling_factor: float = 0.18215
+    shift_factor: float | None = None
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AutoencoderKLConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        for k in ("down_block_types", "up_block_types", "block_out_channels"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        if isinstance(kw.get("sample_size"), (list, tuple)):
+            kw["sample_size"] = int(kw["sample_size"][0])  # diffusers tiles with the first entry
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        problems = []
+        if self.act_fn not in ("silu", "swish"):
+            problems.append(f"act_fn {self.act_fn!r} (only silu)")
+        if any(t != "DownEncoderBlock2D" for t in self.down_block_types):
+            problems.append(f"down_block_types {self.down_block_types} (only DownEncoderBlock2D)")
+        if any(t != "UpDecoderBlock2D" for t in self.up_block_types):
+            problems.append(f"up_block_types {self.up_block_types} (only UpDecoderBlock2D)")
+        n = len(self.block_out_channels)
+        if len(self.up_block_types) != n or len(self.down_block_types) != n:
+            problems.append("block type lists and block_out_channels differ in length")
+        if any(c % self.norm_num_groups for c in self.block_out_channels):
+            problems.append(f"norm_num_groups {self.norm_num_groups} must divide every block width "
+                            f"{self.block_out_channels}")
+        if problems:
+            raise ValueError("unsupported AutoencoderKL config: " + "; ".join(problems))
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.block_out_channels) - 1)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+class MidBlock(Layer):
+    """UNetMidBlock2D as the VAE uses it: resnet, [attention, resnet]."""
+
+    def __init__(self, channels: int, groups: int, add_attention: bool):
+        super().__init__()
+        resnets = self.add("resnets", Layer())
+        self.resnets = [resnets.add(str(i), ResnetBlock2D(channels, channels, groups, VAE_NORM_EPS))
+                        for i in range(2)]
+        self.attention = None
+        if add_attention:
+            self.attention = self.add("attentions", Layer()).add(
+                "0", SpatialAttention(channels, groups, VAE_NORM_EPS))
+
+    def __call__(self, backend, x):
+        x = self.resnets[0](backend, x)
+        if self.attention is not None:
+            x = self.attention(backend, x)
+        return self.resnets[1](backend, x)
+
+
+class Decoder(Layer):
+    def __init__(self, cfg: AutoencoderKLConfig, upsample_mode: str = "subpixel"):
+        super().__init__()
+        boc, groups = cfg.block_out_channels, cfg.norm_num_groups
+        self.conv_in = self.add("conv_in", Conv2d(cfg.latent_channels, boc[-1], 3, padding=1))
+        self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
+        ups = self.add("up_blocks", Layer())
+        self.stages: list[tuple[list[ResnetBlock2D], Upsample2D | None]] = []
+        rev = list(reversed(boc))
+        prev = rev[0]
+        for i, ch in enumerate(rev):
+            block = ups.add(str(i), Layer())
+            res = block.add("resnets", Layer())
+            resnets = [res.add(str(j), ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
+                       for j in range(cfg.layers_per_block + 1)]
+            up = None
+            if i < len(rev) - 1:
+                up = block.add("upsamplers", Layer()).add("0", Upsample2D(ch, upsample_mode))
+            self.stages.append((resnets, up))
+            prev = ch
+        self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
+        self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
+
+    def __call__(self, backend, z):
+        x = self.conv_in(backend, z)
+        x = self.mid_block(backend, x)
+        for resnets, up in self.stages:
+            for r in resnets:
+                x = r(backend, x)
+            if up is not None:
+                x = up(backend, x)
+        x = self.conv_norm_out(backend, x, activation="silu")
+        return self.conv_out(backend, x)
+
+
+class Encoder(Layer):
+    def __init__(self, cfg: AutoencoderKLConfig):
+        super().__init__()
+        boc, groups = cfg.block_out_channels, cfg.norm_num_groups
+        self.conv_in = self.add("conv_in", Conv2d(cfg.in_channels, boc[0], 3, padding=1))
+        downs = self.add("down_blocks", Layer())
+        self.stages: list[tuple[list[ResnetBlock2D], Downsample2D | None]] = []
+        prev = boc[0]
+        for i, ch in enumerate(boc):
+            block = downs.add(str(i), Layer())
+            res = block.add("resnets", Layer())
+            resnets = [res.add(str(j), ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
+                       for j in range(cfg.layers_per_block)]
+            down = None
+            if i < len(boc) - 1:
+                down = block.add("downsamplers", Layer()).add("0", Downsample2D(ch))
+            self.stages.append((resnets, down))
+            prev = ch
+        self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
+        self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
+        self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
+
+    def __call__(self, backend, x):
+        x = self.conv_in(backend, x)
+        for resnets, down in self.stages:
+            for r in resnets:
+                x = r(backend, x)
+            if down is not None:
+                x = down(backend, x)
+        x = self.mid_block(backend, x)
+        x = self.conv_norm_out(backend, x, activation="silu")
+        return self.conv_out(backend, x)
+
+
+# ---- checkpoint key conversion ---------------------------------------------------------------
+_LEGACY_ATTN = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
+_LEGACY_ATTN_RE = re.compile(r"^(.*\.attentions\.\d+)\.(query|key|value|proj_attn)\.(weight|bias)$")
+_CHECKPOINT_PREFIXES = ("vae.", "first_stage_model.")
+_LDM_RE = re.compile(r"^(encoder|decoder)\.(down|up|mid|norm_out)")
+_LDM_ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+
+
+def _ldm_key(key: str, n_blocks: int) -> str:
+    """One original-LDM / CompVis VAE name (the single-file SD VAEs) -> its diffusers name."""
+    part, rest = key.split(".", 1)
+    m = re.match(r"^down\.(\d+)\.block\.(\d+)\.(.*)$", rest)
+    if m:
+        return f"{part}.down_blocks.{m[1]}.resnets.{m[2]}.{m[3].replace('nin_shortcut', 'conv_shortcut')}"
+    m = re.match(r"^down\.(\d+)\.downsample\.(.*)$", rest)
+    if m:
+        return f"{part}.down_blocks.{m[1]}.downsamplers.0.{m[2]}"
+    # the decoder's LDM up.{i} runs from the highest resolution: diffusers' up_blocks reverse it
+    m = re.match(r"^up\.(\d+)\.block\.(\d+)\.(.*)$", rest)
+    if m:
+        i = n_blocks - 1 - int(m[1])
+        return f"{part}.up_blocks.{i}.resnets.{m[2]}.{m[3].replace('nin_shortcut', 'conv_shortcut')}"
+    m = re.match(r"^up\.(\d+)\.upsample\.(.*)$", rest)
+    if m:
+        return f"{part}.up_blocks.{n_blocks - 1 - int(m[1])}.upsamplers.0.{m[2]}"
+    m = re.match(r"^mid\.block_(\d)\.(.*)$", rest)
+    if m:
+        return f"{part}.mid_block.resnets.{int(m[1]) - 1}.{m[2].replace('nin_shortcut', 'conv_shortcut')}"
+    m = re.match(r"^mid\.attn_1\.(norm|q|k|v|proj_out)\.(weight|bias)$", rest)
+    if m:
+        return f"{part}.mid_block.attentions.0.{_LDM_ATTN[m[1]]}.{m[2]}"
+    if rest.startswith("norm_out."):
+        return f"{part}.conv_norm_out.{rest[len('norm_out.'):]}"
+    return key
+
+
+def normalize_keys(tensors: Mapping[str, np.ndarray], n_blocks: int) -> dict[str, np.ndarray]:
+    """diffusers names from other exports: original LDM/CompVis names (single-file SD VAEs, also
+    inside a whole SD checkpoint under `first_stage_model.`, whose other parts are dropped),
+    legacy diffusers attention names (query/key/value/proj_attn), 1x1-conv attention
+    projections (C, C, 1, 1) and a whole-pipeline `vae.` prefix."""
+    keys = list(tensors)
+    strip = next((p for p in _CHECKPOINT_PREFIXES if any(k.startswith(p) for k in keys)), "")
+    if strip == "vae." and not all(k.startswith(strip) for k in keys):
+        strip = ""  # only a wholesale prefix; a stray "vae." key is reported as unexpected
+    out: dict[str, np.ndarray] = {}
+    is_ldm = any(_LDM_RE.match(k[len(strip):]) for k in keys if k.startswith(strip))
+    for key, value in tensors.items():
+        if strip:
+            if not key.startswith(strip):
+                continue
+            key = key[len(strip):]
+        if is_ldm:
+            key = _ldm_key(key, n_blocks)
+        m = _LEGACY_ATTN_RE.match(key)
+        if m:
+            key = f"{m.group(1)}.{_LEGACY_ATTN[m.group(2)]}.{m.group(3)}"
+        if re.search(r"\.attentions\.\d+\.(to_q|to_k|to_v|to_out\.0)\.weight$", key) and value.ndim in (3, 4) \
+                and all(d == 1 for d in value.shape[2:]):
+            value = value.reshape(value.shape[:2])
+        out[key] = value
+    return out
+
+
+class AutoencoderKLModel:
+    """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md."""
+
+    kind = "image-decoder"
+
+    def __init__(self, name: str, preset: str, backend, cfg: AutoencoderKLConfig,
+                 tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
+                 seed: int = 0, with_encoder: bool = True, tile_latent_size: int | None = None,
+                 tile_overlap_factor: float = 0.25, memory_budget_bytes: int | None = None,
+                 upsample_mode: str = "subpixel"):
+        self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        self.latent_channels = cfg.latent_channels
+        self.spatial_factor = cfg.spatial_factor
+        self.scaling_factor = float(cfg.scaling_factor)
+        self.shift_factor = float(cfg.shift_factor or 0.0)
+        # diffusers: tile_latent_min_size = sample_size / 2**(len(block_out_channels) - 1)
+        self.tiling = tiling.TileSettings(
+            tile_latent_size=int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
+            overlap_factor=float(tile_overlap_factor),
+            memory_budget_bytes=int(memory_budget_bytes or tiling.DEFAULT_MEMORY_BUDGET))
+        self.tiling.validate(cfg.spatial_factor)
+
+        self.post_quant_conv = Conv2d(cfg.latent_channels, cfg.latent_channels, 1) \
+            if cfg.use_post_quant_conv else None
+        self.decoder = Decoder(cfg, upsample_mode)
+        self.upsample_mode = upsample_mode
+        self.quant_conv = self.encoder = None
+
+        decoder_shapes = self._shapes(decoder_only=True)
+        encoder_shapes = {k: v for k, v in self._shapes(decoder_only=False).items() if k not in decoder_shapes}
+        if tensors is None:
+            self.weights_source = "random init"
+            wanted = {**decoder_shapes, **(encoder_shapes if with_encoder else {})}
+            tensors = random_state_dict(wanted, seed)
+        else:
+            self.weights_source = weights_source or "given tensors"
+            tensors = normalize_keys(tensors, len(cfg.block_out_channels))
+        # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
+        has_encoder = any(k in tensors for k in encoder_shapes)
+        expected = {**decoder_shapes, **(encoder_shapes if has_encoder else {})}
+        check_state_dict(expected, tensors, f"AutoencoderKL preset {preset!r}")
+        self._load(tensors, has_encoder)
+        self.has_encoder = has_encoder
+
+    # ---- construction ----------------------------------------------------------------------------
+    def _shapes(self, decoder_only: bool) -> dict[str, tuple[int, ...]]:
+        cfg = self.config
+        shapes = self.decoder.expected_shapes("decoder.")
+        if self.post_quant_conv is not None:
+            shapes.update(self.post_quant_conv.expected_shapes("post_quant_conv."))
+        if not decoder_only:
+            shapes.update(Encoder(cfg).expected_shapes("encoder."))
+            if cfg.use_quant_conv:
+                shapes.update(Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1)
+                              .expected_shapes("quant_conv."))
+        return shapes
+
+    def _load(self, tensors, has_encoder: bool) -> None:
+        b = self.backend
+        self.decoder.load(tensors, b, "decoder.")
+        if self.post_quant_conv is not None:
+            self.post_quant_conv.load(tensors, b, "post_quant_conv.")
+        if has_encoder:
+            cfg = self.config
+            self.encoder = Encoder(cfg)
+            self.encoder.load(tensors, b, "encoder.")
+            if cfg.use_quant_conv:
+                # only the mean half of the moments is used: keep just those output channels
+                lc = cfg.latent_channels
+                self.quant_conv = Conv2d(2 * lc, lc, 1)
+                self.quant_conv.load({"weight": tensors["quant_conv.weight"][:lc],
+                                      "bias": tensors["quant_conv.bias"][:lc]}, b)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def _decode_raw(self, z_nhwc: np.ndarray) -> np.ndarray:
+        """Unscaled latents (host NHWC) -> decoder output (host NHWC, about [-1, 1])."""
+        b = self.backend
+        z = b.asarray(z_nhwc)
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(b, z)
+        return np.asarray(b.to_host(self.decoder(b, z)), dtype=np.float32)
+
+    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray:
+        """Scaled latents (N, C, h, w) as the pipeline hands them -> float32 (N, 8h, 8w, 3) in [0, 1].
+        tiled: True = diffusers tiling (when larger than one tile), False = never, None = when the
+        untiled decode's estimated peak memory exceeds the budget. clamp=False skips the final clip
+        to [0, 1], so 2*x - 1 gives back diffusers' unclamped `vae.decode(...).sample` (remote_decode's
+        `pt` output)."""
+        lat = np.asarray(latents_nchw)
+        if lat.ndim != 4 or lat.shape[1] != self.latent_channels:
+            raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w), got {lat.shape}")
+        # as diffusers pipelines do: latents / scaling_factor + shift_factor
+        z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
+        z = z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
+        plan = tiling.plan_decode(self, z.shape, tiled)
+        if plan is None:
+            out = self._decode_raw(z)
+        else:
+            out = tiling.tiled_decode(self._decode_raw, z, plan)
+        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1)
+        out *= 0.5
+        out += 0.5
+        if clamp:
+            np.clip(out, 0.0, 1.0, out=out)
+        return out
+
+    # ---- encode ----------------------------------------------------------------------------------
+    def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
+        """Images (N, H, W, 3) in [0, 1] -> scaled latents (N, C, H/8, W/8): the mean of the
+        posterior, then (mean - shift_factor) * scaling_factor as pipelines do, so that
+        decode(encode(x)) round-trips. tiled: as decode's, with diffusers' tiled encode."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        img = np.asarray(images_nhwc01, dtype=np.float32)
+        if img.ndim != 4 or img.shape[-1] != self.config.in_channels:
+            raise ValueError(f"{self.name}: images must be (N, H, W, {self.config.in_channels}), got {img.shape}")
+        x = img * np.float32(2.0) - np.float32(1.0)
+        plan = tiling.plan_encode(self, x.shape, tiled)
+        if plan is None:
+            mean = self._encode_mean(x)
+        else:
+            # blending is linear per channel: blending the means equals the mean of the blended moments
+            mean = tiling.tiled_encode(self._encode_mean, x, plan, len(self.config.block_out_channels) - 1)
+        lat = (mean - np.float32(self.shift_factor)) * np.float32(self.scaling_factor)
+        return np.ascontiguousarray(lat.transpose(0, 3, 1, 2))
+
+    def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
+        """Images in [-1, 1] (host NHWC) -> posterior mean (host NHWC, unscaled)."""
+        b = self.backend
+        moments = self.encoder(b, b.asarray(x_nhwc))
+        if self.quant_conv is not None:
+            mean = self.quant_conv(b, moments)
+        else:
+            mean = b.slice(moments, -1, 0, self.latent_channels)
+        return np.asarray(b.to_host(mean), dtype=np.float32)
+
+    # ---- description -----------------------------------------------------------------------------
+    def card(self) -> dict:
+        b = self.backend
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "architecture": "diffusers AutoencoderKL (image VAE)",
+            "preset": self.preset,
+            "weights": self.weights_source,
+            "backend": b.name,
+            "dtype": b.dtype,
+            "has_encoder": self.has_encoder,
+            "latent_channels": self.latent_channels,
+            "spatial_factor": self.spatial_factor,
+            "scaling_factor": self.scaling_factor,
+            "shift_factor": self.shift_factor,
+            "limits": {
+                "tile_latent_size": self.tiling.tile_latent_size,
+                "tile_overlap_factor": self.tiling.overlap_factor,
+                "memory_budget_bytes": self.tiling.memory_budget_bytes,
+            },
+            "upsample_mode": self.upsample_mode,
+            "config": self.config.as_dict(),
+        }
+
+
+_SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
+             "upsample_mode")
+
+
+def build(name: str, preset_config: Mapping[str, Any], preset: str, backend, weights: str | None = None,
+          **overrides) -> AutoencoderKLModel:
+    """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
+    config.json, when present, replaces the preset's architecture, and overrides (config fields
+    or the settings in _SETTINGS)."""
+    settings = {k: overrides.pop(k) for k in list(overrides) if k in _SETTINGS}
+    cfg_fields = {f.name for f in dataclasses.fields(AutoencoderKLConfig)}
+    unknown = sorted(k for k in overrides if k not in cfg_fields)
+    if unknown:
+        raise ValueError(f"unknown AutoencoderKL overrides {unknown}; config fields: {sorted(cfg_fields)}, "
+                         f"settings: {list(_SETTINGS)}")
+    cfg_dict = dict(preset_config)
+    tensors = None
+    if weights is not None:
+        tensors, file_cfg = read_checkpoint(weights)
+        if file_cfg is not None:
+            cls = file_cfg.get("_class_name")
+            if cls not in (None, "AutoencoderKL"):
+                raise WeightsError(f"{weights}: config.json is for {cls}, not AutoencoderKL")
+            cfg_dict.update({k: v for k, v in file_cfg.items() if k in cfg_fields})
+    cfg_dict.update(overrides)
+    cfg = AutoencoderKLConfig.from_dict(cfg_dict)
+    return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

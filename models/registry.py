@@ -1,0 +1,109 @@
+"""One place that knows every preset: `load_model` and `PRESETS` of docs/interfaces.md.
+
+Each model family lives in its own module exposing `PRESETS: dict[str, dict]` and
+`build(name, preset, backend, weights, **overrides)`. Families are imported on first use and a
+family whose module is missing (or fails to import) is left out with a warning, so one broken
+family never takes the others down.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+log = logging.getLogger("convserve.models")
+
+#: module (under models/) -> the kind of model its presets build
+FAMILIES: dict[str, str] = {
+    "presets": "image-decoder",   # diffusers AutoencoderKL image VAEs
+    "wan_vae": "video-decoder",   # Wan 2.1 video VAE
+    "convnext": "image-encoder",  # ConvNeXt vision encoder
+}
+
+TINY_PREFIX = "tiny-"
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    name: str
+    kind: str
+    family: str
+    config: dict = field(default_factory=dict)
+    description: str = ""
+
+    @property
+    def tiny(self) -> bool:
+        return self.name.startswith(TINY_PREFIX)
+
+
+class _Presets(Mapping):
+    """Read-only name -> PresetInfo, filled from the family modules on first access."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, PresetInfo] | None = None
+        self.unavailable: dict[str, str] = {}  # family -> why it is missing
+
+    def _load(self) -> dict[str, PresetInfo]:
+        if self._items is not None:
+            return self._items
+        items: dict[str, PresetInfo] = {}
+        for family, kind in FAMILIES.items():
+            mod = _family_module(family, self.unavailable)
+            if mod is None:
+                continue
+            descriptions = getattr(mod, "DESCRIPTIONS", {})
+            for name, cfg in getattr(mod, "PRESETS", {}).items():
+                if name in items:
+                    log.warning("preset %r of %s shadows the one of %s", name, family, items[name].family)
+                items[name] = PresetInfo(name, (cfg or {}).get("kind", kind) if isinstance(cfg, dict) else kind,
+                                         family, dict(cfg) if isinstance(cfg, dict) else {},
+                                         descriptions.get(name, ""))
+        self._items = items
+        return items
+
+    def __getitem__(self, key: str) -> PresetInfo:
+        return self._load()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __repr__(self) -> str:
+        return f"PRESETS({sorted(self._load())})"
+
+
+def _family_module(family: str, unavailable: dict[str, str]):
+    try:
+        return importlib.import_module(f"{__package__}.{family}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.{family}":
+            unavailable[family] = f"{exc.__class__.__name__}: {exc}"
+            log.warning("model family %s is unavailable: %s", family, exc)
+        else:
+            unavailable[family] = "not installed"
+        return None
+    except Exception as exc:  # a broken family must not take the others down
+        unavailable[family] = f"{exc.__class__.__name__}: {exc}"
+        log.warning("model family %s failed to import: %s", family, exc)
+        return None
+
+
+PRESETS = _Presets()
+
+
+def load_model(name: str, preset: str, backend, weights: str | None = None, **overrides: Any):
+    """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
+    diffusers/HF model folder or a .safetensors file, None = seeded random init."""
+    if preset not in PRESETS:
+        missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
+        raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
+                       + (f" (families unavailable: {missing})" if missing else ""))
+    info = PRESETS[preset]
+    mod = importlib.import_module(f"{__package__}.{info.family}")
+    if overrides:
+        return mod.build(name, preset, backend, weights, **overrides)
+    return mod.build(name, preset, backend, weights)

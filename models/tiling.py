@@ -1,0 +1,256 @@
+"""Spatial tiled decode, exactly as diffusers' `AutoencoderKL.tiled_decode` does it (tile starts
+every `overlap_size` latents, linear blend of the overlaps with the tile above and to the left,
+crop to `row_limit`), plus a peak-memory estimate that decides when to tile.
+
+Blending runs on host arrays: each decoded tile is final output (only blended and cropped), so
+bringing it to the host right away is what keeps device memory bounded by one tile.
+
+Unlike diffusers, which keeps every decoded tile until the end, rows stream: only the previous
+row of tiles (their bottom `blend_extent` rows) stays alive beside the output image. The values
+are the same because diffusers' blends read exactly those rows (its in-place updates included).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger("convserve.models")
+
+DEFAULT_MEMORY_BUDGET = 1 << 30  # 1 GiB of working memory for one decode call
+MIN_TILE_LATENT = 8
+#: live activation tensors at once inside a resnet block (input, normed, conv out, skip) + slack
+LIVE_TENSORS = 5
+CONV_SCRATCH_PER_PIXEL_CHANNEL = 12
+CONV_SCRATCH_BUFFERS = 3
+
+
+@dataclass
+class TileSettings:
+    tile_latent_size: int
+    overlap_factor: float = 0.25
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
+
+    def validate(self, spatial_factor: int) -> None:
+        """diffusers rounds the tile stride in latents and the blend width in pixels separately;
+        unless they agree (stride * factor == row_limit) its tiled output is not 8x the latents
+        (tile 10 at overlap 0.25 decodes 10x23 latents to 84x196). Such settings are refused."""
+        plan = TilePlan(self.tile_latent_size, self.tile_latent_size * spatial_factor, self.overlap_factor)
+        if self.tile_latent_size < 2 or not 0 <= self.overlap_factor < 1:
+            raise ValueError(f"tile_latent_size must be >= 2 and 0 <= overlap < 1, got "
+                             f"{self.tile_latent_size}, {self.overlap_factor}")
+        if not _tiles_consistently(self.tile_latent_size, spatial_factor, self.overlap_factor):
+            raise ValueError(f"tile_latent_size {self.tile_latent_size} with overlap {self.overlap_factor} tiles "
+                             f"inconsistently (stride {plan.overlap_size} latents vs {plan.row_limit} pixels "
+                             f"kept); use a multiple of {round(1 / self.overlap_factor) if self.overlap_factor else 1}")
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    tile_latent: int       # diffusers' tile_latent_min_size
+    tile_sample: int       # diffusers' tile_sample_min_size
+    overlap_factor: float
+
+    @property
+    def overlap_size(self) -> int:
+        return int(self.tile_latent * (1 - self.overlap_factor))
+
+    @property
+    def blend_extent(self) -> int:
+        return int(self.tile_sample * self.overlap_factor)
+
+    @property
+    def row_limit(self) -> int:
+        return self.tile_sample - self.blend_extent
+
+
+def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
+    """Working memory of one untiled decode of (n, h, w) latents: the widest stage's live
+    activations, the conv unfold buffer (capped by the backend's limit), the mid-block attention
+    scores (row-chunked) and the host output. Deliberately on the high side."""
+    cfg = model.config
+    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
+    boc = list(reversed(cfg.block_out_channels))
+    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
+    peak = 0
+    for level, ch in enumerate(boc):
+        scale = 2 ** level
+        px = n * h * w * scale * scale
+        # the upsample conv and first resnet of a level still carry the previous level's width
+        ch = max(ch, boc[level - 1]) if level else ch
+        act = LIVE_TENSORS * px * ch * itemsize
+        # conv scratch: unfold (9 values per pixel and channel) or Winograd transforms (about 12),
+        # each row-tiled by the backend under its limit, a few such buffers alive at once
+        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
+        if unfold_cap:
+            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
+        peak = max(peak, act + scratch)
+    if cfg.mid_block_add_attention:
+        tokens = h * w
+        chunk = min(tokens, getattr(model.backend, "attention_chunk", tokens))
+        scores = 3 * n * chunk * tokens * 4  # scores, exp, probabilities
+        peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * itemsize)
+    f = cfg.spatial_factor
+    output = 2 * n * h * f * w * f * cfg.out_channels * 4  # decoder output + host copy
+    return int(peak + output)
+
+
+def estimate_encode_peak_bytes(model, n: int, h: int, w: int) -> int:
+    """Working memory of one untiled encode of (n, h, w) images, on the decode estimate's terms."""
+    cfg = model.config
+    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
+    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
+    peak = 0
+    boc = list(cfg.block_out_channels)
+    for level, ch in enumerate(boc):
+        px = n * -(-h // 2 ** level) * -(-w // 2 ** level)
+        ch = max(ch, boc[level - 1]) if level else ch
+        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
+        if unfold_cap:
+            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
+        peak = max(peak, LIVE_TENSORS * px * ch * itemsize + scratch)
+    return int(peak + 2 * n * h * w * cfg.in_channels * 4)
+
+
+def plan_encode(model, x_shape: tuple[int, ...], tiled: bool | None) -> TilePlan | None:
+    """None = encode in one piece; else diffusers' tiling rule (images larger than one tile)."""
+    n, h, w = x_shape[0], x_shape[1], x_shape[2]
+    s = model.tiling
+    f = model.config.spatial_factor
+    tile = s.tile_latent_size
+    if tiled is False:
+        return None
+    if tiled is None:
+        if estimate_encode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
+            return None
+        while tile > MIN_TILE_LATENT and \
+                estimate_encode_peak_bytes(model, n, min(h, tile * f), min(w, tile * f)) > s.memory_budget_bytes:
+            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
+    if h <= tile * f and w <= tile * f:
+        return None
+    return TilePlan(tile, tile * f, s.overlap_factor)
+
+
+def estimate_tiled_peak_bytes(model, n: int, h: int, w: int, tile_latent: int) -> int:
+    """One tile's untiled decode + the output image + the previous row's blend strips."""
+    f = model.config.spatial_factor
+    th, tw = min(h, tile_latent), min(w, tile_latent)
+    out = n * h * f * w * f * model.config.out_channels * 4
+    strips = 2 * n * (tile_latent * f) * (w * f) * model.config.out_channels * 4
+    return estimate_decode_peak_bytes(model, n, th, tw) + out + strips
+
+
+def plan_decode(model, z_shape: tuple[int, ...], tiled: bool | None) -> TilePlan | None:
+    """None = decode in one piece. diffusers tiles only when the latents exceed one tile."""
+    n, h, w = z_shape[0], z_shape[1], z_shape[2]
+    s = model.tiling
+    f = model.config.spatial_factor
+    tile = s.tile_latent_size
+    if tiled is False:
+        return None
+    if tiled is None:
+        if estimate_decode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
+            return None
+        # auto mode may shrink the tile until one tile's working set fits the budget
+        while tile > MIN_TILE_LATENT and estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
+            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
+        tile = max(tile, MIN_TILE_LATENT)
+        if estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
+            log.warning("%s: decode of %s latents may exceed the memory budget %d B even in %d-latent tiles",
+                        model.name, z_shape, s.memory_budget_bytes, tile)
+    if h <= tile and w <= tile:
+        return None
+    return TilePlan(tile, tile * f, s.overlap_factor)
+
+
+def _tiles_consistently(tile: int, f: int, overlap: float) -> bool:
+    """diffusers' tiled decode and tiled encode both come out at exactly 8x / 1/8 the input size."""
+    p = TilePlan(tile, tile * f, overlap)
+    stride_px = int(p.tile_sample * (1 - overlap))
+    keep_latent = tile - int(tile * overlap)
+    return p.overlap_size >= 1 and p.overlap_size * f == p.row_limit and stride_px == keep_latent * f
+
+
+def _consistent_tile(tile: int, f: int, overlap: float) -> int:
+    """The largest tile size <= `tile` that TileSettings.validate accepts."""
+    for t in range(max(tile, 2), 1, -1):
+        if _tiles_consistently(t, f, overlap):
+            return t
+    return tile
+
+
+def _blend_v(a: np.ndarray, b: np.ndarray, extent: int) -> None:
+    """diffusers blend_v on NHWC, in place on b; `a` holds (at least) the bottom rows above."""
+    extent = min(a.shape[1], b.shape[1], extent)
+    if extent <= 0:
+        return
+    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, :, None, None]
+    b[:, :extent] = a[:, a.shape[1] - extent:] * (1 - t) + b[:, :extent] * t
+
+
+def _blend_h(a: np.ndarray, b: np.ndarray, extent: int) -> None:
+    extent = min(a.shape[2], b.shape[2], extent)
+    if extent <= 0:
+        return
+    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, None, :, None]
+    b[:, :, :extent] = a[:, :, a.shape[2] - extent:] * (1 - t) + b[:, :, :extent] * t
+
+
+def tiled_decode(decode_tile: Callable[[np.ndarray], np.ndarray], z: np.ndarray, plan: TilePlan) -> np.ndarray:
+    """z: unscaled latents, host NHWC. decode_tile: latents tile -> decoded tile (host NHWC)."""
+    f = plan.tile_sample // plan.tile_latent
+    return tiled_map(decode_tile, z, plan.tile_latent, plan.overlap_size, plan.blend_extent, plan.row_limit,
+                     lambda size: size * f)
+
+
+def tiled_encode(encode_tile: Callable[[np.ndarray], np.ndarray], x: np.ndarray, plan: TilePlan,
+                 downsamples: int) -> np.ndarray:
+    """diffusers' AutoencoderKL._tiled_encode: image tiles of tile_sample pixels every
+    int(tile_sample * (1 - overlap)) pixels, blended over int(tile_latent * overlap) latents."""
+    ts, tl, o = plan.tile_sample, plan.tile_latent, plan.overlap_factor
+    blend = int(tl * o)
+
+    def out_len(size: int) -> int:
+        for _ in range(downsamples):  # 3x3 stride-2 conv, padding (0, 1): floor(n / 2)
+            size = (size - 2) // 2 + 1
+        return size
+
+    return tiled_map(encode_tile, x, ts, int(ts * (1 - o)), blend, tl - blend, out_len)
+
+
+def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, stride: int, blend: int,
+              keep: int, out_len: Callable[[int], int]) -> np.ndarray:
+    """The tiling loop shared by decode and encode (host NHWC in and out): input tiles of `tile`
+    every `stride`, each output tile blended over `blend` rows/columns with its upper and left
+    neighbours (diffusers' in-place blend_v / blend_h order), then cropped to `keep`."""
+    n, h, w, _ = x.shape
+    if stride < 1:
+        raise ValueError(f"tile of {tile} with stride {stride} does not advance")
+    starts_h, starts_w = list(range(0, h, stride)), list(range(0, w, stride))
+    crop_h = [min(keep, out_len(min(tile, h - s))) for s in starts_h]
+    crop_w = [min(keep, out_len(min(tile, w - s))) for s in starts_w]
+    out: np.ndarray | None = None
+    prev_strips: list[np.ndarray] | None = None
+    y0 = 0
+    for i, si in enumerate(starts_h):
+        strips: list[np.ndarray] = []
+        left: np.ndarray | None = None
+        x0 = 0
+        for j, sj in enumerate(starts_w):
+            t = fn(np.ascontiguousarray(x[:, si:si + tile, sj:sj + tile]))
+            if out is None:
+                out = np.empty((n, sum(crop_h), sum(crop_w), t.shape[-1]), np.float32)
+            if prev_strips is not None:
+                _blend_v(prev_strips[j], t, blend)
+            if left is not None:
+                _blend_h(left, t, blend)
+            out[:, y0:y0 + crop_h[i], x0:x0 + crop_w[j]] = t[:, :crop_h[i], :crop_w[j]]
+            x0 += crop_w[j]
+            strips.append(t[:, max(0, t.shape[1] - blend):].copy())
+            left = t
+        prev_strips = strips
+        y0 += crop_h[i]
+    assert out is not None
+    return out

@@ -1,0 +1,316 @@
+"""The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`.
+
+Decoding is chunked and causal exactly as diffusers' `_decode`: one latent frame at a time
+through the decoder with a feature cache of CACHE_T frames per causal conv, so memory does
+not grow with clip length and frames can leave as soon as their chunk is done (the first
+latent frame gives 1 frame, every later one `temporal_factor` frames).
+
+Latents arrive as the diffusers Wan pipeline hands them to the VAE's caller, i.e. normalised;
+the pipeline then does `latents / (1 / latents_std) + latents_mean` before `vae.decode`, and
+so does `decode()` here (`latents * std + mean`, per channel, from the config).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .wan_checkpoint import normalize_keys
+from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache, Layer
+from .wan_tiling import TileSettings, plan_tiles, stitch
+from .weights import WeightsError, check_state_dict, read_checkpoint
+
+# diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
+# (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
+WAN21_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+WAN21_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+PRESETS: dict[str, dict] = {
+    "wan2.1-vae": {
+        "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+        "temperal_downsample": [False, True, True],
+        "latents_mean": WAN21_LATENTS_MEAN, "latents_std": WAN21_LATENTS_STD,
+    },
+    "tiny-wan-vae": {
+        "base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+        "temperal_downsample": [False, True, True],
+        "latents_mean": [0.1, -0.2, 0.05, 0.3], "latents_std": [1.5, 0.8, 1.2, 2.0],
+    },
+}
+
+DESCRIPTIONS = {
+    "wan2.1-vae": "Wan 2.1 video VAE decoder (AutoencoderKLWan, 16 latent channels, 8x space, 4x time)",
+    "tiny-wan-vae": "tiny Wan-architecture video VAE decoder for tests and CPU demos "
+                    "(4 latent channels; 4x16x16 latents -> 13x128x128 in ~0.5 s on a quiet 2-core CPU)",
+}
+
+RANDOM_SEED = 0
+
+#: frames up to 720p (1280x720, the largest Wan 2.1 output) decode untiled unless asked, as in diffusers
+DEFAULT_MAX_UNTILED_PIXELS = 1280 * 720
+
+
+@dataclass(frozen=True)
+class WanVAEConfig:
+    """The fields of diffusers' AutoencoderKLWan config.json that shape the decoder."""
+
+    base_dim: int = 96
+    decoder_base_dim: int | None = None
+    z_dim: int = 16
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    temperal_downsample: tuple[bool, ...] = (False, True, True)
+    latents_mean: tuple[float, ...] = tuple(WAN21_LATENTS_MEAN)
+    latents_std: tuple[float, ...] = tuple(WAN21_LATENTS_STD)
+    is_residual: bool = False
+    out_channels: int = 3
+    patch_size: int | None = None
+    # fields of config.json that do not change the decoder's computation
+    attn_scales: tuple[float, ...] = ()
+    dropout: float = 0.0
+    in_channels: int = 3
+    scale_factor_temporal: int | None = 4
+    scale_factor_spatial: int | None = 8
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "WanVAEConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
+        cfg = cls(**kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        problems = []
+        if self.is_residual:
+            problems.append("is_residual=True is the Wan 2.2 VAE; only Wan 2.1 is supported")
+        if self.patch_size not in (None, 1):
+            problems.append(f"patch_size={self.patch_size} (Wan 2.2) is not supported")
+        if self.out_channels != 3:
+            problems.append(f"out_channels must be 3 (RGB), got {self.out_channels}")
+        if len(self.temperal_downsample) != len(self.dim_mult) - 1:
+            problems.append(f"temperal_downsample needs {len(self.dim_mult) - 1} entries, "
+                            f"got {len(self.temperal_downsample)}")
+        for what in ("latents_mean", "latents_std"):
+            if len(getattr(self, what)) != self.z_dim:
+                problems.append(f"{what} needs z_dim={self.z_dim} entries, got {len(getattr(self, what))}")
+        if any(s == 0 for s in self.latents_std):
+            problems.append("latents_std has a zero entry")
+        if problems:
+            raise ValueError("AutoencoderKLWan config: " + "; ".join(problems))
+
+    @property
+    def temperal_upsample(self) -> tuple[bool, ...]:
+        return tuple(self.temperal_downsample[::-1])
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_factor(self) -> int:
+        return 2 ** sum(bool(t) for t in self.temperal_downsample)
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def random_state_dict(expected: Mapping[str, tuple[int, ...]], seed: int = RANDOM_SEED) -> dict[str, np.ndarray]:
+    """Seeded init in PyTorch's default style: U(+-1/sqrt(fan_in)) weights and biases, unit
+    RMS-norm gammas. Biases use their layer's fan-in, so they are drawn after its weight."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    fan_in: dict[str, int] = {}
+    for name in sorted(expected):
+        shape = expected[name]
+        layer = name.rsplit(".", 1)[0]
+        if name.endswith(".gamma"):
+            out[name] = np.ones(shape, np.float32)
+        elif name.endswith(".weight"):
+            fan_in[layer] = int(np.prod(shape[1:]))
+            bound = 1.0 / np.sqrt(fan_in[layer])
+            out[name] = rng.uniform(-bound, bound, shape).astype(np.float32)
+    for name in sorted(expected):
+        if name.endswith(".bias"):
+            bound = 1.0 / np.sqrt(fan_in.get(name.rsplit(".", 1)[0], 1))
+            out[name] = rng.uniform(-bound, bound, expected[name]).astype(np.float32)
+    return out
+
+
+class _VAEDecoderTree(Layer):
+    """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
+
+    def __init__(self, backend, cfg: WanVAEConfig):
+        z = cfg.z_dim
+        self.post_quant_conv = CausalConv3d(backend, z, z, 1)
+        self.decoder = Decoder3d(backend, cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
+                                 cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels)
+
+    def children(self):
+        return {"post_quant_conv": self.post_quant_conv, "decoder": self.decoder}
+
+
+class WanVAEDecoder:
+    """Video decoder per docs/interfaces.md: normalised latents (N, C, T, h, w) ->
+    float32 frames (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
+
+    kind = "video-decoder"
+    architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
+
+    def __init__(self, name: str, preset: str, backend, cfg: WanVAEConfig,
+                 tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
+                 seed: int = RANDOM_SEED, tile_sample_min_size: int = 256, tile_sample_stride: int = 192,
+                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS):
+        self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        self.tiling = TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
+        self.max_untiled_pixels = int(max_untiled_pixels)
+        self.latent_channels = cfg.z_dim
+        self.spatial_factor = cfg.spatial_factor
+        self.temporal_factor = cfg.temporal_factor
+        self._mean = np.asarray(cfg.latents_mean, np.float32).reshape(1, -1, 1, 1, 1)
+        self._std = np.asarray(cfg.latents_std, np.float32).reshape(1, -1, 1, 1, 1)
+        self.tree = _VAEDecoderTree(backend, cfg)
+        expected = self.tree.expected()
+        if tensors is None:
+            self.weights_source, self.weights_naming = "random init", None
+            tensors = random_state_dict(expected, seed)
+        else:
+            self.weights_source = weights_source or "given tensors"
+            tensors, self.weights_naming = normalize_keys(tensors, len(cfg.dim_mult), cfg.num_res_blocks)
+        # the encoder half of a full VAE checkpoint is fine to carry; the decoder must be exact
+        naming = "" if self.weights_naming in (None, "diffusers") else \
+            f", {self.weights_naming} names shown as diffusers names"
+        check_state_dict(expected, tensors, f"AutoencoderKLWan decoder (preset {preset!r}{naming})",
+                         ignore_unexpected=("encoder.", "quant_conv."))
+        self.tree.load(tensors)
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def num_frames(self, latent_frames: int) -> int:
+        return 1 + self.temporal_factor * (latent_frames - 1)
+
+    def _prepare(self, latents_ncthw) -> np.ndarray:
+        """Validate, de-normalise (latents * std + mean) and go channels-last N,T,h,w,C."""
+        lat = np.asarray(latents_ncthw)
+        if lat.ndim != 5 or lat.shape[1] != self.latent_channels or min(lat.shape) < 1:
+            raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, T, h, w) with "
+                             f"every size >= 1, got {lat.shape}")
+        if lat.dtype.kind != "f":
+            raise ValueError(f"{self.name}: latents must be floating point, got {lat.dtype}")
+        z = lat.astype(np.float32) * self._std + self._mean
+        if not np.isfinite(z).all():
+            raise ValueError(f"{self.name}: latents contain NaN or Inf")
+        return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
+
+    def decode_frames(self, latents_ncthw, tiled: bool | None = None) -> Iterator[np.ndarray]:
+        """Yield float32 (N, f, 8h, 8w, 3) frame groups in [0, 1] as they finish: f = 1 for the
+        first latent frame, `temporal_factor` for each later one. Each group is computed only
+        when asked for, so a slow reader holds back the decode (back-pressure). Bad latents
+        raise here, before the first group is asked for.
+
+        tiled: True = diffusers' spatial tiling (when the frame is larger than one tile),
+        False = never, None = only for frames over `max_untiled_pixels`."""
+        z = self._prepare(latents_ncthw)
+        _, _, h, w, _ = z.shape
+        sf = self.spatial_factor
+        if tiled is None:
+            tiled = h * w * sf * sf > self.max_untiled_pixels
+        plan = plan_tiles(h, w, sf, self.tiling) if tiled else None
+        return self._untiled_groups(z) if plan is None else self._tiled_groups(z, plan)
+
+    def _untiled_groups(self, z: np.ndarray) -> Iterator[np.ndarray]:
+        state = FeatureCache()
+        for k in range(z.shape[1]):
+            yield self._to_pixels(self._decode_chunk(z[:, k:k + 1], state))
+
+    def _tiled_groups(self, z: np.ndarray, plan) -> Iterator[np.ndarray]:
+        size = plan.tile_latent
+        states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
+        for k in range(z.shape[1]):
+            tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b])
+                      for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
+            yield self._to_pixels(stitch(plan, tiles))
+
+    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache) -> np.ndarray:
+        """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host,
+        unclamped, advancing `state`."""
+        b = self.backend
+        x = self.tree.post_quant_conv(b.asarray(np.ascontiguousarray(z_chunk)))
+        return np.asarray(b.to_host(self.tree.decoder(x, state)), dtype=np.float32)
+
+    @staticmethod
+    def _to_pixels(x) -> np.ndarray:
+        # diffusers clamps the decode to [-1, 1]; the video processor then maps x / 2 + 0.5
+        out = np.asarray(x, dtype=np.float32)
+        np.clip(out, -1.0, 1.0, out=out)
+        out *= 0.5
+        out += 0.5
+        return out
+
+    def decode(self, latents_ncthw, tiled: bool | None = None) -> np.ndarray:
+        """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
+        return np.concatenate(list(self.decode_frames(latents_ncthw, tiled)), axis=1)
+
+    # ---- description -----------------------------------------------------------------------------
+    def card(self) -> dict:
+        b = self.backend
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "architecture": self.architecture,
+            "preset": self.preset,
+            "weights": self.weights_source,
+            "weights_naming": self.weights_naming,
+            "backend": b.name,
+            "dtype": b.dtype,
+            "latent_channels": self.latent_channels,
+            "spatial_factor": self.spatial_factor,
+            "temporal_factor": self.temporal_factor,
+            "input": "normalised latents (N, C, T, h, w); decode applies latents * latents_std + latents_mean",
+            "output": f"float32 (N, 1 + {self.temporal_factor}*(T-1), {self.spatial_factor}h, "
+                      f"{self.spatial_factor}w, 3) in [0, 1]",
+            "limits": {
+                "streaming": True,
+                "frames_per_chunk": [1, self.temporal_factor],
+                "cache_frames_per_conv": CACHE_T,
+                "memory": "bounded by one latent frame's activations, not by clip length",
+                "tile_sample_min_size": self.tiling.min_size,
+                "tile_sample_stride": self.tiling.stride,
+                "max_untiled_pixels": self.max_untiled_pixels,
+            },
+            "config": self.config.as_dict(),
+        }
+
+
+_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels")
+
+
+def build(name: str, preset: str, backend, weights: str | None = None, **overrides) -> WanVAEDecoder:
+    """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
+    config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
+    architecture; or a single .safetensors in diffusers or original-Wan naming, read with the
+    preset's config)
+    and overrides (config fields, or the settings in _SETTINGS)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Wan VAE preset {preset!r}; known: {sorted(PRESETS)}")
+    settings = {k: overrides.pop(k) for k in list(overrides) if k in _SETTINGS}
+    fields = {f.name for f in dataclasses.fields(WanVAEConfig)}
+    unknown = sorted(k for k in overrides if k not in fields)
+    if unknown:
+        raise ValueError(f"unknown AutoencoderKLWan overrides {unknown}; config fields: {sorted(fields)}, "
+                         f"settings: {list(_SETTINGS)}")
+    cfg_dict = {k: v for k, v in PRESETS[preset].items() if k in fields}
+    tensors = None
+    if weights is not None:
+        tensors, file_cfg = read_checkpoint(weights)
+        if file_cfg is not None:
+            cls = file_cfg.get("_class_name")
+            if cls not in (None, "AutoencoderKLWan"):
+                raise WeightsError(f"{weights}: config.json is for {cls}, not AutoencoderKLWan")
+            cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
+    cfg_dict.update(overrides)
+    cfg = WanVAEConfig.from_dict(cfg_dict)
+    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

@@ -1,0 +1,121 @@
+"""Checkpoint reading: safetensors only (never pickle), with one clear error listing every
+missing, unexpected or mis-shaped tensor."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+
+class WeightsError(ValueError):
+    """A checkpoint does not fit the model; the message lists every problem."""
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bf16",
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file; floating tensors come back as float32 (bf16/fp16
+    upcast) or float64. The file is parsed here (the format is a JSON header + raw bytes) so
+    bf16, which numpy lacks, loads too, and a lying header gives a clear error."""
+    path = Path(path)
+    if path.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+        raise WeightsError(f"{path}: pickle checkpoints are refused; convert to .safetensors")
+    if not path.is_file():
+        raise WeightsError(f"{path}: no such weights file")
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    if data.size < 8:
+        raise WeightsError(f"{path}: not a safetensors file (too short)")
+    header_len = int(np.frombuffer(data[:8].tobytes(), "<u8")[0])
+    if header_len > data.size - 8 or header_len > 100 * 1024 * 1024:
+        raise WeightsError(f"{path}: not a safetensors file (header length {header_len} exceeds the file)")
+    try:
+        header = json.loads(data[8:8 + header_len].tobytes())
+    except ValueError as exc:
+        raise WeightsError(f"{path}: not a safetensors file (bad header: {exc})") from exc
+    base = 8 + header_len
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(v) for v in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightsError(f"{path}: tensor {name}: bad header entry {info!r}") from exc
+        itemsize = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if not (0 <= begin <= end <= data.size - base) or end - begin != count * itemsize:
+            raise WeightsError(f"{path}: tensor {name}: offsets {begin}..{end} do not fit shape {shape} "
+                               f"of {info['dtype']} in a file of {data.size} bytes (truncated or corrupt)")
+        raw = data[base + begin:base + end]
+        if dtype == "bf16":
+            arr = (np.frombuffer(raw.tobytes(), "<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = np.frombuffer(raw.tobytes(), np.dtype(dtype).newbyteorder("<")).astype(dtype)
+            if arr.dtype == np.float16:
+                arr = arr.astype(np.float32)
+        out[name] = arr.reshape(shape)
+    return out
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict | None]:
+    """A diffusers/HF model folder (config.json + *.safetensors) or a single .safetensors file.
+    Returns (tensors, config or None)."""
+    path = Path(path)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+            hint = f" (found pickle files {pickles}: convert them to safetensors)" if pickles else ""
+            raise WeightsError(f"{path}: no .safetensors file{hint}")
+        tensors: dict[str, np.ndarray] = {}
+        for f in files:
+            tensors.update(read_safetensors(f))
+        return tensors, config
+    return read_safetensors(path), None
+
+
+def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, np.ndarray],
+                     what: str, ignore_unexpected: tuple[str, ...] = ()) -> None:
+    """Raise one WeightsError naming every missing, unexpected and mis-shaped tensor."""
+    missing = sorted(k for k in expected if k not in given)
+    unexpected = sorted(k for k in given if k not in expected and not k.startswith(ignore_unexpected))
+    misshaped = sorted(f"{k}: checkpoint {tuple(given[k].shape)} vs model {tuple(expected[k])}"
+                       for k in expected if k in given and tuple(given[k].shape) != tuple(expected[k]))
+    bad_values = sorted(k for k in expected if k in given and given[k].dtype.kind == "f"
+                        and not np.isfinite(given[k]).all())
+    if missing or unexpected or misshaped or bad_values:
+        parts = []
+        if missing:
+            parts.append(f"missing ({len(missing)}): {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected ({len(unexpected)}): {', '.join(unexpected)}")
+        if misshaped:
+            parts.append(f"mis-shaped ({len(misshaped)}): {'; '.join(misshaped)}")
+        if bad_values:
+            parts.append(f"non-finite values in: {', '.join(bad_values)}")
+        raise WeightsError(f"{what}: checkpoint does not fit the model — " + " | ".join(parts))
+
+
+def conv_weight_to_channels_last(w: np.ndarray) -> np.ndarray:
+    """PyTorch conv weight O,I/g,*k -> ours O,*k,I/g."""
+    return np.ascontiguousarray(np.moveaxis(w, 1, -1))
+
+
+def conv_transpose_weight_to_channels_last(w: np.ndarray, groups: int = 1) -> np.ndarray:
+    """PyTorch transposed-conv weight I,O/g,*k -> ours O,*k,I/g."""
+    i, og, *k = w.shape
+    g = groups
+    w = w.reshape(g, i // g, og, *k)
+    nd = len(k)
+    w = np.transpose(w, (0, 2, *range(3, 3 + nd), 1))  # g, O/g, *k, I/g
+    return np.ascontiguousarray(w.reshape(g * og, *k, i // g))
