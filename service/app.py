@@ -1,0 +1,66 @@
+"""App factory: settings -> FastAPI app with the v1 and KServe v2 adapters, health and metrics.
+The lifespan starts model loading (readyz turns true after warm-up) and stops the worker."""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from . import kserve, metrics, problems, remote_vae, routes_v1, streaming
+from .pipeline import Service
+from .settings import Settings
+
+log = logging.getLogger("convserve")
+
+DESCRIPTION = """Decode diffusion latents to images and video, encode images to embeddings.
+
+Errors are RFC 7807 `application/problem+json` (type, title, status, detail). With
+`CONVSERVE_API_KEY` set, every route except `/healthz`, `/readyz`, `/metrics` and
+`/v2/health/*` needs `Authorization: Bearer <key>`. A full queue answers 429 with
+`Retry-After`; a draining server answers 503."""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    svc = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc.start(background=True)
+        try:
+            yield
+        finally:
+            svc.stop()
+
+    app = FastAPI(title="convserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.service = svc
+    problems.install(app)
+
+    @app.get("/healthz", tags=["ops"], summary="Liveness: the process serves HTTP")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["ops"], summary="Readiness: models loaded and warmed up, not draining",
+             responses={503: problems.PROBLEM_SCHEMA})
+    async def readyz(request: Request):
+        if svc.draining:
+            raise problems.Problem(503, "shutting-down", "draining for shutdown")
+        if not svc.ready:
+            detail = f"model loading failed: {svc.load_error}" if svc.load_error else "models are loading"
+            raise problems.Problem(503, "not-ready", detail, headers={"Retry-After": "2"})
+        return JSONResponse({"status": "ready", "models": list(svc.models), "unavailable": svc.failed})
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics: service and kernel registries",
+             response_class=Response)
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(routes_v1.router)
+    app.include_router(streaming.router)
+    app.include_router(kserve.health)
+    app.include_router(kserve.router)
+    app.include_router(remote_vae.router)
+    return app

@@ -1,0 +1,231 @@
+"""Dynamic batcher: one worker thread per device runs model calls; requests for the same model
+and compatible shapes are stacked along the batch axis, up to `max_batch` rows, waiting at most
+`max_queue_delay_ms` after the oldest one arrived. The queue is bounded; queued work whose
+requester gave up (client gone, timeout) is dropped before it runs."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from . import metrics
+
+log = logging.getLogger("convserve.batcher")
+
+#: a model call: stacked inputs (rows on axis 0) -> an array or a dict of arrays/None, rows on axis 0
+ModelCall = Callable[[np.ndarray], Any]
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Closed(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class WorkItem:
+    model: str
+    #: items batch together only when their keys are equal (model, op, row shape, options)
+    key: Hashable
+    inputs: np.ndarray
+    call: ModelCall
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    started: bool = False
+    #: runs alone and at once: a step of a stateful generator (streaming) has nothing to batch with
+    solo: bool = False
+
+    @property
+    def rows(self) -> int:
+        return int(self.inputs.shape[0])
+
+    def cancel(self) -> bool:
+        """Mark as unwanted; True when it had not started (so its work is skipped)."""
+        self.cancelled = True
+        return not self.started
+
+
+def _rows_of(out: Any, start: int, stop: int) -> Any:
+    if isinstance(out, dict):
+        return {k: (None if v is None else v[start:stop]) for k, v in out.items()}
+    return out[start:stop]
+
+
+def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class Batcher:
+    def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
+                 after_batch: Callable[[], None] | None = None, name: str = "device0"):
+        self.max_batch = max_batch
+        self.delay_s = max_queue_delay_ms / 1000.0
+        self.max_queue = max_queue
+        self.after_batch = after_batch
+        self._pending: deque[WorkItem] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stopped = False
+        self._running: list[WorkItem] = []
+        self.row_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- producer side (event loop) ------------------------------------------------------------
+    def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
+               continuation: bool = False, solo: bool = False) -> WorkItem:
+        """continuation: a later step of a request admitted earlier (a streamed decode); it is not
+        refused by a full queue or a drain, only by a stopped worker. solo: see WorkItem.solo."""
+        loop = asyncio.get_running_loop()
+        item = WorkItem(model, key, inputs, call, loop, loop.create_future(), solo=solo)
+        with self._cond:
+            if self._stopped or (self._closed and not continuation):
+                raise Closed()
+            if len(self._pending) >= self.max_queue and not continuation:
+                raise QueueFull()
+            self._pending.append(item)
+            self._set_depth(model)
+            self._cond.notify()
+        return item
+
+    def backlog_seconds(self) -> float:
+        """Rough time to work off the queue at the recent per-row speed."""
+        with self._cond:
+            rows = sum(it.rows for it in self._pending)
+        return rows * self.row_seconds
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._pending or self._running)
+
+    def close(self) -> None:
+        """Stop admitting; queued work still runs."""
+        with self._cond:
+            self._closed = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._stopped = True
+            for item in self._pending:
+                item.loop.call_soon_threadsafe(_resolve, item.future, None, Closed())
+            self._pending.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ---- worker thread --------------------------------------------------------------------------
+    def _bucket(self, rows: int) -> int:
+        """Rows to run now: the largest power of two <= rows (capped by max_batch); the rest go
+        in the next batch at once. Backends choose (and may autotune) a kernel path per input
+        shape, so few distinct batch sizes mean few first-call costs (Triton's preferred sizes)."""
+        if rows >= self.max_batch:
+            return self.max_batch
+        return 1 << (max(rows, 1).bit_length() - 1)
+
+    def _set_depth(self, model: str) -> None:
+        metrics.QUEUE_DEPTH.labels(model).set(sum(1 for it in self._pending if it.model == model))
+
+    def _drop_cancelled(self) -> None:
+        dropped = [it for it in self._pending if it.cancelled]
+        for it in dropped:
+            self._pending.remove(it)
+            self._set_depth(it.model)
+
+    def _next_batch(self) -> list[WorkItem] | None:
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if self._stopped:
+                    return None
+                if self._pending:
+                    break
+                self._cond.wait(0.5)
+            first = self._pending[0]
+            deadline = first.enqueued + self.delay_s
+            while True:
+                self._drop_cancelled()
+                if first.cancelled or self._stopped:
+                    # the oldest went away: start over with the new oldest
+                    return []
+                rows = sum(it.rows for it in self._pending if it.key == first.key)
+                left = deadline - time.perf_counter()
+                if rows >= self.max_batch or left <= 0 or first.solo:
+                    break
+                self._cond.wait(left)
+            batch, rows = [], 0
+            target = self._bucket(sum(it.rows for it in self._pending if it.key == first.key))
+            for it in [first] if first.solo else list(self._pending):
+                if it.key == first.key and (not batch or rows + it.rows <= target):
+                    batch.append(it)
+                    rows += it.rows
+            for it in batch:
+                self._pending.remove(it)
+                it.started = True
+            self._set_depth(first.model)
+            self._running = batch
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            if batch:
+                self._run(batch)
+            with self._cond:
+                self._running = []
+
+    def _run(self, batch: list[WorkItem]) -> None:
+        model = batch[0].model
+        now = time.perf_counter()
+        for it in batch:
+            metrics.QUEUE_WAIT_SECONDS.labels(model).observe(now - it.enqueued)
+        inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
+        metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
+        try:
+            out = batch[0].call(inputs)
+        except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch
+            # the id ties a client's 500 to this log line (and its traceback)
+            error_id = uuid.uuid4().hex[:16]
+            log.exception("model %s failed on a batch of %d (error id %s)", model, inputs.shape[0], error_id)
+            try:
+                exc.error_id = error_id
+            except AttributeError:
+                pass
+            for it in batch:
+                it.loop.call_soon_threadsafe(_resolve, it.future, None, exc)
+            return
+        finally:
+            if self.after_batch is not None:
+                try:
+                    self.after_batch()
+                except Exception:  # timings are best effort; never fail requests over them
+                    log.exception("after_batch hook failed")
+        # per-row cost, smoothed: Retry-After hints are the queued rows times this
+        per_row = (time.perf_counter() - now) / max(int(inputs.shape[0]), 1)
+        self.row_seconds = per_row if self.row_seconds == 0.0 else 0.8 * self.row_seconds + 0.2 * per_row
+        start = 0
+        for it in batch:
+            part = _rows_of(out, start, start + it.rows)
+            start += it.rows
+            it.loop.call_soon_threadsafe(_resolve, it.future, part)

@@ -1,0 +1,285 @@
+"""`convserve serve | decode | encode | bench`."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="convserve: decode latents to images/video and encode images, over HTTP or locally.")
+
+IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def _set_env(**values) -> None:
+    """CLI flags become CONVSERVE_* variables, so Settings, worker processes and backends agree."""
+    for key, value in values.items():
+        if value is not None:
+            os.environ[f"CONVSERVE_{key.upper()}"] = str(value)
+
+
+@app.command()
+def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE_HOST, 127.0.0.1]"),
+          port: Optional[int] = typer.Option(None, help="port [CONVSERVE_PORT, 8000]"),
+          models: Optional[str] = typer.Option(None, help="name=preset[:weights.safetensors],... [CONVSERVE_MODELS]"),
+          backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda [CONVSERVE_BACKEND]"),
+          dtype: Optional[str] = typer.Option(None, help="compute dtype [backend default]"),
+          workers: int = typer.Option(1, help="server processes (each loads the models; graceful drain needs 1)"),
+          max_batch: Optional[int] = typer.Option(None, help="rows per model call [8]"),
+          max_queue_delay_ms: Optional[float] = typer.Option(None, help="batching window [5]"),
+          max_queue: Optional[int] = typer.Option(None, help="queued requests before 429 [64]"),
+          request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout [60]"),
+          api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY'"),
+          shutdown_grace_s: Optional[float] = typer.Option(None, help="drain time after SIGTERM [30]"),
+          log_level: Optional[str] = typer.Option(None, help="debug|info|warning [info]")):
+    """Run the HTTP server (CPU default: tiny presets on NumPy)."""
+    import uvicorn
+
+    from .app import create_app
+    from .server import DrainingServer
+    from .settings import Settings
+
+    _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, max_batch=max_batch,
+             max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, request_timeout_s=request_timeout_s,
+             api_key=api_key, shutdown_grace_s=shutdown_grace_s, log_level=log_level)
+    settings = Settings()
+    level = settings.log_level.lower()
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if workers > 1:
+        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
+                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+        return
+    fastapi_app = create_app(settings)
+    config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
+
+
+def _load_local(preset: str, weights: Optional[str], backend: str):
+    from convkernels import get_backend
+    from models import load_model
+
+    be = get_backend(backend)
+    return load_model(preset, preset, be, weights=weights)
+
+
+def _read_tensor(path: Path, prefer: str) -> np.ndarray:
+    from .codecs import read_tensor_body
+    media = {".npy": "application/x-npy", ".safetensors": "application/vnd.safetensors",
+             ".json": "application/json"}.get(path.suffix.lower(), "application/octet-stream")
+    arr, _ = read_tensor_body(path.read_bytes(), media, prefer)
+    return arr
+
+
+def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps: float) -> list[Path]:
+    from tqdm import tqdm
+
+    from .codecs import image_bytes, npy_bytes, to_uint8
+    from .video import mp4_bytes
+
+    suffix = output.suffix.lower()
+    written: list[Path] = []
+
+    def name(i: int, ext: str) -> Path:
+        return output if out.shape[0] == 1 else output.with_name(f"{output.stem}_{i:03d}{ext}")
+
+    if suffix == ".npy":
+        output.write_bytes(npy_bytes(out))
+        return [output]
+    if suffix == ".mp4":
+        if not video:
+            raise typer.BadParameter("an image decoder gives images: use .png/.jpg/.webp/.npy or a folder")
+        for i, v in enumerate(tqdm(out, desc="mp4", unit="video", disable=out.shape[0] < 2)):
+            p = name(i, ".mp4")
+            p.write_bytes(mp4_bytes(v, fps, int(round(51 - 51 * quality / 100))))
+            written.append(p)
+        return written
+    if suffix in IMAGE_SUFFIXES and not video:
+        for i, im in enumerate(tqdm(to_uint8(out), desc="images", unit="img", disable=out.shape[0] < 2)):
+            p = name(i, suffix)
+            p.write_bytes(image_bytes(im, IMAGE_SUFFIXES[suffix], quality))
+            written.append(p)
+        return written
+    if suffix:
+        raise typer.BadParameter(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
+    # a folder of PNG frames
+    output.mkdir(parents=True, exist_ok=True)
+    frames = out if video else out[:, None]
+    total = frames.shape[0] * frames.shape[1]
+    with tqdm(total=total, desc="frames", unit="frame", disable=total < 2) as bar:
+        for i, clip in enumerate(to_uint8(frames)):
+            for f, im in enumerate(clip):
+                p = output / (f"frame_{f:04d}.png" if frames.shape[0] == 1 else f"{i:03d}_frame_{f:04d}.png")
+                p.write_bytes(image_bytes(im, "png", quality))
+                written.append(p)
+                bar.update()
+    return written
+
+
+@app.command()
+def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help=".npy, .safetensors or .json latents"),
+           output: Path = typer.Option(..., "-o", "--output", help="out.png|.jpg|.webp, out.mp4, out.npy or a folder"),
+           preset: Optional[str] = typer.Option(None, help="model preset [tiny-vae; tiny-wan-vae for 5-D latents]"),
+           weights: Optional[str] = typer.Option(None, help="a .safetensors file or diffusers folder"),
+           backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
+           tiled: str = typer.Option("auto", help="on|off|auto"),
+           quality: int = typer.Option(90, min=1, max=100),
+           fps: float = typer.Option(16.0),
+           url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
+           model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
+           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
+    """Decode latents to images, an MP4, .npy or a folder of frames."""
+    from tqdm import tqdm
+
+    lat = _read_tensor(latents, "latents")
+    video = lat.ndim == 5
+    if url:
+        _remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
+                       tiled, quality, fps, api_key)
+        return
+    m = _load_local(preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend)
+    lat = lat[None] if lat.ndim in (3,) else lat
+    t0 = time.perf_counter()
+    if video:
+        # the causal decoder yields frames in order: 1 for the first latent frame, 4 per later one
+        chunks = list(tqdm(m.decode_frames(np.asarray(lat, np.float32)), total=lat.shape[2],
+                           desc="decode", unit="latent frame"))
+        out = np.concatenate(chunks, axis=1)
+    else:
+        t = {"on": True, "off": False}.get(tiled)
+        out = np.concatenate([m.decode(np.asarray(lat[i:i + 1], np.float32), tiled=t)
+                              for i in tqdm(range(lat.shape[0]), desc="decode", unit="img", disable=lat.shape[0] < 2)])
+    secs = time.perf_counter() - t0
+    written = _write_decoded(out, output, video, quality, fps)
+    typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} in {secs:.2f}s; wrote {len(written)} file(s): "
+               f"{', '.join(map(str, written[:4]))}{' ...' if len(written) > 4 else ''}")
+
+
+def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) -> None:
+    import httpx
+
+    from .codecs import npy_bytes
+    suffix = output.suffix.lower()
+    if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
+        raise typer.BadParameter("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")
+    fmt = "npy" if suffix == ".npy" else "mp4" if suffix == ".mp4" else IMAGE_SUFFIXES[suffix]
+    headers = {"content-type": "application/x-npy"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    r = httpx.post(f"{url.rstrip('/')}/v1/models/{model}/decode", content=npy_bytes(np.asarray(lat, np.float32)),
+                   params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps}, headers=headers, timeout=600)
+    if r.status_code != 200:
+        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
+        raise typer.Exit(1)
+    shape = r.headers.get("x-output-shape")
+    if r.headers.get("content-type") == "application/zip":  # several: out_000.png, out_001.png, ...
+        import io
+        import zipfile
+        with zipfile.ZipFile(io.BytesIO(r.content)) as zf:
+            names = zf.namelist()
+            for i, member in enumerate(names):
+                output.with_name(f"{output.stem}_{i:03d}{suffix}").write_bytes(zf.read(member))
+        typer.echo(f"wrote {len(names)} files {output.stem}_000{suffix} ... (shape {shape})")
+        return
+    output.write_bytes(r.content)
+    typer.echo(f"wrote {output} ({len(r.content)} bytes, shape {shape})")
+
+
+@app.command()
+def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="JPEG/PNG/WebP files"),
+           preset: str = typer.Option("tiny-convnext", help="encoder preset"),
+           weights: Optional[str] = typer.Option(None),
+           backend: str = typer.Option("auto"),
+           top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="print the k most likely labels"),
+           output: Optional[Path] = typer.Option(None, "-o", "--output", help="save embeddings as .npy"),
+           url: Optional[str] = typer.Option(None, help="encode on a running server instead"),
+           model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
+           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
+    """Encode images to embeddings (and top-k labels when the checkpoint has a head)."""
+    from tqdm import tqdm
+
+    from .codecs import npy_bytes, open_image, preprocess
+    from .pipeline import top_k as rank
+
+    if url:
+        import httpx
+        files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in images]
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        params = {"top_k": top_k} if top_k else {}
+        r = httpx.post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", files=files, params=params,
+                       headers=headers, timeout=600)
+        if r.status_code != 200:
+            typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
+            raise typer.Exit(1)
+        doc = r.json()
+        emb = np.asarray(doc["embeddings"], np.float32)
+        ranks = doc.get("top_k")
+    else:
+        m = _load_local(preset, weights, backend)
+        size = int(m.input_size)
+        px = np.stack([preprocess(open_image(p.read_bytes(), 1 << 62, str(p)), size)
+                       for p in tqdm(images, desc="load", unit="img", disable=len(images) < 2)])
+        out = m.encode(px)
+        emb = np.asarray(out["embedding"], np.float32)
+        ranks = None
+        if top_k:
+            if out.get("logits") is None:
+                typer.echo(f"{preset} has no classifier head: no labels", err=True)
+                raise typer.Exit(2)
+            ranks = rank(np.asarray(out["logits"], np.float64), top_k, getattr(m, "labels", None))
+    if output:
+        output.write_bytes(npy_bytes(emb))
+    for i, p in enumerate(images):
+        line = {"image": str(p), "embedding_dim": int(emb.shape[1]), "norm": round(float(np.linalg.norm(emb[i])), 6)}
+        if ranks:
+            line["top_k"] = ranks[i]
+        if not output:
+            line["embedding_head"] = [round(float(v), 6) for v in emb[i, :8]]
+        typer.echo(json.dumps(line))
+
+
+@app.command()
+def bench(preset: str = typer.Option("tiny-vae", help="model preset"),
+          backend: str = typer.Option("auto"),
+          size: int = typer.Option(32, help="latent side (decoders) or image side is the model's input size"),
+          frames: int = typer.Option(3, help="latent frames (video decoders)"),
+          batch: str = typer.Option("1,4", help="comma list of batch sizes"),
+          seconds: float = typer.Option(3.0, help="time per batch size")):
+    """A quick local throughput number for one preset (no HTTP)."""
+    m = _load_local(preset, None, backend)
+    rng = np.random.default_rng()
+    typer.echo(f"{preset} ({m.kind}) on {m.card().get('backend', backend)}; machine: {_machine()}")
+    for n in (int(b) for b in batch.split(",")):
+        if m.kind == "image-encoder":
+            x = rng.random((n, m.input_size, m.input_size, 3), dtype=np.float32)
+            run = lambda: m.encode(x)  # noqa: E731
+        elif m.kind == "video-decoder":
+            x = rng.standard_normal((n, m.latent_channels, frames, size, size)).astype(np.float32)
+            run = lambda: m.decode(x)  # noqa: E731
+        else:
+            x = rng.standard_normal((n, m.latent_channels, size, size)).astype(np.float32)
+            run = lambda: m.decode(x)  # noqa: E731
+        run()  # warm-up: path choice and allocation
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or calls == 0:
+            run()
+            calls += 1
+        dt = (time.perf_counter() - t0) / calls
+        typer.echo(f"batch {n:3d}: {dt * 1000:9.1f} ms/call  {n / dt:9.2f} items/s")
+
+
+def _machine() -> str:
+    import platform
+    return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu(s) {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    app()
+    sys.exit(0)

@@ -1,0 +1,227 @@
+"""Payload codecs: tensors in (.npy, safetensors, JSON+base64), images in (JPEG/PNG/WebP),
+images out (PNG/JPEG/WebP, zip for several), tensors out (.npy). Video lives in video.py.
+Everything here raises Problem with a 4xx on bad input; CPU-heavy parts run in the codec pool."""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import operator
+import zipfile
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from .problems import Problem
+
+NPY_MEDIA = "application/x-npy"
+SAFETENSORS_MEDIA = "application/vnd.safetensors"
+ZIP_MEDIA = "application/zip"
+
+IMAGE_FORMATS = {"png": ("PNG", "image/png"), "jpeg": ("JPEG", "image/jpeg"),
+                 "jpg": ("JPEG", "image/jpeg"), "webp": ("WEBP", "image/webp")}
+
+_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+           "fp16": np.float16, "fp32": np.float32, "fp64": np.float64, "uint8": np.uint8}
+_ST_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "U8": np.uint8}
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32: bf16 is the top half of an fp32."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
+    try:
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
+        raise Problem(400, "bad-tensor", f"{what}: shape must be a list of ints, got {shape!r:.200}") from None
+    if any(s < 0 for s in shape):
+        raise Problem(400, "bad-tensor", f"{what}: negative dimension in shape {list(shape)}")
+    if dtype_name in ("bfloat16", "bf16", "BF16"):
+        dt = np.dtype("<u2")
+    elif dtype_name.lower() in _DTYPES:
+        dt = np.dtype(_DTYPES[dtype_name.lower()]).newbyteorder("<")
+    else:
+        raise Problem(415, "unsupported-dtype",
+                      f"{what}: dtype {dtype_name!r} is not supported; use float32, float16, bfloat16 or float64")
+    n = math.prod(shape)  # Python ints: a fuzzed huge shape must not overflow int64
+    if n * dt.itemsize != len(buf):
+        raise Problem(400, "bad-tensor",
+                      f"{what}: {len(buf)} bytes do not hold shape {list(shape)} of {dtype_name} "
+                      f"({n * dt.itemsize} bytes)")
+    arr = np.frombuffer(buf, dtype=dt).reshape(shape)
+    return bf16_to_f32(arr) if dt == np.dtype("<u2") else arr
+
+
+def read_npy(body: bytes, what: str = "body") -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(body), allow_pickle=False)
+    except ValueError as exc:  # object arrays (pickle), bad header
+        raise Problem(400, "bad-npy", f"{what}: not a loadable .npy array ({exc})") from exc
+    except Exception as exc:
+        raise Problem(400, "bad-npy", f"{what}: not a .npy file ({exc.__class__.__name__}: {exc})") from exc
+
+
+def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
+    """The tensor named `prefer` (or the only tensor) from safetensors bytes; bf16 upcast."""
+    if len(body) < 8:
+        raise Problem(400, "bad-safetensors", "safetensors body shorter than its 8-byte header length")
+    n = int.from_bytes(body[:8], "little")
+    if n > len(body) - 8:
+        raise Problem(400, "bad-safetensors", f"safetensors header length {n} exceeds the body")
+    try:
+        header = json.loads(body[8:8 + n])
+    except ValueError as exc:
+        raise Problem(400, "bad-safetensors", f"safetensors header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise Problem(400, "bad-safetensors", "safetensors header is not a JSON object")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if prefer in tensors:
+        name = prefer
+    elif len(tensors) == 1:
+        name = next(iter(tensors))
+    else:
+        raise Problem(400, "bad-safetensors",
+                      f"safetensors body holds {sorted(tensors)}; name the tensor {prefer!r} or send one tensor")
+    info = tensors[name]
+    try:
+        begin, end = (int(v) for v in info["data_offsets"])
+        st_dtype, shape = info["dtype"], info["shape"]
+        if not isinstance(st_dtype, str) or not isinstance(shape, list):
+            raise TypeError("dtype must be a string and shape a list")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise Problem(400, "bad-safetensors", f"safetensors entry {name!r} is malformed") from exc
+    base = 8 + n
+    if not 0 <= begin <= end <= len(body) - base:
+        raise Problem(400, "bad-safetensors", f"safetensors offsets of {name!r} lie outside the body")
+    dtype_name = "bfloat16" if st_dtype == "BF16" else (
+        np.dtype(_ST_DTYPES[st_dtype]).name if st_dtype in _ST_DTYPES else st_dtype)
+    return _frombuffer(body[base + begin:base + end], dtype_name, shape, f"tensor {name!r}")
+
+
+def read_json_tensor(body: bytes) -> tuple[np.ndarray, dict]:
+    """{"data": base64 little-endian bytes, "shape": [...], "dtype": "float32"}; other keys are
+    returned as options."""
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise Problem(400, "bad-json", f"body is not JSON ({exc})") from exc
+    if not isinstance(doc, dict) or not {"data", "shape"} <= doc.keys():
+        raise Problem(400, "bad-json", 'JSON body must be {"data": base64, "shape": [...], "dtype": "float32"}')
+    try:
+        raw = base64.b64decode(doc["data"], validate=True)
+    except (binascii.Error, TypeError, ValueError) as exc:
+        raise Problem(400, "bad-json", f"data is not valid base64 ({exc})") from exc
+    if not isinstance(doc["shape"], list):
+        raise Problem(400, "bad-json", "shape must be a list of ints")
+    arr = _frombuffer(raw, str(doc.get("dtype", "float32")), doc["shape"], "data")
+    opts = {k: v for k, v in doc.items() if k not in ("data", "shape", "dtype")}
+    return arr, opts
+
+
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def read_tensor_body(body: bytes, content_type: str | None, prefer: str) -> tuple[np.ndarray, dict]:
+    """Latents (or pixels) from a request body by its Content-Type; an octet-stream body is
+    sniffed (.npy magic, else safetensors)."""
+    mt = media_type(content_type)
+    if mt == "application/json":
+        return read_json_tensor(body)
+    if mt in (NPY_MEDIA, "application/npy") or (mt in ("application/octet-stream", "") and body[:6] == b"\x93NUMPY"):
+        return read_npy(body), {}
+    if mt in (SAFETENSORS_MEDIA, "application/octet-stream", ""):
+        return read_safetensors(body, prefer), {}
+    raise Problem(415, "unsupported-media-type",
+                  f"Content-Type {mt!r} not accepted; send {NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json")
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+# ---- images ----------------------------------------------------------------------------------------
+def open_image(data: bytes, max_pixels: int, what: str = "image") -> np.ndarray:
+    """Decode JPEG/PNG/WebP bytes to uint8 H,W,3. The size is checked from the header before
+    the pixels are decoded, so a decompression bomb costs nothing."""
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise Problem(413, "image-too-large", f"{what}: {exc}") from exc
+    except (UnidentifiedImageError, OSError) as exc:
+        raise Problem(415, "undecodable-image", f"{what}: not a decodable JPEG/PNG/WebP image") from exc
+    except Exception as exc:  # a plugin choking on hostile chunks (ValueError, struct.error...)
+        if "too large" in str(exc):  # PIL's text/ICC chunk bomb limits
+            raise Problem(413, "image-too-large", f"{what}: {exc}") from exc
+        raise Problem(415, "undecodable-image", f"{what}: not a decodable JPEG/PNG/WebP image ({exc})") from exc
+    w, h = img.size
+    if w * h > max_pixels:
+        raise Problem(413, "image-too-large", f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+    if img.format not in ("JPEG", "PNG", "WEBP"):
+        raise Problem(415, "undecodable-image", f"{what}: format {img.format} not accepted (JPEG, PNG, WebP)")
+    try:
+        img.load()
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except Image.DecompressionBombError as exc:
+        raise Problem(413, "image-too-large", f"{what}: {exc}") from exc
+    except Exception as exc:  # truncated or corrupt data, whatever the decoder raises for it
+        raise Problem(422, "undecodable-image", f"{what}: image data is corrupt ({exc.__class__.__name__}: {exc})") from exc
+
+
+def _resize_channels(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bicubic resize of float H,W,C per channel (PIL 'F' mode keeps full precision)."""
+    w, h = size
+    return np.stack([np.asarray(Image.fromarray(np.ascontiguousarray(img[..., c]), mode="F")
+                                .resize((w, h), Image.BICUBIC)) for c in range(img.shape[-1])], axis=-1)
+
+
+def preprocess(img: np.ndarray, input_size: int, crop_pct: float = 0.875) -> np.ndarray:
+    """uint8 or float [0,1] H,W,3 -> float32 input_size x input_size x 3 in [0,1]: shortest side
+    resized to input_size / crop_pct, then a centre crop (the ConvNeXt evaluation transform).
+    Mean/std normalisation is the model's own job."""
+    x = img.astype(np.float32) / 255.0 if img.dtype == np.uint8 else img.astype(np.float32)
+    h, w = x.shape[:2]
+    if (h, w) != (input_size, input_size):
+        short = max(input_size, int(round(input_size / crop_pct)))
+        scale = short / min(h, w)
+        nh, nw = max(input_size, round(h * scale)), max(input_size, round(w * scale))
+        x = _resize_channels(x, (nw, nh))
+        top, left = (nh - input_size) // 2, (nw - input_size) // 2
+        x = x[top:top + input_size, left:left + input_size]
+    return np.clip(x, 0.0, 1.0)
+
+
+def to_uint8(images01: np.ndarray) -> np.ndarray:
+    return (np.clip(images01, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+
+
+def image_bytes(rgb: np.ndarray, fmt: str, quality: int) -> bytes:
+    pil_fmt = IMAGE_FORMATS[fmt][0]
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if pil_fmt in ("JPEG", "WEBP") else {"compress_level": 1}
+    Image.fromarray(rgb, mode="RGB").save(buf, format=pil_fmt, **kwargs)
+    return buf.getvalue()
+
+
+def zip_bytes(files: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, data in files:
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def encode_images(images01: np.ndarray, fmt: str, quality: int) -> tuple[bytes, str]:
+    """N,H,W,3 in [0,1] -> one image's bytes, or a zip of image_000.<ext>, image_001.<ext>..."""
+    rgb = to_uint8(images01)
+    if rgb.shape[0] == 1:
+        return image_bytes(rgb[0], fmt, quality), IMAGE_FORMATS[fmt][1]
+    ext = "jpg" if fmt == "jpeg" else fmt
+    return zip_bytes([(f"image_{i:03d}.{ext}", image_bytes(im, fmt, quality))
+                      for i, im in enumerate(rgb)]), ZIP_MEDIA

@@ -1,0 +1,188 @@
+"""Device faults: recovery from an out-of-memory decode, and the injection hooks that let tests
+(and chaos drills) cause faults on any machine.
+
+Recovery (always on): a decode that raises MemoryError (CuPy's OutOfMemoryError is one; the
+NumPy backend raises it too) is retried on the worker thread, first row by row when the batch has
+several rows, then in tiles, each retry with tiles half the size of the last, down to a floor.
+When every retry fails the request gets DeviceOutOfMemory (503 + Retry-After), never a crash.
+
+Injection (off unless a CONVSERVE_FAULT_* variable is set; armed only after warm-up, so a server
+always starts):
+  CONVSERVE_FAULT_OOM_ABOVE_BYTES=N   every backend conv whose input or output activation would
+                                      exceed N bytes raises MemoryError, as a device with little
+                                      free memory would (smaller tiles fit, larger ones do not)
+  CONVSERVE_FAULT_POISON_VALUE=V      a model call whose inputs hold the exact float V raises
+                                      RuntimeError, as a bug inside a model would (the worker must
+                                      fail that batch only and keep serving)
+
+Every fault is counted in `convserve_faults_total{model,fault,outcome}`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import numpy as np
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from . import metrics
+
+log = logging.getLogger("convserve.faults")
+
+#: retries in ever smaller tiles after the first tiled attempt
+MAX_SMALLER_TILES = 3
+
+
+class FaultSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVSERVE_FAULT_", extra="ignore")
+
+    oom_above_bytes: int | None = None
+    poison_value: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.oom_above_bytes is not None or self.poison_value is not None
+
+
+class DeviceOutOfMemory(Exception):
+    """A decode ran out of device memory even in the smallest tiles tried."""
+
+
+def count(model: str, fault: str, outcome: str) -> None:
+    metrics.FAULTS.labels(model, fault, outcome).inc()
+
+
+# ---- injection -----------------------------------------------------------------------------------
+def _nbytes(shape, itemsize: int = 4) -> int:
+    return int(np.prod([int(s) for s in shape], dtype=np.int64)) * itemsize
+
+
+def _conv_out_shape(x_shape, w_shape, spec) -> tuple[int, ...]:
+    """Output shape of a channels-last conv (enough for a size check: stride and transpose only)."""
+    spatial = list(x_shape[1:-1])
+    stride = getattr(spec, "stride", (1,) * len(spatial))
+    if getattr(spec, "transpose", False):
+        spatial = [s * st for s, st in zip(spatial, stride)]
+    else:
+        spatial = [-(-s // st) for s, st in zip(spatial, stride)]
+    return (x_shape[0], *spatial, w_shape[0])
+
+
+def arm(backend, settings: FaultSettings | None = None) -> FaultSettings:
+    """Install the backend-level injection hooks named by the environment (no-op when none)."""
+    settings = settings or FaultSettings()
+    limit = settings.oom_above_bytes
+    if limit is not None:
+        conv = backend.conv
+
+        def conv_with_memory_limit(x, w, spec, bias=None, **kw):
+            need = max(_nbytes(x.shape), _nbytes(_conv_out_shape(tuple(x.shape), tuple(w.shape), spec)))
+            if need > limit:
+                raise MemoryError(f"injected device out of memory: conv activation of {need} bytes "
+                                  f"> CONVSERVE_FAULT_OOM_ABOVE_BYTES={limit}")
+            return conv(x, w, spec, bias, **kw)
+
+        backend.conv = conv_with_memory_limit  # the models call backend.conv (conv2d/3d go through it)
+        log.warning("fault injection armed: conv activations above %d bytes raise MemoryError", limit)
+    if settings.poison_value is not None:
+        log.warning("fault injection armed: model calls on inputs holding %r raise", settings.poison_value)
+    return settings
+
+
+def poisoned(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
+    """`call`, raising RuntimeError on inputs that hold the poison value (when one is set)."""
+    if settings is None or settings.poison_value is None:
+        return call
+    value = np.float32(settings.poison_value)
+
+    def run(inputs: np.ndarray):
+        if inputs.dtype.kind == "f" and bool((inputs == value).any()):
+            raise RuntimeError(f"injected worker fault: inputs hold the poison value {float(value)!r}")
+        return call(inputs)
+
+    return run
+
+
+# ---- recovery ------------------------------------------------------------------------------------
+def _smaller_tiling(model):
+    """The model's tile settings with tiles half the size, or None at the floor. Both tile
+    setting kinds are known: image VAEs (tile_latent_size, in latents) and the Wan video VAE
+    (min_size/stride, in pixels)."""
+    t = getattr(model, "tiling", None)
+    if t is None:
+        return None
+    if hasattr(t, "tile_latent_size"):
+        from models.tiling import MIN_TILE_LATENT, _consistent_tile
+
+        size = t.tile_latent_size
+        if size // 2 < MIN_TILE_LATENT:
+            return None
+        new = _consistent_tile(size // 2, model.spatial_factor, t.overlap_factor)
+        return dataclasses.replace(t, tile_latent_size=new) if new < size else None
+    if hasattr(t, "min_size") and hasattr(t, "stride"):
+        f = model.spatial_factor
+        size, stride = t.min_size // 2, t.stride // 2
+        if size < 2 * f or stride < f:
+            return None
+        return dataclasses.replace(t, min_size=size, stride=stride)
+    return None
+
+
+@contextmanager
+def _tiling(model, tiling):
+    # the worker thread is the only one running this model, so a temporary swap is safe; a streamed
+    # decode already holds its own tile plan (made when it started)
+    old = model.tiling
+    model.tiling = tiling
+    try:
+        yield
+    finally:
+        model.tiling = old
+
+
+def decode_with_oom_retry(model_name: str, model, decode: Callable[[np.ndarray, bool | None], np.ndarray],
+                          x: np.ndarray, tiled: bool | None) -> np.ndarray:
+    """decode(x, tiled), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
+    try:
+        return decode(x, tiled)
+    except MemoryError as exc:
+        log.warning("%s: out of memory decoding %s (%s); retrying in tiles", model_name, x.shape, exc)
+        count(model_name, "device_oom", "retried")
+    if x.shape[0] > 1:
+        rows = [_retry_tiled(model_name, model, decode, x[i:i + 1]) for i in range(x.shape[0])]
+        out = np.concatenate(rows, axis=0)
+    else:
+        out = _retry_tiled(model_name, model, decode, x)
+    count(model_name, "device_oom", "recovered")
+    return out
+
+
+def _retry_tiled(model_name: str, model, decode, x: np.ndarray) -> np.ndarray:
+    last: BaseException | None = None
+    try:
+        return decode(x, True)
+    except MemoryError as exc:
+        last = exc
+    tiling = model.tiling if hasattr(model, "tiling") else None
+    for _ in range(MAX_SMALLER_TILES):
+        tiling = _smaller_tiling(_Shim(model, tiling)) if tiling is not None else None
+        if tiling is None:
+            break
+        count(model_name, "device_oom", "retried")
+        try:
+            with _tiling(model, tiling):
+                return decode(x, True)
+        except MemoryError as exc:
+            last = exc
+    count(model_name, "device_oom", "failed")
+    raise DeviceOutOfMemory(f"out of device memory decoding {tuple(x.shape)} even in the smallest tiles "
+                            f"tried ({last})") from last
+
+
+class _Shim:
+    """`model` seen with another tiling (so _smaller_tiling halves the last size tried)."""
+
+    def __init__(self, model, tiling):
+        self.tiling = tiling
+        self.spatial_factor = model.spatial_factor

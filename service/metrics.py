@@ -1,0 +1,44 @@
+"""Service metrics (names are a public contract: docs/interfaces.md), on their own registry;
+/metrics serves it together with convkernels.metrics.REGISTRY."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from convkernels.metrics import REGISTRY as KERNEL_REGISTRY
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+REQUESTS = Counter("convserve_requests_total", "Requests by model, endpoint and HTTP status",
+                   ["model", "endpoint", "status"], registry=REGISTRY)
+REQUEST_SECONDS = Histogram("convserve_request_seconds", "Request latency, body read to response ready",
+                            ["model", "endpoint"], registry=REGISTRY, buckets=_LATENCY_BUCKETS)
+QUEUE_WAIT_SECONDS = Histogram("convserve_queue_wait_seconds", "Time a request waited for its batch to start",
+                               ["model"], registry=REGISTRY, buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("convserve_batch_size", "Rows (images, videos) per model call",
+                       ["model"], registry=REGISTRY, buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128))
+INFLIGHT = Gauge("convserve_inflight_requests", "Requests admitted and not yet answered",
+                 ["model"], registry=REGISTRY)
+QUEUE_DEPTH = Gauge("convserve_queue_depth", "Requests waiting in the batcher queue",
+                    ["model"], registry=REGISTRY)
+REJECTED = Counter("convserve_rejected_total",
+                   "Requests not run: queue_full, timeout, client_gone, shutting_down",
+                   ["model", "reason"], registry=REGISTRY)
+FAULTS = Counter("convserve_faults_total",
+                 "Faults met: device_oom (retried, recovered, failed), worker_exception (failed), "
+                 "load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)
+MODEL_LOAD_SECONDS = Gauge("convserve_model_load_seconds", "Seconds to build/load the model",
+                           ["model"], registry=REGISTRY)
+MODEL_WARMUP_SECONDS = Gauge("convserve_model_warmup_seconds", "Seconds of the warm-up call",
+                             ["model"], registry=REGISTRY)
+TIME_TO_FIRST_FRAME = Histogram("convserve_time_to_first_frame_seconds", "Streaming: request to first frame",
+                                ["model", "backend"], registry=REGISTRY, buckets=_LATENCY_BUCKETS)
+STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames per second per request",
+                       ["model", "backend"], registry=REGISTRY,
+                       buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240))
+
+
+def exposition() -> bytes:
+    """Prometheus text of the service registry followed by the kernel registry."""
+    return generate_latest(REGISTRY) + generate_latest(KERNEL_REGISTRY)

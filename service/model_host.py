@@ -1,0 +1,123 @@
+"""Loading, warming up and describing the served models (through models.load_model only)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import metrics
+from .settings import ModelEntry
+
+log = logging.getLogger("convserve.models")
+
+IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
+
+
+@dataclass
+class HostedModel:
+    entry: ModelEntry
+    model: Any
+    load_seconds: float
+    warmup_seconds: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def kind(self) -> str:
+        return self.model.kind
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.kind in (IMAGE_DECODER, VIDEO_DECODER)
+
+    @property
+    def labels(self) -> list[str] | None:
+        return getattr(self.model, "labels", None)
+
+    def tensors(self) -> tuple[list[dict], list[dict]]:
+        """KServe v2 input/output tensor metadata (-1 = any size)."""
+        m = self.model
+        if self.kind == IMAGE_DECODER:
+            return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, -1, -1],
+                      "layout": "NCHW", "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
+                    [{"name": "images", "datatype": "FP32", "shape": [-1, -1, -1, 3], "layout": "NHWC",
+                      "range": [0, 1]}])
+        if self.kind == VIDEO_DECODER:
+            return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, -1, -1, -1],
+                      "layout": "NCTHW", "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
+                    [{"name": "frames", "datatype": "FP32", "shape": [-1, -1, -1, -1, 3], "layout": "NFHWC",
+                      "range": [0, 1]}])
+        outs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, m.embed_dim]}]
+        if self.labels is not None or self.extra.get("has_logits"):
+            outs.append({"name": "logits", "datatype": "FP32", "shape": [-1, -1]})
+        return ([{"name": "pixels", "datatype": "FP32", "shape": [-1, -1, -1, 3], "layout": "NHWC",
+                  "range": [0, 1], "resized_to": [m.input_size, m.input_size],
+                  "accepts": ["FP32", "FP16", "UINT8"]}], outs)
+
+    def card(self) -> dict:
+        card = dict(self.model.card())
+        inputs, outputs = self.tensors()
+        card.update({
+            "name": self.name, "kind": self.kind, "preset": self.entry.preset,
+            "load_seconds": round(self.load_seconds, 4),
+            "warmup_seconds": None if self.warmup_seconds is None else round(self.warmup_seconds, 4),
+            "inputs": inputs, "outputs": outputs,
+        })
+        if not self.entry.weights and "weights" not in card:
+            card["weights"] = "random init"
+        return card
+
+
+def tiling_overrides(preset: str, tile_size: int | None) -> dict:
+    """CONVSERVE_TILE_SIZE (output pixels per tile side) as the model family's own setting."""
+    if not tile_size:
+        return {}
+    from models import PRESETS
+
+    info = PRESETS.get(preset)
+    if info is None:
+        return {}
+    if info.kind == IMAGE_DECODER:
+        return {"tile_latent_size": max(1, tile_size // 8)}
+    if info.kind == VIDEO_DECODER:
+        return {"tile_sample_min_size": tile_size, "tile_sample_stride": max(8, tile_size * 3 // 4)}
+    return {}
+
+
+def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> HostedModel:
+    from models import load_model  # the models layer; imported late so settings errors come first
+
+    t0 = time.perf_counter()
+    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
+                       **tiling_overrides(entry.preset, tile_size))
+    secs = time.perf_counter() - t0
+    metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
+    log.info("loaded %s (preset %s, %s) in %.2fs", entry.name, entry.preset,
+             entry.weights or "random init", secs)
+    return HostedModel(entry, model, secs)
+
+
+def warm_up(hm: HostedModel) -> None:
+    """One small call per model, so first requests do not pay for path choice and allocation."""
+    m = hm.model
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    if hm.kind == IMAGE_DECODER:
+        m.decode(rng.standard_normal((1, m.latent_channels, 8, 8)).astype(np.float32))
+    elif hm.kind == VIDEO_DECODER:
+        m.decode(rng.standard_normal((1, m.latent_channels, 2, 8, 8)).astype(np.float32))
+    elif hm.kind == IMAGE_ENCODER:
+        s = int(m.input_size)
+        out = m.encode(rng.random((1, s, s, 3), dtype=np.float32))
+        hm.extra["has_logits"] = out.get("logits") is not None
+    else:
+        raise ValueError(f"model {hm.name}: unknown kind {hm.kind!r}")
+    hm.warmup_seconds = time.perf_counter() - t0
+    metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)
+    log.info("warmed up %s in %.2fs", hm.name, hm.warmup_seconds)

@@ -1,0 +1,344 @@
+"""diffusers' remote VAE protocol, so `diffusers.utils.remote_decode` / `remote_encode` work against
+convserve by URL alone. A thin adapter: parse the client's wire format, go through the one request
+path (Service.decode / Service.vae_encode: batcher -> model), format what the client parses.
+
+    POST /v1/models/{name}/vae/decode   body: raw little-endian latents (Content-Type tensor/binary)
+    POST /v1/models/{name}/vae/encode   body: PNG/JPEG bytes, or a raw tensor with shape/dtype
+
+Tensors answer as raw little-endian bytes with `shape` (JSON list) and `dtype` response headers.
+Scaling follows the client: with `scaling_factor` (and `shift_factor`) the server decodes
+`latents / scaling_factor + shift_factor`; with neither the latents are taken as already
+unscaled; the deprecated `do_scaling=True` alone means "the model's own factors". The hosted
+models apply their configured factors themselves, so this module undoes them (`to_model_latents`,
+`from_model_latents`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request, Response
+from PIL import Image
+
+from . import codecs
+from .auth import require_api_key
+from .bodies import read_body
+from .model_host import IMAGE_DECODER, VIDEO_DECODER, HostedModel
+from .pipeline import Service
+from .problems import PROBLEM_SCHEMA, Problem
+from .video import encode_videos
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
+                   responses={401: PROBLEM_SCHEMA}, tags=["diffusers remote VAE"])
+
+ERRORS = {code: PROBLEM_SCHEMA for code in (400, 401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
+TENSOR_MEDIA = "tensor/binary"
+
+#: wire dtype -> little-endian numpy storage dtype (bfloat16 travels as its uint16 bit pattern)
+WIRE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+               "float64": np.dtype("<f8"), "uint8": np.dtype("u1")}
+
+
+# ---- tensors on the wire ---------------------------------------------------------------------------
+def read_wire_tensor(body: bytes, shape: list[int], dtype: str) -> np.ndarray:
+    """Raw little-endian bytes + shape + dtype -> numpy (bfloat16 widened to float32)."""
+    if dtype not in WIRE_DTYPES:
+        raise Problem(415, "unsupported-dtype", f"dtype {dtype!r} not accepted; use one of {sorted(WIRE_DTYPES)}")
+    if not shape or any(s < 0 for s in shape):
+        raise Problem(400, "bad-tensor", f"shape {shape} must be a non-empty list of sizes >= 0")
+    dt = WIRE_DTYPES[dtype]
+    n = math.prod(shape)  # Python ints: a huge declared shape must not overflow int64
+    if n * dt.itemsize != len(body):
+        raise Problem(400, "bad-tensor", f"{len(body)} body bytes do not hold shape {shape} of {dtype} "
+                                         f"({n * dt.itemsize} bytes)")
+    arr = np.frombuffer(body, dtype=dt).reshape(shape)
+    return codecs.bf16_to_f32(arr) if dtype == "bfloat16" else arr
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round to nearest even (as torch's .to(torch.bfloat16))."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    # NaN must stay NaN: keep its top half with the quiet bit set instead of rounding into Inf
+    rounded = np.where(np.isnan(x), (bits >> np.uint32(16)) | np.uint32(0x40), rounded)
+    return rounded.astype("<u2")
+
+
+def wire_bytes(arr: np.ndarray, dtype: str) -> bytes:
+    if dtype == "bfloat16":
+        return f32_to_bf16_bits(arr).tobytes()
+    return np.ascontiguousarray(arr, dtype=WIRE_DTYPES[dtype]).tobytes()
+
+
+def tensor_response(arr: np.ndarray, dtype: str) -> Response:
+    return Response(wire_bytes(arr, dtype), media_type=TENSOR_MEDIA,
+                    headers={"shape": json.dumps([int(s) for s in arr.shape]), "dtype": dtype})
+
+
+def float_reply_dtype(request_dtype: str) -> str:
+    """Float outputs travel in the request's float dtype, as a diffusers VAE run in it would give them."""
+    return request_dtype if request_dtype in ("float16", "bfloat16") else "float32"
+
+
+# ---- scaling ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClientScaling:
+    """What the client asked: latents_on_wire = (z - shift) * scale, z the VAE's own latent.
+    `model_default` = the deprecated do_scaling=True with no factors: the model's config decides."""
+
+    scale: float | None
+    shift: float | None
+    model_default: bool
+
+    @classmethod
+    def from_query(cls, scaling_factor: float | None, shift_factor: float | None,
+                   do_scaling: bool | None) -> "ClientScaling":
+        if scaling_factor is not None and scaling_factor == 0:
+            raise Problem(422, "bad-scaling", "scaling_factor must not be 0")
+        return cls(scaling_factor, shift_factor, scaling_factor is None and shift_factor is None and bool(do_scaling))
+
+    def to_raw(self, lat: np.ndarray) -> np.ndarray:
+        z = lat.astype(np.float64)
+        if self.scale is not None:
+            z = z / self.scale
+        return z + self.shift if self.shift is not None else z
+
+    def from_raw(self, z: np.ndarray) -> np.ndarray:
+        out = z.astype(np.float64)
+        if self.shift is not None:
+            out = out - self.shift
+        return out * self.scale if self.scale is not None else out
+
+
+def _model_norm(hm: HostedModel) -> tuple[np.ndarray | float, np.ndarray | float]:
+    """The model's input normalisation (scale, shift), per channel where it has one: its decode()
+    sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan: the pipeline's
+    latents * std + mean, i.e. scale = 1/std, shift = mean (shaped 1,C,1,1,1)."""
+    card = hm.model.card()
+    if hm.kind == VIDEO_DECODER:
+        cfg = card["config"]
+        std = np.asarray(cfg["latents_std"], np.float64).reshape(1, -1, 1, 1, 1)
+        return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(1, -1, 1, 1, 1)
+    return float(card["scaling_factor"]), float(card.get("shift_factor") or 0.0)
+
+
+def _same_as_model(hm: HostedModel, s: ClientScaling) -> bool:
+    if hm.kind != IMAGE_DECODER or s.scale is None:
+        return False
+    card = hm.model.card()
+    return s.scale == float(card["scaling_factor"]) and (s.shift or 0.0) == float(card.get("shift_factor") or 0.0)
+
+
+def to_model_latents(hm: HostedModel, lat: np.ndarray, s: ClientScaling) -> np.ndarray:
+    """Client latents -> the latents the model's decode() expects (it applies its own factors)."""
+    if s.model_default or _same_as_model(hm, s):
+        return lat
+    scale, shift = _model_norm(hm)
+    return ((s.to_raw(lat) - shift) * scale).astype(np.float32)
+
+
+def from_model_latents(hm: HostedModel, lat: np.ndarray, s: ClientScaling) -> np.ndarray:
+    """The model's encode() output (its own factors applied) -> latents scaled as the client asked."""
+    if s.model_default or _same_as_model(hm, s):
+        return lat
+    scale, shift = _model_norm(hm)
+    return s.from_raw(lat.astype(np.float64) / scale + shift).astype(np.float32)
+
+
+# ---- FLUX packed latents ---------------------------------------------------------------------------
+def unpack_flux_latents(packed: np.ndarray, height: int, width: int, spatial_factor: int) -> np.ndarray:
+    """(B, h/2 * w/2, C*4) 2x2-patch sequence -> (B, C, h, w), as FluxPipeline._unpack_latents."""
+    b, patches, c4 = packed.shape
+    h = 2 * (int(height) // (spatial_factor * 2))
+    w = 2 * (int(width) // (spatial_factor * 2))
+    if c4 % 4 or h < 2 or w < 2 or patches != (h // 2) * (w // 2):
+        raise Problem(422, "bad-packed-latents",
+                      f"packed latents {list(packed.shape)} do not fit height={height}, width={width}: "
+                      f"expected (B, {max(h // 2, 0) * max(w // 2, 0)}, 4*C)")
+    x = packed.reshape(b, h // 2, w // 2, c4 // 4, 2, 2).transpose(0, 3, 1, 4, 2, 5)
+    return np.ascontiguousarray(x.reshape(b, c4 // 4, h, w))
+
+
+# ---- outputs ---------------------------------------------------------------------------------------
+def to_uint8_round(x01: np.ndarray) -> np.ndarray:
+    """[0,1] -> uint8 as diffusers' numpy_to_pil: (x * 255).round()."""
+    return np.round(np.clip(x01, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+def image_file(rgb: np.ndarray, fmt: Literal["jpg", "png"], quality: int) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "png":
+        Image.fromarray(rgb, mode="RGB").save(buf, format="PNG", compress_level=1)
+    else:
+        Image.fromarray(rgb, mode="RGB").save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _image_file_format(request: Request, image_format: str) -> str | None:
+    """`output_type=pil`: an image file unless the client asked for a tensor (remote_decode with a
+    processor sends `Accept: tensor/binary`); the format by Accept, else `image_format`."""
+    accept = (request.headers.get("accept") or "").lower()
+    if "image/png" in accept:
+        return "png"
+    if "image/jpeg" in accept or "image/jpg" in accept:
+        return "jpg"
+    return None if TENSOR_MEDIA in accept else image_format
+
+
+def _video_rows(x: np.ndarray) -> np.ndarray:
+    """One video is sent without its batch axis, as diffusers' postprocess_video(...)[0] gives it."""
+    return x[0] if x.shape[0] == 1 else x
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+# ---- routes ----------------------------------------------------------------------------------------
+DECODE_DOC = """The request `diffusers.utils.remote_decode(endpoint=<this URL>, ...)` sends: the raw
+little-endian latents as the body, `shape` (repeated) and `dtype` (`float16`, `bfloat16`, `float32`) as
+query parameters. Image VAEs take N,C,h,w latents, or packed FLUX latents (B, h/2*w/2, 4C) with
+`height`/`width` (pixels). Video VAEs take N,C,T,h,w.
+
+Scaling: `scaling_factor` (+ `shift_factor`) -> the decoder sees `latents / scaling_factor + shift_factor`;
+neither -> the latents are already unscaled; deprecated `do_scaling=True` alone -> the model's own factors.
+
+Answers (`shape` and `dtype` headers on tensors, dtype = the request's float dtype, float32 for float32):
+- image VAE, `output_type=pil`: the image file (one latent), format by `Accept` (image/jpeg, image/png)
+  else `image_format`.
+- `output_type=pil` with `Accept: tensor/binary` (remote_decode given a processor): float [0,1] N,3,H,W
+  (video: F,3,H,W).
+- `output_type=pt`, `partial_postprocess=True`: uint8 N,H,W,3 (video: F,H,W,3).
+- `output_type=pt`, `partial_postprocess=False`: the decoder's output as `vae.decode(...).sample`,
+  N,3,H,W about [-1,1], unclamped (video: N,3,F,H,W in [-1,1]).
+- video VAE, `output_type=mp4`: H.264 MP4 bytes (`fps`, `quality` tune it).
+Video answers drop the batch axis for one video; several keep it (MP4: a zip of video_000.mp4, ...)."""
+
+
+@router.post("/models/{name}/vae/decode", summary="diffusers remote_decode protocol", description=DECODE_DOC,
+             response_class=Response, responses={**ERRORS, 200: {"description": "tensor, image or mp4", "content": {
+                 TENSOR_MEDIA: {}, "image/jpeg": {}, "image/png": {}, "video/mp4": {}}}},
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 TENSOR_MEDIA: {"schema": {"type": "string", "format": "binary"}}}}})
+async def remote_decode(
+        name: str, request: Request,
+        shape: list[int] = Query(..., description="latents shape, repeated: shape=1&shape=4&shape=64&shape=64"),
+        dtype: str = Query("float32", description="float32, float16 or bfloat16"),
+        scaling_factor: float | None = Query(None), shift_factor: float | None = Query(None),
+        do_scaling: bool | None = Query(None, description="deprecated: true alone = the model's own factors"),
+        output_type: Literal["pil", "pt", "mp4"] = Query("pil"),
+        image_format: Literal["jpg", "png"] = Query("jpg"),
+        partial_postprocess: bool = Query(False),
+        height: int | None = Query(None, ge=1, description="image height in pixels, for packed latents"),
+        width: int | None = Query(None, ge=1, description="image width in pixels, for packed latents"),
+        fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
+        quality: int = Query(90, ge=1, le=100, description="JPEG quality; MP4 quality (CRF 51..0)")):
+    svc = _service(request)
+    hm = svc.model(name)
+    async with svc.track(name, "vae_decode"):
+        if not hm.is_decoder:
+            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; remote_decode needs a VAE decoder")
+        video = hm.kind == VIDEO_DECODER
+        image_file_fmt = _image_file_format(request, image_format) if output_type == "pil" else None
+        if output_type == "mp4" and not video:
+            raise Problem(422, "bad-output-type", f"{name} is an image VAE: output_type mp4 is for video VAEs")
+        if output_type == "mp4" and importlib.util.find_spec("av") is None:
+            raise Problem(501, "video-extra-missing", "MP4 output needs PyAV: pip install 'convserve[video]'")
+        if video and image_file_fmt:
+            raise Problem(422, "bad-output-type", f"{name} is a video VAE: output_type pil answers a frames "
+                          "tensor; pass processor=VideoProcessor(), or use output_type mp4 or pt")
+        scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
+        body = await read_body(request, svc.settings.max_body_bytes)
+        lat = read_wire_tensor(body, shape, dtype)
+        if lat.dtype.kind != "f":
+            raise Problem(415, "unsupported-dtype", f"latents dtype {dtype} not accepted; send float32, float16 or bfloat16")
+        if lat.ndim == 3 and not video:
+            if height is None or width is None:
+                raise Problem(422, "missing-height-width", "packed (3-D) latents need height and width")
+            lat = unpack_flux_latents(lat, height, width, hm.model.spatial_factor)
+        if lat.ndim != (5 if video else 4):
+            raise Problem(422, "bad-shape", f"{name} wants latents {'N,C,T,h,w' if video else 'N,C,h,w'}"
+                          f"{'' if video else ' or packed B,h/2*w/2,4C'}, got shape {list(lat.shape)}")
+        if image_file_fmt and lat.shape[0] != 1:
+            raise Problem(422, "one-image-only", f"an image file holds one image, got {lat.shape[0]} latents; "
+                          "use output_type=pt for batches")
+        lat = to_model_latents(hm, np.asarray(lat), scaling)
+        # raw decoder output (`pt`, not post-processed) must not be clipped; everything else is
+        raw = output_type == "pt" and not partial_postprocess
+        out01 = await svc.decode(name, lat, clamp=not raw, disconnected=request.is_disconnected)
+        reply = float_reply_dtype(dtype)
+
+        if output_type == "mp4":
+            data, media = await svc.in_pool(encode_videos, out01, fps, quality)
+            return Response(data, media_type=media)
+        if image_file_fmt:
+            data = await svc.in_pool(lambda: image_file(to_uint8_round(out01[0]), image_file_fmt, quality))
+            return Response(data, media_type="image/png" if image_file_fmt == "png" else "image/jpeg")
+        if output_type == "pt" and partial_postprocess:
+            rgb = to_uint8_round(out01)  # N,H,W,3 / N,F,H,W,3
+            return tensor_response(_video_rows(rgb) if video else rgb, "uint8")
+        if raw:
+            # NHWC x/2+0.5 -> NCHW (video N,C,F,H,W) in the decoder's own range
+            x = out01 * np.float32(2.0) - np.float32(1.0)
+            x = x.transpose(0, 4, 1, 2, 3) if video else x.transpose(0, 3, 1, 2)
+            return tensor_response(x, reply)
+        # output_type=pil with a processor: postprocessed float [0,1], channels first per frame
+        x = out01.transpose(0, 1, 4, 2, 3) if video else out01.transpose(0, 3, 1, 2)
+        return tensor_response(_video_rows(x) if video else x, reply)
+
+
+ENCODE_DOC = """The request `diffusers.utils.remote_encode(endpoint=<this URL>, image=...)` sends: a PIL
+image as PNG bytes, or a tensor as raw little-endian bytes with `shape`/`dtype` query parameters (float:
+N,3,H,W or 3,H,W in [-1,1] as `VaeImageProcessor.preprocess` gives it; uint8: N,H,W,3 or H,W,3).
+Answers the posterior mean latents N,C,H/8,W/8 (deterministic) with `shape`/`dtype` headers, scaled as
+asked: `(mean - shift_factor) * scaling_factor`; neither factor -> the unscaled mean; deprecated
+`do_scaling=True` alone -> the model's own factors. Needs a checkpoint with the VAE encoder
+(`has_encoder` in the model card)."""
+
+
+def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: str) -> tuple[np.ndarray, str]:
+    """Body -> float32 N,H,W,3 in [0,1] and the dtype to answer in."""
+    if not shape:
+        rgb = codecs.open_image(body, svc.settings.max_pixels, "image")
+        return (rgb.astype(np.float32) / np.float32(255.0))[None], "float32"
+    x = read_wire_tensor(body, shape, dtype)
+    if x.dtype == np.uint8:
+        x = x[None] if x.ndim == 3 else x
+        if x.ndim != 4 or x.shape[-1] != 3:
+            raise Problem(422, "bad-shape", f"uint8 pixels must be N,H,W,3 or H,W,3, got {list(x.shape)}")
+        return x.astype(np.float32) / np.float32(255.0), "float32"
+    x = x[None] if x.ndim == 3 else x
+    if x.ndim != 4 or x.shape[1] != 3:
+        raise Problem(422, "bad-shape", f"float pixels must be N,3,H,W or 3,H,W in [-1, 1], got {list(x.shape)}")
+    images01 = (x.astype(np.float32).transpose(0, 2, 3, 1) + np.float32(1.0)) * np.float32(0.5)
+    return images01, float_reply_dtype(dtype)
+
+
+@router.post("/models/{name}/vae/encode", summary="diffusers remote_encode protocol", description=ENCODE_DOC,
+             response_class=Response, responses={**ERRORS, 200: {"description": "latents tensor",
+                                                                 "content": {TENSOR_MEDIA: {}}}},
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "image/png": {"schema": {"type": "string", "format": "binary"}},
+                 TENSOR_MEDIA: {"schema": {"type": "string", "format": "binary"}}}}})
+async def remote_encode(
+        name: str, request: Request,
+        shape: list[int] | None = Query(None, description="tensor input: its shape, repeated"),
+        dtype: str = Query("float32", description="tensor input: float32, float16, bfloat16 or uint8"),
+        scaling_factor: float | None = Query(None), shift_factor: float | None = Query(None),
+        do_scaling: bool | None = Query(None, description="deprecated: true alone = the model's own factors")):
+    svc = _service(request)
+    hm = svc.model(name)
+    async with svc.track(name, "vae_encode"):
+        if hm.kind != IMAGE_DECODER or not getattr(hm.model, "has_encoder", False):
+            raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) serves no VAE encoder: its checkpoint "
+                          "holds no encoder weights")
+        scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
+        body = await read_body(request, svc.settings.max_body_bytes)
+        images01, reply = await svc.in_pool(_encode_pixels, svc, body, shape, dtype)
+        lat = await svc.vae_encode(name, images01, disconnected=request.is_disconnected)
+        return tensor_response(from_model_latents(hm, np.asarray(lat), scaling), reply)

@@ -1,0 +1,200 @@
+"""The /v1 REST adapter: wire formats <-> tensors around Service.decode / Service.encode."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from . import codecs
+from .auth import require_api_key
+from .bodies import read_body
+from .model_host import IMAGE_DECODER, VIDEO_DECODER
+from .pipeline import Service, top_k
+from .problems import PROBLEM_SCHEMA, Problem
+from .video import encode_videos
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
+                   responses={401: PROBLEM_SCHEMA}, tags=["v1"])
+
+ERRORS = {code: PROBLEM_SCHEMA for code in (400, 401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
+
+TENSOR_BODY = {"requestBody": {"required": True, "content": {
+    codecs.NPY_MEDIA: {"schema": {"type": "string", "format": "binary"},
+                       "description": "a .npy array (np.save), no pickles"},
+    codecs.SAFETENSORS_MEDIA: {"schema": {"type": "string", "format": "binary"},
+                               "description": "safetensors bytes: the tensor named 'latents' or the only one"},
+    "application/json": {"schema": {"type": "object", "required": ["data", "shape"], "properties": {
+        "data": {"type": "string", "format": "byte", "description": "base64 of the little-endian raw bytes"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+        "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16", "float64"], "default": "float32"}}}},
+}}}
+
+IMAGE_BODY = {"requestBody": {"required": True, "content": {
+    "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+    "image/png": {"schema": {"type": "string", "format": "binary"}},
+    "image/webp": {"schema": {"type": "string", "format": "binary"}},
+    "multipart/form-data": {"schema": {"type": "object", "properties": {
+        "files": {"type": "array", "items": {"type": "string", "format": "binary"}}}},
+        "description": "several images: every file part, in order, whatever its field name"},
+    codecs.NPY_MEDIA: {"schema": {"type": "string", "format": "binary"},
+                       "description": "pixels N,H,W,3 (or H,W,3): uint8 0..255 or float in [0,1]"},
+}}}
+
+
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.get("/models", summary="Model cards of every served model")
+async def list_models(request: Request):
+    svc = service(request)
+    return {"ready": svc.ready, "models": [hm.card() for hm in svc.models.values()],
+            "unavailable": svc.failed}
+
+
+@router.get("/models/{name}", summary="One model's card", responses={404: PROBLEM_SCHEMA})
+async def model_card(name: str, request: Request):
+    return service(request).model(name).card()
+
+
+@router.get("/kernels", summary="Conv path choices and plan cache statistics of the backend")
+async def kernels(request: Request):
+    be = service(request).backend
+    if be is None:
+        raise Problem(503, "not-ready", "backend not created yet", headers={"Retry-After": "2"})
+    return {"backend": be.describe(), "conv_choices": be.conv_choices(), "plan_cache": be.plan_cache_stats()}
+
+
+DecodeFormat = Literal["png", "jpeg", "webp", "npy", "mp4"]
+
+
+def _decode_format(kind: str, fmt: str | None) -> str:
+    if kind == IMAGE_DECODER:
+        fmt = fmt or "png"
+        if fmt == "mp4":
+            raise Problem(422, "bad-format", "mp4 is for video decoders; image decoders give png, jpeg, webp or npy")
+    else:
+        fmt = fmt or "mp4"
+        if fmt not in ("mp4", "npy"):
+            raise Problem(422, "bad-format", f"video decoders give mp4 or npy frames, not {fmt}")
+        if fmt == "mp4" and importlib.util.find_spec("av") is None:
+            raise Problem(501, "video-extra-missing",
+                          "MP4 output needs PyAV: pip install 'convserve[video]' (or ask for format=npy)")
+    return fmt
+
+
+@router.post(
+    "/models/{name}/decode", summary="Decode latents to images or video",
+    description=(
+        "Latents as the diffusion pipeline hands them (scaled): N,C,H,W for image decoders, "
+        "N,C,T,H,W for video decoders (a missing N means 1), sent as .npy, safetensors or JSON+base64.\n\n"
+        "Image decoders answer png (default), jpeg or webp: one latent gives the image bytes, several give "
+        "`application/zip` with `image_000.<ext>`, `image_001.<ext>`... in batch order. `npy` gives float32 "
+        "N,H,W,3 in [0,1].\n\nVideo decoders answer mp4 (H.264, default; several videos: a zip of "
+        "`video_000.mp4`...) or `npy` frames float32 N,F,H,W,3 in [0,1], F = 1 + 4*(T-1).\n\n"
+        "`X-Output-Shape` gives the decoded array shape."),
+    responses={**ERRORS, 200: {"description": "image, zip, mp4 or npy", "content": {
+        "image/png": {}, "image/jpeg": {}, "image/webp": {}, "application/zip": {}, "video/mp4": {},
+        codecs.NPY_MEDIA: {}}}},
+    response_class=Response, openapi_extra=TENSOR_BODY)
+async def decode(name: str, request: Request,
+                 format: DecodeFormat | None = Query(None, description="png|jpeg|webp|npy (images), mp4|npy (video)"),
+                 quality: int = Query(90, ge=1, le=100, description="JPEG/WebP quality; MP4 quality (CRF 51..0)"),
+                 tiled: Literal["on", "off", "auto"] = Query("auto", description="tiled decode (bounded memory); auto = the model's rule"),
+                 fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate")):
+    svc = service(request)
+    hm = svc.model(name)
+    async with svc.track(name, "decode"):
+        if not hm.is_decoder:
+            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; POST to /v1/models/{name}/encode")
+        fmt = _decode_format(hm.kind, format)
+        body = await read_body(request, svc.settings.max_body_bytes)
+        latents, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "latents")
+        out = await svc.decode(name, latents, tiled={"on": True, "off": False}.get(tiled),
+                               disconnected=request.is_disconnected)
+        if fmt == "npy":
+            data, media = await svc.in_pool(codecs.npy_bytes, out), codecs.NPY_MEDIA
+        elif hm.kind == VIDEO_DECODER:
+            data, media = await svc.in_pool(encode_videos, out, fps, quality)
+        else:
+            data, media = await svc.in_pool(codecs.encode_images, out, fmt, quality)
+    return Response(data, media_type=media, headers={"X-Output-Shape": ",".join(map(str, out.shape))})
+
+
+async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size: int,
+                         crop_pct: float = 0.875) -> np.ndarray:
+    """Images (or pixel arrays) from the body -> float32 N,S,S,3 in [0,1] at the model's size."""
+    mt = codecs.media_type(request.headers.get("content-type"))
+    max_px, max_n = svc.settings.max_pixels, svc.settings.max_batch
+    if mt.startswith("image/"):
+        images = [await svc.in_pool(codecs.open_image, body, max_px, "image")]
+    elif mt == "multipart/form-data":
+        form = await request.form(max_files=max_n + 1)
+        parts = [v for _, v in form.multi_items() if hasattr(v, "read")]
+        if not parts:
+            raise Problem(400, "no-images", "multipart body has no file parts")
+        if len(parts) > max_n:
+            raise Problem(422, "batch-too-large", f"{len(parts)} images in one request; the limit is {max_n}")
+        images = []
+        for i, part in enumerate(parts):
+            data = await part.read()
+            images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}"))
+    else:
+        arr, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "pixels")
+        if arr.ndim == 3:
+            arr = arr[None]
+        if arr.ndim != 4 or arr.shape[-1] != 3 or min(arr.shape) < 1:
+            raise Problem(422, "bad-shape", f"pixels must be N,H,W,3 (or H,W,3), got {list(arr.shape)}")
+        if arr.dtype != np.uint8 and arr.dtype.kind != "f":
+            raise Problem(415, "unsupported-dtype", f"pixels dtype {arr.dtype}: send uint8 or float in [0,1]")
+        if arr.shape[0] > max_n:
+            raise Problem(422, "batch-too-large", f"{arr.shape[0]} images in one request; the limit is {max_n}")
+        if arr.shape[1] * arr.shape[2] > max_px:
+            raise Problem(413, "image-too-large", f"{arr.shape[2]}x{arr.shape[1]} pixels exceed the limit of {max_px}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
+        images = list(arr)
+    resized = [await svc.in_pool(codecs.preprocess, im, input_size, crop_pct) for im in images]
+    return np.stack(resized)
+
+
+@router.post(
+    "/models/{name}/encode", summary="Encode images to embeddings",
+    description=(
+        "One image (JPEG/PNG/WebP bytes), several as multipart/form-data (every file part, in order), "
+        "or pixels as .npy (N,H,W,3 uint8 or float [0,1]). Images are resized (shortest side to "
+        "input_size/0.875, centre crop to input_size, bicubic) and normalised by the model.\n\n"
+        "`format=json` (default): `{model, embedding_dim, embeddings: [[...]], top_k?: [[{index, label, score}]]}`; "
+        "`format=npy`: the float32 N,D embedding array. `top_k` needs a checkpoint with a classifier head."),
+    responses={**ERRORS, 200: {"description": "embeddings", "content": {
+        "application/json": {}, codecs.NPY_MEDIA: {}}}},
+    openapi_extra=IMAGE_BODY)
+async def encode(name: str, request: Request,
+                 format: Literal["json", "npy"] = Query("json"),
+                 top_k_: int | None = Query(None, alias="top_k", ge=1, le=1000,
+                                            description="also return the k most likely labels")):
+    svc = service(request)
+    hm = svc.model(name)
+    async with svc.track(name, "encode"):
+        if hm.kind != "image-encoder":
+            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; POST latents to /v1/models/{name}/decode")
+        body = await read_body(request, svc.settings.max_body_bytes)
+        pixels = await _encode_inputs(svc, request, body, int(hm.model.input_size),
+                                      float(getattr(hm.model, "crop_pct", 0.875)))
+        out = await svc.encode(name, pixels, disconnected=request.is_disconnected)
+        emb = np.asarray(out["embedding"], dtype=np.float32)
+        if top_k_ is not None and out.get("logits") is None:
+            raise Problem(422, "no-classifier-head", f"{name} has no classifier head; top_k is unavailable")
+        if format == "npy":
+            return Response(codecs.npy_bytes(emb), media_type=codecs.NPY_MEDIA,
+                            headers={"X-Output-Shape": ",".join(map(str, emb.shape))})
+        doc = {"model": name, "embedding_dim": int(emb.shape[1]), "embeddings": emb.tolist()}
+        if top_k_ is not None:
+            doc["top_k"] = top_k(np.asarray(out["logits"], dtype=np.float64), top_k_, hm.labels)
+    return JSONResponse(doc)
+
+
+

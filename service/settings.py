@@ -1,0 +1,85 @@
+"""Service settings: environment variables with the CONVSERVE_ prefix (docs/interfaces.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+#: Served when CONVSERVE_MODELS is unset. The video VAE is optional here so a partial checkout
+#: (or a model that fails to build) still leaves a working default server.
+DEFAULT_MODELS = "tiny-vae,tiny-convnext,tiny-wan-vae?"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    preset: str
+    weights: str | None = None
+    optional: bool = False
+
+
+def parse_models(spec: str) -> list[ModelEntry]:
+    """`name=preset[:weights_path]` entries, comma separated. A bare `preset` names itself;
+    a trailing `?` marks an entry whose load failure is logged instead of fatal."""
+    entries: list[ModelEntry] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        optional = item.endswith("?")
+        item = item.rstrip("?")
+        name, sep, rest = item.partition("=")
+        if not sep:
+            rest = name
+        preset, _, weights = rest.partition(":")
+        name, preset = name.strip(), preset.strip()
+        if not name or not preset:
+            raise ValueError(f"bad model entry {raw!r}: expected name=preset[:weights]")
+        entries.append(ModelEntry(name, preset, weights.strip() or None, optional))
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate model names in {spec!r}")
+    if not entries:
+        raise ValueError("no models configured")
+    return entries
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVSERVE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: Literal["auto", "numpy", "mlx", "cuda"] = "auto"
+    dtype: str | None = None
+    models: str = DEFAULT_MODELS
+    max_batch: int = Field(8, ge=1)
+    max_queue_delay_ms: float = Field(5.0, ge=0)
+    max_queue: int = Field(64, ge=1)
+    request_timeout_s: float = Field(60.0, gt=0)
+    max_body_bytes: int = Field(64 * MIB, ge=1)
+    #: output pixels per image/frame (H*W); decode input is checked against it before any work
+    max_pixels: int = Field(4096 * 4096, ge=1)
+    #: video frames per request (after temporal upsampling)
+    max_frames: int = Field(256, ge=1)
+    api_key: str | None = None
+    plan_cache_dir: str | None = None
+    plan_cache_capacity: int = Field(128, ge=1)
+    unfold_limit_bytes: int | None = None
+    tile_size: int | None = None
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    log_level: str = "info"
+    #: threads that encode PNG/JPEG/WebP/MP4 and decode uploaded images off the event loop
+    codec_threads: int = Field(2, ge=1)
+
+    def model_entries(self) -> list[ModelEntry]:
+        return parse_models(self.models)
+
+    def backend_options(self) -> dict:
+        """Options passed to convkernels.get_backend. Only the dtype: the backends read their own
+        knobs (CONVSERVE_UNFOLD_LIMIT_BYTES, CONVSERVE_PLAN_CACHE_*) from the environment, and
+        each backend class takes a different set of constructor options."""
+        return {"dtype": self.dtype} if self.dtype else {}

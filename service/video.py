@@ -1,0 +1,63 @@
+"""MP4 (H.264) encoding with PyAV, imported lazily: `av` is the optional `video` extra."""
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+
+import numpy as np
+
+from .codecs import ZIP_MEDIA, to_uint8, zip_bytes
+from .problems import Problem
+
+
+def _av():
+    try:
+        import av  # noqa: PLC0415 - optional dependency
+    except ImportError as exc:
+        raise Problem(501, "video-extra-missing",
+                      "MP4 output needs PyAV: pip install 'convserve[video]' (or ask for format=npy)") from exc
+    return av
+
+
+def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20) -> bytes:
+    """F,H,W,3 in [0,1] -> H.264 MP4 (yuv420p, so odd sizes are padded to even by edge copy)."""
+    av = _av()
+    rgb = to_uint8(frames01)
+    f, h, w, _ = rgb.shape
+    ph, pw = h + (h % 2), w + (w % 2)
+    if (ph, pw) != (h, w):
+        rgb = np.pad(rgb, ((0, 0), (0, ph - h), (0, pw - w), (0, 0)), mode="edge")
+    # PyAV's mp4 muxer wants a seekable file to write the moov atom; a temp file keeps memory flat
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        with av.open(path, mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "h264",
+                                          rate=int(round(fps)))
+            stream.width, stream.height, stream.pix_fmt = pw, ph, "yuv420p"
+            stream.options = {"crf": str(crf), "preset": "veryfast"}
+            for frame in rgb:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        with open(path, "rb") as fh:
+            return fh.read()
+    finally:
+        os.unlink(path)
+
+
+def encode_videos(videos01: np.ndarray, fps: float, quality: int) -> tuple[bytes, str]:
+    """N,F,H,W,3 -> one MP4, or a zip of video_000.mp4, ... ; quality 1..100 maps to x264 CRF 51..0."""
+    crf = int(round(51 - 51 * (max(1, min(100, quality)) / 100.0)))
+    if videos01.shape[0] == 1:
+        return mp4_bytes(videos01[0], fps, crf), "video/mp4"
+    return zip_bytes([(f"video_{i:03d}.mp4", mp4_bytes(v, fps, crf)) for i, v in enumerate(videos01)]), ZIP_MEDIA
+
+
+def read_mp4_frames(data: bytes) -> np.ndarray:
+    """Decode an MP4 back to uint8 F,H,W,3 (used by the CLI and tests)."""
+    av = _av()
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([fr.to_ndarray(format="rgb24") for fr in container.decode(video=0)])
