@@ -1,0 +1,129 @@
+"""Dynamic batching vs batch-1 serving, over HTTP, same machine, same run.
+
+Starts two real servers (`convserve serve`, NumPy backend, tiny presets): one with
+CONVSERVE_MAX_BATCH=8 (the default) and one with CONVSERVE_MAX_BATCH=1. Each gets the same
+closed-loop concurrent load (decode image latents; encode small images); after an untimed
+warm-up round, the best of --rounds timed rounds is kept. Prints requests/s for both and the
+ratio, plus the mean batch size the batched server ran.
+
+  python benchmarks/batching.py [--requests 32] [--concurrency 16] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from machine import describe_machine  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(max_batch: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "CONVSERVE_BACKEND": "numpy", "CONVSERVE_MODELS": "tiny-vae,tiny-convnext",
+           "CONVSERVE_MAX_BATCH": str(max_batch), "CONVSERVE_MAX_QUEUE": "256", "CONVSERVE_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def payloads(kind: str, n: int) -> list[tuple[str, bytes, str]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        if kind == "decode":
+            buf = io.BytesIO()
+            np.save(buf, rng.standard_normal((1, 4, 8, 8)).astype(np.float32))
+            out.append(("/v1/models/tiny-vae/decode", buf.getvalue(), "application/x-npy"))
+        else:
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, format="PNG")
+            out.append(("/v1/models/tiny-convnext/encode", buf.getvalue(), "image/png"))
+    return out
+
+
+def load(url: str, reqs, concurrency: int) -> float:
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=concurrency)) as client:
+        def one(r):
+            path, body, ctype = r
+            resp = client.post(url + path, content=body, headers={"content-type": ctype})
+            resp.raise_for_status()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, reqs))
+        return time.perf_counter() - t0
+
+
+def batch_stats(url: str, model: str) -> tuple[float, float]:
+    count = total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            if s.labels.get("model") == model and s.name == "convserve_batch_size_count":
+                count = s.value
+            if s.labels.get("model") == model and s.name == "convserve_batch_size_sum":
+                total = s.value
+    return count, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    print(f"machine: {describe_machine()}")
+    print(f"load: {args.requests} requests per round, {args.concurrency} concurrent clients, "
+          f"best of {args.rounds} rounds after a warm-up round")
+    servers = {"batched (max_batch 8)": start(8), "batch-1 (max_batch 1)": start(1)}
+    try:
+        for kind, model in (("decode", "tiny-vae"), ("encode", "tiny-convnext")):
+            reqs = payloads(kind, args.requests)
+            best = {}
+            for name, (_, url) in servers.items():
+                load(url, reqs, args.concurrency)  # warm-up: path choice per batch size
+            before = batch_stats(servers["batched (max_batch 8)"][1], model)
+            for _ in range(args.rounds):  # alternate servers so background noise hits both
+                for name, (_, url) in servers.items():
+                    secs = load(url, reqs, args.concurrency)
+                    best[name] = min(best.get(name, float("inf")), secs)
+            after = batch_stats(servers["batched (max_batch 8)"][1], model)
+            mean_batch = (after[1] - before[1]) / max(after[0] - before[0], 1)
+            rps = {name: args.requests / secs for name, secs in best.items()}
+            b, s = rps["batched (max_batch 8)"], rps["batch-1 (max_batch 1)"]
+            print(f"{kind:7s} {model:14s} batched {b:7.1f} req/s (mean batch {mean_batch:.1f})   "
+                  f"batch-1 {s:7.1f} req/s   ratio {b / s:.2f}x")
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Streamed video decode: time to the first frame vs time to the full clip, on a real convserve.
+
+Same server, same latents, same run, interleaved: the peer is the non-streaming
+`POST /v1/models/{name}/decode?format=npy` (the whole clip in one answer); ours is
+`POST /v1/models/{name}/decode/stream` as `.npy` records and as fragmented MP4. Client-side
+times from sending the request: first group = the first frame group fully received (the
+first .npy record, or init segment + first moof/mdat), full = the last byte. The server's
+own convserve_time_to_first_frame_seconds (mean over the runs) is printed beside them.
+
+    python benchmarks/streaming.py                       # starts `convserve serve`: tiny-wan-vae, numpy
+    python benchmarks/streaming.py --shapes 9x16x16 9x32x32 --reps 3
+    python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104   # GPU
+    python benchmarks/streaming.py --url http://host:8000 --model wan                          # a running server
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NPY = {"content-type": "application/x-npy"}
+
+
+def npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def start_server(models: str, backend: str, timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env.update(CONVSERVE_MODELS=models, CONVSERVE_BACKEND=backend, CONVSERVE_LOG_LEVEL="warning",
+               CONVSERVE_MAX_FRAMES="100000", CONVSERVE_REQUEST_TIMEOUT_S="3600")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server not ready")
+
+
+def first_group_end(data: bytes, fmt: str) -> bool:
+    """True once `data` holds the whole first frame group."""
+    if fmt == "npy":
+        return len(data) >= 8 and len(data) >= 8 + struct.unpack("<Q", data[:8])[0]
+    i = 0
+    while i + 8 <= len(data):
+        size = int.from_bytes(data[i:i + 4], "big")
+        if i + size > len(data):
+            return False
+        if data[i + 4:i + 8] == b"mdat":
+            return True
+        i += size
+    return False
+
+
+def timed_stream(url: str, body: bytes, fmt: str) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first, head, size = None, bytearray(), 0
+    with httpx.stream("POST", url, content=body, headers=NPY, params={"format": fmt}, timeout=3600) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"stream answered {r.status_code}: {r.read()[:300]!r}")
+        for chunk in r.iter_raw():
+            size += len(chunk)
+            if first is None:  # keep bytes only until the first group is whole: the client stays cheap
+                head += chunk
+                if first_group_end(bytes(head), fmt):
+                    first, head = time.perf_counter() - t0, None
+    return first, time.perf_counter() - t0, size
+
+
+def timed_decode(url: str, body: bytes) -> float:
+    t0 = time.perf_counter()
+    r = httpx.post(url, content=body, headers=NPY, params={"format": "npy"}, timeout=3600)
+    if r.status_code != 200:
+        raise SystemExit(f"decode answered {r.status_code}: {r.text[:300]}")
+    return time.perf_counter() - t0
+
+
+def server_ttff(url: str, model: str) -> tuple[float, float]:
+    """(sum, count) of convserve_time_to_first_frame_seconds for the model."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("convserve_time_to_first_frame_seconds_") and f'model="{model}"' in line:
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("convserve_time_to_first_frame_seconds_sum"):
+                total += value
+            elif line.startswith("convserve_time_to_first_frame_seconds_count"):
+                count += value
+    return total, count
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", help="a running server (default: start one)")
+    ap.add_argument("--models", default="wan=tiny-wan-vae", help="CONVSERVE_MODELS of the started server")
+    ap.add_argument("--backend", default="numpy", help="CONVSERVE_BACKEND of the started server (CPU default: numpy)")
+    ap.add_argument("--model", default="wan", help="the video decoder's served name")
+    ap.add_argument("--shapes", nargs="+", default=["9x16x16"], help="latent TxHxW")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args.models, args.backend)
+    try:
+        card = httpx.get(f"{url}/v1/models/{args.model}", timeout=30).json()
+        c = card["latent_channels"]
+        print(f"machine: {describe_machine()}")
+        print(f"server: {card['name']} = {card['preset']} ({card.get('weights')}), backend {card['backend']} "
+              f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved")
+        print(f"{'latents TxHxW':>13s} {'frames':>14s} {'full clip s':>11s} {'npy 1st s':>9s} {'npy end s':>9s} "
+              f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
+        rng = np.random.default_rng(0)
+        base = f"{url}/v1/models/{args.model}"
+        for shape in args.shapes:
+            t, h, w = (int(v) for v in shape.split("x"))
+            body = npy(rng.standard_normal((1, c, t, h, w)).astype(np.float32))
+            timed_stream(f"{base}/decode/stream", body, "npy")  # warm-up: path choice for these shapes
+            full, npy1, npyend, mp41, mp4end = [], [], [], [], []
+            s0 = server_ttff(url, args.model)
+            for _ in range(args.reps):
+                full.append(timed_decode(f"{base}/decode", body))
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "npy")
+                npy1.append(a), npyend.append(b)
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "mp4")
+                mp41.append(a), mp4end.append(b)
+            s1 = server_ttff(url, args.model)
+            med = statistics.median
+            frames = f"{1 + 4 * (t - 1)}x{h * 8}x{w * 8}"
+            ttff = (s1[0] - s0[0]) / max(s1[1] - s0[1], 1)
+            print(f"{shape:>13s} {frames:>14s} {med(full):11.3f} {med(npy1):9.3f} {med(npyend):9.3f} "
+                  f"{med(mp41):9.3f} {med(mp4end):9.3f} {med(full) / med(npy1):7.1f}x {med(npyend) / med(full):11.2f}x "
+                  f"{ttff:13.3f}", flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
