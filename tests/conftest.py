@@ -1,0 +1,30 @@
+"""Shared fixtures: real convserve servers (`python -m service.cli serve`, the README's path) on
+free localhost ports in subprocesses, with the tiny presets and random weights."""
+from __future__ import annotations
+
+import pytest
+
+# tests import helpers from live_server, never `from conftest` (tests/gpu has a conftest too)
+from live_server import LiveServer, start_server
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """start(**settings) -> LiveServer; every server started is stopped at session end."""
+    started: list[LiveServer] = []
+    log_dir = tmp_path_factory.mktemp("servers")
+
+    def start(**settings) -> LiveServer:
+        s = start_server(log_dir, **settings)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(server_factory) -> LiveServer:
+    """The default model set (tiny-vae, tiny-convnext, tiny-wan-vae), default limits."""
+    return server_factory(models="tiny-vae,tiny-convnext,tiny-wan-vae")

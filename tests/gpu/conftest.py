@@ -1,0 +1,40 @@
+"""GPU tests: shared fixtures. Every GPU test skips with the reason when there is no usable
+CUDA device, CuPy or cuDNN frontend (CI has none); the CPU-only files here test the pure
+Python parts of the CUDA backend (plan cache, gemm fallback algorithm) and always run."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# the shared torch reference helpers live one folder up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Helpers are imported from named modules (gpu_support, live_server), never `from conftest`:
+# two conftest.py files share that module name, so which one an import finds depends on order.
+from gpu_support import cuda_or_skip  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cuda_available():
+    cuda_or_skip()
+    return True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """On a device run ($OUT set), keep the CUDA kernel metrics the tests produced: which path
+    each op ran on, plan cache events, build times."""
+    out = os.environ.get("OUT")
+    if not out or not os.path.isdir(out):
+        return
+    try:
+        from prometheus_client import generate_latest
+
+        from convkernels import REGISTRY
+    except ImportError:
+        return
+    lines = [ln for ln in generate_latest(REGISTRY).decode().splitlines()
+             if 'backend="cuda"' in ln and not ln.startswith("#") and "_bucket" not in ln]
+    with open(os.path.join(out, "gpu_metrics.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call: install carried wheels, print the stack, run the GPU tests and benchmarks.
+# Usage on the device machine (repo root): bash tests/gpu/device_run.sh [pytest args...]
+# Logs go to $OUT (set by the device tool) or ./out.
+set -o pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 3
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
+python3 - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
+import cupy, cudnn, torch, sys
+print("python", sys.version.split()[0], "cupy", cupy.__version__, "cuda runtime", cupy.cuda.runtime.runtimeGetVersion(),
+      "cudnn-frontend", cudnn.__version__, "cudnn backend", cudnn.backend_version(), "torch", torch.__version__)
+PY
+status=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/gpu --timeout 600 -rfE --durations 15 \
+    --log-file="$OUT/cuda.log" --log-file-level=INFO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 80
+  status=$?
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout 240 python3 benchmarks/gpu_ops.py ${OPS_ARGS:-} 2>&1 | tee "$OUT/gpu_ops.log" | tail -n ${OPS_TAIL:-20}
+fi
+if [ -n "${MODELS:-}" ]; then
+  timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu_models.py --only "$MODELS" ${MODELS_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_models.log" | tail -n 30
+fi
+if [ -n "${PEERS:-}" ]; then  # the shared PyTorch baseline, carried in .gpuextra/
+  PEER_ONLY="$PEERS" timeout ${PEERS_TIMEOUT:-240} python3 .gpuextra/torch_baseline.py 2>&1 \
+    | tee "$OUT/torch_baseline.log" | grep -v "^dw" | tail -n 30
+fi
+exit $status

@@ -1,0 +1,117 @@
+"""Real convserve servers for tests: `python -m service.cli serve` (the README's path) on a free
+localhost port in a subprocess, ready once /readyz answers 200, plus the .npy and /metrics helpers
+the service tests use. A module of its own (tests/conftest.py re-exports it) so tests/gpu/, whose
+conftest would clash by name, can import it too."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    env: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def start_server(log_dir: Path, *, ready_timeout: float = 90.0, **settings) -> LiveServer:
+    """Start `convserve serve` with CONVSERVE_<KEY>=value settings and wait for /readyz."""
+    import httpx
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env.update({"CONVSERVE_BACKEND": "numpy", "CONVSERVE_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"})
+    env.update({f"CONVSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+    log_path = log_dir / f"server-{port}.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = LiveServer(proc, port, log_path, env)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/readyz", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            pytest.fail(f"server not ready in {ready_timeout}s:\n{server.log()}")
+        time.sleep(0.1)
+
+
+# ---- request/metrics helpers (tests import them from here) ---------------------------------------
+def npy(arr) -> bytes:
+    import io
+
+    import numpy as np
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def from_npy(data: bytes):
+    import io
+
+    import numpy as np
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def scrape(url: str, headers: dict | None = None) -> dict[tuple, float]:
+    """/metrics as {(sample name, sorted label items): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=headers or {}, timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric(snap: dict, name: str, **labels) -> float:
+    return snap.get((name, tuple(sorted((k, str(v)) for k, v in labels.items()))), 0.0)
+
+
+def metric_sum(snap: dict, name: str, **labels) -> float:
+    """Sum over every series of `name` whose labels include `labels`."""
+    want = {(k, str(v)) for k, v in labels.items()}
+    return sum(v for (n, lab), v in snap.items() if n == name and want <= set(lab))

@@ -1,0 +1,151 @@
+"""The dynamic batcher over HTTP: batches > 1 under concurrent load and more throughput than
+batch-1 serving; a full queue answers 429 + Retry-After while admitted requests succeed; a
+client that disconnects has its queued work skipped; a request past its timeout gets 504."""
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+
+from live_server import metric, npy, scrape
+
+NPY = {"content-type": "application/x-npy"}
+
+
+def body(side: int, n: int = 1) -> bytes:
+    return npy(np.random.default_rng().standard_normal((n, 4, side, side)).astype(np.float32))
+
+
+def decode(url: str, data: bytes, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}/v1/models/tiny-vae/decode", content=data, headers=NPY,
+                      params={"format": "npy"}, timeout=timeout)
+
+
+def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def settle(url: str, timeout: float = 30.0) -> dict:
+    """Wait until the worker is idle: no queue, and the conv counter stops moving."""
+    last = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = scrape(url)
+        convs = sum(v for (n, _), v in snap.items() if n == "convkernels_conv_total")
+        if convs == last and metric(snap, "convserve_queue_depth", model="tiny-vae") == 0:
+            return snap
+        last = convs
+        time.sleep(0.5)
+    pytest.fail("worker never went idle")
+
+
+def run_load(url: str, n: int, side: int, concurrency: int) -> tuple[float, list[int]]:
+    data = [body(side) for _ in range(n)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        codes = [r.status_code for r in pool.map(lambda d: decode(url, d), data)]
+    return time.perf_counter() - t0, codes
+
+
+def test_batches_form_and_beat_batch_one(server_factory):
+    batched = server_factory(models="tiny-vae", max_batch=8, max_queue_delay_ms=20, max_queue=64)
+    single = server_factory(models="tiny-vae", max_batch=1, max_queue=64)
+    n, side = 24, 6
+    for s in (batched, single):  # one untimed round: paths are chosen per batch size on first use
+        assert run_load(s.url, n, side, concurrency=n)[1] == [200] * n
+    s0 = scrape(batched.url)
+    times = {"batched": [], "single": []}
+    for _ in range(3):  # alternate, keep the best of each: the 2-core CI box is shared
+        for name, srv in (("batched", batched), ("single", single)):
+            secs, codes = run_load(srv.url, n, side, concurrency=n)
+            assert codes == [200] * n
+            times[name].append(secs)
+    s1 = scrape(batched.url)
+    batches = metric(s1, "convserve_batch_size_count", model="tiny-vae") - metric(s0, "convserve_batch_size_count", model="tiny-vae")
+    rows = metric(s1, "convserve_batch_size_sum", model="tiny-vae") - metric(s0, "convserve_batch_size_sum", model="tiny-vae")
+    ones = metric(s1, "convserve_batch_size_bucket", model="tiny-vae", le="1.0") - metric(s0, "convserve_batch_size_bucket", model="tiny-vae", le="1.0")
+    assert rows == 3 * n
+    assert batches - ones > 0 and rows / batches > 1.5, f"{batches} batches for {rows} rows"
+    speedup = min(times["single"]) / min(times["batched"])
+    print(f"batched {min(times['batched']):.2f}s vs batch-1 {min(times['single']):.2f}s for {n} requests: {speedup:.2f}x")
+    assert speedup > 1.0
+
+
+@pytest.fixture(scope="module")
+def tight(server_factory):
+    """One request at a time, two waiting: easy to fill."""
+    return server_factory(models="tiny-vae", max_batch=1, max_queue=2, max_queue_delay_ms=0)
+
+
+def test_overload_429_with_retry_after_while_admitted_succeed(tight):
+    s0 = scrape(tight.url)
+    with ThreadPoolExecutor(10) as pool:
+        rs = list(pool.map(lambda d: decode(tight.url, d), [body(16) for _ in range(10)]))
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 3 and codes.count(429) >= 1, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["type"].endswith("/queue-full")
+        else:
+            assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 128, 128, 3)
+    s1 = scrape(tight.url)
+    assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="queue_full") - \
+        metric(s0, "convserve_rejected_total", model="tiny-vae", reason="queue_full") == codes.count(429)
+    assert metric(s1, "convserve_requests_total", model="tiny-vae", endpoint="decode", status=429) - \
+        metric(s0, "convserve_requests_total", model="tiny-vae", endpoint="decode", status=429) == codes.count(429)
+
+
+def raw_request(port: int, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = (f"POST /v1/models/tiny-vae/decode?format=npy HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/x-npy\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+    sock.sendall(head + data)
+    return sock
+
+
+def test_disconnected_client_work_is_skipped(tight):
+    u = tight.url
+    s0 = settle(u)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(decode, u, body(32))  # occupies the worker
+        wait_for(lambda: metric(scrape(u), "convserve_inflight_requests", model="tiny-vae") >= 1, what="A in flight")
+        sock = raw_request(tight.port, body(12))
+        wait_for(lambda: metric(scrape(u), "convserve_queue_depth", model="tiny-vae") == 1, what="B queued")
+        sock.close()  # B's client goes away while B waits behind A
+        wait_for(lambda: metric(scrape(u), "convserve_rejected_total", model="tiny-vae", reason="client_gone")
+                 > metric(s0, "convserve_rejected_total", model="tiny-vae", reason="client_gone"), what="B dropped")
+        assert long.result().status_code == 200
+    s1 = settle(u)
+    assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="client_gone") - \
+        metric(s0, "convserve_rejected_total", model="tiny-vae", reason="client_gone") == 1
+    # only A ran: one batch of one row
+    assert metric(s1, "convserve_batch_size_count", model="tiny-vae") - metric(s0, "convserve_batch_size_count", model="tiny-vae") == 1
+    assert metric(s1, "convserve_batch_size_sum", model="tiny-vae") - metric(s0, "convserve_batch_size_sum", model="tiny-vae") == 1
+
+
+def test_request_timeout_504_and_queued_work_skipped(server_factory):
+    srv = server_factory(models="tiny-vae", max_batch=1, request_timeout_s=0.2)
+    s0 = settle(srv.url)
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(decode, srv.url, body(32))  # ~1 s of work: past the 0.2 s timeout
+        time.sleep(0.05)  # A is admitted first (scraping to check would outlast the 0.2 s timeout)
+        b = pool.submit(decode, srv.url, body(8))   # waits behind A, times out in the queue
+        ra, rb = a.result(), b.result()
+    for r in (ra, rb):
+        assert r.status_code == 504 and r.json()["type"].endswith("/timeout")
+    s1 = settle(srv.url)
+    assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="timeout") - \
+        metric(s0, "convserve_rejected_total", model="tiny-vae", reason="timeout") == 2
+    assert metric(s1, "convserve_batch_size_count", model="tiny-vae") - metric(s0, "convserve_batch_size_count", model="tiny-vae") == 1

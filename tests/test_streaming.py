@@ -1,0 +1,422 @@
+"""Streamed video decode (POST /v1/models/{name}/decode/stream) on a real uvicorn convserve:
+frames arrive before the clip is done, match diffusers' AutoencoderKLWan (same random weights) and
+the non-streaming /decode exactly; the fragmented MP4 plays in PyAV; a slow reader pauses the
+decode; a disconnect stops it and frees the request; a full queue answers 429 before any frame."""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+import weakref
+
+import httpx
+import numpy as np
+import pytest
+
+from live_server import from_npy, metric, metric_sum, npy, scrape
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+NPY = {"content-type": "application/x-npy"}
+MODEL = "wan"
+WAN_SMALL = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                 temperal_downsample=[False, True, True])
+TOL = 1e-4  # rel L2, fp32 (as the other diffusers comparisons over HTTP)
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def rel_l2(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
+    return float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_wan(seed: int):
+    """diffusers' AutoencoderKLWan, tiny, every parameter perturbed away from its init."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    z = WAN_SMALL["z_dim"]
+    cfg = {**WAN_SMALL, "latents_mean": rng.normal(0, 0.5, z).round(4).tolist(),
+           "latents_std": rng.uniform(0.5, 3.0, z).round(4).tolist()}
+    vae = diffusers.AutoencoderKLWan(**cfg).eval()
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            p.add_(0.1 * torch.randn_like(p)) if name.endswith("bias") else p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    return vae
+
+
+class Srv:
+    def __init__(self, live, vae):
+        self.live, self.vae = live, vae
+        self.url = live.url
+        self.stream_url = f"{live.url}/v1/models/{MODEL}/decode/stream"
+
+    def reference(self, lat: np.ndarray) -> np.ndarray:
+        """diffusers' decode of normalised latents as frames N,F,H,W,3 in [0,1]."""
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)  # the server has the other core
+        try:
+            with torch.no_grad():
+                sample = self.vae.decode(torch.from_numpy(lat) * std + mean).sample
+        finally:
+            torch.set_num_threads(before)
+        return (sample.permute(0, 2, 3, 4, 1).numpy() / 2 + 0.5).astype(np.float32)
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.live.proc.pid}/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+    def steps(self) -> float:
+        """Model calls run by the worker (each streamed frame group is one)."""
+        return metric_sum(scrape(self.url), "convserve_batch_size_count", model=MODEL)
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory, tmp_path_factory):
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    vae = make_wan(seed)
+    folder = tmp_path_factory.mktemp("stream_wan") / "wan"
+    vae.save_pretrained(folder)
+    live = server_factory(models=f"{MODEL}=tiny-wan-vae:{folder}", max_queue=1, log_level="info")
+    return Srv(live, vae)
+
+
+def latents(*shape) -> np.ndarray:
+    return np.random.default_rng().standard_normal(shape).astype(np.float32)
+
+
+def read_records(data: bytes, partial: bool = False) -> tuple[list[np.ndarray], bool]:
+    """Parse the .npy-stream framing: (arrays, ended with the zero-length record). partial: data
+    is a prefix of the stream, a last incomplete record is left out."""
+    out, i = [], 0
+    while i + 8 <= len(data):
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        i += 8
+        if n == 0:
+            assert i == len(data), "bytes after the end record"
+            return out, True
+        if partial and i + n > len(data):
+            break
+        assert i + n <= len(data), "truncated record"
+        out.append(from_npy(data[i:i + n]))
+        i += n
+    return out, False
+
+
+def stream(url: str, lat: np.ndarray, **params) -> tuple[httpx.Response, list[tuple[float, bytes]], float]:
+    """POST and read the body as it comes: (response, [(seconds since request, chunk)], total s)."""
+    t0 = time.perf_counter()
+    chunks = []
+    with httpx.stream("POST", url, content=npy(lat), headers=NPY, params=params, timeout=120) as r:
+        for chunk in r.iter_raw():
+            chunks.append((time.perf_counter() - t0, chunk))
+    return r, chunks, time.perf_counter() - t0
+
+
+def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def settled_steps(srv: Srv, quiet_s: float = 1.5, timeout: float = 60.0) -> float:
+    """The worker's call count once it has not moved for quiet_s."""
+    deadline = time.monotonic() + timeout
+    last, since = srv.steps(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = srv.steps()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+    pytest.fail("the worker never went quiet")
+
+
+@pytest.fixture(scope="module")
+def clip(srv):
+    """9 latent frames (33 output frames, 72x88): latents, diffusers' frames, /decode's npy."""
+    lat = latents(1, 4, 9, 9, 11)
+    r = httpx.post(f"{srv.url}/v1/models/{MODEL}/decode", content=npy(lat), headers=NPY,
+                   params={"format": "npy"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return lat, srv.reference(lat), from_npy(r.content)
+
+
+# ---- tests ------------------------------------------------------------------------------------------
+def test_npy_stream_first_frame_early_and_exact(srv, clip):
+    lat, ref, whole = clip
+    assert rel_l2(whole, ref) < TOL
+    s0 = scrape(srv.url)
+    r, chunks, total = stream(srv.stream_url, lat, format="npy")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-npy-stream"
+    assert r.headers["transfer-encoding"] == "chunked" and "content-length" not in r.headers
+    assert r.headers["x-output-shape"] == "1,33,72,88,3" and r.headers["x-frame-groups"] == "9"
+    groups, ended = read_records(b"".join(c for _, c in chunks))
+    assert ended and [g.shape[1] for g in groups] == [1] + [4] * 8
+    got = np.concatenate(groups, axis=1)
+    assert np.array_equal(got, whole), "stream differs from /decode"
+    err = rel_l2(got, ref)
+    print(f"stream vs diffusers rel L2 {err:.2e}; first chunk {chunks[0][0]:.2f}s of {total:.2f}s")
+    assert err < TOL
+    # 1 of 9 decode steps is done when the first bytes leave: well under half the clip's time
+    assert chunks[0][0] < 0.5 * total, (chunks[0][0], total)
+    s1 = scrape(srv.url)
+    for name in ("convserve_time_to_first_frame_seconds_count", "convserve_stream_frames_per_second_count"):
+        assert metric(s1, name, model=MODEL, backend="numpy") - metric(s0, name, model=MODEL, backend="numpy") == 1
+    ttff = metric(s1, "convserve_time_to_first_frame_seconds_sum", model=MODEL, backend="numpy") - \
+        metric(s0, "convserve_time_to_first_frame_seconds_sum", model=MODEL, backend="numpy")
+    assert 0 < ttff < total
+    assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) - \
+        metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) == 1
+
+
+def test_npy_stream_of_a_batch(srv):
+    lat = latents(2, 4, 3, 5, 7)
+    r, chunks, _ = stream(srv.stream_url, lat, format="npy")
+    groups, ended = read_records(b"".join(c for _, c in chunks))
+    assert r.status_code == 200 and ended and [g.shape for g in groups] == [(2, 1, 40, 56, 3)] + [(2, 4, 40, 56, 3)] * 2
+    assert rel_l2(np.concatenate(groups, axis=1), srv.reference(lat)) < TOL
+
+
+def test_fragmented_mp4_plays_in_pyav(srv, clip):
+    av = pytest.importorskip("av")
+    from service.fmp4 import top_level_boxes
+
+    lat, ref, _ = clip
+    r, chunks, total = stream(srv.stream_url, lat, format="mp4", fps=12)
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    data = b"".join(c for _, c in chunks)
+    kinds = [k for k, _ in top_level_boxes(data)]
+    assert kinds[:2] == ["ftyp", "moov"] and kinds[2:] == ["moof", "mdat"] * 9, kinds
+    assert chunks[0][0] < 0.5 * total, (chunks[0][0], total)
+    with av.open(io.BytesIO(data)) as container:
+        vs = container.streams.video[0]
+        frames = [f for f in container.decode(video=0)]
+        assert vs.average_rate == 12
+    assert len(frames) == 33 and (frames[0].width, frames[0].height) == (88, 72)
+    assert all(f.pts is not None for f in frames) and [f.pts for f in frames] == sorted(f.pts for f in frames)
+    rgb = np.stack([f.to_ndarray(format="rgb24") for f in frames]).astype(np.float64)
+    luma = np.array([0.299, 0.587, 0.114])
+    y, y_ref = rgb @ luma, (np.clip(ref[0], 0, 1) * 255) @ luma
+    err = np.abs(y - y_ref).mean()
+    print(f"mp4 luma mean abs error {err:.2f} levels")
+    assert err < 2.5 and err < np.abs(y - y_ref[::-1]).mean() / 4, err
+
+
+def test_disconnect_stops_the_decode(srv):
+    t = 16
+    lat = latents(1, 4, t, 9, 11)
+    before = settled_steps(srv)
+    s0 = scrape(srv.url)
+    got = b""
+    with httpx.stream("POST", srv.stream_url, content=npy(lat), headers=NPY, params={"format": "npy"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += chunk
+            if len(read_records(got, partial=True)[0]) >= 2:
+                break  # leaving the block closes the connection mid-stream
+    wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 0,
+             what="in-flight gauge back to 0")
+    steps = settled_steps(srv) - before
+    assert steps <= 5, f"{steps} of {t} frame groups decoded after a disconnect at 2"
+    s1 = scrape(srv.url)
+    assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=499) - \
+        metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=499) == 1
+    assert f"ended after 2/{t} frame groups" in wait_for(
+        lambda: srv.live.log() if f"/{t} frame groups" in srv.live.log() else "", 10, "the stream's end log")
+
+
+def test_slow_reader_pauses_the_decode_and_a_disconnect_frees_it(srv):
+    """A reader that stops reading holds back the decode (no further frame group is made, so
+    memory cannot grow); when it then goes away, the paused decode is dropped: in-flight back to
+    0, no further group decoded. 128x128 frames: 0.8 MB a group, so the kernel's socket buffers
+    (at most a few MB on localhost) fill well before the 16th group. RSS is printed, not checked:
+    the allocator keeps freed pages, so the freed cache is checked in-process below."""
+    t = 16
+    lat = latents(1, 4, t, 16, 16)
+    before = settled_steps(srv)
+    rss_idle = srv.rss()
+    s0 = scrape(srv.url)
+    body = npy(lat)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.live.port))
+    try:
+        sock.sendall(b"POST /v1/models/%s/decode/stream?format=npy HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/x-npy\r\nContent-Length: %d\r\n\r\n" % (MODEL.encode(), len(body))
+                     + body)
+        head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        paused = settled_steps(srv, quiet_s=2.0) - before
+        rss_paused = srv.rss()
+        assert metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 1
+    finally:
+        sock.close()
+    wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 0,
+             what="in-flight gauge back to 0")
+    after = settled_steps(srv) - before
+    rss_after = srv.rss()
+    print(f"decode paused after {paused:.0f}/{t} groups ({after:.0f} after the disconnect); "
+          f"RSS idle {rss_idle / 2**20:.0f} MiB, paused {rss_paused / 2**20:.0f} MiB, gone {rss_after / 2**20:.0f} MiB")
+    assert paused >= 1 and paused < t - 1, f"{paused} of {t} groups decoded while the reader did not read"
+    assert after <= paused + 1, "the decode went on after the client left"
+    s1 = scrape(srv.url)
+    assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=499) - \
+        metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=499) == 1
+
+
+def test_full_queue_answers_429_before_any_frame(srv):
+    """max_queue=1: one decode running, one queued -> a stream is refused with Retry-After."""
+    s0 = scrape(srv.url)
+    codes = {}
+
+    def plain(tag, lat):
+        r = httpx.post(f"{srv.url}/v1/models/{MODEL}/decode", content=npy(lat), headers=NPY,
+                       params={"format": "npy"}, timeout=120)
+        codes[tag] = r.status_code
+
+    running = threading.Thread(target=plain, args=("running", latents(1, 4, 5, 16, 16)))
+    running.start()
+    wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 1 and
+             metric(scrape(srv.url), "convserve_queue_depth", model=MODEL) == 0, what="the first decode to start")
+    queued = threading.Thread(target=plain, args=("queued", latents(1, 4, 1, 5, 7)))
+    queued.start()
+    wait_for(lambda: metric(scrape(srv.url), "convserve_queue_depth", model=MODEL) == 1, what="a queued decode")
+    r = httpx.post(srv.stream_url, content=npy(latents(1, 4, 3, 5, 7)), headers=NPY, timeout=30)
+    running.join(120)
+    queued.join(120)
+    assert codes == {"running": 200, "queued": 200}
+    assert r.status_code == 429 and r.headers["retry-after"] and \
+        r.headers["content-type"] == "application/problem+json", (r.status_code, r.text)
+    assert r.json()["type"].endswith("/queue-full")
+    s1 = scrape(srv.url)
+    assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=429) - \
+        metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=429) == 1
+
+
+def test_errors_are_problems_before_the_stream(srv):
+    r = httpx.post(srv.stream_url, content=npy(latents(1, 3, 2, 5, 7)), headers=NPY, timeout=30)
+    assert r.status_code == 422 and r.json()["type"].endswith("/wrong-channels")
+    r = httpx.post(srv.stream_url, content=npy(latents(2, 4, 2, 5, 7)), headers=NPY, params={"format": "mp4"},
+                   timeout=30)
+    assert r.status_code == 422 and r.json()["type"].endswith("/batch-not-streamable")
+    r = httpx.post(f"{srv.url}/v1/models/nope/decode/stream", content=npy(latents(1, 4, 2, 5, 7)), headers=NPY)
+    assert r.status_code == 404
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    op = spec["paths"]["/v1/models/{name}/decode/stream"]["post"]
+    assert set(op["responses"]["200"]["content"]) == {"video/mp4", "application/x-npy-stream"}
+    assert "8-byte little-endian" in op["description"] and "429" in op["responses"]
+    assert metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 0
+
+
+def test_a_draining_server_finishes_the_stream_then_exits(srv):
+    """SIGTERM mid-stream: the admitted stream still gets every frame group (its later steps pass
+    the closed queue), newcomers get 503, then the server exits 0. Stops the module's server: last."""
+    t = 6
+    lat = latents(1, 4, t, 9, 11)
+    got, signalled = b"", False
+    with httpx.stream("POST", srv.stream_url, content=npy(lat), headers=NPY, params={"format": "npy"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for chunk in r.iter_raw():
+            got += chunk
+            if not signalled and read_records(got, partial=True)[0]:
+                signalled = True
+                srv.live.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 503, 10, "draining")
+                late = httpx.post(srv.stream_url, content=npy(latents(1, 4, 2, 5, 7)), headers=NPY, timeout=30)
+                assert late.status_code == 503, late.text
+    groups, ended = read_records(got)
+    assert ended and len(groups) == t
+    assert srv.live.proc.wait(30) == 0
+
+
+# ---- the pieces under the route, without HTTP ------------------------------------------------------
+def test_continuation_steps_pass_a_full_queue_and_solo_items_run_alone():
+    from service.batcher import Batcher, QueueFull
+
+    async def main():
+        gate = threading.Event()
+        b = Batcher(max_batch=8, max_queue_delay_ms=1000, max_queue=1)
+        try:
+            t0 = time.perf_counter()
+            solo = b.submit("m", "s", np.ones((1, 1)), lambda x: (gate.wait(10), x * 5)[1], solo=True)
+            while not solo.started:  # no batching wait for a solo item
+                await asyncio.sleep(0.01)
+            started_after = time.perf_counter() - t0
+            queued = b.submit("m", "k", np.zeros((1, 1)), lambda x: x + 1)
+            with pytest.raises(QueueFull):
+                b.submit("m", "k", np.zeros((1, 1)), lambda x: x)
+            cont = b.submit("m", "s", np.ones((1, 1)), lambda x: x * 7, continuation=True, solo=True)
+            gate.set()
+            out = await asyncio.wait_for(asyncio.gather(solo.future, queued.future, cont.future), 10)
+            return out, started_after
+        finally:
+            b.stop()
+
+    (a, b, c), started_after = asyncio.run(main())
+    assert started_after < 0.5, started_after
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([[5.0]], [[1.0]], [[7.0]])
+
+
+def test_generator_closed_after_a_running_step_when_the_stream_ends():
+    from service.streaming import GeneratorSteps, StreamClosed
+
+    closed, release = threading.Event(), threading.Event()
+
+    def frames():
+        try:
+            for k in range(100):
+                if k == 1:
+                    release.wait(10)
+                yield k
+        finally:
+            closed.set()
+
+    steps = GeneratorSteps(frames())
+    assert steps.step() == 0
+    worker = threading.Thread(target=steps.step)
+    worker.start()
+    time.sleep(0.1)
+    steps.close()  # the step is running: close must not wait for it, nor close a running generator
+    assert not closed.is_set()
+    release.set()
+    worker.join(10)
+    assert closed.wait(5) and steps.released and steps.steps == 2
+    with pytest.raises(StreamClosed):
+        steps.step()
+
+
+def test_closing_the_stream_frees_the_decoders_feature_cache():
+    from convkernels import get_backend
+    from models import load_model
+    from service.streaming import GeneratorSteps
+
+    model = load_model("w", "tiny-wan-vae", get_backend("numpy"))
+    gen = model.decode_frames(latents(1, 4, 5, 3, 5))
+    steps = GeneratorSteps(gen)
+    assert steps.step().shape == (1, 1, 24, 40, 3)
+    cache = weakref.ref(gen.gi_frame.f_locals["state"])
+    assert cache() is not None and cache().slots
+    steps.close()
+    assert cache() is None, "the feature cache outlived the closed stream"
+    assert gen.gi_frame is None
