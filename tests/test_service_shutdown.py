@@ -17,7 +17,9 @@ NPY = {"content-type": "application/x-npy"}
 def test_sigterm_drains_then_exits_zero(server_factory):
     srv = server_factory(models="tiny-vae", max_batch=1, shutdown_grace_s=60)
     rng = np.random.default_rng()
-    bodies = [npy(rng.standard_normal((1, 4, 16, 16)).astype(np.float32)) for _ in range(5)]
+    # ~0.5 s of decode each on one CPU core, run one at a time: the queue holds seconds of work when
+    # SIGTERM lands, so the drain is still under way while the late requests below are answered
+    bodies = [npy(rng.standard_normal((1, 4, 64, 64)).astype(np.float32)) for _ in range(5)]
 
     def decode(data):
         return httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=data, headers=NPY,
@@ -41,5 +43,5 @@ def test_sigterm_drains_then_exits_zero(server_factory):
         results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * len(bodies)
     for r in results:
-        assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 128, 128, 3)
+        assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 512, 512, 3)
     assert srv.proc.wait(30) == 0
