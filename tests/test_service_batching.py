@@ -119,7 +119,7 @@ def test_disconnected_client_work_is_skipped(tight):
     u = tight.url
     s0 = settle(u)
     with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(decode, u, body(32))  # occupies the worker
+        long = pool.submit(decode, u, body(96))  # ~1 s of work: occupies the worker while B queues and leaves
         wait_for(lambda: metric(scrape(u), "convserve_inflight_requests", model="tiny-vae") >= 1, what="A in flight")
         sock = raw_request(tight.port, body(12))
         wait_for(lambda: metric(scrape(u), "convserve_queue_depth", model="tiny-vae") == 1, what="B queued")
@@ -139,7 +139,7 @@ def test_request_timeout_504_and_queued_work_skipped(server_factory):
     srv = server_factory(models="tiny-vae", max_batch=1, request_timeout_s=0.2)
     s0 = settle(srv.url)
     with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(decode, srv.url, body(32))  # ~1 s of work: past the 0.2 s timeout
+        a = pool.submit(decode, srv.url, body(96))  # ~1 s of work (0.15 s at 32x32 on a fast core): past the 0.2 s timeout
         time.sleep(0.05)  # A is admitted first (scraping to check would outlast the 0.2 s timeout)
         b = pool.submit(decode, srv.url, body(8))   # waits behind A, times out in the queue
         ra, rb = a.result(), b.result()
