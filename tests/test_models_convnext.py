@@ -3,7 +3,6 @@ fresh random weights in every parameter, checkpoints in HF and timm naming, odd 
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -281,22 +280,6 @@ def test_random_init_is_seeded_and_says_so(backend):
     assert model.card()["weights"] == "random init" and model.input_size == PRESETS["tiny-convnext"]["input_size"]
     assert a["logits"].shape == (2, PRESETS["tiny-convnext"]["num_classes"])
     assert np.isfinite(a["embedding"]).all() and a["embedding"].std() > 0.1
-
-
-def test_tiny_preset_is_fast(backend):
-    model = build("t", "tiny-convnext", backend)
-    pixels = np.random.default_rng().random((1, 64, 64, 3), dtype=np.float32)
-    model.encode(pixels)
-    # best of 10: on the shared CI box a busy neighbour can stall any single run (the
-    # OpenMP depthwise kernel is sensitive to that), the best run shows what the model costs
-    best = min(_timed(model.encode, pixels) for _ in range(10))
-    assert best < 0.1, f"tiny-convnext 64x64 took {best * 1e3:.1f} ms"
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
 
 
 def test_bad_pixels_are_refused(backend):
