@@ -2,6 +2,8 @@
 ../shared/PEERS.md. Prints a ratio table (peer time / ours: > 1 means we are faster).
 
     python benchmarks/cpu_conv.py [--reps 5] [--no-mlx]
+
+Each time is the median of at least --reps calls and at least 0.5 s of calls.
 """
 from __future__ import annotations
 
@@ -27,10 +29,13 @@ SHAPES = [
 ]
 
 
-def timeit(fn, reps):
+def timeit(fn, reps, min_seconds=0.5):
+    """Median of at least `reps` calls, and of enough calls to fill `min_seconds`: five samples of
+    a 0.2 ms conv are mostly timer noise and the other runtime's threads winding down."""
     fn()
     ts = []
-    for _ in range(reps):
+    start = time.perf_counter()
+    while len(ts) < reps or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
@@ -68,7 +73,7 @@ def main():
         wtt = torch.from_numpy(wt).permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
             peer = timeit(lambda: F.conv2d(xt, wtt, padding=k // 2, groups=g), reps)
-        line = f"{name:26s} {ours * 1e3:9.1f} {peer * 1e3:9.1f} {peer / ours:10.2f} {target:7.1f}"
+        line = f"{name:26s} {ours * 1e3:9.2f} {peer * 1e3:9.2f} {peer / ours:10.2f} {target:7.1f}"
         if mx is not None:
             xm, wm = mx.array(x), mx.array(wt)
             def run_mlx():

@@ -45,6 +45,42 @@ static inline __attribute__((always_inline)) vf16 vload16(const float *p)
 
 static inline __attribute__((always_inline)) void vstore16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
 
+/* One output row, one 16-channel vector, stride 1 and dilation 1 along W, KW a constant after
+ * inlining: each kernel row loads the DW_OB + KW - 1 input vectors a block of DW_OB columns
+ * touches once (zeros outside the image, so border columns need no other code) and reuses
+ * each across its KW taps, instead of one load per tap per column. */
+static inline __attribute__((always_inline)) void depthwise_row_s1(
+    const float *xb, const float *w, vf16 init, float *orow, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c,
+    Py_ssize_t c0, Py_ssize_t ih0, Py_ssize_t kh, Py_ssize_t dh, Py_ssize_t pw, Py_ssize_t wo, const int KW)
+{
+    for (Py_ssize_t ow = 0; ow < wo; ow += DW_OB) {
+        vf16 acc[DW_OB];
+#pragma GCC unroll 8
+        for (int k = 0; k < DW_OB; k++) acc[k] = init;
+        Py_ssize_t iw0 = ow - pw;
+        for (Py_ssize_t i = 0; i < kh; i++) {
+            Py_ssize_t ih = ih0 + i * dh;
+            if (ih < 0 || ih >= h) continue; /* zero padding contributes nothing */
+            const float *xrow = xb + (size_t)ih * wd * c + c0;
+            const float *wt = w + (size_t)i * KW * c + c0;
+            vf16 xv[DW_OB + 7 - 1];
+#pragma GCC unroll 16
+            for (int t = 0; t < DW_OB + KW - 1; t++) {
+                Py_ssize_t iw = iw0 + t;
+                xv[t] = (iw >= 0 && iw < wd) ? vload16(xrow + (size_t)iw * c) : (vf16){0};
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < KW; j++) {
+                vf16 wv = vload16(wt + (size_t)j * c);
+#pragma GCC unroll 8
+                for (int k = 0; k < DW_OB; k++) acc[k] += xv[k + j] * wv;
+            }
+        }
+        Py_ssize_t n_out = wo - ow < DW_OB ? wo - ow : DW_OB;
+        for (int k = 0; k < n_out; k++) vstore16(orow + (size_t)(ow + k) * c + c0, acc[k]);
+    }
+}
+
 CLONES
 static void depthwise_rows(const float *x, const float *w, const float *bias, float *out,
                            Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c,
@@ -60,53 +96,78 @@ static void depthwise_rows(const float *x, const float *w, const float *bias, fl
     Py_ssize_t last = wd - 1 - (kw - 1) * dw + pw;
     Py_ssize_t ow_in_hi = last < 0 ? -1 : last / sw; /* inclusive */
     if (ow_in_hi > wo - 1) ow_in_hi = wo - 1;
-#pragma omp parallel for schedule(static) if (work > DEPTHWISE_PARALLEL_MIN_WORK)
+    /* channel vector outermost, output rows inside: one vector's input rows (kh x wd x 64 B) stay
+     * in L1 while the rows below reuse them; rows-outermost streamed every row's full channel
+     * width through L2 per kernel row and ran ~2x slower at 14x14x384. Rows split into chunks
+     * too, so a layer with few channel vectors still fills the threads. */
+    Py_ssize_t n_vec = c_vec / DW_VEC;
+    Py_ssize_t chunks = n_vec >= 8 ? 1 : (n_vec >= 2 ? 4 : 8);
+    if (chunks > rows) chunks = rows;
+    Py_ssize_t chunk_rows = chunks ? (rows + chunks - 1) / chunks : 0;
+#pragma omp parallel for collapse(2) schedule(static) if (work > DEPTHWISE_PARALLEL_MIN_WORK)
+    for (Py_ssize_t cv = 0; cv < n_vec; cv++) {
+        for (Py_ssize_t chunk = 0; chunk < chunks; chunk++) {
+            Py_ssize_t c0 = cv * DW_VEC;
+            vf16 init = bias ? vload16(bias + c0) : (vf16){0};
+            Py_ssize_t r_end = (chunk + 1) * chunk_rows < rows ? (chunk + 1) * chunk_rows : rows;
+            for (Py_ssize_t r = chunk * chunk_rows; r < r_end; r++) {
+                Py_ssize_t b = r / ho, oh = r % ho;
+                const float *xb = x + (size_t)b * h * wd * c;
+                float *orow = out + ((size_t)b * ho + oh) * wo * c;
+                Py_ssize_t ih0 = oh * sh - ph;
+                if (sw == 1 && dw == 1 && (kw == 7 || kw == 5 || kw == 3)) {
+                    if (kw == 7) depthwise_row_s1(xb, w, init, orow, h, wd, c, c0, ih0, kh, dh, pw, wo, 7);
+                    else if (kw == 5) depthwise_row_s1(xb, w, init, orow, h, wd, c, c0, ih0, kh, dh, pw, wo, 5);
+                    else depthwise_row_s1(xb, w, init, orow, h, wd, c, c0, ih0, kh, dh, pw, wo, 3);
+                    continue;
+                }
+                Py_ssize_t ow = 0;
+                while (ow < wo) {
+                    if (ow >= ow_in_lo && ow + DW_OB - 1 <= ow_in_hi) {
+                        vf16 acc[DW_OB];
+                        for (int k = 0; k < DW_OB; k++) acc[k] = init;
+                        for (Py_ssize_t i = 0; i < kh; i++) {
+                            Py_ssize_t ih = ih0 + i * dh;
+                            if (ih < 0 || ih >= h) continue; /* zero padding contributes nothing */
+                            const float *xp = xb + ((size_t)ih * wd + ow * sw - pw) * c + c0;
+                            const float *wt = w + (size_t)i * kw * c + c0;
+                            for (Py_ssize_t j = 0; j < kw; j++) {
+                                vf16 wv = vload16(wt + (size_t)j * c);
+                                const float *xj = xp + (size_t)j * dw * c;
+                                for (int k = 0; k < DW_OB; k++) acc[k] += vload16(xj + (size_t)k * sw * c) * wv;
+                            }
+                        }
+                        for (int k = 0; k < DW_OB; k++) vstore16(orow + (size_t)(ow + k) * c + c0, acc[k]);
+                        ow += DW_OB;
+                    } else {
+                        vf16 acc = init;
+                        Py_ssize_t iw0 = ow * sw - pw;
+                        for (Py_ssize_t i = 0; i < kh; i++) {
+                            Py_ssize_t ih = ih0 + i * dh;
+                            if (ih < 0 || ih >= h) continue;
+                            const float *xrow = xb + (size_t)ih * wd * c + c0;
+                            const float *wt = w + (size_t)i * kw * c + c0;
+                            for (Py_ssize_t j = 0; j < kw; j++) {
+                                Py_ssize_t iw = iw0 + j * dw;
+                                if (iw < 0 || iw >= wd) continue;
+                                acc += vload16(xrow + (size_t)iw * c) * vload16(wt + (size_t)j * c);
+                            }
+                        }
+                        vstore16(orow + (size_t)ow * c + c0, acc);
+                        ow++;
+                    }
+                }
+            }
+        }
+    }
+    if (c_vec == c) return;
+    /* channels past the last full vector: one at a time */
+#pragma omp parallel for schedule(static) if ((long long)rows * wo * (c - c_vec) * kh * kw > DEPTHWISE_PARALLEL_MIN_WORK)
     for (Py_ssize_t r = 0; r < rows; r++) {
         Py_ssize_t b = r / ho, oh = r % ho;
         const float *xb = x + (size_t)b * h * wd * c;
         float *orow = out + ((size_t)b * ho + oh) * wo * c;
         Py_ssize_t ih0 = oh * sh - ph;
-        for (Py_ssize_t c0 = 0; c0 < c_vec; c0 += DW_VEC) {
-            vf16 init = bias ? vload16(bias + c0) : (vf16){0};
-            Py_ssize_t ow = 0;
-            while (ow < wo) {
-                if (ow >= ow_in_lo && ow + DW_OB - 1 <= ow_in_hi) {
-                    vf16 acc[DW_OB];
-                    for (int k = 0; k < DW_OB; k++) acc[k] = init;
-                    for (Py_ssize_t i = 0; i < kh; i++) {
-                        Py_ssize_t ih = ih0 + i * dh;
-                        if (ih < 0 || ih >= h) continue; /* zero padding contributes nothing */
-                        const float *xp = xb + ((size_t)ih * wd + ow * sw - pw) * c + c0;
-                        const float *wt = w + (size_t)i * kw * c + c0;
-                        for (Py_ssize_t j = 0; j < kw; j++) {
-                            vf16 wv = vload16(wt + (size_t)j * c);
-                            const float *xj = xp + (size_t)j * dw * c;
-                            for (int k = 0; k < DW_OB; k++) acc[k] += vload16(xj + (size_t)k * sw * c) * wv;
-                        }
-                    }
-                    for (int k = 0; k < DW_OB; k++) vstore16(orow + (size_t)(ow + k) * c + c0, acc[k]);
-                    ow += DW_OB;
-                } else {
-                    vf16 acc = init;
-                    Py_ssize_t iw0 = ow * sw - pw;
-                    for (Py_ssize_t i = 0; i < kh; i++) {
-                        Py_ssize_t ih = ih0 + i * dh;
-                        if (ih < 0 || ih >= h) continue;
-                        const float *xrow = xb + (size_t)ih * wd * c + c0;
-                        const float *wt = w + (size_t)i * kw * c + c0;
-                        for (Py_ssize_t j = 0; j < kw; j++) {
-                            Py_ssize_t iw = iw0 + j * dw;
-                            if (iw < 0 || iw >= wd) continue;
-                            acc += vload16(xrow + (size_t)iw * c) * vload16(wt + (size_t)j * c);
-                        }
-                    }
-                    vstore16(orow + (size_t)ow * c + c0, acc);
-                    ow++;
-                }
-            }
-        }
-        if (c_vec == c) continue;
-        /* channels past the last full vector: one at a time */
         for (Py_ssize_t ow = 0; ow < wo; ow++) {
             float *acc = orow + (size_t)ow * c;
             for (Py_ssize_t ch = c_vec; ch < c; ch++) acc[ch] = bias ? bias[ch] : 0.0f;
