@@ -42,6 +42,7 @@ class Backend(ABC):
         self.dtype = dtype
         self.timing_sample_rate = float(timing_sample_rate)
         self._rng = random.Random(0)
+        self._metric_children: dict = {}
         self.paths = PathChooser(self.name, self.conv_paths(), self.measure_paths())
 
     # ---- to implement -------------------------------------------------------------------
@@ -76,9 +77,18 @@ class Backend(ABC):
         if self.timing_sample_rate >= 1.0 or self._rng.random() < self.timing_sample_rate:
             t0 = time.perf_counter()
             out = run()
-            CONV_SECONDS.labels(self.name, op, path).observe(time.perf_counter() - t0)
+            self._conv_metrics(op, path)[1].observe(time.perf_counter() - t0)
             return out
         return run()
+
+    def _conv_metrics(self, op: str, path: str):
+        """(count, seconds) children for one op and path: labels() costs ~3 us a call, and a
+        small conv is ~100 us."""
+        children = self._metric_children.get((op, path))
+        if children is None:
+            children = self._metric_children[(op, path)] = (CONV_TOTAL.labels(self.name, op, path),
+                                                             CONV_SECONDS.labels(self.name, op, path))
+        return children
 
     @abstractmethod
     def _group_norm(self, x, num_groups, weight, bias, eps, activation): ...
@@ -136,7 +146,7 @@ class Backend(ABC):
         key = ConvKey(op, x_shape, w_shape, self.dtype_of(x), spec,
                       (bias is not None, residual is not None, activation))
         path = self.paths.choose(key)
-        CONV_TOTAL.labels(self.name, op, path.name).inc()
+        self._conv_metrics(op, path.name)[0].inc()
         return self._time_conv(op, path.name, lambda: path.run(x, w, key, bias, residual, activation))
 
     def _conv_nd(self, nd, x, w, bias, stride, padding, dilation, groups, residual, activation):

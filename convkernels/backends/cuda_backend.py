@@ -27,7 +27,6 @@ from collections import OrderedDict
 import numpy as np
 
 from ..backend import CONV_OPS, CONV_T_OPS, Backend
-from ..metrics import CONV_SECONDS, CONV_TOTAL
 from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, validate_conv
 from . import cuda_gemm
@@ -89,7 +88,6 @@ class CudaBackend(Backend):
         self._event_pool: list = []
         self._timing_lock = threading.Lock()
         self.measurements: dict = {}
-        self._conv_counters: dict = {}
         self._dw_cache: OrderedDict = OrderedDict()
         super().__init__(dtype, timing_sample_rate)
         self.paths = PathChooser(self.name, self.conv_paths(), self.measure_paths(), cache_metrics=False)
@@ -164,7 +162,7 @@ class CudaBackend(Backend):
             pending, self._pending = self._pending, []
         for op, path, start, end in pending:
             end.synchronize()
-            CONV_SECONDS.labels(self.name, op, path).observe(self.cp.cuda.get_elapsed_time(start, end) / 1e3)
+            self._conv_metrics(op, path)[1].observe(self.cp.cuda.get_elapsed_time(start, end) / 1e3)
             self._event_pool += [start, end]
 
     # ---- convolutions ---------------------------------------------------------------------------
@@ -190,10 +188,7 @@ class CudaBackend(Backend):
             start = self._event()
             start.record()
         out, used = path.run(x, w, key, bias, residual, activation)
-        counter = self._conv_counters.get((op, used))
-        if counter is None:
-            counter = self._conv_counters[(op, used)] = CONV_TOTAL.labels(self.name, op, used)
-        counter.inc()
+        self._conv_metrics(op, used)[0].inc()
         if sampled:
             end = self._event()
             end.record()

@@ -24,7 +24,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import Backend
-from ..metrics import CONV_SECONDS
 from ..paths import ConvPath
 from ..spec import ConvKey, upsample_shapes
 from . import mlx_metal
@@ -128,7 +127,7 @@ class MlxBackend(Backend):
             t0 = time.perf_counter()
             out = run()
             mx.eval(out)
-            CONV_SECONDS.labels(self.name, op, path).observe(time.perf_counter() - t0)
+            self._conv_metrics(op, path)[1].observe(time.perf_counter() - t0)
             return out
         return run()
 

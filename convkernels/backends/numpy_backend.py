@@ -23,6 +23,8 @@ DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 SMALL_GEMM_MACS = 1 << 24
 
 
+_DTYPE_NAMES: dict = {}
+
 class _BlasThreads:
     """Context factory that pins BLAS to one thread for small gemms (no-op without threadpoolctl)."""
 
@@ -142,7 +144,11 @@ class NumpyBackend(Backend):
         return np.asarray(x)
 
     def dtype_of(self, x) -> str:
-        return str(np.asarray(x).dtype) if not isinstance(x, np.ndarray) else str(x.dtype)
+        dt = x.dtype if isinstance(x, np.ndarray) else np.asarray(x).dtype
+        name = _DTYPE_NAMES.get(dt)
+        if name is None:  # str(dtype) costs ~4 us; a conv asks three times
+            name = _DTYPE_NAMES[dt] = str(dt)
+        return name
 
     def _f(self, x):
         """Upcast half inputs to float32 (the compute dtype); leave f32/f64 alone."""
@@ -215,6 +221,9 @@ class NumpyBackend(Backend):
         ]
 
     def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
+        if w.ndim >= 3 and w.shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
+            # depthwise paths call no BLAS: pinning its threads would cost ~10 us for nothing
+            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
         # small convs run their gemms on one BLAS thread (see SMALL_GEMM_MACS)
         rows = int(np.prod(x.shape[:-1])) * int(np.prod(spec.stride)) if spec.transpose else \
             x.shape[0] * int(np.prod(spec.output_spatial(x.shape[1:-1], w.shape[1:-1])))
