@@ -165,12 +165,17 @@ class NumpyBackend(Backend):
             dt = np.float64 if key.dtype == "float64" else np.float32
             x = rng.standard_normal(key.x_shape).astype(dt)
             w = rng.standard_normal(key.w_shape).astype(dt)
-            timings = []
-            for p in valid:
-                t0 = time.perf_counter()
-                p.run(x, w, key, None, None, None)
-                timings.append((time.perf_counter() - t0, p.cost(key), p.name, p))
-            return min(timings)[-1]
+            # best of two interleaved rounds: the first absorbs cold costs (Winograd's weight
+            # transform, first-touch pages), so a single cold timing no longer picks tiled_unfold
+            # (112 ms) over winograd_f2x3 (85-95 ms) at 3x3 512ch 64x64 on 2 cores
+            best: dict[str, float] = {}
+            for _ in range(2):
+                for p in valid:
+                    t0 = time.perf_counter()
+                    p.run(x, w, key, None, None, None)
+                    dt_s = time.perf_counter() - t0
+                    best[p.name] = min(best.get(p.name, dt_s), dt_s)
+            return min(valid, key=lambda p: (best[p.name], p.cost(key)))
         return measure
 
     # ---- conv paths -----------------------------------------------------------------------
