@@ -38,6 +38,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
           request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout [60]"),
           api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY'"),
           shutdown_grace_s: Optional[float] = typer.Option(None, help="drain time after SIGTERM [30]"),
+          warmup_sizes: Optional[str] = typer.Option(None, help="image sizes run once before ready, e.g. 512,1024x768"),
           log_level: Optional[str] = typer.Option(None, help="debug|info|warning [info]")):
     """Run the HTTP server (CPU default: tiny presets on NumPy)."""
     import uvicorn
@@ -48,7 +49,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
 
     _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, max_batch=max_batch,
              max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, request_timeout_s=request_timeout_s,
-             api_key=api_key, shutdown_grace_s=shutdown_grace_s, log_level=log_level)
+             api_key=api_key, shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
     settings = Settings()
     level = settings.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -103,8 +103,11 @@ def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> Host
     return HostedModel(entry, model, secs)
 
 
-def warm_up(hm: HostedModel) -> None:
-    """One small call per model, so first requests do not pay for path choice and allocation."""
+def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = ()) -> None:
+    """One small call per model, so first requests do not pay for path choice and allocation;
+    then one call per requested image size (H, W): decoders produce it (rounded down to their
+    latent grid; video decoders two latent frames, which covers the first-frame and later chunk
+    shapes), encoders take it."""
     m = hm.model
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -118,6 +121,16 @@ def warm_up(hm: HostedModel) -> None:
         hm.extra["has_logits"] = out.get("logits") is not None
     else:
         raise ValueError(f"model {hm.name}: unknown kind {hm.kind!r}")
+    for h, w in sizes:
+        t1 = time.perf_counter()
+        if hm.kind == IMAGE_ENCODER:
+            m.encode(rng.random((1, h, w, 3), dtype=np.float32))
+        else:
+            f = int(m.spatial_factor)
+            lat = (max(1, h // f), max(1, w // f))
+            frames = (2,) if hm.kind == VIDEO_DECODER else ()
+            m.decode(rng.standard_normal((1, m.latent_channels, *frames, *lat)).astype(np.float32))
+        log.info("warmed up %s at %dx%d in %.2fs", hm.name, h, w, time.perf_counter() - t1)
     hm.warmup_seconds = time.perf_counter() - t0
     metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)
     log.info("warmed up %s in %.2fs", hm.name, hm.warmup_seconds)

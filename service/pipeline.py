@@ -67,7 +67,7 @@ class Service:
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size)
-                    warm_up(hm)
+                    warm_up(hm, s.warmup_shapes())
                 except Exception as exc:
                     faults.count(entry.name, "load_error", "failed")
                     if not entry.optional:

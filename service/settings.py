@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -48,6 +48,24 @@ def parse_models(spec: str) -> list[ModelEntry]:
     return entries
 
 
+def parse_sizes(spec: str) -> list[tuple[int, int]]:
+    """'512,1024x768' -> [(512, 512), (1024, 768)] as (height, width)."""
+    sizes = []
+    for raw in spec.split(","):
+        item = raw.strip().lower()
+        if not item:
+            continue
+        h, sep, w = item.partition("x")
+        try:
+            size = (int(h), int(w) if sep else int(h))
+        except ValueError:
+            raise ValueError(f"bad warm-up size {raw!r}: expected N or HxW, e.g. 512 or 1024x768") from None
+        if min(size) < 1:
+            raise ValueError(f"bad warm-up size {raw!r}: sides must be positive")
+        sizes.append(size)
+    return sizes
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVSERVE_", extra="ignore")
 
@@ -74,9 +92,22 @@ class Settings(BaseSettings):
     log_level: str = "info"
     #: threads that encode PNG/JPEG/WebP/MP4 and decode uploaded images off the event loop
     codec_threads: int = Field(2, ge=1)
+    #: image sizes to run once per model before /readyz turns true ("512,1024x768"): decoders
+    #: produce them, encoders take them. A new shape pays for path choice (measured on the CPU
+    #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.
+    warmup_sizes: str = ""
+
+    @field_validator("warmup_sizes")
+    @classmethod
+    def _sizes_parse(cls, v: str) -> str:
+        parse_sizes(v)  # a typo fails start-up with the offending entry named
+        return v
 
     def model_entries(self) -> list[ModelEntry]:
         return parse_models(self.models)
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        return parse_sizes(self.warmup_sizes)
 
     def backend_options(self) -> dict:
         """Options passed to convkernels.get_backend. Only the dtype: the backends read their own
