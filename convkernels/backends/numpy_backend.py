@@ -166,8 +166,8 @@ class NumpyBackend(Backend):
             x = rng.standard_normal(key.x_shape).astype(dt)
             w = rng.standard_normal(key.w_shape).astype(dt)
             # best of two interleaved rounds: the first absorbs cold costs (Winograd's weight
-            # transform, first-touch pages), so a single cold timing no longer picks tiled_unfold
-            # (112 ms) over winograd_f2x3 (85-95 ms) at 3x3 512ch 64x64 on 2 cores
+            # transform, first-touch pages) that decided single timings; interleaving keeps other
+            # convs running in between, as in a model (Winograd: 78 ms looped alone, 92-126 ms so)
             best: dict[str, float] = {}
             for _ in range(2):
                 for p in valid:
