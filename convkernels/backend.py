@@ -71,6 +71,12 @@ class Backend(ABC):
     def flush_timings(self) -> None:
         """Harvest sampled conv timings into the metrics (after a batch completes)."""
 
+    def graphed(self, fn):
+        """fn(x) -> array or tuple of arrays, a model's forward on device arrays that depends on
+        nothing but x and the (fixed) weights. A backend that can record a whole forward once and
+        replay it (CUDA graphs) returns a replaying wrapper; the others return fn itself."""
+        return fn
+
     def _time_conv(self, op: str, path: str, run):
         """Run `run()`; record its time when sampled. Synchronous backends time on the host;
         asynchronous ones override this with device events harvested by flush_timings."""

@@ -280,6 +280,8 @@ class AutoencoderKLModel:
         check_state_dict(expected, tensors, f"AutoencoderKL preset {preset!r}")
         self._load(tensors, has_encoder)
         self.has_encoder = has_encoder
+        # device latents -> device images; a backend may record and replay it (CUDA graphs)
+        self._decode_device = backend.graphed(self._decoder_forward)
 
     # ---- construction ----------------------------------------------------------------------------
     def _shapes(self, decoder_only: bool) -> dict[str, tuple[int, ...]]:
@@ -311,13 +313,16 @@ class AutoencoderKLModel:
                                       "bias": tensors["quant_conv.bias"][:lc]}, b)
 
     # ---- decode ----------------------------------------------------------------------------------
+    def _decoder_forward(self, z):
+        b = self.backend
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(b, z)
+        return self.decoder(b, z)
+
     def _decode_raw(self, z_nhwc: np.ndarray) -> np.ndarray:
         """Unscaled latents (host NHWC) -> decoder output (host NHWC, about [-1, 1])."""
         b = self.backend
-        z = b.asarray(z_nhwc)
-        if self.post_quant_conv is not None:
-            z = self.post_quant_conv(b, z)
-        return np.asarray(b.to_host(self.decoder(b, z)), dtype=np.float32)
+        return np.asarray(b.to_host(self._decode_device(b.asarray(z_nhwc))), dtype=np.float32)
 
     def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray:
         """Scaled latents (N, C, h, w) as the pipeline hands them -> float32 (N, 8h, 8w, 3) in [0, 1].

@@ -352,6 +352,8 @@ class ConvNeXtEncoder:
             self.fc_b = backend.asarray(sd["head.fc.bias"])
         else:
             self.fc_w = self.fc_b = None
+        # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
+        self._encode_device = backend.graphed(self._forward)
 
     def _check_pixels(self, pixels) -> np.ndarray:
         x = np.asarray(pixels)
@@ -377,12 +379,16 @@ class ConvNeXtEncoder:
                 x = layer(x)
         return x
 
-    def encode(self, pixels_nhwc01: np.ndarray) -> dict:
+    def _forward(self, x):
         bk = self.backend
-        x = bk.asarray(self._check_pixels(pixels_nhwc01))
         feats = self.features(x)
         pooled = bk.layer_norm(bk.mean(feats, (1, 2)), self.head_norm_w, self.head_norm_b, self.head_eps)
         logits = bk.linear(pooled, self.fc_w, self.fc_b) if self.fc_w is not None else None
+        return pooled, logits
+
+    def encode(self, pixels_nhwc01: np.ndarray) -> dict:
+        bk = self.backend
+        pooled, logits = self._encode_device(bk.asarray(self._check_pixels(pixels_nhwc01)))
         bk.synchronize()
         bk.flush_timings()
         return {"embedding": bk.to_host(pooled).astype(np.float32, copy=False),

@@ -22,7 +22,8 @@ import logging
 import os
 import statistics
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -31,6 +32,8 @@ from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, validate_conv
 from . import cuda_gemm
 from .cuda_cudnn import CudnnConvBuilder
+from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
+from .cuda_graphs import GraphedForward
 from .cuda_kernels import Kernels
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
 
@@ -58,7 +61,8 @@ class CudaBackend(Backend):
     def __init__(self, dtype: str = "float16", device: int = 0, plan_cache_capacity: int | None = None,
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
                  force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 64,
-                 allow_tf32: bool = False, timing_sample_rate: float = 0.1):
+                 allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool | None = None,
+                 graph_capacity: int | None = None):
         import cupy as cp
         import cudnn
 
@@ -76,6 +80,11 @@ class CudaBackend(Backend):
         # serving turns autotune on by environment (the service passes only the dtype)
         self.autotune = bool(autotune) or os.environ.get("CONVSERVE_CUDA_AUTOTUNE", "") in ("1", "true", "yes")
         self.allow_tf32 = bool(allow_tf32)
+        # off unless asked for (CONVSERVE_CUDA_GRAPHS=1): see cuda_graphs.py
+        self.cuda_graphs = bool(cuda_graphs) if cuda_graphs is not None else \
+            os.environ.get("CONVSERVE_CUDA_GRAPHS", "") in ("1", "true", "yes")
+        self.graph_capacity = int(graph_capacity or _env_int("CONVSERVE_CUDA_GRAPH_CAPACITY") or GRAPH_CAPACITY)
+        self._tls = threading.local()
         self.handle = cudnn.create_handle()
         self.builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=self.allow_tf32, autotune=self.autotune,
                                         autotune_max_plans=autotune_max_plans)
@@ -183,12 +192,16 @@ class CudaBackend(Backend):
         key = ConvKey(op, tuple(x.shape), tuple(w.shape), dt, spec,
                       (bias is not None, residual is not None, activation))
         path = self.paths.choose(key)
-        sampled = self.timing_sample_rate >= 1.0 or self._rng.random() < self.timing_sample_rate
+        recorded = getattr(self._tls, "calls", None)  # a CUDA graph capture is under way
+        sampled = recorded is None and (self.timing_sample_rate >= 1.0 or self._rng.random() < self.timing_sample_rate)
         if sampled:
             start = self._event()
             start.record()
         out, used = path.run(x, w, key, bias, residual, activation)
-        self._conv_metrics(op, used)[0].inc()
+        if recorded is not None:
+            recorded.append((op, used))  # counted at each replay, not at capture
+        else:
+            self._conv_metrics(op, used)[0].inc()
         if sampled:
             end = self._event()
             end.record()
@@ -197,6 +210,24 @@ class CudaBackend(Backend):
                 if len(self._pending) > MAX_PENDING_TIMINGS:  # never flushed: keep memory bounded
                     self._pending = self._pending[-MAX_PENDING_TIMINGS:]
         return out
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    def graphed(self, fn):
+        return GraphedForward(self, fn, self.graph_capacity) if self.cuda_graphs else fn
+
+    @contextmanager
+    def recording_calls(self):
+        """Convs on this thread are listed, not counted or timed, while a graph is captured."""
+        calls: list = []
+        self._tls.calls = calls
+        try:
+            yield calls
+        finally:
+            self._tls.calls = None
+
+    def count_calls(self, calls: Counter) -> None:
+        for (op, path), n in calls.items():
+            self._conv_metrics(op, path)[0].inc(n)
 
     def conv_paths(self) -> list[ConvPath]:
         def small_kd(k: ConvKey) -> bool:
@@ -485,6 +516,7 @@ class CudaBackend(Backend):
         return {**super().describe(), "device": self.device_id, "gpu": self.gpu_name,
                 "cudnn": self.cudnn_version, "cupy": self.cp.__version__,
                 "cudnn_frontend": getattr(self.cudnn, "__version__", "?"), "autotune": self.autotune,
-                "allow_tf32": self.allow_tf32, "force_fallback": self.paths.forced == "gemm_fallback",
+                "allow_tf32": self.allow_tf32, "cuda_graphs": self.cuda_graphs,
+                "force_fallback": self.paths.forced == "gemm_fallback",
                 "unfold_limit_bytes": self.unfold_limit_bytes, "plan_cache_capacity": self.plan_cache.capacity,
                 "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir}
