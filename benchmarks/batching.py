@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,35 +20,16 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe_machine  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(max_batch: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "CONVSERVE_BACKEND": "numpy", "CONVSERVE_MODELS": "tiny-vae,tiny-convnext",
-           "CONVSERVE_MAX_BATCH": str(max_batch), "CONVSERVE_MAX_QUEUE": "256", "CONVSERVE_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port)], cwd=REPO, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server did not start")
+def start(max_batch: int) -> ServerProcess:
+    return ServerProcess(timeout=120, models="tiny-vae,tiny-convnext", backend="numpy", max_batch=max_batch,
+                         max_queue=256)
 
 
 def payloads(kind: str, n: int) -> list[tuple[str, bytes, str]]:
@@ -81,17 +59,6 @@ def load(url: str, reqs, concurrency: int) -> float:
         return time.perf_counter() - t0
 
 
-def batch_stats(url: str, model: str) -> tuple[float, float]:
-    count = total = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for s in fam.samples:
-            if s.labels.get("model") == model and s.name == "convserve_batch_size_count":
-                count = s.value
-            if s.labels.get("model") == model and s.name == "convserve_batch_size_sum":
-                total = s.value
-    return count, total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=32)
@@ -106,23 +73,22 @@ def main() -> None:
         for kind, model in (("decode", "tiny-vae"), ("encode", "tiny-convnext")):
             reqs = payloads(kind, args.requests)
             best = {}
-            for name, (_, url) in servers.items():
-                load(url, reqs, args.concurrency)  # warm-up: path choice per batch size
-            before = batch_stats(servers["batched (max_batch 8)"][1], model)
+            for name, srv in servers.items():
+                load(srv.url, reqs, args.concurrency)  # warm-up: path choice per batch size
+            before = servers["batched (max_batch 8)"].batch_stats(model)
             for _ in range(args.rounds):  # alternate servers so background noise hits both
-                for name, (_, url) in servers.items():
-                    secs = load(url, reqs, args.concurrency)
+                for name, srv in servers.items():
+                    secs = load(srv.url, reqs, args.concurrency)
                     best[name] = min(best.get(name, float("inf")), secs)
-            after = batch_stats(servers["batched (max_batch 8)"][1], model)
+            after = servers["batched (max_batch 8)"].batch_stats(model)
             mean_batch = (after[1] - before[1]) / max(after[0] - before[0], 1)
             rps = {name: args.requests / secs for name, secs in best.items()}
             b, s = rps["batched (max_batch 8)"], rps["batch-1 (max_batch 1)"]
             print(f"{kind:7s} {model:14s} batched {b:7.1f} req/s (mean batch {mean_batch:.1f})   "
                   f"batch-1 {s:7.1f} req/s   ratio {b / s:.2f}x")
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+        for srv in servers.values():
+            srv.stop()
 
 
 if __name__ == "__main__":

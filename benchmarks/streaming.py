@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
-import socket
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NPY = {"content-type": "application/x-npy"}
 
 
@@ -39,30 +36,6 @@ def npy(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
-
-
-def start_server(models: str, backend: str, timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
-    env.update(CONVSERVE_MODELS=models, CONVSERVE_BACKEND=backend, CONVSERVE_LOG_LEVEL="warning",
-               CONVSERVE_MAX_FRAMES="100000", CONVSERVE_REQUEST_TIMEOUT_S="3600")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server not ready")
 
 
 def first_group_end(data: bytes, fmt: str) -> bool:
@@ -126,10 +99,11 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    proc = None
+    srv = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.models, args.backend)
+        srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600)
+        url = srv.url
     try:
         card = httpx.get(f"{url}/v1/models/{args.model}", timeout=30).json()
         c = card["latent_channels"]
@@ -160,9 +134,8 @@ def main():
                   f"{med(mp41):9.3f} {med(mp4end):9.3f} {med(full) / med(npy1):7.1f}x {med(npyend) / med(full):11.2f}x "
                   f"{ttff:13.3f}", flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if srv is not None:
+            srv.stop()
 
 
 if __name__ == "__main__":

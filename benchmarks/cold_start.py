@@ -1,0 +1,82 @@
+"""Cold vs warm start of a real server: time to /readyz, then the first and second request of one
+size (issue #11: "a restarted server's first request must not autotune again").
+
+Three starts, one after the other, sharing one CONVSERVE_PLAN_CACHE_DIR:
+  cold    an empty plan-cache directory (CUDA builds, and with autotune times, every plan)
+  warm    the same directory again (CUDA loads the serialized plans)
+  warm+   the same directory and CONVSERVE_WARMUP_SIZES=<size>: the size runs before ready
+The NumPy backend keeps no plans on disk (its path choice is a per-process memo), so there cold
+and warm agree and only warm+ moves the first request's path choice into start-up.
+
+    python benchmarks/cold_start.py                                   # CPU: sd-vae decode 256
+    python benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512
+    python benchmarks/cold_start.py --backend cuda --models enc=convnext-tiny --model enc --size 224
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess  # noqa: E402
+
+
+def request(url: str, model: str, size: int) -> float:
+    """Seconds for one request of `size` (decoders: latents for a size x size image)."""
+    card = httpx.get(f"{url}/v1/models/{model}", timeout=60).json()
+    rng = np.random.default_rng()
+    buf = io.BytesIO()
+    if card.get("kind") == "image-encoder":
+        np.save(buf, rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        path = "encode"
+    else:
+        f = int(card.get("spatial_factor") or card.get("config", {}).get("spatial_factor", 8))
+        c = int(card.get("latent_channels") or card.get("config", {}).get("latent_channels", 4))
+        np.save(buf, rng.standard_normal((1, c, size // f, size // f)).astype(np.float32))
+        path = "decode"
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/models/{model}/{path}", content=buf.getvalue(),
+                   headers={"content-type": "application/x-npy"}, params={"format": "npy"} if path == "decode" else None,
+                   timeout=3600)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="numpy")
+    ap.add_argument("--models", default="sd=sd-vae", help="CONVSERVE_MODELS")
+    ap.add_argument("--model", default="sd", help="the served name to request")
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--plan-cache-dir", help="default: a fresh temporary directory")
+    ap.add_argument("--log", help="server log file")
+    args = ap.parse_args()
+    cache = args.plan_cache_dir or tempfile.mkdtemp(prefix="convserve-plans-")
+    base = dict(models=args.models, backend=args.backend, plan_cache_dir=cache, request_timeout_s=3600)
+    if args.backend == "cuda":
+        base["cuda_autotune"] = 1  # read by the CUDA backend: the cold start pays for the measured plans
+    rows = []
+    for label, extra in (("cold", {}), ("warm", {}), ("warm+", {"warmup_sizes": str(args.size)})):
+        with ServerProcess(timeout=3600, log_path=args.log, **base, **extra) as srv:
+            first = request(srv.url, args.model, args.size)
+            second = request(srv.url, args.model, args.size)
+        rows.append((label, srv.ready_s, first, second))
+        print(f"{label:6s} ready {srv.ready_s:8.2f} s   first request {first:8.2f} s   second {second:8.2f} s", flush=True)
+    from machine import describe_machine
+    print(f"machine: {describe_machine()}")
+    print(f"{args.models} on {args.backend}, {args.size}x{args.size}, plan cache {cache}")
+    print("| start | time to ready s | first request s | second request s |")
+    print("| --- | --- | --- | --- |")
+    for label, ready, first, second in rows:
+        print(f"| {label} | {ready:.2f} | {first:.2f} | {second:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

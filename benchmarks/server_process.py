@@ -1,0 +1,77 @@
+"""A real `convserve serve` in a child process for the benchmarks: start it with CONVSERVE_*
+settings, wait for /readyz (timing it), read its /metrics, stop it."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, timeout: float = 600.0, log_path: str | None = None, **settings):
+        """settings: CONVSERVE_<KEY> values (models=..., backend=..., max_batch=...). Any
+        CONVSERVE_* variable of this process is dropped first, so a run is what it says."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+        env.update({"CONVSERVE_LOG_LEVEL": "warning"})
+        env.update({f"CONVSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+                                      "--port", str(self.port)], cwd=REPO, env=env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited {self.proc.returncode}" + (f"; log: {log_path}" if log_path else ""))
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - t0
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise SystemExit("server not ready")
+
+    def metrics(self) -> dict[tuple, float]:
+        """/metrics as {(sample name, sorted label items): value}."""
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def batch_stats(self, model: str) -> tuple[float, float]:
+        """(batches run, rows run) for one model so far."""
+        snap = self.metrics()
+        key = (("model", model),)
+        return snap.get(("convserve_batch_size_count", key), 0.0), snap.get(("convserve_batch_size_sum", key), 0.0)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
