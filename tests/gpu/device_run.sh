@@ -2,6 +2,9 @@
 # One device call: install carried wheels, print the stack, run the GPU tests and benchmarks.
 # Usage on the device machine (repo root): bash tests/gpu/device_run.sh [pytest args...]
 # Logs go to $OUT (set by the device tool) or ./out.
+# Switches (environment): SKIP_TESTS=1, SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
+# PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), GRAPHS=1 (gpu_models --graphs 1),
+# STREAM=1 (Wan streaming), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,5 +32,22 @@ fi
 if [ -n "${PEERS:-}" ]; then  # the shared PyTorch baseline, carried in .gpuextra/
   PEER_ONLY="$PEERS" timeout ${PEERS_TIMEOUT:-240} python3 .gpuextra/torch_baseline.py 2>&1 \
     | tee "$OUT/torch_baseline.log" | grep -v "^dw" | tail -n 30
+fi
+if [ "${GRAPHS:-0}" = 1 ]; then  # the same models with every forward replayed as a CUDA graph
+  timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu_models.py --only "${MODELS:-sd,convnext}" --graphs 1 \
+    ${MODELS_ARGS:-} 2>&1 | tee "$OUT/gpu_models_graphs.log" | tail -n 30
+fi
+if [ "${STREAM:-0}" = 1 ]; then  # issue #13's GPU row: streamed Wan 2.1 decode, real config
+  timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
+    --shapes ${STREAM_SHAPES:-21x60x104} --reps 2 2>&1 | tee "$OUT/streaming.log" | tail -n 8
+fi
+if [ "${SERVICE:-0}" = 1 ]; then  # service-level encode throughput vs the raw model
+  timeout ${SERVICE_TIMEOUT:-300} python3 benchmarks/service_throughput.py --backend cuda --preset convnext-tiny \
+    --size 224 --batch 32 --concurrency 128 --requests 4096 --log "$OUT/service_throughput_server.log" 2>&1 \
+    | tee "$OUT/service_throughput.log" | tail -n 6
+fi
+if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
+  timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
+    --log "$OUT/cold_start_server.log" 2>&1 | tee "$OUT/cold_start.log" | tail -n 8
 fi
 exit $status
