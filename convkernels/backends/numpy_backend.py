@@ -165,11 +165,13 @@ class NumpyBackend(Backend):
             dt = np.float64 if key.dtype == "float64" else np.float32
             x = rng.standard_normal(key.x_shape).astype(dt)
             w = rng.standard_normal(key.w_shape).astype(dt)
-            # best of two interleaved rounds: the first absorbs cold costs (Winograd's weight
+            # best of three interleaved rounds: the first absorbs cold costs (Winograd's weight
             # transform, first-touch pages) that decided single timings; interleaving keeps other
-            # convs running in between, as in a model (Winograd: 78 ms looped alone, 92-126 ms so)
+            # convs running in between, as in a model (Winograd: 78 ms looped alone, 92-126 ms so);
+            # with two rounds a burst of load on a shared 2-core box still picked Winograd (197 ms)
+            # over shift_gemm (125 ms) at 3x3 128ch 256x256 in one run of five
             best: dict[str, float] = {}
-            for _ in range(2):
+            for _ in range(3):
                 for p in valid:
                     t0 = time.perf_counter()
                     p.run(x, w, key, None, None, None)
