@@ -25,6 +25,13 @@ import time
 import numpy as np
 
 
+# work of the reference architectures (2 x multiply-adds): the SD-VAE figure is issue #11's (diffusers'
+# nearest-upsample + 3x3 decoder; our sub-pixel upsampling does fewer), ConvNeXt-T is 4.47 GMAC/image
+SD_VAE_512_TFLOP = 2.48
+CONVNEXT_T_224_TFLOP = 2 * 4.47e-3
+DENSE_PEAK_TFLOPS = 800.0  # bf16/fp16 dense matmul measured on this H100 (KINDS.md: 769-798)
+
+
 def wall(fn, warm, reps, sync):
     for _ in range(warm):
         fn()
@@ -71,9 +78,10 @@ def main():
         csync()
         return pool.total_bytes() / 2**30
 
-    def record(name, ours_ms, peer_ms, ours_gib=None, peer_gib=None, extra=None):
+    def record(name, ours_ms, peer_ms, ours_gib=None, peer_gib=None, extra=None, tflop=None):
+        """tflop: the reference architecture's work (2 x multiply-adds), for achieved TFLOP/s."""
         results[name] = dict(ours_ms=ours_ms, peer_ms=peer_ms, ratio=ours_ms / peer_ms, ours_peak_gib=ours_gib,
-                             peer_peak_gib=peer_gib, **(extra or {}))
+                             peer_peak_gib=peer_gib, tflop=tflop, **(extra or {}))
         print(f"{name:48s} ours {ours_ms:9.2f} ms  peer {peer_ms:9.2f} ms  ratio {ours_ms / peer_ms:6.2f}", flush=True)
 
     def backend(dtype, autotune=bool(args.autotune)):
@@ -105,7 +113,7 @@ def main():
                 vae.decode(z)
                 pgib = torch.cuda.max_memory_allocated() / 2**30
             record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, peer, gib, pgib,
-                   dict(first_call_s=warm_s))
+                   dict(first_call_s=warm_s), tflop=SD_VAE_512_TFLOP * n * (s / 64) ** 2)
         be.flush_timings()
         details["sd"] = dict(plan_cache=be.plan_cache_stats(), setup_s=time.time() - t0)
         del vae
@@ -133,12 +141,12 @@ def main():
                 memory_format=torch.channels_last)
             with torch.inference_mode():
                 peer = wall(lambda: call(x), 3, args.reps, tsync)
-            record(f"convnext-tiny 224 n{n} fp16", ours, peer, extra=dict(peer=peer_name,
+            record(f"convnext-tiny 224 n{n} fp16", ours, peer, tflop=CONVNEXT_T_224_TFLOP * n, extra=dict(peer=peer_name,
                                                                           ours_img_s=n / ours * 1e3))
             # the same network without the host side (pixels already on the device, no copy back)
             xd = be.asarray(px)  # features() takes [0, 1] pixels: the normalisation is folded into the stem
             ours_dev = wall(lambda: model.features(xd), 2, args.reps, csync)
-            record(f"convnext-tiny 224 n{n} fp16 features(), on device", ours_dev, peer,
+            record(f"convnext-tiny 224 n{n} fp16 features(), on device", ours_dev, peer, tflop=CONVNEXT_T_224_TFLOP * n,
                    extra=dict(note="stem..last stage on a device input; peer is the whole forward"))
         details["convnext"] = dict(plan_cache=be.plan_cache_stats())
         del peer_model
@@ -175,11 +183,16 @@ def main():
     with open(os.path.join(out, "gpu_models.json"), "w") as f:
         json.dump(dict(env=env, results=results, details=details), f, indent=1, default=str)
     print(f"# GPU models on {env['gpu']}: ours (convserve CUDA backend) vs PyTorch {env['torch']} eager, same run")
-    print(f"{'workload':48s} {'ours ms':>9s} {'peer ms':>9s} {'ratio':>6s} {'ours GiB':>8s} {'peer GiB':>8s}")
+    print(f"{'workload':48s} {'ours ms':>9s} {'peer ms':>9s} {'ratio':>6s} {'ours GiB':>8s} {'peer GiB':>8s}"
+          f" {'ours TF/s':>9s} {'peak %':>6s} {'peer TF/s':>9s}")
     for k, v in results.items():
         og = f"{v['ours_peak_gib']:.2f}" if v["ours_peak_gib"] is not None else "-"
         pg = f"{v['peer_peak_gib']:.2f}" if v["peer_peak_gib"] is not None else "-"
-        print(f"{k:48s} {v['ours_ms']:9.2f} {v['peer_ms']:9.2f} {v['ratio']:6.2f} {og:>8s} {pg:>8s}")
+        roof = "-".rjust(9) + " " + "-".rjust(6) + " " + "-".rjust(9)
+        if v.get("tflop"):
+            ours_tf, peer_tf = v["tflop"] / (v["ours_ms"] / 1e3), v["tflop"] / (v["peer_ms"] / 1e3)
+            roof = f"{ours_tf:9.1f} {100 * ours_tf / DENSE_PEAK_TFLOPS:5.1f}% {peer_tf:9.1f}"
+        print(f"{k:48s} {v['ours_ms']:9.2f} {v['peer_ms']:9.2f} {v['ratio']:6.2f} {og:>8s} {pg:>8s} {roof}")
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ class ConvKey:
             "dilation": list(s.dilation), "groups": s.groups, "transpose": s.transpose,
             "output_padding": list(s.output_padding),
             "epilogue": {"bias": self.epilogue[0], "residual": self.epilogue[1], "activation": self.epilogue[2]},
+            "macs": self.macs(),
         }
 
 
