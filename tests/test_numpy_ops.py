@@ -166,6 +166,7 @@ def test_path_choice_is_memoised_and_listed(be):
     assert len(choices) == 1
     assert choices[0]["path"] in ("depthwise_direct", "depthwise_shift") and choices[0]["calls"] == 3
     assert choices[0]["input_shape"] == [1, 9, 9, 4] and choices[0]["groups"] == 4
+    assert choices[0]["macs"] == 9 * 9 * 4 * 3 * 3  # each output: 3x3 taps of its one input channel
 
 
 @pytest.mark.parametrize("activation", [None, "silu", "gelu"])
