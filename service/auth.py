@@ -8,7 +8,9 @@ from fastapi import Request
 from .problems import Problem
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
+    # async on purpose: FastAPI runs a plain `def` dependency on its thread pool, one hop per
+    # request, and a burst of requests would start up to 40 pool threads for a header check
     key = request.app.state.settings.api_key
     if not key:
         return

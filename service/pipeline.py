@@ -30,6 +30,15 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_S = 0.05
 
 
+def start_all_workers(pool: ThreadPoolExecutor, workers: int, timeout_s: float = 10.0) -> None:
+    """ThreadPoolExecutor starts a thread only when a task finds none idle, so under load its
+    thread count creeps up one burst at a time. Starting every worker now keeps the first loaded
+    request from paying for a thread start and the count fixed, which the leak check relies on."""
+    barrier = threading.Barrier(workers)
+    for future in [pool.submit(barrier.wait, timeout_s) for _ in range(workers)]:
+        future.result()
+
+
 class Service:
     """Owns the backend, the models, the batcher and the codec thread pool."""
 
@@ -62,6 +71,7 @@ class Service:
             from convkernels import get_backend
 
             s = self.settings
+            start_all_workers(self.codec_pool, s.codec_threads)
             self.backend = get_backend(s.backend, **s.backend_options())
             log.info("backend: %s", self.backend.describe())
             for entry in s.model_entries():
