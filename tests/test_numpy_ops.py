@@ -27,6 +27,10 @@ CONV_CASES = [
     (2, 2, (9, 14), 37, 33, (3, 3), (1, 1), ((1, 1), (0, 2)), (1, 1), 1),  # winograd, odd tiles
     (2, 1, (16, 7), 32, 45, (3, 3), (1, 1), ((0, 0), (1, 1)), (1, 1), 1),  # winograd, unpadded rows
     (3, 1, (4, 6, 5), 35, 9, (3, 3, 3), (1, 1, 1), ((2, 0), (1, 1), (0, 2)), (1, 1, 1), 1),
+    # Winograd in space, direct in time (Wan's CausalConv3d): causal time pad, odd tiles, tails
+    (3, 2, (3, 9, 7), 33, 35, (3, 3, 3), (1, 1, 1), ((2, 0), (1, 1), (0, 2)), (1, 1, 1), 1),
+    (3, 1, (1, 11, 6), 40, 32, (1, 3, 3), (1, 1, 1), ((0, 0), (1, 1), (1, 1)), (1, 1, 1), 1),  # first frame
+    (3, 1, (4, 6, 10), 32, 48, (2, 3, 3), (1, 1, 1), ((0, 1), (0, 0), (1, 1)), (1, 1, 1), 1),
     (2, 1, (15, 17), 6, 10, (3, 3), (2, 2), ((0, 1), (0, 1)), (1, 1), 2),  # diffusers' downsample padding
     (2, 2, (19, 9), 8, 8, (3, 5), (1, 2), ((2, 1), (0, 3)), (2, 1), 4),
     (2, 1, (30, 30), 12, 12, (7, 7), (1, 1), ((3, 3), (3, 3)), (1, 1), 12),  # depthwise, not mult of 8
@@ -96,7 +100,7 @@ def test_catalogue_paths_all_exercised_by_the_grid():
         seen |= {p.name for p in probe.paths.candidates(key)}
     expected = {"pointwise_gemm", "depthwise_shift", "shift_gemm", "im2col_gemm", "winograd_f2x3"}
     if _cpu.AVAILABLE:
-        expected.add("depthwise_direct")
+        expected |= {"depthwise_direct", "winograd_f2x3_3d"}
     assert expected <= seen, expected - seen
 
 
@@ -316,6 +320,26 @@ def test_winograd_row_tiles_match_torch():
     ours = be.conv2d(x, w, padding=1)
     assert be.conv_choices()[0]["path"] == "winograd_f2x3"
     assert rel_l2(ours, ref_conv(x, w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)) < TOL, f"seed {seed}"
+
+
+@pytest.mark.skipif(not _cpu.AVAILABLE, reason="the optional C extension was not built here (no compiler)")
+def test_winograd_3d_row_tiles_and_tap_views_match_torch():
+    """Several tile rows; and the transformed-weight cache keeps slices of one weight apart (Wan's
+    first latent frame convolves with a fresh view of the last time tap on every call)."""
+    rng, seed = fresh_rng()
+    be = get_backend("numpy", unfold_limit_bytes=16 * 1024)
+    be.paths.forced = "winograd_f2x3_3d"
+    x = rng.standard_normal((1, 3, 13, 11, 36)).astype(np.float32)
+    w = rng.standard_normal((34, 3, 3, 3, 36)).astype(np.float32)
+    pad = ((2, 0), (1, 1), (1, 1))
+    for taps in (slice(None), slice(2, 3), slice(0, 1), slice(2, 3), slice(None)):
+        wv = w[:, taps]
+        tpad = pad if wv.shape[1] == 3 else ((0, 0), (1, 1), (1, 1))
+        ours = be.conv3d(x, wv, padding=tpad)
+        ref = ref_conv(x, np.ascontiguousarray(wv), None, (1, 1, 1), tpad, (1, 1, 1), 1)
+        assert rel_l2(ours, ref) < TOL, f"taps {taps}, seed {seed}"
+    assert {c["path"] for c in be.conv_choices()} == {"winograd_f2x3_3d"}
+    assert len(be._wino_cache) == 3  # all taps, the last, the first: one transform each
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -474,7 +474,8 @@ static inline __attribute__((always_inline)) void winograd_in16(const float *con
 
 CLONES
 static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t h, Py_ssize_t w, Py_ssize_t c,
-                        Py_ssize_t tw, Py_ssize_t pt, Py_ssize_t pl, Py_ssize_t r0, Py_ssize_t r1)
+                        Py_ssize_t tw, Py_ssize_t pt, Py_ssize_t pl, Py_ssize_t r0, Py_ssize_t r1,
+                        size_t pstride, size_t stride)
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
 #pragma omp parallel for schedule(static) if (p_count * c * 16 > PARALLEL_MIN_WORK)
@@ -486,8 +487,7 @@ static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t
                 Py_ssize_t ih = 2 * ti + i - pt, iw = 2 * tj + j - pl;
                 d[i * 4 + j] = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x + ((size_t)ih * w + iw) * c : zeros;
             }
-        float *vp = v + (size_t)p * c;
-        size_t stride = (size_t)p_count * c;
+        float *vp = v + (size_t)p * pstride;
         Py_ssize_t ch = 0;
         for (; ch + DW_VEC <= c; ch += DW_VEC) winograd_in16(d, ch, vp, stride);
         for (; ch < c; ch++) {
@@ -574,14 +574,20 @@ static void winograd_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t w
 static PyObject *winograd_input(PyObject *self, PyObject *args)
 {
     Py_buffer bf[3];
-    Py_ssize_t h, w, c, tw, pt, pl, r0, r1;
-    if (!PyArg_ParseTuple(args, "y*w*y*nnnnnnnn", &bf[0], &bf[1], &bf[2], &h, &w, &c, &tw, &pt, &pl, &r0, &r1))
+    Py_ssize_t h, w, c, tw, pt, pl, r0, r1, pstride = -1, plane = -1;
+    if (!PyArg_ParseTuple(args, "y*w*y*nnnnnnnn|nn", &bf[0], &bf[1], &bf[2], &h, &w, &c, &tw, &pt, &pl, &r0, &r1,
+                          &pstride, &plane))
         return NULL;
-    int bad = too_small(&bf[0], h * w * c) || too_small(&bf[1], 16 * (r1 - r0) * tw * c) || too_small(&bf[2], c) ||
-              r0 < 0 || r1 < r0;
+    /* V is (16, P, C) by default; a caller interleaving several frames' transforms passes the
+     * distance between tiles (pstride) and between the 16 planes (plane), in floats */
+    Py_ssize_t p_count = (r1 - r0) * tw;
+    if (pstride < 0) pstride = c;
+    if (plane < 0) plane = p_count * c;
+    int bad = r0 < 0 || r1 < r0 || pstride < c || too_small(&bf[0], h * w * c) || too_small(&bf[2], c) ||
+              (p_count > 0 && too_small(&bf[1], 15 * plane + (p_count - 1) * pstride + c));
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        winograd_in(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1);
+        winograd_in(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1, (size_t)pstride, (size_t)plane);
         Py_END_ALLOW_THREADS
     }
     release(bf, 3);
@@ -617,7 +623,7 @@ static PyMethodDef methods[] = {
      "depthwise2d(x, w_taps_c, bias, out, has_bias, n, h, w, c, kh, kw, sh, sw, dh, dw, ph, pw, ho, wo)"},
     {"bias_gelu", bias_gelu, METH_VARARGS, "bias_gelu(x, bias, out, has_bias, rows, c): exact-erf GELU(x + bias)"},
     {"layer_norm", layer_norm, METH_VARARGS, "layer_norm(x, w, b, out, has_w, has_b, rows, c, eps)"},
-    {"winograd_input", winograd_input, METH_VARARGS, "winograd_input(x_hwc, v, zeros_c, h, w, c, tw, pad_top, pad_left, r0, r1)"},
+    {"winograd_input", winograd_input, METH_VARARGS, "winograd_input(x_hwc, v, zeros_c, h, w, c, tw, pad_top, pad_left, r0, r1[, tile_stride, plane_stride])"},
     {"winograd_output", winograd_output, METH_VARARGS, "winograd_output(m, out_hwo, ho, wo, o, tw, r0, r1)"},
     {"group_norm", group_norm, METH_VARARGS,
      "group_norm(x, w, b, out, has_w, has_b, n, s, c, groups, eps, act): act 0 none, 1 silu, 2 gelu"},

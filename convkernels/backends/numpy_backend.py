@@ -213,6 +213,14 @@ class NumpyBackend(Backend):
                     and s.stride == (1, 1) and s.dilation == (1, 1) and k.in_channels >= 32
                     and k.out_channels >= 32)
 
+        def winograd_3d_ok(k: ConvKey) -> bool:
+            # Wan's CausalConv3d (3x3x3 and, on the first latent frame, 1x3x3); the C transforms
+            # are the only implementation, so no compiler means no such path
+            s = k.spec
+            return (_cpu.AVAILABLE and not s.transpose and s.nd == 3 and k.kernel[1:] == (3, 3)
+                    and s.groups == 1 and s.stride == (1, 1, 1) and s.dilation == (1, 1, 1)
+                    and k.in_channels >= 32 and k.out_channels >= 32)
+
         return [
             ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise),
             # measured on 2 Xeon cores: 7x7 depthwise 96ch 56x56 15 ms shifted, ~1 ms direct
@@ -222,6 +230,7 @@ class NumpyBackend(Backend):
             # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
             # 2.25x fewer multiplies; oneDNN uses Winograd for these convs too
             ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd),
+            ConvPath("winograd_f2x3_3d", winograd_3d_ok, lambda k: 0.5 * k.macs(), self._run_winograd_3d),
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
             ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
             ConvPath("tiled_unfold", lambda k: not fits(k), dense_cost, self._run_unfold),
@@ -271,17 +280,28 @@ class NumpyBackend(Backend):
             out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
         return self._epilogue(out, bias, residual, activation)
 
-    def _winograd_u(self, w: np.ndarray) -> np.ndarray:
-        """Transformed weights, cached per weight array: the transform costs about a third of the
-        conv (26 ms at 512->512) and model weights never change."""
-        key = (id(w), w.__array_interface__["data"][0], w.shape)
+    def _run_winograd_3d(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        out = nc.conv_winograd_f2x3_3d(x, w, key, self.unfold_limit_bytes,
+                                       self._winograd_u(w, nc.winograd_weights_3d))
+        return self._epilogue(out, bias, residual, activation)
+
+    def _winograd_u(self, w: np.ndarray, transform=nc.winograd_weights) -> np.ndarray:
+        """Transformed weights, cached per weight buffer: the transform costs about a third of the
+        conv (26 ms at 512->512) and model weights never change. A view (Wan's first latent frame
+        uses only the last time tap, a fresh slice per call) is cached under the array owning its
+        memory, keyed by where the view starts and how it walks that memory."""
+        owner = w
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        key = (transform, id(owner), w.__array_interface__["data"][0], w.shape, w.strides)
         hit = self._wino_cache.get(key)
-        if hit is not None and hit[0]() is w:
+        if hit is not None and hit[0]() is owner:
             return hit[1]
-        u = nc.winograd_weights(np.asarray(w, np.float32))
+        u = transform(np.asarray(w, np.float32))
         try:
-            ref = weakref.ref(w, lambda _r, k=key: self._wino_cache.pop(k, None))
-        except TypeError:  # not weak-referenceable (a view of a temporary): do not cache
+            ref = weakref.ref(owner, lambda _r, k=key: self._wino_cache.pop(k, None))
+        except TypeError:  # not weak-referenceable: do not cache
             return u
         self._wino_cache[key] = (ref, u)
         return u

@@ -250,6 +250,56 @@ def conv_winograd_f2x3_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limi
     return out
 
 
+def winograd_weights_3d(w: np.ndarray) -> np.ndarray:
+    """(O, KT, 3, 3, C) -> (16, KT*C, O): each time tap's U stacked along the reduction axis, in the
+    order conv_winograd_f2x3_3d lays out its KT consecutive input frames."""
+    u = np.stack([_winograd_weights(w[:, t]) for t in range(w.shape[1])], axis=1)  # (16, KT, C, O)
+    return np.ascontiguousarray(u.reshape(16, -1, w.shape[0]))
+
+
+def conv_winograd_f2x3_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
+                          u: np.ndarray | None = None) -> np.ndarray:
+    """(KT, 3, 3) stride-1 conv3d: Winograd F(2x2, 3x3) in space, direct in time. Each input frame
+    is transformed once (not once per time tap), into V laid out (16, tiles, frames, C) so the KT
+    frames an output frame reads are one (tiles, KT*C) matrix per plane: a single batched gemm
+    with a KT-times deeper reduction than per-tap gemms, no accumulation passes. Zero time padding
+    is zero V. Tiled over rows of output tiles so V stays under `limit_bytes`."""
+    from .._cpu import _kernels
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, t_in, h, wd, c = x.shape
+    kt = key.kernel[0]
+    t_out, ho, wo, o = key.out_shape[1:]
+    (tlo, thi), (pt, _), (pl, _) = key.spec.padding
+    frames = t_in + tlo + thi
+    th, tw = (ho + 1) // 2, (wo + 1) // 2
+    if u is None:
+        u = winograd_weights_3d(w.astype(np.float32, copy=False))
+    zeros = np.zeros(c, np.float32)
+    out = np.empty((n, t_out, ho, wo, o), dtype=np.float32)
+    rows = _rows_per_tile(16 * tw * frames * c * 4, min(limit_bytes, WINOGRAD_TILE_BYTES), th)
+    v = np.empty(16 * rows * tw * frames * c, np.float32)
+    m = np.empty(16 * rows * tw * o, np.float32)
+    for b in range(n):
+        for r0 in range(0, th, rows):
+            r1 = min(r0 + rows, th)
+            p = (r1 - r0) * tw
+            vb = v[:16 * p * frames * c].reshape(16, p, frames, c)
+            if tlo:
+                vb[:, :, :tlo] = 0
+            if thi:
+                vb[:, :, frames - thi:] = 0
+            flat = v[:16 * p * frames * c]
+            for t in range(t_in):
+                _kernels.winograd_input(x[b, t], flat[(tlo + t) * c:], zeros, h, wd, c, tw, pt, pl, r0, r1,
+                                        frames * c, p * frames * c)
+            mb = m[:16 * p * o].reshape(16, p, o)
+            for t in range(t_out):
+                np.matmul(vb[:, :, t:t + kt].reshape(16, p, kt * c), u, out=mb)
+                _kernels.winograd_output(mb, out[b, t], ho, wo, o, tw, r0, r1)
+    return out
+
+
 def conv_winograd_f2x3(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
     """3x3 stride-1 conv by Winograd F(2x2, 3x3): 2.25x fewer multiplies than direct, spent in 16
     batched gemms; the transforms are a few adds over the tiles. Tiled over rows of output tiles
