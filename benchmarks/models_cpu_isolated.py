@@ -6,7 +6,7 @@ calls and steal the two cores from the other runtime (ConvNeXt-T b1: ours 76 ms 
 interleaved; torch 59 ms vs 136 ms). A server runs one runtime, so this is the deployment figure.
 Random weights on both sides (parity is tested in tests/ and checked by models_cpu.py).
 
-    python benchmarks/models_cpu_isolated.py [--reps 5]
+    python benchmarks/models_cpu_isolated.py [--reps 5] [--only wan]
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ WORKLOADS = [  # name, kind, preset, shape (ours: NHWC pixels or NCHW latents)
     ("convnext-tiny 224 batch 8", "encoder", "convnext-tiny", (8, 224, 224, 3)),
     ("sd-vae decode 32x32 -> 256x256", "decoder", "sd-vae", (1, 4, 32, 32)),
     ("sd-vae decode 64x64 -> 512x512", "decoder", "sd-vae", (1, 4, 64, 64)),
+    ("wan2.1-vae decode 2x16x16 -> 5x128x128", "video", "wan2.1-vae", (1, 16, 2, 16, 16)),
+    ("wan2.1-vae decode 5x16x16 -> 17x128x128", "video", "wan2.1-vae", (1, 16, 5, 16, 16)),
 ]
 
 OURS = """
@@ -45,7 +47,13 @@ PEER = """
 import json, sys, time, torch
 kind, preset, shape, reps = sys.argv[1], sys.argv[2], tuple(json.loads(sys.argv[3])), int(sys.argv[4])
 torch.set_num_threads(2)
-if kind == "encoder":
+if kind == "video":
+    from diffusers import AutoencoderKLWan
+    from models.wan_vae import PRESETS
+    model = AutoencoderKLWan(**PRESETS[preset]).eval()
+    x = torch.rand(*shape)
+    run = lambda: model.decode(x)
+elif kind == "encoder":
     import transformers
     cfg = transformers.ConvNextConfig(depths=[3, 3, 9, 3], hidden_sizes=[96, 192, 384, 768])
     model = transformers.ConvNextModel(cfg).eval()
@@ -77,6 +85,7 @@ def timed(code: str, *args) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="", help="run the workloads whose name contains this (e.g. wan)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from machine import describe_machine
@@ -84,7 +93,9 @@ def main():
     print("| workload | ours (numpy, own process) | PyTorch CPU (own process) | peer/ours |")
     print("| --- | --- | --- | --- |")
     for name, kind, preset, shape in WORKLOADS:
-        reps = args.reps if "sd-vae" not in name else max(3, args.reps // 2)
+        if args.only not in name:
+            continue
+        reps = args.reps if kind == "encoder" else max(3, args.reps // 2)
         ours = timed(OURS, kind, preset, json.dumps(shape), reps)
         peer = timed(PEER, kind, preset, json.dumps(shape), reps)
         print(f"| {name} | {ours * 1e3:.0f} ms | {peer * 1e3:.0f} ms | {peer / ours:.2f}x |", flush=True)
