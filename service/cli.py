@@ -44,6 +44,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     import uvicorn
 
     from .app import create_app
+    from .http_protocol import HeaderTimeoutH11Protocol
     from .server import DrainingServer
     from .settings import Settings
 
@@ -55,11 +56,12 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if workers > 1:
         uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+                    http=HeaderTimeoutH11Protocol, workers=workers, log_level=level,
+                    timeout_graceful_shutdown=int(settings.shutdown_grace_s))
         return
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
-                            timeout_graceful_shutdown=5)
+                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5)
     DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
 
 

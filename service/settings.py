@@ -78,6 +78,8 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(5.0, ge=0)
     max_queue: int = Field(64, ge=1)
     request_timeout_s: float = Field(60.0, gt=0)
+    #: a connection must deliver each request's complete headers this soon (slowloris guard)
+    header_timeout_s: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)

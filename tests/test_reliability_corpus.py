@@ -2,8 +2,9 @@
 application/problem+json, the server's memory stays bounded, and the next good request is
 answered correctly (the same output as before the corpus). Plus what lives below the app, sent
 on raw sockets: lying or non-numeric Content-Length, a client that leaves mid-body, a body that
-trickles in (slow-loris: 408 at the request timeout), idle half-sent requests that must not
-block anyone else, oversized headers."""
+trickles in (slow-loris: 408 at the request timeout), headers that trickle in or never come (408
+at the header timeout, connection closed), idle half-sent requests that must not block anyone
+else, oversized headers."""
 from __future__ import annotations
 
 import json
@@ -25,9 +26,10 @@ import make_corpus  # noqa: E402
 KEY = "corpus-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 TIMEOUT_S = 3.0
+HEADER_TIMEOUT_S = 2.0
 SERVER_SETTINGS = dict(models="tiny-vae,tiny-convnext,tiny-wan-vae", api_key=KEY, max_pixels=make_corpus.MAX_PIXELS,
                        max_body_bytes=make_corpus.MAX_BODY_BYTES, max_frames=9, max_batch=4,
-                       request_timeout_s=TIMEOUT_S)
+                       request_timeout_s=TIMEOUT_S, header_timeout_s=HEADER_TIMEOUT_S)
 MANIFEST = json.loads((REPO / "tests" / "corpus" / "manifest.json").read_text())
 GOOD = np.random.default_rng(7).standard_normal((1, 4, 5, 3)).astype(np.float32)
 #: RSS growth allowed over the whole corpus (the real bomb alone would inflate to 432 MB)
@@ -186,6 +188,69 @@ def test_slow_loris_body_gets_408_and_others_are_served(srv):
         assert TIMEOUT_S - 0.5 <= secs <= TIMEOUT_S + 3, secs
     assert fast < TIMEOUT_S, f"good requests took {fast:.1f}s beside slow clients"
     print(f"RELIABILITY slow_loris bodies=3 status=408 idle_half_requests=20 good_requests_meanwhile=3 in {fast:.2f}s")
+
+
+def test_slow_loris_headers_get_408_and_the_connection_closes(srv):
+    """Headers trickling in a byte at a time, on a fresh connection and on a kept-alive one after
+    a served request, and a connection that sends nothing: each is answered 408 header-timeout and
+    closed at the header timeout. Headers that finish in time are served."""
+    get = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+
+    def dribble(sock, t0) -> tuple[int, bytes, float]:
+        try:
+            for ch in b"X-Slow: " + b"a" * 200:
+                sock.sendall(bytes([ch]))
+                time.sleep(0.1)
+                if time.monotonic() - t0 > HEADER_TIMEOUT_S + 5:
+                    break
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = read_all(sock)
+        return status_of(reply), reply, time.monotonic() - t0
+
+    def fresh() -> tuple[int, bytes, float]:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=HEADER_TIMEOUT_S + 10) as sock:
+            t0 = time.monotonic()
+            sock.sendall(get)
+            return dribble(sock, t0)
+
+    def kept_alive() -> tuple[int, bytes, float]:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=HEADER_TIMEOUT_S + 10) as sock:
+            sock.sendall(get + b"\r\n")
+            first = b""
+            while b"\r\n\r\n" not in first or not first.endswith(b"}"):
+                first += sock.recv(65536)
+            assert status_of(first) == 200, first
+            t0 = time.monotonic()
+            sock.sendall(get)
+            return dribble(sock, t0)
+
+    def silent() -> tuple[int, bytes, float]:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=HEADER_TIMEOUT_S + 10) as sock:
+            t0 = time.monotonic()
+            reply = read_all(sock)
+            return status_of(reply), reply, time.monotonic() - t0
+
+    def in_time() -> int:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(get)
+            time.sleep(HEADER_TIMEOUT_S / 2)
+            sock.sendall(b"Connection: close\r\n\r\n")
+            return status_of(read_all(sock))
+
+    with ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(f) for f in (fresh, kept_alive, silent)]
+        ok = pool.submit(in_time)
+        time.sleep(0.3)
+        np.testing.assert_allclose(good_decode(srv), srv.good_out, atol=1e-6)
+        results = [f.result() for f in slow]
+        assert ok.result() == 200
+    for status, reply, secs in results:
+        assert status == 408 and b"header-timeout" in reply and b"application/problem+json" in reply, reply[:300]
+        assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 2, secs
+    assert httpx.get(f"{srv.url}/readyz").status_code == 200
+    print(f"RELIABILITY slow_loris headers: fresh, kept-alive and silent connections got 408 after "
+          f"{', '.join(f'{r[2]:.2f}' for r in results)} s (header timeout {HEADER_TIMEOUT_S:g} s)")
 
 
 def test_corpus_summary_memory_bounded(srv):
