@@ -342,6 +342,18 @@ def test_winograd_3d_row_tiles_and_tap_views_match_torch():
     assert len(be._wino_cache) == 3  # all taps, the last, the first: one transform each
 
 
+def test_winograd_3d_declines_a_long_clip_in_one_call():
+    """One row of tiles over all frames must fit WINOGRAD_3D_ROW_MAX_BYTES; past it the per-tap
+    paths take the conv (no multi-hundred-MiB transform buffer)."""
+    be = get_backend("numpy")
+    spec = ConvSpec.make(3, 1, ((2, 0), (1, 1), (1, 1)))
+    short = ConvKey("conv3d", (1, 5, 128, 128, 96), (96, 3, 3, 3, 96), "float32", spec, (False, False, None))
+    long = ConvKey("conv3d", (1, 100, 64, 832, 96), (96, 3, 3, 3, 96), "float32", spec, (False, False, None))
+    names = lambda k: {p.name for p in be.paths.candidates(k)}  # noqa: E731
+    assert ("winograd_f2x3_3d" in names(short)) == _cpu.AVAILABLE
+    assert "winograd_f2x3_3d" not in names(long) and "shift_gemm" in names(long)
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_gelu_norms_depthwise_with_and_without_the_compiled_kernels(monkeypatch, compiled):
     """The C kernels and the pure-NumPy fallbacks (machines without a compiler) both match torch."""

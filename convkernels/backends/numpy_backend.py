@@ -219,7 +219,8 @@ class NumpyBackend(Backend):
             s = k.spec
             return (_cpu.AVAILABLE and not s.transpose and s.nd == 3 and k.kernel[1:] == (3, 3)
                     and s.groups == 1 and s.stride == (1, 1, 1) and s.dilation == (1, 1, 1)
-                    and k.in_channels >= 32 and k.out_channels >= 32)
+                    and k.in_channels >= 32 and k.out_channels >= 32
+                    and nc.winograd_3d_row_bytes(k) <= nc.WINOGRAD_3D_ROW_MAX_BYTES)
 
         return [
             ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise),

@@ -15,6 +15,9 @@ SHIFT_TILE_BYTES = 2 << 20
 #: transformed-input tile of the compiled Winograd path (bytes): below glibc's 32 MiB mmap
 #: threshold, so the buffers are reused heap memory rather than fresh pages each call
 WINOGRAD_TILE_BYTES = 16 << 20
+#: the 3-D Winograd path keeps every frame of one row of tiles side by side; a call whose single
+#: row exceeds this (a long clip in one conv3d) takes the per-tap paths instead
+WINOGRAD_3D_ROW_MAX_BYTES = 64 << 20
 
 def pad_spatial(x: np.ndarray, pads) -> np.ndarray:
     if not any(lo or hi for lo, hi in pads):
@@ -255,6 +258,13 @@ def winograd_weights_3d(w: np.ndarray) -> np.ndarray:
     order conv_winograd_f2x3_3d lays out its KT consecutive input frames."""
     u = np.stack([_winograd_weights(w[:, t]) for t in range(w.shape[1])], axis=1)  # (16, KT, C, O)
     return np.ascontiguousarray(u.reshape(16, -1, w.shape[0]))
+
+
+def winograd_3d_row_bytes(key: ConvKey) -> int:
+    """Bytes of the transformed input of one row of output tiles, all (padded) frames."""
+    (tlo, thi) = key.spec.padding[0]
+    frames = key.x_shape[1] + tlo + thi
+    return 16 * ((key.out_shape[3] + 1) // 2) * frames * key.in_channels * 4
 
 
 def conv_winograd_f2x3_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
