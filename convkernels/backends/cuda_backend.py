@@ -217,13 +217,16 @@ class CudaBackend(Backend):
 
     @contextmanager
     def recording_calls(self):
-        """Convs on this thread are listed, not counted or timed, while a graph is captured."""
+        """While a graph is captured on this thread: convs are listed (op, path), not counted or
+        timed; device buffers the captured work keeps using (the cuDNN workspace) are listed for
+        the graph to hold. Yields (calls, kept_buffers)."""
         calls: list = []
-        self._tls.calls = calls
+        keep: list = []
+        self._tls.calls, self._tls.keep = calls, keep
         try:
-            yield calls
+            yield calls, keep
         finally:
-            self._tls.calls = None
+            self._tls.calls = self._tls.keep = None
 
     def count_calls(self, calls: Counter) -> None:
         for (op, path), n in calls.items():
@@ -286,6 +289,11 @@ class CudaBackend(Backend):
     def _workspace(self, nbytes: int) -> int:
         if self._ws is None or self._ws.nbytes < max(1, nbytes):
             self._ws = self.cp.empty(max(256, nbytes), dtype=self.cp.uint8)
+        keep = getattr(self._tls, "keep", None)
+        if keep is not None and not any(k is self._ws for k in keep):
+            # a captured graph writes this scratch on every replay: it must outlive a later,
+            # larger workspace replacing it here, or the replays scribble on whatever reuses it
+            keep.append(self._ws)
         return self._ws.data.ptr
 
     def _run_cudnn(self, x, w, key: ConvKey, bias, residual, activation):

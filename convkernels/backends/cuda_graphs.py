@@ -8,7 +8,9 @@ CUDA graph the second time, and from then on copies the input into the captured 
 launches the graph and copies the outputs out: one launch instead of hundreds.
 
 Memory: everything the capture allocates comes from a CuPy memory pool private to that graph,
-so no later allocation can land on memory the graph's replays still write. Each graph keeps its
+so no later allocation can land on memory the graph's replays still write. The one buffer from
+outside, the backend's cuDNN workspace, is held by the graph: a later conv that needs a larger
+workspace replaces the backend's, and the old one must not return to the pool while replays use it. Each graph keeps its
 forward's peak activation memory, so the number of graphs is bounded (LRU); an evicted graph's
 pool is freed. Outputs are copied out of the pool on every replay: a caller may keep them.
 
@@ -31,14 +33,16 @@ DEFAULT_CAPACITY = 8
 
 
 class _Captured:
-    def __init__(self, graph, pool, stream, static_in, static_outs, multi: bool, calls: Counter):
+    def __init__(self, graph, pool, stream, static_in, static_outs, multi: bool, calls: Counter, kept: list):
         self.graph, self.pool, self.stream = graph, pool, stream
         self.static_in, self.static_outs, self.multi = static_in, static_outs, multi
         self.calls = calls
+        self.kept = kept  # buffers outside the pool that the replays write (the cuDNN workspace)
 
     def release(self) -> None:
         self.graph = None
         self.static_in = self.static_outs = None
+        self.kept = []
         self.pool.free_all_blocks()
 
 
@@ -79,7 +83,7 @@ class GraphedForward:
                 static_in = cp.empty_like(x)
                 static_in[...] = x
                 stream.synchronize()
-                with self.backend.recording_calls() as calls:
+                with self.backend.recording_calls() as (calls, kept):
                     stream.begin_capture()
                     try:
                         out = self.fn(static_in)
@@ -94,7 +98,7 @@ class GraphedForward:
                         key, self.ungraphable[key])
             return None
         multi = isinstance(out, tuple)
-        entry = _Captured(graph, pool, stream, static_in, out if multi else (out,), multi, Counter(calls))
+        entry = _Captured(graph, pool, stream, static_in, out if multi else (out,), multi, Counter(calls), kept)
         self._graphs[key] = entry
         self.captures += 1
         while len(self._graphs) > self.capacity:

@@ -104,3 +104,30 @@ def test_a_forward_that_syncs_with_the_host_runs_eagerly():
         np.testing.assert_allclose(cp.asnumpy(run(x)), want, rtol=1e-6)
     stats = run.stats()
     assert stats["captures"] == 0 and len(stats["ungraphable"]) == 1, stats
+
+
+def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
+    """The backend's cuDNN workspace is the one buffer a graph writes that is not in its private
+    pool. A later eager conv needing more workspace swaps in a larger buffer; the graph keeps the
+    old one alive, so nothing allocated afterwards lands where the replays write their scratch."""
+    import cupy as cp
+
+    from models import load_model
+
+    be = graphed_backend()
+    model = load_model("vae", "tiny-vae", be, weights=str(saved.root / "vae"))
+    rng = np.random.default_rng(fresh_seed())
+    shape = (1, 4, 11, 9)
+    for _ in range(2):  # eager, then capture + replay
+        model.decode(rng.standard_normal(shape).astype(np.float32), tiled=False)
+    (entry,) = model._decode_device._graphs.values()
+    captured_ws = be._ws
+    assert any(k is captured_ws for k in entry.kept), "the graph does not hold the workspace it captured"
+    be._ws = None  # as a larger workspace would: the backend lets go of the captured one
+    model.decode(rng.standard_normal((1, 4, 23, 17)).astype(np.float32), tiled=False)  # eager, new shape
+    fill = [cp.full(1 << 20, 7.0, dtype=cp.float32) for _ in range(8)]  # allocations after the swap
+    for i in range(2):
+        lat = rng.standard_normal(shape).astype(np.float32)
+        err = rel_l2(model.decode(lat, tiled=False), vae_decode_ref(saved.vae, lat))
+        assert err < TOL, f"replay {i} after the workspace swap: {err:.3e}"
+    assert all(float(f.min()) == 7.0 == float(f.max()) for f in fill), "a replay wrote into later allocations"
