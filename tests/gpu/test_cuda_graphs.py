@@ -123,6 +123,7 @@ def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
     (entry,) = model._decode_device._graphs.values()
     captured_ws = be._ws
     assert any(k is captured_ws for k in entry.kept), "the graph does not hold the workspace it captured"
+    del captured_ws  # only the graph may keep it alive now
     be._ws = None  # as a larger workspace would: the backend lets go of the captured one
     model.decode(rng.standard_normal((1, 4, 23, 17)).astype(np.float32), tiled=False)  # eager, new shape
     fill = [cp.full(1 << 20, 7.0, dtype=cp.float32) for _ in range(8)]  # allocations after the swap
