@@ -5,6 +5,8 @@ Recovery (always on): a decode that raises MemoryError (CuPy's OutOfMemoryError 
 NumPy backend raises it too) is retried on the worker thread, first row by row when the batch has
 several rows, then in tiles, each retry with tiles half the size of the last, down to a floor.
 When every retry fails the request gets DeviceOutOfMemory (503 + Retry-After), never a crash.
+A streamed video decode (frames_with_oom_retry) resumes in tiles from the frame group that ran
+out, after decoding again (and dropping) the groups already sent.
 
 Injection (off unless a CONVSERVE_FAULT_* variable is set; armed only after warm-up, so a server
 always starts):
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -178,6 +180,77 @@ def _retry_tiled(model_name: str, model, decode, x: np.ndarray) -> np.ndarray:
     count(model_name, "device_oom", "failed")
     raise DeviceOutOfMemory(f"out of device memory decoding {tuple(x.shape)} even in the smallest tiles "
                             f"tried ({last})") from last
+
+
+def frames_with_oom_retry(model_name: str, model, make: Callable[[bool | None], Iterator[np.ndarray]],
+                          tiled: bool | None) -> Iterator[np.ndarray]:
+    """The frame groups of make(tiled) (a streamed video decode), retried on MemoryError: the
+    decode restarts tiled, then in smaller tiles, decodes again (and drops) the groups already
+    sent, so its causal caches hold what they held, and goes on from the group that failed. Groups
+    already sent stay as they were. make(tiled) runs now, so bad latents raise before any group."""
+    first = make(tiled)
+
+    def groups() -> Iterator[np.ndarray]:
+        gen, sent, recovering = first, 0, False
+        attempts = _tilings_to_try(model)
+        try:
+            while True:
+                try:
+                    group = next(gen)
+                except StopIteration:
+                    return
+                except MemoryError as exc:
+                    gen.close()
+                    log.warning("%s: out of memory at frame group %d of a streamed decode (%s); resuming in tiles",
+                                model_name, sent, exc)
+                    count(model_name, "device_oom", "retried")
+                    gen, recovering = _resumed_tiled(model_name, model, make, sent, attempts, exc), True
+                    continue
+                if recovering:
+                    count(model_name, "device_oom", "recovered")
+                    recovering = False
+                sent += 1
+                yield group
+        finally:
+            gen.close()
+
+    return groups()
+
+
+def _tilings_to_try(model) -> Iterator:
+    """The model's own tiling, then ever smaller ones (at most MAX_SMALLER_TILES)."""
+    tiling = getattr(model, "tiling", None)
+    if tiling is None:
+        return
+    yield tiling
+    for _ in range(MAX_SMALLER_TILES):
+        tiling = _smaller_tiling(_Shim(model, tiling))
+        if tiling is None:
+            return
+        yield tiling
+
+
+def _resumed_tiled(model_name: str, model, make, sent: int, attempts: Iterator, exc: BaseException):
+    """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
+    Its next group may still run out of memory: the caller then asks again with the next tiling."""
+    last = exc
+    for i, tiling in enumerate(attempts):
+        if i:
+            count(model_name, "device_oom", "retried")
+        gen = None
+        try:
+            with _tiling(model, tiling):
+                gen = make(True)  # the tile plan is made here, from the model's tiling now
+            for _ in range(sent):
+                next(gen)
+            return gen
+        except MemoryError as e:
+            last = e
+            if gen is not None:
+                gen.close()
+    count(model_name, "device_oom", "failed")
+    raise DeviceOutOfMemory(f"out of device memory in a streamed decode after {sent} frame groups, even in the "
+                            f"smallest tiles tried ({last})") from last
 
 
 class _Shim:
