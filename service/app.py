@@ -35,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             svc.stop()
+            metrics.worker_exiting()
 
     app = FastAPI(title="convserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings

@@ -55,14 +55,34 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     level = settings.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if workers > 1:
-        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                    http=HeaderTimeoutH11Protocol, workers=workers, log_level=level,
-                    timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+        _serve_workers(settings, workers, level, HeaderTimeoutH11Protocol)
         return
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
                             http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5)
     DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
+
+
+def _serve_workers(settings, workers: int, level: str, http) -> None:
+    """N uvicorn worker processes on one socket. Their metrics meet in a fresh directory
+    (prometheus_client multiprocess mode, see service/metrics.py), so /metrics reports the whole
+    server whichever worker answers; the directory goes when the server stops."""
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    from .metrics import MULTIPROC_ENV
+
+    own_dir = not os.environ.get(MULTIPROC_ENV)
+    if own_dir:
+        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="convserve-metrics-")
+    try:
+        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port, http=http,
+                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+    finally:
+        if own_dir:
+            shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
 
 
 def _load_local(preset: str, weights: Optional[str], backend: str):

@@ -1,6 +1,13 @@
 """Service metrics (names are a public contract: docs/interfaces.md), on their own registry;
-/metrics serves it together with convkernels.metrics.REGISTRY."""
+/metrics serves it together with convkernels.metrics.REGISTRY.
+
+With `--workers N` every worker process writes its values to files under
+PROMETHEUS_MULTIPROC_DIR (the CLI sets it up), and /metrics, whichever worker answers, sums them
+(prometheus_client's multiprocess mode): counters and histograms add up, the in-flight and queue
+gauges add up over live workers, the load/warm-up gauges report the slowest worker."""
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -19,9 +26,9 @@ QUEUE_WAIT_SECONDS = Histogram("convserve_queue_wait_seconds", "Time a request w
 BATCH_SIZE = Histogram("convserve_batch_size", "Rows (images, videos) per model call",
                        ["model"], registry=REGISTRY, buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128))
 INFLIGHT = Gauge("convserve_inflight_requests", "Requests admitted and not yet answered",
-                 ["model"], registry=REGISTRY)
+                 ["model"], registry=REGISTRY, multiprocess_mode="livesum")
 QUEUE_DEPTH = Gauge("convserve_queue_depth", "Requests waiting in the batcher queue",
-                    ["model"], registry=REGISTRY)
+                    ["model"], registry=REGISTRY, multiprocess_mode="livesum")
 REJECTED = Counter("convserve_rejected_total",
                    "Requests not run: queue_full, timeout, client_gone, shutting_down",
                    ["model", "reason"], registry=REGISTRY)
@@ -29,9 +36,9 @@ FAULTS = Counter("convserve_faults_total",
                  "Faults met: device_oom (retried, recovered, failed), worker_exception (failed), "
                  "load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)
 MODEL_LOAD_SECONDS = Gauge("convserve_model_load_seconds", "Seconds to build/load the model",
-                           ["model"], registry=REGISTRY)
+                           ["model"], registry=REGISTRY, multiprocess_mode="max")
 MODEL_WARMUP_SECONDS = Gauge("convserve_model_warmup_seconds", "Seconds of the warm-up call",
-                             ["model"], registry=REGISTRY)
+                             ["model"], registry=REGISTRY, multiprocess_mode="max")
 TIME_TO_FIRST_FRAME = Histogram("convserve_time_to_first_frame_seconds", "Streaming: request to first frame",
                                 ["model", "backend"], registry=REGISTRY, buckets=_LATENCY_BUCKETS)
 STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames per second per request",
@@ -39,6 +46,24 @@ STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames 
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240))
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 def exposition() -> bytes:
-    """Prometheus text of the service registry followed by the kernel registry."""
+    """Prometheus text of the service registry followed by the kernel registry; under several
+    workers, of every worker's values summed."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return generate_latest(merged)
     return generate_latest(REGISTRY) + generate_latest(KERNEL_REGISTRY)
+
+
+def worker_exiting() -> None:
+    """Drop this process's live gauges from the sums (multiprocess mode only)."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())

@@ -49,8 +49,8 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(log_dir: Path, *, ready_timeout: float = 90.0, **settings) -> LiveServer:
-    """Start `convserve serve` with CONVSERVE_<KEY>=value settings and wait for /readyz."""
+def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple = (), **settings) -> LiveServer:
+    """Start `convserve serve [cli_args]` with CONVSERVE_<KEY>=value settings and wait for /readyz."""
     import httpx
 
     port = free_port()
@@ -60,7 +60,7 @@ def start_server(log_dir: Path, *, ready_timeout: float = 90.0, **settings) -> L
     log_path = log_dir / f"server-{port}.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port), *cli_args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(proc, port, log_path, env)
     deadline = time.monotonic() + ready_timeout
     while True:

@@ -1,0 +1,62 @@
+"""`convserve serve --workers 2`: two uvicorn worker processes behind one socket. /metrics, whichever
+worker answers the scrape, reports the whole server (prometheus_client multiprocess mode in a
+directory the CLI makes and removes); SIGTERM stops both workers and the parent exits 0."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from live_server import metric, metric_sum, npy, scrape, start_server
+
+REQUESTS = 12
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The spawned worker processes of a server (not multiprocessing's resource tracker)."""
+    kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def env_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path):
+    srv = start_server(tmp_path, models="tiny-vae", cli_args=("--workers", "2"))
+    try:
+        workers = worker_pids(srv.proc.pid)
+        dirs = {env_of(w).get("PROMETHEUS_MULTIPROC_DIR") for w in workers}
+        assert len(workers) == 2 and len(dirs) == 1 and None not in dirs, (workers, dirs)
+        metrics_dir = Path(dirs.pop())
+        deadline = time.monotonic() + 60  # each worker loads its own models: both ready
+        while sum(httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 200 for _ in range(10)) < 10:
+            assert time.monotonic() < deadline, "workers not ready"
+            time.sleep(0.2)
+        before = scrape(srv.url)
+
+        def decode(_):
+            x = np.random.default_rng().standard_normal((1, 4, 6, 5)).astype(np.float32)
+            with httpx.Client() as c:  # a fresh connection each: the kernel spreads them over the workers
+                return c.post(f"{srv.url}/v1/models/tiny-vae/decode", content=npy(x), headers={"content-type": "application/x-npy"},
+                              params={"format": "npy"}, timeout=60).status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(decode, range(REQUESTS))) == [200] * REQUESTS
+        pids = {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("*.db")}
+        assert {str(w) for w in workers} <= pids, (workers, pids)
+        for _ in range(8):  # every scrape, whichever worker answers it, sees all requests
+            snap = scrape(srv.url)
+            done = metric(snap, "convserve_requests_total", model="tiny-vae", endpoint="decode", status="200") - \
+                metric(before, "convserve_requests_total", model="tiny-vae", endpoint="decode", status="200")
+            assert done == REQUESTS, done
+            assert metric(snap, "convserve_inflight_requests", model="tiny-vae") == 0
+            assert metric_sum(snap, "convkernels_conv_total") > metric_sum(before, "convkernels_conv_total")
+    finally:
+        code = srv.stop(timeout=30)
+    assert code == 0, srv.log()
+    assert not metrics_dir.exists(), "the metrics directory outlived the server"
