@@ -342,6 +342,25 @@ def test_winograd_3d_row_tiles_and_tap_views_match_torch():
     assert len(be._wino_cache) == 3  # all taps, the last, the first: one transform each
 
 
+def test_autotune_times_a_conv_once_whatever_its_epilogue_and_padding_split(monkeypatch):
+    """Measured path choice: keys that differ only in the epilogue or in how an axis's padding is
+    split (SD-VAE's upsampling phase convs) share one timing; another total padding is timed anew.
+    Every call still matches torch."""
+    rng, seed = fresh_rng()
+    be = get_backend("numpy", autotune_min_macs=1)
+    timings = []
+    real = be._time_paths
+    monkeypatch.setattr(be, "_time_paths", lambda key, valid: timings.append(key) or real(key, valid))
+    x = rng.standard_normal((1, 12, 11, 40)).astype(np.float32)
+    w = rng.standard_normal((36, 2, 2, 40)).astype(np.float32)
+    b = rng.standard_normal(36).astype(np.float32)
+    for pad, bias in [(((1, 0), (1, 0)), None), (((0, 1), (1, 0)), b), (((1, 0), (0, 1)), None),
+                      (((0, 1), (0, 1)), b), (((1, 1), (1, 1)), None)]:
+        ours = be.conv2d(x, w, bias, padding=pad)
+        assert rel_l2(ours, ref_conv(x, w, bias, (1, 1), pad, (1, 1), 1)) < TOL, f"pad {pad}, seed {seed}"
+    assert len(be.conv_choices()) == 5 and len(timings) == 2, [k.spec.padding for k in timings]
+
+
 def test_winograd_3d_declines_a_long_clip_in_one_call():
     """One row of tiles over all frames must fit WINOGRAD_3D_ROW_MAX_BYTES; past it the per-tap
     paths take the conv (no multi-hundred-MiB transform buffer)."""
