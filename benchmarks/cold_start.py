@@ -5,8 +5,8 @@ Three starts, one after the other, sharing one CONVSERVE_PLAN_CACHE_DIR:
   cold    an empty plan-cache directory (CUDA builds, and with autotune times, every plan)
   warm    the same directory again (CUDA loads the serialized plans)
   warm+   the same directory and CONVSERVE_WARMUP_SIZES=<size>: the size runs before ready
-The NumPy backend keeps no plans on disk (its path choice is a per-process memo), so there cold
-and warm agree and only warm+ moves the first request's path choice into start-up.
+The NumPy backend keeps its measured path choices in the same directory (one JSON file per machine
+fingerprint), so its warm start skips the measuring too.
 
     python benchmarks/cold_start.py                                   # CPU: sd-vae decode 256
     python benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512

@@ -15,6 +15,7 @@ from ..backend import Backend
 from ..paths import ConvPath
 from ..spec import ConvKey, prod, upsample_shapes
 from . import numpy_conv as nc
+from .numpy_path_store import PathStore
 
 DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 # gemms below this many multiply-adds run on one BLAS thread: OpenBLAS wakes its pool for
@@ -122,7 +123,7 @@ class NumpyBackend(Backend):
 
     def __init__(self, dtype: str = "float32", unfold_limit_bytes: int | None = None,
                  timing_sample_rate: float = 1.0, attention_chunk: int = 2048,
-                 autotune_min_macs: float = 5e7):
+                 autotune_min_macs: float = 5e7, plan_cache_dir: str | None = None):
         env_limit = os.environ.get("CONVSERVE_UNFOLD_LIMIT_BYTES")
         self.unfold_limit_bytes = int(unfold_limit_bytes or env_limit or DEFAULT_UNFOLD_LIMIT)
         self.attention_chunk = attention_chunk
@@ -130,6 +131,9 @@ class NumpyBackend(Backend):
         # shift-gemm vs unfold flips with channels, size and BLAS build); smaller ones use the
         # static cost rule, where measuring would cost more than it saves. inf disables.
         self.autotune_min_macs = float(autotune_min_macs)
+        # measured choices outlive the process when a directory is given (as CUDA's plans do)
+        cache_dir = plan_cache_dir or os.environ.get("CONVSERVE_PLAN_CACHE_DIR") or None
+        self.path_store = PathStore(cache_dir) if cache_dir else None
         self.blas_threads = _BlasThreads()
         self._wino_cache: dict = {}
         super().__init__(dtype, timing_sample_rate)
@@ -162,7 +166,8 @@ class NumpyBackend(Backend):
         return x.astype(np.float32)
 
     def measure_paths(self):
-        timed: dict = {}  # work key -> the path name its measurement chose
+        store = self.path_store
+        timed: dict = store.load() if store else {}  # work key name -> the path its measurement chose
 
         def measure(key: ConvKey, valid: list[ConvPath]) -> ConvPath:
             if key.macs() < self.autotune_min_macs:
@@ -173,11 +178,15 @@ class NumpyBackend(Backend):
             work = (key.op, key.x_shape, key.w_shape, key.dtype, key.spec.stride, key.spec.dilation,
                     key.spec.groups, key.spec.transpose, key.spec.output_padding,
                     tuple(lo + hi for lo, hi in key.spec.padding))
-            chosen = next((p for p in valid if p.name == timed.get(work)), None)
+            name = PathStore.name(work)
+            chosen = next((p for p in valid if p.name == timed.get(name)), None)
             if chosen is not None:
                 return chosen
             chosen = self._time_paths(key, valid)
-            timed[work] = chosen.name
+            if store:
+                store.put(timed, name, chosen.name)
+            else:
+                timed[name] = chosen.name
             return chosen
         return measure
 
