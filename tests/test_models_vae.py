@@ -115,6 +115,31 @@ def test_decode_matches_diffusers(tmp_path, backend, cfg_name, cfg, sizes):
         assert raw_err < TOL, f"{cfg_name} raw {(n, h, w)} seed {seed}: rel L2 {raw_err:.2e}"
 
 
+WIDE = dict(block_out_channels=(32, 48), layers_per_block=1, norm_num_groups=8, latent_channels=4,
+            sample_size=32, scaling_factor=0.5)
+
+
+@pytest.mark.parametrize("path", ["winograd_f2x3", "winograd_f4x3"])
+def test_decode_through_each_winograd_path_matches_diffusers(tmp_path, path):
+    """The Winograd paths take 3x3 convs of 32+ channels, wider than the configs above: a decoder
+    with every such conv forced onto one of them (F(4x4) has ~7x F(2x2)'s rounding error per conv)."""
+    from convkernels import _cpu
+    if path == "winograd_f4x3" and not _cpu.AVAILABLE:
+        pytest.skip("F(4x4, 3x3) has only the compiled transforms (no compiler at install time)")
+    seed = fresh_seed()
+    vae = make_vae(WIDE, seed)
+    vae.save_pretrained(tmp_path)
+    be = get_backend("numpy")
+    be.paths.forced = path
+    model = load_model("vae", "sd-vae", be, weights=str(tmp_path))
+    lat = np.random.default_rng(seed).standard_normal((1, 4, 11, 13)).astype(np.float32)
+    err = rel_l2(model.decode(lat, tiled=False, clamp=False), diffusers_decode_raw(vae, lat) / 2 + 0.5)
+    used = [c["path"] for c in be.conv_choices()]
+    assert used.count(path) >= 4, used
+    print(f"decode with {path} on {used.count(path)} conv keys: rel L2 {err:.2e}")
+    assert err < TOL, f"{path} seed {seed}: rel L2 {err:.2e}"
+
+
 @pytest.mark.parametrize("cfg_name,cfg,sizes", [
     ("small", SMALL, [(2, 35, 21)]),
     ("sd_like", SD_LIKE, [(1, 72, 40), (1, 37, 53)]),

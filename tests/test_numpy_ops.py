@@ -100,7 +100,7 @@ def test_catalogue_paths_all_exercised_by_the_grid():
         seen |= {p.name for p in probe.paths.candidates(key)}
     expected = {"pointwise_gemm", "depthwise_shift", "shift_gemm", "im2col_gemm", "winograd_f2x3"}
     if _cpu.AVAILABLE:
-        expected |= {"depthwise_direct", "winograd_f2x3_3d"}
+        expected |= {"depthwise_direct", "winograd_f2x3_3d", "winograd_f4x3", "winograd_f4x3_3d"}
     assert expected <= seen, expected - seen
 
 
@@ -312,23 +312,28 @@ def test_shift_gemm_row_tiles_match_torch():
     assert rel_l2(ours, ref_conv(x, w, None, (1, 1), ((2, 0), (1, 1)), (1, 2), 1)) < TOL, f"seed {seed}"
 
 
-def test_winograd_row_tiles_match_torch():
+@pytest.mark.parametrize("path", ["winograd_f2x3", "winograd_f4x3"])
+def test_winograd_row_tiles_match_torch(path):
+    if path == "winograd_f4x3" and not _cpu.AVAILABLE:
+        pytest.skip("F(4x4, 3x3) has only the compiled transforms (no compiler at install time)")
     rng, seed = fresh_rng()
     be = get_backend("numpy", unfold_limit_bytes=16 * 1024)  # several tile rows
+    be.paths.forced = path
     x = rng.standard_normal((2, 13, 11, 36)).astype(np.float32)
     w = rng.standard_normal((34, 3, 3, 36)).astype(np.float32)
     ours = be.conv2d(x, w, padding=1)
-    assert be.conv_choices()[0]["path"] == "winograd_f2x3"
+    assert be.conv_choices()[0]["path"] == path
     assert rel_l2(ours, ref_conv(x, w, None, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)) < TOL, f"seed {seed}"
 
 
 @pytest.mark.skipif(not _cpu.AVAILABLE, reason="the optional C extension was not built here (no compiler)")
-def test_winograd_3d_row_tiles_and_tap_views_match_torch():
+@pytest.mark.parametrize("path", ["winograd_f2x3_3d", "winograd_f4x3_3d"])
+def test_winograd_3d_row_tiles_and_tap_views_match_torch(path):
     """Several tile rows; and the transformed-weight cache keeps slices of one weight apart (Wan's
     first latent frame convolves with a fresh view of the last time tap on every call)."""
     rng, seed = fresh_rng()
     be = get_backend("numpy", unfold_limit_bytes=16 * 1024)
-    be.paths.forced = "winograd_f2x3_3d"
+    be.paths.forced = path
     x = rng.standard_normal((1, 3, 13, 11, 36)).astype(np.float32)
     w = rng.standard_normal((34, 3, 3, 3, 36)).astype(np.float32)
     pad = ((2, 0), (1, 1), (1, 1))
@@ -338,7 +343,7 @@ def test_winograd_3d_row_tiles_and_tap_views_match_torch():
         ours = be.conv3d(x, wv, padding=tpad)
         ref = ref_conv(x, np.ascontiguousarray(wv), None, (1, 1, 1), tpad, (1, 1, 1), 1)
         assert rel_l2(ours, ref) < TOL, f"taps {taps}, seed {seed}"
-    assert {c["path"] for c in be.conv_choices()} == {"winograd_f2x3_3d"}
+    assert {c["path"] for c in be.conv_choices()} == {path}
     assert len(be._wino_cache) == 3  # all taps, the last, the first: one transform each
 
 

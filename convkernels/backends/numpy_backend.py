@@ -113,6 +113,11 @@ def apply_activation(x: np.ndarray, activation: str | None) -> np.ndarray:
     raise ValueError(f"unknown activation {activation!r}")
 
 
+#: the 3-D weight transform per tile variant (a named function each: the transformed-weight
+#: cache is keyed by it)
+_WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
+                        nc.F4X3: lambda w: nc.winograd_weights_3d(w, nc.F4X3)}
+
 #: after each autotune round, paths this many times slower than the fastest stop being timed
 AUTOTUNE_DROP_FACTOR = 2.5
 
@@ -248,14 +253,17 @@ class NumpyBackend(Backend):
                     and s.stride == (1, 1) and s.dilation == (1, 1) and k.in_channels >= 32
                     and k.out_channels >= 32)
 
-        def winograd_3d_ok(k: ConvKey) -> bool:
+        def winograd4_ok(k: ConvKey) -> bool:
+            return _cpu.AVAILABLE and winograd_ok(k)  # C transforms only
+
+        def winograd_3d_ok(k: ConvKey, tile=nc.F2X3) -> bool:
             # Wan's CausalConv3d (3x3x3 and, on the first latent frame, 1x3x3); the C transforms
             # are the only implementation, so no compiler means no such path
             s = k.spec
             return (_cpu.AVAILABLE and not s.transpose and s.nd == 3 and k.kernel[1:] == (3, 3)
                     and s.groups == 1 and s.stride == (1, 1, 1) and s.dilation == (1, 1, 1)
                     and k.in_channels >= 32 and k.out_channels >= 32
-                    and nc.winograd_3d_row_bytes(k) <= nc.WINOGRAD_3D_ROW_MAX_BYTES)
+                    and nc.winograd_3d_row_bytes(k, tile) <= nc.WINOGRAD_3D_ROW_MAX_BYTES)
 
         return [
             ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise),
@@ -267,6 +275,11 @@ class NumpyBackend(Backend):
             # 2.25x fewer multiplies; oneDNN uses Winograd for these convs too
             ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd),
             ConvPath("winograd_f2x3_3d", winograd_3d_ok, lambda k: 0.5 * k.macs(), self._run_winograd_3d),
+            # F(4x4): 1.5-1.6x faster than F(2x2) on large convs, ~7x its rounding error; the
+            # static rule (small convs) never picks it, measured choice takes it where it wins
+            ConvPath("winograd_f4x3", winograd4_ok, lambda k: 0.6 * k.macs(), self._run_winograd4),
+            ConvPath("winograd_f4x3_3d", lambda k: winograd_3d_ok(k, nc.F4X3), lambda k: 0.6 * k.macs(),
+                     self._run_winograd4_3d),
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
             ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
             ConvPath("tiled_unfold", lambda k: not fits(k), dense_cost, self._run_unfold),
@@ -311,16 +324,25 @@ class NumpyBackend(Backend):
     def _run_winograd(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
         if _c_ready(x):
-            out = nc.conv_winograd_f2x3_compiled(x, w, key, self.unfold_limit_bytes, self._winograd_u(w))
+            out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, self._winograd_u(w))
         else:
             out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
         return self._epilogue(out, bias, residual, activation)
 
-    def _run_winograd_3d(self, x, w, key, bias, residual, activation):
+    def _run_winograd4(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        out = nc.conv_winograd_f2x3_3d(x, w, key, self.unfold_limit_bytes,
-                                       self._winograd_u(w, nc.winograd_weights_3d))
+        out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes,
+                                        self._winograd_u(w, nc.winograd4_weights), nc.F4X3)
         return self._epilogue(out, bias, residual, activation)
+
+    def _run_winograd_3d(self, x, w, key, bias, residual, activation, tile=nc.F2X3):
+        x, w = self._operands(x, w)
+        out = nc.conv_winograd_3d(x, w, key, self.unfold_limit_bytes,
+                                  self._winograd_u(w, _WINOGRAD_3D_WEIGHTS[tile]), tile)
+        return self._epilogue(out, bias, residual, activation)
+
+    def _run_winograd4_3d(self, x, w, key, bias, residual, activation):
+        return self._run_winograd_3d(x, w, key, bias, residual, activation, nc.F4X3)
 
     def _winograd_u(self, w: np.ndarray, transform=nc.winograd_weights) -> np.ndarray:
         """Transformed weights, cached per weight buffer: the transform costs about a third of the

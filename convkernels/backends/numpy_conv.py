@@ -3,6 +3,8 @@ col2im for transposed convs (no zero-stuffed input), depthwise as shifted multip
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -223,54 +225,91 @@ def _winograd_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(u.reshape(w.shape[0], 16, w.shape[-1]).transpose(1, 2, 0))
 
 
-def conv_winograd_f2x3_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
-                                u: np.ndarray | None = None) -> np.ndarray:
-    """Winograd F(2x2, 3x3) with the tile transforms in the C extension and the 16 gemms in BLAS.
-    `u`: the transformed weights (16, C, O) when the caller caches them."""
+#: F(4x4, 3x3) matrices (points 0, +-1, +-2): V = B^T d B, U = G g G^T, Y = A^T M A
+_G4 = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
+                [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64)
+
+
+def winograd4_weights(w: np.ndarray) -> np.ndarray:
+    """U = G g G^T for F(4x4, 3x3), in float64 then rounded once: (O,3,3,C) -> (36, C, O)."""
+    u = np.einsum("ak,okhc,bh->abco", _G4, np.asarray(w, np.float64), _G4)  # (6, 6, C, O)
+    return np.ascontiguousarray(u.reshape(36, w.shape[-1], w.shape[0]), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class WinogradTile:
+    """One Winograd F(m x m, 3x3) variant of the compiled paths: its output tile side, its number
+    of transformed planes ((m + 2)^2), its weight transform and its C tile transforms."""
+
+    m: int
+    planes: int
+    weights: Callable[[np.ndarray], np.ndarray]  # (O, 3, 3, C) -> (planes, C, O)
+    input_kernel: str
+    output_kernel: str
+
+    def tiles(self, size: int) -> int:
+        return (size + self.m - 1) // self.m
+
+
+#: F(2x2, 3x3): 4 multiplies per output, rounding like a direct conv (fp32 rel L2 ~3e-7)
+F2X3 = WinogradTile(2, 16, _winograd_weights, "winograd_input", "winograd_output")
+#: F(4x4, 3x3): 2.25 multiplies per output and 44% less transformed data per output, at ~7x
+#: F(2x2)'s rounding error (fp32 rel L2 1e-6..3e-6 up to 512 channels)
+F4X3 = WinogradTile(4, 36, winograd4_weights, "winograd4_input", "winograd4_output")
+
+
+def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
+                           u: np.ndarray | None = None, tile: WinogradTile = F2X3) -> np.ndarray:
+    """3x3 stride-1 conv2d by Winograd with the tile transforms in the C extension and the
+    `tile.planes` gemms in BLAS. `u`: the transformed weights (planes, C, O) when the caller
+    caches them."""
     from .._cpu import _kernels
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, h, wd, c = x.shape
     ho, wo, o = key.out_shape[1], key.out_shape[2], key.out_channels
-    th, tw = (ho + 1) // 2, (wo + 1) // 2
+    th, tw, q = tile.tiles(ho), tile.tiles(wo), tile.planes
     (pt, _), (pl, _) = key.spec.padding
     if u is None:
-        u = _winograd_weights(w.astype(np.float32, copy=False))
+        u = tile.weights(w.astype(np.float32, copy=False))
+    transform_in, transform_out = getattr(_kernels, tile.input_kernel), getattr(_kernels, tile.output_kernel)
     zeros = np.zeros(c, np.float32)
     out = np.empty((n, ho, wo, o), dtype=np.float32)
     # 16 MiB transform tiles: at 3x3 512ch 64x64 on 2 cores, 78 ms steady in a loop; 64 MiB tiles
     # (fresh mmap'd pages every call) ranged 77-113 ms
-    rows = _rows_per_tile(16 * tw * max(c, o) * 4, min(limit_bytes, WINOGRAD_TILE_BYTES), th)
-    v = np.empty(16 * rows * tw * c, np.float32)
+    rows = _rows_per_tile(q * tw * max(c, o) * 4, min(limit_bytes, WINOGRAD_TILE_BYTES), th)
+    v = np.empty(q * rows * tw * c, np.float32)
+    m = np.empty(q * rows * tw * o, np.float32)
     for b in range(n):
         for r0 in range(0, th, rows):
             r1 = min(r0 + rows, th)
             p = (r1 - r0) * tw
-            vb = v[:16 * p * c].reshape(16, p, c)
-            _kernels.winograd_input(x[b], vb, zeros, h, wd, c, tw, pt, pl, r0, r1)
-            m = np.matmul(vb, u)
-            _kernels.winograd_output(m, out[b], ho, wo, o, tw, r0, r1)
+            vb = v[:q * p * c].reshape(q, p, c)
+            transform_in(x[b], vb, zeros, h, wd, c, tw, pt, pl, r0, r1)
+            mb = m[:q * p * o].reshape(q, p, o)
+            np.matmul(vb, u, out=mb)
+            transform_out(mb, out[b], ho, wo, o, tw, r0, r1)
     return out
 
 
-def winograd_weights_3d(w: np.ndarray) -> np.ndarray:
-    """(O, KT, 3, 3, C) -> (16, KT*C, O): each time tap's U stacked along the reduction axis, in the
-    order conv_winograd_f2x3_3d lays out its KT consecutive input frames."""
-    u = np.stack([_winograd_weights(w[:, t]) for t in range(w.shape[1])], axis=1)  # (16, KT, C, O)
-    return np.ascontiguousarray(u.reshape(16, -1, w.shape[0]))
+def winograd_weights_3d(w: np.ndarray, tile: WinogradTile = F2X3) -> np.ndarray:
+    """(O, KT, 3, 3, C) -> (planes, KT*C, O): each time tap's U stacked along the reduction axis,
+    in the order conv_winograd_3d lays out its KT consecutive input frames."""
+    u = np.stack([tile.weights(w[:, t]) for t in range(w.shape[1])], axis=1)  # (planes, KT, C, O)
+    return np.ascontiguousarray(u.reshape(tile.planes, -1, w.shape[0]), dtype=np.float32)
 
 
-def winograd_3d_row_bytes(key: ConvKey) -> int:
+def winograd_3d_row_bytes(key: ConvKey, tile: WinogradTile = F2X3) -> int:
     """Bytes of the transformed input of one row of output tiles, all (padded) frames."""
     (tlo, thi) = key.spec.padding[0]
     frames = key.x_shape[1] + tlo + thi
-    return 16 * ((key.out_shape[3] + 1) // 2) * frames * key.in_channels * 4
+    return tile.planes * tile.tiles(key.out_shape[3]) * frames * key.in_channels * 4
 
 
-def conv_winograd_f2x3_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
-                          u: np.ndarray | None = None) -> np.ndarray:
-    """(KT, 3, 3) stride-1 conv3d: Winograd F(2x2, 3x3) in space, direct in time. Each input frame
-    is transformed once (not once per time tap), into V laid out (16, tiles, frames, C) so the KT
+def conv_winograd_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
+                     u: np.ndarray | None = None, tile: WinogradTile = F2X3) -> np.ndarray:
+    """(KT, 3, 3) stride-1 conv3d: Winograd in space, direct in time. Each input frame is
+    transformed once (not once per time tap), into V laid out (planes, tiles, frames, C) so the KT
     frames an output frame reads are one (tiles, KT*C) matrix per plane: a single batched gemm
     with a KT-times deeper reduction than per-tap gemms, no accumulation passes. Zero time padding
     is zero V. Tiled over rows of output tiles so V stays under `limit_bytes`."""
@@ -282,31 +321,32 @@ def conv_winograd_f2x3_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_byte
     t_out, ho, wo, o = key.out_shape[1:]
     (tlo, thi), (pt, _), (pl, _) = key.spec.padding
     frames = t_in + tlo + thi
-    th, tw = (ho + 1) // 2, (wo + 1) // 2
+    th, tw, q = tile.tiles(ho), tile.tiles(wo), tile.planes
     if u is None:
-        u = winograd_weights_3d(w.astype(np.float32, copy=False))
+        u = winograd_weights_3d(w, tile)
+    transform_in, transform_out = getattr(_kernels, tile.input_kernel), getattr(_kernels, tile.output_kernel)
     zeros = np.zeros(c, np.float32)
     out = np.empty((n, t_out, ho, wo, o), dtype=np.float32)
-    rows = _rows_per_tile(16 * tw * frames * c * 4, min(limit_bytes, WINOGRAD_TILE_BYTES), th)
-    v = np.empty(16 * rows * tw * frames * c, np.float32)
-    m = np.empty(16 * rows * tw * o, np.float32)
+    rows = _rows_per_tile(q * tw * frames * c * 4, min(limit_bytes, WINOGRAD_TILE_BYTES), th)
+    v = np.empty(q * rows * tw * frames * c, np.float32)
+    m = np.empty(q * rows * tw * o, np.float32)
     for b in range(n):
         for r0 in range(0, th, rows):
             r1 = min(r0 + rows, th)
             p = (r1 - r0) * tw
-            vb = v[:16 * p * frames * c].reshape(16, p, frames, c)
+            vb = v[:q * p * frames * c].reshape(q, p, frames, c)
             if tlo:
                 vb[:, :, :tlo] = 0
             if thi:
                 vb[:, :, frames - thi:] = 0
-            flat = v[:16 * p * frames * c]
+            flat = v[:q * p * frames * c]
             for t in range(t_in):
-                _kernels.winograd_input(x[b, t], flat[(tlo + t) * c:], zeros, h, wd, c, tw, pt, pl, r0, r1,
-                                        frames * c, p * frames * c)
-            mb = m[:16 * p * o].reshape(16, p, o)
+                transform_in(x[b, t], flat[(tlo + t) * c:], zeros, h, wd, c, tw, pt, pl, r0, r1,
+                             frames * c, p * frames * c)
+            mb = m[:q * p * o].reshape(q, p, o)
             for t in range(t_out):
-                np.matmul(vb[:, :, t:t + kt].reshape(16, p, kt * c), u, out=mb)
-                _kernels.winograd_output(mb, out[b, t], ho, wo, o, tw, r0, r1)
+                np.matmul(vb[:, :, t:t + kt].reshape(q, p, kt * c), u, out=mb)
+                transform_out(mb, out[b, t], ho, wo, o, tw, r0, r1)
     return out
 
 
