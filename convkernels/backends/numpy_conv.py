@@ -232,7 +232,7 @@ _G4 = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6]
 
 def winograd4_weights(w: np.ndarray) -> np.ndarray:
     """U = G g G^T for F(4x4, 3x3), in float64 then rounded once: (O,3,3,C) -> (36, C, O)."""
-    u = np.einsum("ak,okhc,bh->abco", _G4, np.asarray(w, np.float64), _G4)  # (6, 6, C, O)
+    u = np.einsum("ak,okhc,bh->abco", _G4, np.asarray(w, np.float64), _G4, optimize=True)  # (6, 6, C, O)
     return np.ascontiguousarray(u.reshape(36, w.shape[-1], w.shape[0]), dtype=np.float32)
 
 
