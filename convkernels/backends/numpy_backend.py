@@ -273,7 +273,6 @@ class NumpyBackend(Backend):
             ConvPath("depthwise_direct", direct_depthwise_ok, lambda k: 0.05 * k.macs(), self._run_depthwise_direct),
             ConvPath("depthwise_shift", lambda k: k.is_depthwise and not k.spec.transpose,
                      depthwise_cost, self._run_depthwise),
-            # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
             # 2.25x fewer multiplies; oneDNN uses Winograd for these convs too
             ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd),
             ConvPath("winograd_f2x3_3d", winograd_3d_ok, lambda k: 0.5 * k.macs(), self._run_winograd_3d),
@@ -282,6 +281,7 @@ class NumpyBackend(Backend):
             ConvPath("winograd_f4x3", winograd4_ok, lambda k: 0.6 * k.macs(), self._run_winograd4),
             ConvPath("winograd_f4x3_3d", lambda k: winograd_3d_ok(k, nc.F4X3), lambda k: 0.6 * k.macs(),
                      self._run_winograd4_3d),
+            # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
             ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
             ConvPath("tiled_unfold", lambda k: not fits(k), dense_cost, self._run_unfold),
