@@ -663,7 +663,15 @@ static void winograd4_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t 
     }
 }
 
-static PyObject *winograd4_input(PyObject *self, PyObject *args)
+typedef void (*winograd_in_fn)(const float *, float *, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                               Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, size_t, size_t);
+typedef void (*winograd_out_fn)(const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                                Py_ssize_t);
+
+/* The Python face of an input transform with `planes` planes: V is (planes, P, C) by default; a
+ * caller interleaving several frames' transforms passes the distance between tiles (pstride) and
+ * between planes (plane), in floats. */
+static PyObject *winograd_input_call(PyObject *args, const char *name, int planes, winograd_in_fn fn)
 {
     Py_buffer bf[3];
     Py_ssize_t h, w, c, tw, pt, pl, r0, r1, pstride = -1, plane = -1;
@@ -674,35 +682,36 @@ static PyObject *winograd4_input(PyObject *self, PyObject *args)
     if (pstride < 0) pstride = c;
     if (plane < 0) plane = p_count * c;
     int bad = r0 < 0 || r1 < r0 || pstride < c || too_small(&bf[0], h * w * c) || too_small(&bf[2], c) ||
-              (p_count > 0 && too_small(&bf[1], 35 * plane + (p_count - 1) * pstride + c));
+              (p_count > 0 && too_small(&bf[1], (planes - 1) * plane + (p_count - 1) * pstride + c));
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        winograd4_in(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1, (size_t)pstride, (size_t)plane);
+        fn(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1, (size_t)pstride, (size_t)plane);
         Py_END_ALLOW_THREADS
     }
     release(bf, 3);
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "winograd4_input: buffer sizes do not match");
+        PyErr_Format(PyExc_ValueError, "%s: buffer sizes do not match", name);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
-static PyObject *winograd4_output(PyObject *self, PyObject *args)
+/* The Python face of an output transform: M (planes, P, O) -> out (Ho, Wo, O), tiles of m x m. */
+static PyObject *winograd_output_call(PyObject *args, const char *name, int planes, int m, winograd_out_fn fn)
 {
     Py_buffer bf[2];
     Py_ssize_t ho, wo, o, tw, r0, r1;
     if (!PyArg_ParseTuple(args, "y*w*nnnnnn", &bf[0], &bf[1], &ho, &wo, &o, &tw, &r0, &r1)) return NULL;
-    int bad = too_small(&bf[0], 36 * (r1 - r0) * tw * o) || too_small(&bf[1], ho * wo * o) || r0 < 0 || r1 < r0 ||
-              4 * (r1 - 1) >= ho || 4 * (tw - 1) >= wo;
+    int bad = too_small(&bf[0], planes * (r1 - r0) * tw * o) || too_small(&bf[1], ho * wo * o) || r0 < 0 ||
+              r1 < r0 || m * (r1 - 1) >= ho || m * (tw - 1) >= wo;
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        winograd4_out(bf[0].buf, bf[1].buf, ho, wo, o, tw, r0, r1);
+        fn(bf[0].buf, bf[1].buf, ho, wo, o, tw, r0, r1);
         Py_END_ALLOW_THREADS
     }
     release(bf, 2);
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "winograd4_output: buffer sizes do not match");
+        PyErr_Format(PyExc_ValueError, "%s: buffer sizes do not match", name);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -710,49 +719,22 @@ static PyObject *winograd4_output(PyObject *self, PyObject *args)
 
 static PyObject *winograd_input(PyObject *self, PyObject *args)
 {
-    Py_buffer bf[3];
-    Py_ssize_t h, w, c, tw, pt, pl, r0, r1, pstride = -1, plane = -1;
-    if (!PyArg_ParseTuple(args, "y*w*y*nnnnnnnn|nn", &bf[0], &bf[1], &bf[2], &h, &w, &c, &tw, &pt, &pl, &r0, &r1,
-                          &pstride, &plane))
-        return NULL;
-    /* V is (16, P, C) by default; a caller interleaving several frames' transforms passes the
-     * distance between tiles (pstride) and between the 16 planes (plane), in floats */
-    Py_ssize_t p_count = (r1 - r0) * tw;
-    if (pstride < 0) pstride = c;
-    if (plane < 0) plane = p_count * c;
-    int bad = r0 < 0 || r1 < r0 || pstride < c || too_small(&bf[0], h * w * c) || too_small(&bf[2], c) ||
-              (p_count > 0 && too_small(&bf[1], 15 * plane + (p_count - 1) * pstride + c));
-    if (!bad) {
-        Py_BEGIN_ALLOW_THREADS
-        winograd_in(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1, (size_t)pstride, (size_t)plane);
-        Py_END_ALLOW_THREADS
-    }
-    release(bf, 3);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "winograd_input: buffer sizes do not match");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return winograd_input_call(args, "winograd_input", 16, winograd_in);
 }
 
 static PyObject *winograd_output(PyObject *self, PyObject *args)
 {
-    Py_buffer bf[2];
-    Py_ssize_t ho, wo, o, tw, r0, r1;
-    if (!PyArg_ParseTuple(args, "y*w*nnnnnn", &bf[0], &bf[1], &ho, &wo, &o, &tw, &r0, &r1)) return NULL;
-    int bad = too_small(&bf[0], 16 * (r1 - r0) * tw * o) || too_small(&bf[1], ho * wo * o) || r0 < 0 || r1 < r0 ||
-              2 * (r1 - 1) >= ho + 1 || 2 * (tw - 1) >= wo + 1;
-    if (!bad) {
-        Py_BEGIN_ALLOW_THREADS
-        winograd_out(bf[0].buf, bf[1].buf, ho, wo, o, tw, r0, r1);
-        Py_END_ALLOW_THREADS
-    }
-    release(bf, 2);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "winograd_output: buffer sizes do not match");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return winograd_output_call(args, "winograd_output", 16, 2, winograd_out);
+}
+
+static PyObject *winograd4_input(PyObject *self, PyObject *args)
+{
+    return winograd_input_call(args, "winograd4_input", 36, winograd4_in);
+}
+
+static PyObject *winograd4_output(PyObject *self, PyObject *args)
+{
+    return winograd_output_call(args, "winograd4_output", 36, 4, winograd4_out);
 }
 
 static PyMethodDef methods[] = {
