@@ -472,6 +472,19 @@ static inline __attribute__((always_inline)) void winograd_in16(const float *con
     }
 }
 
+/* d[i * n + j] = the channel vector of input pixel (top + i, left + j) of an n x n Winograd tile,
+ * or `zeros` where the tile hangs over the (implicitly zero-padded) border */
+static inline __attribute__((always_inline)) void tile_pixels(const float **d, int n, const float *x,
+                                                               const float *zeros, Py_ssize_t h, Py_ssize_t w,
+                                                               Py_ssize_t c, Py_ssize_t top, Py_ssize_t left)
+{
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            Py_ssize_t ih = top + i, iw = left + j;
+            d[i * n + j] = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x + ((size_t)ih * w + iw) * c : zeros;
+        }
+}
+
 CLONES
 static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t h, Py_ssize_t w, Py_ssize_t c,
                         Py_ssize_t tw, Py_ssize_t pt, Py_ssize_t pl, Py_ssize_t r0, Py_ssize_t r1,
@@ -482,11 +495,7 @@ static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[16];
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < 4; j++) {
-                Py_ssize_t ih = 2 * ti + i - pt, iw = 2 * tj + j - pl;
-                d[i * 4 + j] = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x + ((size_t)ih * w + iw) * c : zeros;
-            }
+        tile_pixels(d, 4, x, zeros, h, w, c, 2 * ti - pt, 2 * tj - pl);
         float *vp = v + (size_t)p * pstride;
         Py_ssize_t ch = 0;
         for (; ch + DW_VEC <= c; ch += DW_VEC) winograd_in16(d, ch, vp, stride);
@@ -635,11 +644,7 @@ static void winograd4_in(const float *x, float *v, const float *zeros, Py_ssize_
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[36];
-        for (int i = 0; i < 6; i++)
-            for (int j = 0; j < 6; j++) {
-                Py_ssize_t ih = 4 * ti + i - pt, iw = 4 * tj + j - pl;
-                d[i * 6 + j] = (ih >= 0 && ih < h && iw >= 0 && iw < w) ? x + ((size_t)ih * w + iw) * c : zeros;
-            }
+        tile_pixels(d, 6, x, zeros, h, w, c, 4 * ti - pt, 4 * tj - pl);
         float *vp = v + (size_t)p * pstride;
         Py_ssize_t ch = 0;
         for (; ch + DW_VEC <= c; ch += DW_VEC) WINO4_IN(vf16, vload16, vstore16);
