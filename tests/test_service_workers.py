@@ -1,8 +1,10 @@
 """`convserve serve --workers 2`: two uvicorn worker processes behind one socket. /metrics, whichever
 worker answers the scrape, reports the whole server (prometheus_client multiprocess mode in a
-directory the CLI makes and removes); SIGTERM stops both workers and the parent exits 0."""
+directory the CLI makes and removes); the header timeout holds in every worker; SIGTERM stops both
+workers and the parent exits 0."""
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +15,7 @@ import numpy as np
 from live_server import metric, metric_sum, npy, scrape, start_server
 
 REQUESTS = 12
+HEADER_TIMEOUT_S = 1.5
 
 
 def worker_pids(pid: int) -> list[int]:
@@ -27,7 +30,7 @@ def env_of(pid: int) -> dict[str, str]:
 
 
 def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path):
-    srv = start_server(tmp_path, models="tiny-vae", cli_args=("--workers", "2"))
+    srv = start_server(tmp_path, models="tiny-vae", header_timeout_s=HEADER_TIMEOUT_S, cli_args=("--workers", "2"))
     try:
         workers = worker_pids(srv.proc.pid)
         dirs = {env_of(w).get("PROMETHEUS_MULTIPROC_DIR") for w in workers}
@@ -56,6 +59,20 @@ def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path):
             assert done == REQUESTS, done
             assert metric(snap, "convserve_inflight_requests", model="tiny-vae") == 0
             assert metric_sum(snap, "convkernels_conv_total") > metric_sum(before, "convkernels_conv_total")
+
+        def unfinished_headers(_) -> tuple[bytes, float]:
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=HEADER_TIMEOUT_S + 10) as sock:
+                t0 = time.monotonic()
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                reply = b""
+                while chunk := sock.recv(65536):
+                    reply += chunk
+                return reply, time.monotonic() - t0
+
+        with ThreadPoolExecutor(6) as pool:  # several connections: both workers get some
+            for reply, secs in pool.map(unfinished_headers, range(6)):
+                assert reply.startswith(b"HTTP/1.1 408") and b"header-timeout" in reply, reply[:200]
+                assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 3, secs
     finally:
         code = srv.stop(timeout=30)
     assert code == 0, srv.log()
