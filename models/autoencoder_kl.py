@@ -17,7 +17,7 @@ import numpy as np
 from . import tiling
 from .layers import (Conv2d, Downsample2D, GroupNorm, Layer, ResnetBlock2D, SpatialAttention, Upsample2D,
                      random_state_dict)
-from .weights import WeightsError, check_state_dict, read_checkpoint
+from .weights import check_state_dict, read_diffusers_checkpoint
 
 log = logging.getLogger("convserve.models")
 
@@ -420,14 +420,7 @@ def build(name: str, preset_config: Mapping[str, Any], preset: str, backend, wei
         raise ValueError(f"unknown AutoencoderKL overrides {unknown}; config fields: {sorted(cfg_fields)}, "
                          f"settings: {list(_SETTINGS)}")
     cfg_dict = dict(preset_config)
-    tensors = None
-    if weights is not None:
-        tensors, file_cfg = read_checkpoint(weights)
-        if file_cfg is not None:
-            cls = file_cfg.get("_class_name")
-            if cls not in (None, "AutoencoderKL"):
-                raise WeightsError(f"{weights}: config.json is for {cls}, not AutoencoderKL")
-            cfg_dict.update({k: v for k, v in file_cfg.items() if k in cfg_fields})
+    tensors = read_diffusers_checkpoint(weights, "AutoencoderKL", cfg_fields, cfg_dict)
     cfg_dict.update(overrides)
     cfg = AutoencoderKLConfig.from_dict(cfg_dict)
     return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

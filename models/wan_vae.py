@@ -20,7 +20,7 @@ import numpy as np
 from .wan_checkpoint import normalize_keys
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache, Layer
 from .wan_tiling import TileSettings, plan_tiles, stitch
-from .weights import WeightsError, check_state_dict, read_checkpoint
+from .weights import check_state_dict, read_diffusers_checkpoint
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -303,14 +303,7 @@ def build(name: str, preset: str, backend, weights: str | None = None, **overrid
         raise ValueError(f"unknown AutoencoderKLWan overrides {unknown}; config fields: {sorted(fields)}, "
                          f"settings: {list(_SETTINGS)}")
     cfg_dict = {k: v for k, v in PRESETS[preset].items() if k in fields}
-    tensors = None
-    if weights is not None:
-        tensors, file_cfg = read_checkpoint(weights)
-        if file_cfg is not None:
-            cls = file_cfg.get("_class_name")
-            if cls not in (None, "AutoencoderKLWan"):
-                raise WeightsError(f"{weights}: config.json is for {cls}, not AutoencoderKLWan")
-            cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
+    tensors = read_diffusers_checkpoint(weights, "AutoencoderKLWan", fields, cfg_dict)
     cfg_dict.update(overrides)
     cfg = WanVAEConfig.from_dict(cfg_dict)
     return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

@@ -84,6 +84,21 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
     return read_safetensors(path), None
 
 
+def read_diffusers_checkpoint(path: str | os.PathLike | None, class_name: str, fields,
+                              cfg_dict: dict) -> dict[str, np.ndarray] | None:
+    """Tensors of a diffusers checkpoint for `class_name` (None without a path). Its config.json,
+    when present, must name that class; its values for `fields` replace those in `cfg_dict`."""
+    if path is None:
+        return None
+    tensors, file_cfg = read_checkpoint(path)
+    if file_cfg is not None:
+        cls = file_cfg.get("_class_name")
+        if cls not in (None, class_name):
+            raise WeightsError(f"{path}: config.json is for {cls}, not {class_name}")
+        cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
+    return tensors
+
+
 def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, np.ndarray],
                      what: str, ignore_unexpected: tuple[str, ...] = ()) -> None:
     """Raise one WeightsError naming every missing, unexpected and mis-shaped tensor."""
