@@ -16,13 +16,20 @@ always starts):
   CONVSERVE_FAULT_POISON_VALUE=V      a model call whose inputs hold the exact float V raises
                                       RuntimeError, as a bug inside a model would (the worker must
                                       fail that batch only and keep serving)
+  CONVSERVE_FAULT_HOLD_VALUE=V        a model call whose inputs hold the exact float V creates
+  CONVSERVE_FAULT_HOLD_RELEASE_FILE=F F.holding, then keeps the worker busy until file F exists
+                                      (at most HOLD_MAX_S), so a test knows when a request occupies
+                                      the worker and decides how long, instead of guessing how long
+                                      a decode takes on a loaded machine
 
 Every fault is counted in `convserve_faults_total{model,fault,outcome}`."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -41,10 +48,12 @@ class FaultSettings(BaseSettings):
 
     oom_above_bytes: int | None = None
     poison_value: float | None = None
+    hold_value: float | None = None
+    hold_release_file: str | None = None
 
     @property
     def active(self) -> bool:
-        return self.oom_above_bytes is not None or self.poison_value is not None
+        return any(v is not None for v in (self.oom_above_bytes, self.poison_value, self.hold_value))
 
 
 class DeviceOutOfMemory(Exception):
@@ -89,18 +98,36 @@ def arm(backend, settings: FaultSettings | None = None) -> FaultSettings:
         log.warning("fault injection armed: conv activations above %d bytes raise MemoryError", limit)
     if settings.poison_value is not None:
         log.warning("fault injection armed: model calls on inputs holding %r raise", settings.poison_value)
+    if settings.hold_value is not None:
+        log.warning("fault injection armed: model calls on inputs holding %r wait for %s",
+                    settings.hold_value, settings.hold_release_file)
     return settings
 
 
-def poisoned(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
-    """`call`, raising RuntimeError on inputs that hold the poison value (when one is set)."""
-    if settings is None or settings.poison_value is None:
+#: the longest an injected hold keeps the worker, should a test never release it
+HOLD_MAX_S = 120.0
+
+
+def _holds(inputs: np.ndarray, value: float | None) -> bool:
+    return value is not None and inputs.dtype.kind == "f" and bool((inputs == np.float32(value)).any())
+
+
+def with_call_faults(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
+    """`call` with the model-call faults that are set: raise on the poison value; wait for the
+    release file on the hold value."""
+    if settings is None or (settings.poison_value is None and settings.hold_value is None):
         return call
-    value = np.float32(settings.poison_value)
 
     def run(inputs: np.ndarray):
-        if inputs.dtype.kind == "f" and bool((inputs == value).any()):
-            raise RuntimeError(f"injected worker fault: inputs hold the poison value {float(value)!r}")
+        if _holds(inputs, settings.poison_value):
+            raise RuntimeError(f"injected worker fault: inputs hold the poison value {settings.poison_value!r}")
+        if _holds(inputs, settings.hold_value):
+            release = Path(settings.hold_release_file or "")
+            if settings.hold_release_file:
+                release.with_name(release.name + ".holding").touch()
+            deadline = time.monotonic() + HOLD_MAX_S
+            while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
+                time.sleep(0.005)
         return call(inputs)
 
     return run

@@ -170,7 +170,7 @@ class Service:
     async def _run(self, hm: HostedModel, key, inputs: np.ndarray, call, disconnected: DisconnectCheck | None,
                    *, continuation: bool = False, solo: bool = False):
         """continuation/solo: see Batcher.submit (the streaming adapter's later decode steps)."""
-        call = faults.poisoned(call, self.faults)
+        call = faults.with_call_faults(call, self.faults)
         try:
             item = self.batcher.submit(hm.name, key, inputs, call, continuation=continuation, solo=solo)
         except QueueFull:

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fresh_venv import make_venv, pip_install
+
 httpx = pytest.importorskip("httpx")
 yaml = pytest.importorskip("yaml")
 
@@ -76,8 +78,9 @@ class Server:
 
 def build_image_venv(root: Path) -> dict[str, Path]:
     """The Dockerfile's build stage without Docker: the build context as .dockerignore leaves
-    it, `pip install .` into /opt/venv (here a venv that borrows the dependencies already
-    installed, so no download), and the healthcheck COPY. Returns image path -> local path."""
+    it, then `pip install .` into a venv made from nothing (standing in for /opt/venv), so the
+    server runs on the project's declared dependencies as pip resolves them, not on whatever
+    this machine's Python holds; and the healthcheck COPY. Returns image path -> local path."""
     context = root / "context"
     patterns = checks.dockerignore_patterns()
     for src in REPO.rglob("*"):
@@ -86,10 +89,7 @@ def build_image_venv(root: Path) -> dict[str, Path]:
             (context / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / rel)
     venv = root / "opt-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                          "--quiet", str(context)], capture_output=True, text=True, timeout=300)
-    assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    pip_install(make_venv(venv), str(context))
     return {"/opt/venv": venv, "/usr/local/bin/convserve-healthcheck": context / "deploy/docker/healthcheck.py"}
 
 
@@ -112,7 +112,8 @@ def server(tmp_path_factory):
         paths[vol] = root / vol.strip("/").replace("/", "-")
         paths[vol].mkdir()
     # The image's environment on top of the base image's (HOME, locale: this machine's).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    # (no PYTHONPATH: a container does not see this checkout)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_") and k != "PYTHONPATH"}
     env.update({key: remap(value, paths) for key, value in image_env.items()})
     port = free_port()
     # The image binds 0.0.0.0 inside its own network namespace; on a shared machine, loopback.

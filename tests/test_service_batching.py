@@ -2,7 +2,8 @@
 full queue answers 429 + Retry-After while admitted requests succeed; a client that disconnects
 has its queued work skipped; a request past its timeout gets 504. The throughput gain over
 batch-1 serving is measured in benchmarks/batching.py, not asserted here: speed on a shared
-2-core box is no pass/fail signal."""
+2-core box is no pass/fail signal. Where a test needs the worker busy, a held request keeps it
+busy until the test releases it (CONVSERVE_FAULT_HOLD_*), whatever the machine's speed."""
 from __future__ import annotations
 
 import socket
@@ -18,8 +19,26 @@ from live_server import metric, npy, scrape
 NPY = {"content-type": "application/x-npy"}
 
 
-def body(side: int, n: int = 1) -> bytes:
-    return npy(np.random.default_rng().standard_normal((n, 4, side, side)).astype(np.float32))
+HOLD = 4242.0  # latents holding this value keep the worker busy until the release file exists
+
+
+def body(side: int, n: int = 1, hold: bool = False) -> bytes:
+    latents = np.random.default_rng().standard_normal((n, 4, side, side)).astype(np.float32)
+    if hold:
+        latents[0, 0, 0, 0] = HOLD
+    return npy(latents)
+
+
+def held_server(server_factory, tmp_path, **settings):
+    """A server whose HOLD requests create `release`.holding on the worker, then wait for
+    `release` to exist; returns (server, release path)."""
+    release = tmp_path / "release"
+    srv = server_factory(models="tiny-vae", fault_hold_value=HOLD, fault_hold_release_file=release, **settings)
+    return srv, release
+
+
+def holding(release) -> bool:
+    return release.with_name(release.name + ".holding").exists()
 
 
 def decode(url: str, data: bytes, timeout: float = 120) -> httpx.Response:
@@ -116,18 +135,20 @@ def raw_request(port: int, data: bytes) -> socket.socket:
     return sock
 
 
-def test_disconnected_client_work_is_skipped(tight):
-    u = tight.url
+def test_disconnected_client_work_is_skipped(server_factory, tmp_path):
+    srv, release = held_server(server_factory, tmp_path, max_batch=1, max_queue=2, max_queue_delay_ms=0)
+    u = srv.url
     s0 = settle(u)
     with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(decode, u, body(96))  # ~1 s of work: occupies the worker while B queues and leaves
-        wait_for(lambda: metric(scrape(u), "convserve_inflight_requests", model="tiny-vae") >= 1, what="A in flight")
-        sock = raw_request(tight.port, body(12))
+        held = pool.submit(decode, u, body(12, hold=True))  # A occupies the worker until released
+        wait_for(lambda: holding(release), what="A on the worker")
+        sock = raw_request(srv.port, body(12))
         wait_for(lambda: metric(scrape(u), "convserve_queue_depth", model="tiny-vae") == 1, what="B queued")
         sock.close()  # B's client goes away while B waits behind A
         wait_for(lambda: metric(scrape(u), "convserve_rejected_total", model="tiny-vae", reason="client_gone")
                  > metric(s0, "convserve_rejected_total", model="tiny-vae", reason="client_gone"), what="B dropped")
-        assert long.result().status_code == 200
+        release.touch()
+        assert held.result().status_code == 200
     s1 = settle(u)
     assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="client_gone") - \
         metric(s0, "convserve_rejected_total", model="tiny-vae", reason="client_gone") == 1
@@ -136,17 +157,21 @@ def test_disconnected_client_work_is_skipped(tight):
     assert metric(s1, "convserve_batch_size_sum", model="tiny-vae") - metric(s0, "convserve_batch_size_sum", model="tiny-vae") == 1
 
 
-def test_request_timeout_504_and_queued_work_skipped(server_factory):
-    srv = server_factory(models="tiny-vae", max_batch=1, request_timeout_s=0.2)
+def test_request_timeout_504_and_queued_work_skipped(server_factory, tmp_path):
+    timeout_s = 1.0
+    srv, release = held_server(server_factory, tmp_path, max_batch=1, request_timeout_s=timeout_s)
     s0 = settle(srv.url)
     with ThreadPoolExecutor(2) as pool:
-        a = pool.submit(decode, srv.url, body(96))  # ~1 s of work (0.15 s at 32x32 on a fast core): past the 0.2 s timeout
-        time.sleep(0.05)  # A is admitted first (scraping to check would outlast the 0.2 s timeout)
-        b = pool.submit(decode, srv.url, body(8))   # waits behind A, times out in the queue
+        a = pool.submit(decode, srv.url, body(12, hold=True))  # holds the worker past its timeout
+        # B is sent once A runs: it waits behind A and times out in the queue
+        wait_for(lambda: holding(release), what="A on the worker")
+        b = pool.submit(decode, srv.url, body(8))
         ra, rb = a.result(), b.result()
+        release.touch()  # only now may the worker finish A (whose client already has its 504)
     for r in (ra, rb):
-        assert r.status_code == 504 and r.json()["type"].endswith("/timeout")
+        assert r.status_code == 504 and r.json()["type"].endswith("/timeout"), r.text
     s1 = settle(srv.url)
     assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="timeout") - \
         metric(s0, "convserve_rejected_total", model="tiny-vae", reason="timeout") == 2
+    # A ran (one batch of one row); B's queued work was skipped
     assert metric(s1, "convserve_batch_size_count", model="tiny-vae") - metric(s0, "convserve_batch_size_count", model="tiny-vae") == 1

@@ -14,34 +14,47 @@ from live_server import metric, npy, scrape
 NPY = {"content-type": "application/x-npy"}
 
 
-def test_sigterm_drains_then_exits_zero(server_factory):
-    srv = server_factory(models="tiny-vae", max_batch=1, shutdown_grace_s=60)
+HOLD = 4242.0  # latents holding this value keep the worker busy until the release file exists
+
+
+def test_sigterm_drains_then_exits_zero(server_factory, tmp_path):
+    release = tmp_path / "release"
+    srv = server_factory(models="tiny-vae", max_batch=1, shutdown_grace_s=60,
+                         fault_hold_value=HOLD, fault_hold_release_file=release)
     rng = np.random.default_rng()
-    # ~0.5 s of decode each on one CPU core, run one at a time: the queue holds seconds of work when
-    # SIGTERM lands, so the drain is still under way while the late requests below are answered
-    bodies = [npy(rng.standard_normal((1, 4, 64, 64)).astype(np.float32)) for _ in range(5)]
+    # the first request holds the worker until the test releases it, so the drain is still under
+    # way while the late request below is answered, however fast or loaded the machine is
+    latents = [rng.standard_normal((1, 4, 9, 11)).astype(np.float32) for _ in range(5)]
+    latents[0][0, 0, 0, 0] = HOLD
+    bodies = [npy(x) for x in latents]
 
     def decode(data):
         return httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=data, headers=NPY,
                           params={"format": "npy"}, timeout=120)
 
     with ThreadPoolExecutor(len(bodies)) as pool:
-        futures = [pool.submit(decode, b) for b in bodies]
+        futures = [pool.submit(decode, bodies[0])]
         deadline = time.monotonic() + 30
+        while not release.with_name("release.holding").exists():
+            assert time.monotonic() < deadline, "the held request never reached the worker"
+            time.sleep(0.02)
+        futures += [pool.submit(decode, b) for b in bodies[1:]]
         while metric(scrape(srv.url), "convserve_inflight_requests", model="tiny-vae") < len(bodies):
             assert time.monotonic() < deadline, "requests never all admitted"
             time.sleep(0.02)
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)  # the signal handler runs between event-loop ticks
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{srv.url}/readyz").status_code != 503:  # the handler runs between loop ticks
+            assert time.monotonic() < deadline, "readyz never turned false after SIGTERM"
+            time.sleep(0.02)
         assert srv.proc.poll() is None, "exited with work in flight"
-        late = decode(bodies[0])
+        late = decode(bodies[1])
         assert late.status_code == 503, late.text
         assert late.json()["type"].endswith("/shutting-down") and "retry-after" in late.headers
-        ready = httpx.get(f"{srv.url}/readyz")
-        assert ready.status_code == 503
         assert httpx.get(f"{srv.url}/healthz").status_code == 200
+        release.touch()
         results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * len(bodies)
-    for r in results:
-        assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 512, 512, 3)
+    for r, x in zip(results, latents):
+        assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 8 * x.shape[2], 8 * x.shape[3], 3)
     assert srv.proc.wait(30) == 0
