@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     #: shape (convkernels/backends/cuda_graphs.py); graphs held at most, LRU over all models
     cuda_graphs: bool = True
     cuda_graph_capacity: int = Field(16, ge=1)
+    #: CUDA backend with autotune on (CONVSERVE_CUDA_AUTOTUNE): cuDNN plans timed per conv key,
+    #: the heuristic's first ones; bounds a new shape's first call
+    cuda_autotune_plans: int = Field(4, ge=1)
 
     @field_validator("warmup_sizes")
     @classmethod
@@ -120,5 +123,6 @@ class Settings(BaseSettings):
         only where the backend chosen is cuda. Other backend knobs (CONVSERVE_UNFOLD_LIMIT_BYTES,
         CONVSERVE_PLAN_CACHE_*) are still read by the backends from the environment."""
         opts: dict = {"dtype": self.dtype} if self.dtype else {}
-        opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity}
+        opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity,
+                                "autotune_max_plans": self.cuda_autotune_plans}
         return opts

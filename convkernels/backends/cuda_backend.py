@@ -61,7 +61,7 @@ class CudaBackend(Backend):
 
     def __init__(self, dtype: str = "float16", device: int = 0, plan_cache_capacity: int | None = None,
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
-                 force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 64,
+                 force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 4,
                  allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool = True,
                  graph_capacity: int = GRAPH_CAPACITY):
         import cupy as cp
