@@ -2,7 +2,7 @@
 `REGISTRY` beside its own."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -23,3 +23,21 @@ PLAN_BUILD_SECONDS = Histogram(
     "convkernels_plan_build_seconds", "Seconds spent choosing a path / building a plan for a new conv key",
     ["backend"], registry=REGISTRY,
     buckets=(1e-5, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0))
+
+# ---- CUDA graphs (convkernels/backends/cuda_graphs.py) -------------------------------------------
+CUDA_GRAPH_REPLAYS = Counter(
+    "convkernels_cuda_graph_replays_total", "Forward calls (one per batch) served by replaying a CUDA graph",
+    ["backend"], registry=REGISTRY)
+
+CUDA_GRAPH_CAPTURES = Counter(
+    "convkernels_cuda_graph_captures_total",
+    "CUDA graph captures of a forward by outcome: captured, failed (that input shape then runs eagerly)",
+    ["backend", "outcome"], registry=REGISTRY)
+
+CUDA_GRAPHS_HELD = Gauge(
+    "convkernels_cuda_graphs", "CUDA graphs held (LRU-bounded by CONVSERVE_CUDA_GRAPH_CAPACITY)",
+    ["backend"], registry=REGISTRY)
+
+CUDA_GRAPH_POOL_BYTES = Gauge(
+    "convkernels_cuda_graph_pool_bytes", "Device bytes the held CUDA graphs' private memory pools hold",
+    ["backend"], registry=REGISTRY)

@@ -39,8 +39,10 @@ def metal_status() -> tuple[bool, str]:
     return (ok, "Metal available" if ok else f"mlx present, no Metal on {platform.system()}")
 
 
-def get_backend(name: str = "auto", **options) -> Backend:
-    """Create a backend by name; 'auto' picks cuda, then mlx on Metal, then numpy, and logs why."""
+def get_backend(name: str = "auto", cuda_options: dict | None = None, **options) -> Backend:
+    """Create a backend by name; 'auto' picks cuda, then mlx on Metal, then numpy, and logs why.
+    `cuda_options` are constructor options for the cuda backend only (e.g. cuda_graphs), ignored
+    where another backend is chosen."""
     if name not in NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
     if name == "auto":
@@ -68,4 +70,4 @@ def get_backend(name: str = "auto", **options) -> Backend:
     if not ok:
         raise RuntimeError(f"backend 'cuda' is not usable here: {why}")
     from .backends.cuda_backend import CudaBackend
-    return CudaBackend(**options)
+    return CudaBackend(**options, **(cuda_options or {}))

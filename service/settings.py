@@ -98,6 +98,13 @@ class Settings(BaseSettings):
     #: produce them, encoders take them. A new shape pays for path choice (measured on the CPU
     #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.
     warmup_sizes: str = ""
+    #: CUDA backend: replay each model forward as one CUDA graph from its second call per input
+    #: shape (convkernels/backends/cuda_graphs.py); graphs held at most, LRU over all models
+    cuda_graphs: bool = True
+    cuda_graph_capacity: int = Field(16, ge=1)
+    #: CUDA backend with autotune on (CONVSERVE_CUDA_AUTOTUNE): cuDNN plans timed per conv key,
+    #: the heuristic's first ones; bounds a new shape's first call
+    cuda_autotune_plans: int = Field(4, ge=1)
 
     @field_validator("warmup_sizes")
     @classmethod
@@ -112,7 +119,10 @@ class Settings(BaseSettings):
         return parse_sizes(self.warmup_sizes)
 
     def backend_options(self) -> dict:
-        """Options passed to convkernels.get_backend. Only the dtype: the backends read their own
-        knobs (CONVSERVE_UNFOLD_LIMIT_BYTES, CONVSERVE_PLAN_CACHE_*) from the environment, and
-        each backend class takes a different set of constructor options."""
-        return {"dtype": self.dtype} if self.dtype else {}
+        """Options passed to convkernels.get_backend: the dtype, and `cuda_options` that apply
+        only where the backend chosen is cuda. Other backend knobs (CONVSERVE_UNFOLD_LIMIT_BYTES,
+        CONVSERVE_PLAN_CACHE_*) are still read by the backends from the environment."""
+        opts: dict = {"dtype": self.dtype} if self.dtype else {}
+        opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity,
+                                "autotune_max_plans": self.cuda_autotune_plans}
+        return opts

@@ -31,9 +31,10 @@ from ..backend import CONV_OPS, CONV_T_OPS, Backend
 from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, validate_conv
 from . import cuda_gemm
+from .cuda_blas import Cublas
 from .cuda_cudnn import CudnnConvBuilder
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
-from .cuda_graphs import GraphedForward
+from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
 from .cuda_kernels import Kernels
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
 
@@ -60,9 +61,9 @@ class CudaBackend(Backend):
 
     def __init__(self, dtype: str = "float16", device: int = 0, plan_cache_capacity: int | None = None,
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
-                 force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 64,
-                 allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool | None = None,
-                 graph_capacity: int | None = None):
+                 force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 4,
+                 allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool = True,
+                 graph_capacity: int = GRAPH_CAPACITY):
         import cupy as cp
         import cudnn
 
@@ -80,11 +81,15 @@ class CudaBackend(Backend):
         # serving turns autotune on by environment (the service passes only the dtype)
         self.autotune = bool(autotune) or os.environ.get("CONVSERVE_CUDA_AUTOTUNE", "") in ("1", "true", "yes")
         self.allow_tf32 = bool(allow_tf32)
-        # off unless asked for (CONVSERVE_CUDA_GRAPHS=1): see cuda_graphs.py
-        self.cuda_graphs = bool(cuda_graphs) if cuda_graphs is not None else \
-            os.environ.get("CONVSERVE_CUDA_GRAPHS", "") in ("1", "true", "yes")
-        self.graph_capacity = int(graph_capacity or _env_int("CONVSERVE_CUDA_GRAPH_CAPACITY") or GRAPH_CAPACITY)
+        # whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py); the
+        # service passes CONVSERVE_CUDA_GRAPHS / CONVSERVE_CUDA_GRAPH_CAPACITY
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graph_capacity = int(graph_capacity)
+        self.graphs = GraphCache(self.graph_capacity, self.name)
+        self._graph_lock = threading.RLock()
         self._tls = threading.local()
+        # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (cuda_blas.py)
+        self.blas = Cublas(cp, allow_tf32=self.allow_tf32)
         self.handle = cudnn.create_handle()
         self.builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=self.allow_tf32, autotune=self.autotune,
                                         autotune_max_plans=autotune_max_plans)
@@ -213,7 +218,17 @@ class CudaBackend(Backend):
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     def graphed(self, fn):
-        return GraphedForward(self, fn, self.graph_capacity) if self.cuda_graphs else fn
+        return GraphedForward(self, fn, self.graphs, self._graph_lock) if self.cuda_graphs else fn
+
+    def bind_stream(self, stream) -> None:
+        """Point the cuBLAS and cuDNN handles at `stream` before a capture begins on it: their
+        stream is set outside the capture, as in the probes that captured them (PEERS.md)."""
+        self.blas.bind(stream.ptr)
+        if self.handle.stream != stream.ptr:
+            self.cudnn.set_stream(handle=self.handle, stream=stream.ptr)
+
+    def capturing(self) -> bool:
+        return getattr(self._tls, "calls", None) is not None
 
     @contextmanager
     def recording_calls(self):
@@ -223,6 +238,7 @@ class CudaBackend(Backend):
         calls: list = []
         keep: list = []
         self._tls.calls, self._tls.keep = calls, keep
+        keep.append(self.blas.workspace)  # replaced never, but held like the cuDNN workspace
         try:
             yield calls, keep
         finally:
@@ -260,6 +276,8 @@ class CudaBackend(Backend):
         contenders = [p for p in valid if p.name in ("cudnn", "small_kd_2d", "depthwise_direct")]
         if not self.autotune or len(contenders) < 2:
             return static
+        if self.capturing():  # timing synchronises with the host: not inside a capture
+            raise CaptureMissed(f"path choice for a new {key.op} key")
         cp = self.cp
         rng = cp.random.default_rng()
 
@@ -329,10 +347,15 @@ class CudaBackend(Backend):
                      tuple(ws.shape), tuple(ys.shape), tuple(stride), tuple(lo), tuple(hi), tuple(dil),
                      spec.groups, spec.transpose, key.epilogue, aligned)
         fresh = pk not in self.plan_cache
+        if fresh and self.capturing():  # building (and autotuning) a plan is eager-only work
+            raise CaptureMissed(f"no cached cuDNN plan for {pk.kind} {pk.x_shape}")
         entry = self.plan_cache.get(pk, lambda: self.builder.build(pk, ptrs, self._workspace))
         if isinstance(entry, Fallback):
             return self._run_gemm(x, w, key, bias, residual, activation)
         plan = entry.plan
+        keep = getattr(self._tls, "keep", None)
+        if keep is not None:  # the captured kernels may live in the plan (runtime-compiled engines)
+            keep.append(plan)
         try:
             self.builder.execute(plan, ptrs, self._workspace(plan.workspace), cp.cuda.get_current_stream().ptr)
         except Exception as exc:
@@ -352,7 +375,8 @@ class CudaBackend(Backend):
 
     def _run_gemm(self, x, w, key: ConvKey, bias, residual, activation):
         fn = cuda_gemm.conv_transpose if key.spec.transpose else cuda_gemm.conv_forward
-        out32, tiled = fn(self.cp, self._f32(x), self._f32(w), key.spec, key.out_shape, self.unfold_limit_bytes)
+        out32, tiled = fn(self.cp, self._f32(x), self._f32(w), key.spec, key.out_shape, self.unfold_limit_bytes,
+                          matmul=self.blas.matmul)
         out = self._as(out32, key.dtype)
         if bias is not None or residual is not None or activation is not None:
             self._k(key.dtype).epilogue(out, bias, residual, activation, out=out)
@@ -374,6 +398,8 @@ class CudaBackend(Backend):
             self._dw_cache.move_to_end(k)
             return hit[1]
         wt = self.cp.ascontiguousarray(w.reshape(w.shape[0], -1).T).reshape(*w.shape[1:-1], w.shape[0])
+        if self.capturing():  # wt lives in the graph's pool: an entry would outlive an evicted graph
+            return wt
         self._dw_cache[k] = (w, wt)
         if len(self._dw_cache) > 512:
             self._dw_cache.popitem(last=False)
@@ -457,7 +483,11 @@ class CudaBackend(Backend):
         return fn(a, b)
 
     def _matmul(self, a, b):
-        return self._binary(a, b, self._mm)
+        if a.dtype != b.dtype:  # mixed storage dtypes: float32, and bfloat16 if either side was
+            bf16 = np.dtype(np.uint16) in (a.dtype, b.dtype)
+            out = self._mm(self._f32(a), self._f32(b))
+            return self._as(out, "bfloat16") if bf16 else out
+        return self._mm(a, b)
 
     def add(self, a, b):
         return self._binary(a, b, self.cp.add)
@@ -474,22 +504,12 @@ class CudaBackend(Backend):
         return self._c(self.cp.moveaxis(y, -1, axis)) if moved else y
 
     def _mm(self, a, b):
-        """cuBLAS matmul. CuPy's batched (ndim > 2) float16 matmul measured ~8x slower than its
-        2-d one on the H100 (0.53 vs 0.07 ms for 4096x512x4096), so small float16 batches loop
-        over 2-d products (transposed views stay views: cuBLAS takes them as transposed operands)."""
-        cp = self.cp
-        if (a.ndim <= 2 and b.ndim <= 2) or a.dtype != np.float16 or b.dtype != np.float16:
-            return cp.matmul(a, b)  # the 2-d loop is measured for float16 only (attention)
-        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        nb = prod(lead)
-        if nb > 64:
-            return cp.matmul(a, b)
-        a3 = cp.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(nb, *a.shape[-2:])
-        b3 = cp.broadcast_to(b, (*lead, *b.shape[-2:])).reshape(nb, *b.shape[-2:])
-        out = cp.empty((nb, a.shape[-2], b.shape[-1]), dtype=cp.result_type(a, b))
-        for i in range(nb):
-            cp.matmul(a3[i], b3[i], out=out[i])
-        return out.reshape(*lead, a.shape[-2], b.shape[-1])
+        """cuBLAS through its C API (cuda_blas.py; bfloat16 as bfloat16): capturable into a CUDA
+        graph, unlike cp.matmul. Transposed views stay views (cuBLAS takes them as op T) and
+        batches are one strided-batched call."""
+        if a.dtype == b.dtype and a.dtype in _STORAGE.values():
+            return self.blas.matmul(a, b)
+        return self.cp.matmul(a, b)  # float64: no compute dtype of this backend, never in a model
 
     def _attention(self, q, k, v, scale):
         """softmax(q k^T * scale) v, query rows in chunks so the score matrix stays bounded.
@@ -510,7 +530,19 @@ class CudaBackend(Backend):
         return self._as(out, dt)
 
     def _concat(self, xs, axis):
-        return self.cp.concatenate(list(xs), axis=axis)
+        """One copy per part into the result. cp.concatenate joins more than two small arrays in
+        one kernel whose pointer table is copied from host memory: a CUDA graph would replay that
+        copy from a host buffer long gone."""
+        cp = self.cp
+        axis = axis % xs[0].ndim
+        shape = list(xs[0].shape)
+        shape[axis] = sum(x.shape[axis] for x in xs)
+        out = cp.empty(shape, dtype=cp.result_type(*xs))
+        at = 0
+        for x in xs:
+            out[(slice(None),) * axis + (slice(at, at + x.shape[axis]),)] = x
+            at += x.shape[axis]
+        return out
 
     def _mean(self, x, axes, keepdims):
         dt = self.dtype_of(x)

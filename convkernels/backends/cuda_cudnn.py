@@ -6,8 +6,12 @@ Fusion is tried from the whole epilogue down to the bare conv; the plan records 
 fused and the backend runs the rest as one elementwise kernel. A key cuDNN builds nothing for
 raises NoPlan, which the plan cache turns into the cached FALLBACK answer (gemm_fallback).
 float32 plans exclude tensor-core (TF32) and down-converting engines unless allow_tf32=True.
-Autotune (optional) builds every plan (build_plan_policy.ALL), times up to `autotune_max_plans`
-of them with CUDA events on the call's own buffers and pins the fastest.
+Autotune (optional) is bounded: it builds and times only the heuristic's first
+`autotune_max_plans` plans that build (default 4), with CUDA events on the call's own buffers,
+and pins the fastest; the plan cache persists the winner. Building every plan
+(build_plan_policy.ALL, ~1 s for a 3x3 512-channel conv) for each of a decoder's ~40 keys made
+the first SD-VAE 512 request take a minute (issue #17); the fastest plan is almost always among
+the heuristic's first few, and the first plan alone was far slower only sometimes (PEERS.md).
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class CudnnConvBuilder(PlanSerializer):
     """Builds, runs, serializes and deserializes cuDNN conv plans for PlanKeys."""
 
     def __init__(self, cudnn, handle, allow_tf32: bool = False, autotune: bool = False,
-                 autotune_max_plans: int = 24):
+                 autotune_max_plans: int = 4):
         self.cudnn = cudnn
         self.handle = handle
         self.allow_tf32 = allow_tf32
@@ -121,7 +125,7 @@ class CudnnConvBuilder(PlanSerializer):
         uids["y"] = cur.get_uid()
         return g, uids
 
-    def _finish(self, g, key: PlanKey, autotune: bool):
+    def _finish(self, g, key: PlanKey):
         cudnn = self.cudnn
         g.validate()
         g.build_operation_graph()
@@ -132,10 +136,7 @@ class CudnnConvBuilder(PlanSerializer):
                 g.deselect_numeric_notes(notes)
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        if autotune:
-            g.build_plans(cudnn.build_plan_policy.ALL)
-        else:
-            g.build_plans()
+        g.build_plans()  # the heuristic's first plan that builds; autotune builds its rivals one by one
 
     def build(self, key: PlanKey, buffers: dict, workspace_for) -> PlanEntry:
         """Build (and optionally autotune) the plan for `key`. `buffers`: role -> device pointer
@@ -145,7 +146,7 @@ class CudnnConvBuilder(PlanSerializer):
         for fuse in _fusion_levels(key.epilogue):
             try:
                 g, uids = self._graph(key, fuse)
-                self._finish(g, key, self.autotune)
+                self._finish(g, key)
             except NoPlan as exc:
                 errors.append(str(exc))
                 continue
@@ -164,19 +165,24 @@ class CudnnConvBuilder(PlanSerializer):
         raise NoPlan("; ".join(errors) or "no plan")
 
     def _autotune(self, g, uids, buffers, workspace_for) -> int | None:
+        """Index of the fastest of the heuristic's first `autotune_max_plans` plans that build
+        and run, in the heuristic's order; None if none could be timed (the first plan stays)."""
         import cupy as cp
 
         count = g.get_execution_plan_count()
         pack = {uids[r]: buffers[r] for r in uids}
         stream = cp.cuda.get_current_stream()
         self.cudnn.set_stream(handle=self.handle, stream=stream.ptr)
-        best, best_ms = None, float("inf")
+        best, best_ms, first_built = None, float("inf"), None
         start, end = cp.cuda.Event(), cp.cuda.Event()
         timed = 0
         for i in range(count):
             if timed >= self.autotune_max_plans:
                 break
             try:
+                g.build_plan_at_index(i)  # only the plans timed are built (not build_plan_policy.ALL)
+                if first_built is None:
+                    first_built = i  # the heuristic's own choice: the first plan that builds
                 ws = workspace_for(int(g.get_workspace_size_plan_at_index(i)))
                 g.execute_plan_at_index(pack, ws, i, handle=self.handle)  # warm-up
                 times = []
@@ -193,7 +199,8 @@ class CudnnConvBuilder(PlanSerializer):
             timed += 1
             if ms < best_ms:
                 best, best_ms = i, ms
-        return best
+        # building a plan selects it: with none timed, pin the heuristic's choice back
+        return best if best is not None else first_built
 
     # ---- execution ----------------------------------------------------------------------------
     def execute(self, plan: CudnnPlan, buffers: dict, workspace_ptr: int, stream_ptr: int) -> None:

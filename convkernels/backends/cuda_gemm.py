@@ -6,12 +6,15 @@ the backend is created with force_fallback=True.
 Computes in float32 whatever the storage dtype (the caller casts in and out): it is the
 correctness path, so it trades speed for accuracy. The unfold buffer is built in row tiles
 of (batch, first spatial axis) that stay under `limit_bytes`; `tiled` in the result says
-whether the limit bound (the metrics then name the path `tiled_unfold`).
+whether the limit bound (the metrics then name the path `tiled_unfold`). `matmul` is the
+product to use (default `@`); the CUDA backend passes its cuBLAS C-API matmul, which a CUDA
+graph can capture (CuPy's cuBLAS calls cannot be).
 """
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import operator
+from typing import Any, Callable
 
 from ..spec import ConvSpec, prod
 
@@ -33,7 +36,8 @@ def _row_tiles(n: int, rows: int, bytes_per_row: int, total_bytes: int, limit: i
     return [(slice(b, b + 1), r, min(r + step, rows)) for b in range(n) for r in range(0, rows, step)], True
 
 
-def conv_forward(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int):
+def conv_forward(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int,
+                 matmul: Callable = operator.matmul):
     """x (N,*sp,C) f32, w (O,*k,C/g) f32 -> (out (N,*osp,O) f32, tiled)."""
     nd = spec.nd
     g = spec.groups
@@ -66,15 +70,16 @@ def conv_forward(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int):
         m = nb * rows * row_px
         dst = out[bsel, r0:r1]
         if g == 1:
-            dst[...] = (cols.reshape(m, n_t * c) @ wmats[0]).reshape(dst.shape)
+            dst[...] = matmul(cols.reshape(m, n_t * c), wmats[0]).reshape(dst.shape)
         else:
             for i in range(g):
                 cols_g = xp.ascontiguousarray(cols[..., i * cg:(i + 1) * cg]).reshape(m, n_t * cg)
-                dst[..., i * og:(i + 1) * og] = (cols_g @ wmats[i]).reshape(*dst.shape[:-1], og)
+                dst[..., i * og:(i + 1) * og] = matmul(cols_g, wmats[i]).reshape(*dst.shape[:-1], og)
     return out, tiled
 
 
-def conv_transpose(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int):
+def conv_transpose(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int,
+                   matmul: Callable = operator.matmul):
     """Transposed conv without zero-stuffing: cols = x @ W_g per group (input rows in tiles),
     then each kernel tap's slab is added at the strided output positions; crop the padding.
     x (N,*sp,Cin) f32, w (O,*k,Cin/g) f32 -> (out (N,*osp,O) f32, tiled)."""
@@ -102,7 +107,7 @@ def conv_transpose(xp: Any, x, w, spec: ConvSpec, out_shape, limit_bytes: int):
         m = prod(xs.shape[:-1])
         for i in range(g):
             xg = xp.ascontiguousarray(xs[..., i * cg:(i + 1) * cg]).reshape(m, cg)
-            cols = (xg @ wmats[i]).reshape(*xs.shape[:-1], n_t, og)
+            cols = matmul(xg, wmats[i]).reshape(*xs.shape[:-1], n_t, og)
             for t, offs in enumerate(taps):
                 sl = []
                 for a in range(nd):

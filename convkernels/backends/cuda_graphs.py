@@ -1,60 +1,155 @@
-"""Whole-forward CUDA graphs for the CUDA backend (issue #11's third lever).
+"""Whole-forward CUDA graphs for the CUDA backend (issues #11 and #17), on by default.
 
 A model's forward issues ~100-200 small launches (cuDNN executes, CuPy kernels, cuBLAS); each
 costs 50-70 us of Python on the host, so at batch 1 the GPU mostly waits for the host. A
 `GraphedForward` runs the forward eagerly the first time a (shape, dtype) is seen (that run
-builds the cuDNN plans, compiles the CuPy kernels and sizes the workspace), captures it into a
+builds the cuDNN plans, compiles the CuPy kernels and sizes the workspaces), captures it into a
 CUDA graph the second time, and from then on copies the input into the captured input buffer,
 launches the graph and copies the outputs out: one launch instead of hundreds.
 
+What may run inside a capture (the backend keeps to it): no host synchronisation, no CuPy
+cuBLAS (matmuls go through cuda_blas.py's own handle), no cuRAND, no plan building or path
+measuring (a cache miss under capture raises CaptureMissed: that call runs eagerly and the next
+one captures again), and no host-side cache entry pointing into the capture's memory.
+
 Memory: everything the capture allocates comes from a CuPy memory pool private to that graph,
-so no later allocation can land on memory the graph's replays still write. The one buffer from
-outside, the backend's cuDNN workspace, is held by the graph: a later conv that needs a larger
-workspace replaces the backend's, and the old one must not return to the pool while replays use it. Each graph keeps its
-forward's peak activation memory, so the number of graphs is bounded (LRU); an evicted graph's
-pool is freed. Outputs are copied out of the pool on every replay: a caller may keep them.
+so no later allocation can land on memory the graph's replays still write. Buffers from
+outside that the replays use (the cuDNN and cuBLAS workspaces, the cuDNN plans whose kernels
+were captured) are held by the graph: the backend may replace its workspace with a larger one,
+and the old one must not return to the pool while replays use it. Each graph keeps its
+forward's peak activation memory, so graphs are bounded per backend (`GraphCache`, LRU over all
+models and shapes); an evicted graph's pool is freed. Outputs are copied out of the pool on
+every replay: a caller may keep them. A replay waits (on the device, not the host) for the
+previous replay of the same graph to finish copying out before it overwrites the input buffer.
 
 Metrics: the capture records which (op, path) each conv took; every replay counts them again in
-`convkernels_conv_total`, so the counters match an eager run. Sampled conv latency is not
-observed for replays (the convs are inside one launch).
+`convkernels_conv_total`, so the counters match an eager run. Replays, captures (and failed
+captures), graphs held and the bytes their pools hold are `convkernels_cuda_graph_*` series.
+Sampled conv latency is not observed for replays (the convs are inside one launch).
 
 A forward that cannot be captured (a host synchronisation inside it, say) runs eagerly for that
-key from then on, with one warning in the log.
+key from then on, with one warning in the log; the GPU tests assert that no model forward does.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import weakref
 from collections import Counter, OrderedDict
+
+from ..metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REPLAYS, CUDA_GRAPHS_HELD
 
 log = logging.getLogger("convkernels.cuda.graphs")
 
-DEFAULT_CAPACITY = 8
+DEFAULT_CAPACITY = 16
+#: a capture that met a plan cache miss this many times in a row is given up on
+MAX_MISSED_CAPTURES = 3
+
+
+class CaptureMissed(RuntimeError):
+    """Raised under capture where eager-only work (building a plan, measuring paths) was needed:
+    that call runs eagerly instead, and the next call of the key captures again."""
+
+
+class GraphCache:
+    """LRU of captured graphs over every GraphedForward of one backend. Entries have
+    `release()` and `nbytes`; keys are (owner token, input key). Holds no device state itself,
+    so the bookkeeping is tested on the CPU."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, backend_name: str = "cuda"):
+        self.capacity = max(1, int(capacity))
+        self.backend_name = backend_name
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    def get(self, key):
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key, entry) -> list:
+        """Insert (newest); evicts and releases the least recently used beyond capacity.
+        Returns the evicted keys."""
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._entries[key] = entry
+            evicted = []
+            while len(self._entries) > self.capacity:
+                k, e = self._entries.popitem(last=False)
+                evicted.append((k, e))
+        if old is not None and old is not entry:
+            old.release()
+        for _, e in evicted:
+            e.release()
+        self.evictions += len(evicted)
+        self._export()
+        return [k for k, _ in evicted]
+
+    def drop_owner(self, owner) -> None:
+        """Release every graph of one forward (its model went away)."""
+        with self._lock:
+            gone = [k for k in self._entries if k[0] == owner]
+            entries = [self._entries.pop(k) for k in gone]
+        for e in entries:
+            e.release()
+        self._export()
+
+    def keys_of(self, owner) -> list:
+        with self._lock:
+            return [k[1] for k in self._entries if k[0] == owner]
+
+    def held_bytes(self, owner=None) -> int:
+        """Bytes the graphs' pools hold: all of them, or one forward's."""
+        with self._lock:
+            return sum(e.nbytes for k, e in self._entries.items() if owner is None or k[0] == owner)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _export(self) -> None:
+        CUDA_GRAPHS_HELD.labels(self.backend_name).set(len(self._entries))
+        CUDA_GRAPH_POOL_BYTES.labels(self.backend_name).set(self.held_bytes())
 
 
 class _Captured:
-    def __init__(self, graph, pool, stream, static_in, static_outs, multi: bool, calls: Counter, kept: list):
-        self.graph, self.pool, self.stream = graph, pool, stream
+    def __init__(self, graph, pool, static_in, static_outs, multi: bool, calls: Counter, kept: list, done):
+        self.graph, self.pool = graph, pool
         self.static_in, self.static_outs, self.multi = static_in, static_outs, multi
         self.calls = calls
-        self.kept = kept  # buffers outside the pool that the replays write (the cuDNN workspace)
+        self.kept = kept  # what the replays use from outside the pool (workspaces, cuDNN plans)
+        self.done = done  # recorded after each replay's outputs are copied out
+        self.nbytes = int(pool.total_bytes())
 
     def release(self) -> None:
         self.graph = None
         self.static_in = self.static_outs = None
         self.kept = []
         self.pool.free_all_blocks()
+        self.nbytes = 0
+
+
+_tokens = itertools.count()
 
 
 class GraphedForward:
-    def __init__(self, backend, fn, capacity: int = DEFAULT_CAPACITY):
-        self.backend, self.fn, self.capacity = backend, fn, max(1, int(capacity))
-        self._graphs: OrderedDict = OrderedDict()
+    """fn(x) -> array or tuple of arrays, replayed from a CUDA graph per (shape, dtype) of x."""
+
+    def __init__(self, backend, fn, cache: GraphCache, lock=None):
+        self.backend, self.fn, self.cache = backend, fn, cache
+        self.token = next(_tokens)
         self._seen: set = set()
+        self._missed: Counter = Counter()
         self.ungraphable: dict = {}
         self.captures = 0
         self.replays = 0
-        self._lock = threading.Lock()
+        # one lock for all of a backend's forwards: a capture may evict (and free) another
+        # forward's graph, which must not be mid-replay in another thread then
+        self._lock = lock if lock is not None else threading.RLock()
+        weakref.finalize(self, cache.drop_owner, self.token)
 
     def __call__(self, x):
         key = (tuple(x.shape), x.dtype.str)
@@ -62,13 +157,11 @@ class GraphedForward:
             if key in self.ungraphable or key not in self._seen:
                 self._seen.add(key)
                 return self.fn(x)  # first sight: eager, builds plans and compiles kernels
-            entry = self._graphs.get(key)
+            entry = self.cache.get((self.token, key))
             if entry is None:
                 entry = self._capture(key, x)
                 if entry is None:
                     return self.fn(x)
-            else:
-                self._graphs.move_to_end(key)
             return self._replay(entry, x)
 
     # ---- capture --------------------------------------------------------------------------------
@@ -83,6 +176,7 @@ class GraphedForward:
                 static_in = cp.empty_like(x)
                 static_in[...] = x
                 stream.synchronize()
+                self.backend.bind_stream(stream)
                 with self.backend.recording_calls() as (calls, kept):
                     stream.begin_capture()
                     try:
@@ -91,37 +185,55 @@ class GraphedForward:
                         graph = _end_capture(stream)
                 if graph is None:
                     raise RuntimeError("stream capture was invalidated")
+        except CaptureMissed as exc:
+            pool.free_all_blocks()
+            self._missed[key] += 1
+            if self._missed[key] >= MAX_MISSED_CAPTURES:
+                return self._give_up(key, exc)
+            log.info("capture for input %s deferred: %s", key, exc)
+            return None
         except Exception as exc:  # e.g. a host synchronisation inside the forward
             pool.free_all_blocks()
-            self.ungraphable[key] = f"{exc.__class__.__name__}: {exc}"
-            log.warning("forward for input %s cannot be captured as a CUDA graph (%s); running it eagerly",
-                        key, self.ungraphable[key])
-            return None
+            return self._give_up(key, exc)
+        self._missed.pop(key, None)
         multi = isinstance(out, tuple)
-        entry = _Captured(graph, pool, stream, static_in, out if multi else (out,), multi, Counter(calls), kept)
-        self._graphs[key] = entry
+        entry = _Captured(graph, pool, static_in, out if multi else (out,), multi, Counter(calls), kept,
+                          cp.cuda.Event(disable_timing=True))
         self.captures += 1
-        while len(self._graphs) > self.capacity:
-            _, old = self._graphs.popitem(last=False)
-            old.release()
-        log.info("captured a CUDA graph for input %s: %d convs", key, len(calls))
+        CUDA_GRAPH_CAPTURES.labels(self.backend.name, "captured").inc()
+        self.cache.put((self.token, key), entry)
+        log.info("captured a CUDA graph for input %s: %d convs, %d pool bytes", key, len(calls), entry.nbytes)
         return entry
+
+    def _give_up(self, key, exc):
+        self.ungraphable[key] = f"{exc.__class__.__name__}: {exc}"
+        CUDA_GRAPH_CAPTURES.labels(self.backend.name, "failed").inc()
+        log.warning("forward for input %s cannot be captured as a CUDA graph (%s); running it eagerly",
+                    key, self.ungraphable[key])
+        return None
 
     # ---- replay ---------------------------------------------------------------------------------
     def _replay(self, entry: _Captured, x):
         cp = self.backend.cp
         stream = cp.cuda.get_current_stream()
+        stream.wait_event(entry.done)  # a replay on another stream may still be copying out
         entry.static_in[...] = x
         entry.graph.launch(stream)
+        outs = tuple(None if o is None else o.copy() for o in entry.static_outs)
+        entry.done.record(stream)
         self.backend.count_calls(entry.calls)
         self.replays += 1
-        outs = tuple(None if o is None else o.copy() for o in entry.static_outs)
+        CUDA_GRAPH_REPLAYS.labels(self.backend.name).inc()
         return outs if entry.multi else outs[0]
 
+    def captured(self) -> list:
+        """This forward's graphs the cache holds now."""
+        return [e for e in (self.cache.get((self.token, k)) for k in self.cache.keys_of(self.token)) if e]
+
     def stats(self) -> dict:
-        return {"graphs": len(self._graphs), "captures": self.captures, "replays": self.replays,
-                "pool_bytes": sum(e.pool.total_bytes() for e in self._graphs.values()),
-                "ungraphable": dict(self.ungraphable)}
+        keys = self.cache.keys_of(self.token)
+        return {"graphs": len(keys), "captures": self.captures, "replays": self.replays,
+                "pool_bytes": self.cache.held_bytes(self.token), "ungraphable": dict(self.ungraphable)}
 
 
 def _end_capture(stream):

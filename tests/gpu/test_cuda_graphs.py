@@ -1,8 +1,11 @@
-"""CUDA-graph replay of whole forwards (CONVSERVE_CUDA_GRAPHS, convkernels/backends/cuda_graphs.py):
-every replay with fresh inputs matches the reference implementation (diffusers / transformers with
-identical random weights, PyTorch fp32 on the CPU), conv counters advance per replay as in an
-eager run, the LRU bound evicts and recaptures correctly, and a forward that cannot be captured
-(a host synchronisation inside it) still answers, eagerly. Skipped without a CUDA GPU + CuPy + cuDNN."""
+"""CUDA-graph replay of whole forwards (CONVSERVE_CUDA_GRAPHS, on by default,
+convkernels/backends/cuda_graphs.py): every replay with fresh inputs matches the reference
+implementation (diffusers / transformers with identical random weights, PyTorch fp32 on the CPU),
+every model forward in every dtype and path setting is captured (none falls back to eager), the
+cuBLAS C-API matmuls capture, conv counters advance per replay as in an eager run, the LRU bound
+evicts and recaptures correctly, a plan cache too small to hold a forward's plans defers and then
+gives up capturing (still answering), and a forward that cannot be captured (a host
+synchronisation inside it) still answers, eagerly. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,9 +23,93 @@ def needs_cuda():
     cuda_or_skip()
 
 
-def graphed_backend(capacity: int = 8, dtype: str = "float16"):
+def graphed_backend(capacity: int = 8, dtype: str = "float16", **options):
     from convkernels.backends.cuda_backend import CudaBackend
-    return CudaBackend(dtype=dtype, cuda_graphs=True, graph_capacity=capacity)
+    return CudaBackend(dtype=dtype, cuda_graphs=True, graph_capacity=capacity, **options)
+
+
+def replays_total() -> float:
+    from convkernels import REGISTRY
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples
+               if s.name == "convkernels_cuda_graph_replays_total" and s.labels.get("backend") == "cuda")
+
+
+def test_graphs_are_on_by_default():
+    from convkernels import get_backend
+    from convkernels.backends.cuda_graphs import GraphedForward
+
+    be = get_backend("cuda")
+    assert be.cuda_graphs and isinstance(be.graphed(lambda x: x), GraphedForward)
+    assert not get_backend("cuda", cuda_options={"cuda_graphs": False}).cuda_graphs
+
+
+@pytest.mark.parametrize("dtype,options", [
+    ("float16", {}),
+    ("bfloat16", {}),
+    ("float32", {}),
+    ("float16", {"force_fallback": True}),   # gemm_fallback: im2col + cuBLAS C-API matmuls
+    ("float16", {"autotune": True}),         # path measurement and plan autotune before capture
+], ids=["fp16", "bf16", "fp32", "fp16-fallback", "fp16-autotune"])
+def test_every_vae_forward_is_captured_and_replays_match_diffusers(saved, dtype, options):
+    from models import load_model
+
+    model = load_model("vae", "tiny-vae", graphed_backend(dtype=dtype, **options), weights=str(saved.root / "vae"))
+    rng = np.random.default_rng(fresh_seed())
+    before = replays_total()
+    for i in range(3):  # eager, capture + replay, replay
+        lat = rng.standard_normal((1, 4, 13, 11)).astype(np.float32)
+        err = rel_l2(model.decode(lat, tiled=False), vae_decode_ref(saved.vae, lat))
+        print(f"{dtype} {options} call {i}: rel L2 {err:.2e}")
+        assert err < TOL, f"call {i}: {err:.3e}"
+    stats = model._decode_device.stats()
+    assert stats["ungraphable"] == {} and stats["captures"] == 1 and stats["replays"] == 2, stats
+    assert replays_total() - before == 2
+    assert stats["pool_bytes"] > 0
+
+
+def test_captured_matmuls_linear_and_attention_match_torch():
+    """cuBLAS through its C API inside a capture: a transposed-weight linear and a chunked
+    attention (strided-batched products on views), replayed with fresh inputs."""
+    import cupy as cp
+    import torch
+
+    be = graphed_backend()
+    rng = np.random.default_rng(fresh_seed())
+    w = rng.standard_normal((24, 40)).astype(np.float32) / 6
+    wd = be.asarray(w)
+
+    def forward(x):
+        h = be.linear(x, wd)
+        return be.attention(h, h, h)
+
+    run = be.graphed(forward)
+    for i in range(3):
+        xh = rng.standard_normal((3, 37, 40)).astype(np.float32)
+        ours = be.to_host(run(be.asarray(xh)))
+        ht = torch.from_numpy(xh.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64)).T
+        ref = torch.nn.functional.scaled_dot_product_attention(ht, ht, ht).numpy()
+        assert rel_l2(ours, ref) < TOL, f"call {i}"
+    stats = run.stats()
+    assert stats["ungraphable"] == {} and stats["replays"] == 2, stats
+    cp.cuda.get_current_stream().synchronize()
+
+
+def test_a_plan_cache_too_small_for_the_forward_defers_then_gives_up_capturing(saved):
+    """Every capture meets a plan the LRU plan cache dropped: building it is eager-only work,
+    so the capture is deferred (that call runs eagerly) and, after a few tries, abandoned for
+    the shape. Every answer stays right."""
+    from convkernels.backends.cuda_graphs import MAX_MISSED_CAPTURES
+    from models import load_model
+
+    model = load_model("vae", "tiny-vae", graphed_backend(plan_cache_capacity=1), weights=str(saved.root / "vae"))
+    rng = np.random.default_rng(fresh_seed())
+    for i in range(MAX_MISSED_CAPTURES + 2):
+        lat = rng.standard_normal((1, 4, 7, 9)).astype(np.float32)
+        err = rel_l2(model.decode(lat, tiled=False), vae_decode_ref(saved.vae, lat))
+        assert err < TOL, f"call {i}: {err:.3e}"
+    stats = model._decode_device.stats()
+    assert stats["captures"] == 0 and len(stats["ungraphable"]) == 1, stats
+    assert "CaptureMissed" in next(iter(stats["ungraphable"].values()))
 
 
 def conv_count() -> float:
@@ -120,7 +207,7 @@ def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
     shape = (1, 4, 11, 9)
     for _ in range(2):  # eager, then capture + replay
         model.decode(rng.standard_normal(shape).astype(np.float32), tiled=False)
-    (entry,) = model._decode_device._graphs.values()
+    (entry,) = model._decode_device.captured()
     captured_ws = be._ws
     assert any(k is captured_ws for k in entry.kept), "the graph does not hold the workspace it captured"
     del captured_ws  # only the graph may keep it alive now
@@ -132,3 +219,32 @@ def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
         err = rel_l2(model.decode(lat, tiled=False), vae_decode_ref(saved.vae, lat))
         assert err < TOL, f"replay {i} after the workspace swap: {err:.3e}"
     assert all(float(f.min()) == 7.0 == float(f.max()) for f in fill), "a replay wrote into later allocations"
+
+
+def test_tiled_decode_replays_one_graph_per_repeated_tile_shape(saved):
+    """A tiled decode sends every tile through the graphed forward: tiles of one shape are
+    captured once and replayed (item 3 of issue #17). The result matches diffusers' own tiled
+    decode with the same tile size and overlap."""
+    import torch
+
+    from models import load_model
+
+    tile = 8
+    model = load_model("vae", "tiny-vae", graphed_backend(), weights=str(saved.root / "vae"), tile_latent_size=tile)
+    lat = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 21, 19)).astype(np.float32)
+    ours = model.decode(lat, tiled=True)
+    vae = saved.vae
+    vae.enable_tiling()
+    saved_sizes = vae.tile_latent_min_size, vae.tile_sample_min_size
+    vae.tile_latent_min_size, vae.tile_sample_min_size = tile, tile * 8
+    try:
+        with torch.no_grad():
+            ref = vae_decode_ref(vae, lat)
+    finally:
+        vae.disable_tiling()
+        vae.tile_latent_min_size, vae.tile_sample_min_size = saved_sizes
+    err = rel_l2(ours, ref)
+    stats = model._decode_device.stats()
+    print(f"tiled decode: rel L2 {err:.2e}, {stats}")
+    assert err < TOL, f"{err:.3e}"
+    assert stats["ungraphable"] == {} and stats["captures"] >= 1 and stats["replays"] >= 2, stats

@@ -1,7 +1,9 @@
 """Whole models on the CUDA backend vs their reference implementations with identical random
 weights (diffusers AutoencoderKL / AutoencoderKLWan, transformers ConvNextModel, run by PyTorch
 on the same GPU in float32 with TF32 off), through the public models.load_model path:
-relative L2 < 1e-2 in float16 / bfloat16. Skipped without a CUDA GPU + CuPy + cuDNN."""
+relative L2 < 1e-2 in float16 / bfloat16. The image VAE and ConvNeXt run twice with fresh inputs:
+eagerly, then captured and replayed as a CUDA graph (on by default), which must happen.
+Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import os
@@ -28,6 +30,14 @@ def gpu_reference_in_true_fp32():
 def backend(dtype):
     from convkernels import get_backend
     return get_backend("cuda", dtype=dtype)
+
+
+def assert_captured(forward, calls: int) -> None:
+    """`calls` calls of a graphed forward: the first eager, every later one a replay of one
+    capture. A forward that could not be captured fails here (it would only warn when serving)."""
+    stats = forward.stats()
+    assert stats["ungraphable"] == {}, f"forward not capturable: {stats['ungraphable']}"
+    assert stats["captures"] == 1 and stats["replays"] == calls - 1, stats
 
 
 def report(line: str) -> None:
@@ -82,16 +92,19 @@ def test_image_vae_decode(tmp_path, preset, cfg, dtype, lat):
     perturb_(vae, s)
     vae.save_pretrained(tmp_path)
     model = load_model("vae", preset, backend(dtype), weights=str(tmp_path))
-    latents = np.random.default_rng(s).standard_normal(lat).astype(np.float32)
-    ours = model.decode(latents, tiled=False)
+    rng = np.random.default_rng(s)
     vae = vae.cuda()
-    with torch.no_grad():
-        ref = vae.decode(torch.from_numpy(latents).cuda() / cfg["scaling_factor"]).sample
-    ref = (ref / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
-    assert 0.02 < float(ref.std()), "reference decode is flat: the check would prove nothing"
-    err = rel_l2(ours, ref)
-    report(f"{preset} {dtype} latents {lat}: rel L2 {err:.2e}")
-    assert err < TOL, f"seed {s}: {err:.3e}"
+    for call in ("eager", "graph"):
+        latents = rng.standard_normal(lat).astype(np.float32)
+        ours = model.decode(latents, tiled=False)
+        with torch.no_grad():
+            ref = vae.decode(torch.from_numpy(latents).cuda() / cfg["scaling_factor"]).sample
+        ref = (ref / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+        assert 0.02 < float(ref.std()), "reference decode is flat: the check would prove nothing"
+        err = rel_l2(ours, ref)
+        report(f"{preset} {dtype} latents {lat} {call}: rel L2 {err:.2e}")
+        assert err < TOL, f"seed {s}, {call}: {err:.3e}"
+    assert_captured(model._decode_device, 2)
 
 
 # ---- Wan video VAE ----------------------------------------------------------------------------
@@ -157,17 +170,25 @@ def test_convnext_encode(tmp_path, preset, arch, size, dtype):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     ref_model.save_pretrained(tmp_path, safe_serialization=True)
     model = load_model("enc", preset, backend(dtype), weights=str(tmp_path))
-    pixels = np.random.default_rng(s).random((2, size, size, 3), dtype=np.float32)
-    out = model.encode(pixels)
+    rng = np.random.default_rng(s)
     mean, std = np.asarray(model.mean, np.float32), np.asarray(model.std, np.float32)
-    x = torch.from_numpy(((pixels - mean) / std).transpose(0, 3, 1, 2).copy()).cuda()
-    with torch.no_grad():
-        ref = ref_model.cuda()(x).pooler_output.cpu().numpy()
-        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-        torch_lowp = ref_model.to(tdt)(x.to(tdt)).pooler_output.float().cpu().numpy()
-    err, floor = rel_l2(out["embedding"], ref), rel_l2(torch_lowp, ref)
-    report(f"{preset} {dtype} 2x{size}x{size}: rel L2 {err:.2e} (PyTorch in {dtype}: {floor:.2e})")
-    # bfloat16 keeps 8 bits: a random-weight ConvNeXt's pooled embedding can land above 1e-2 in
-    # PyTorch's own bf16 run too; then ours must stay within 1.5x of PyTorch's bf16 error.
-    tol = max(TOL, 1.5 * floor) if dtype == "bfloat16" else TOL
-    assert err < tol, f"seed {s}: {err:.3e} (PyTorch {dtype}: {floor:.3e})"
+    ref_model = ref_model.cuda()
+    runs = []
+    for call in ("eager", "graph"):
+        pixels = rng.random((2, size, size, 3), dtype=np.float32)
+        out = model.encode(pixels)
+        x = torch.from_numpy(((pixels - mean) / std).transpose(0, 3, 1, 2).copy()).cuda()
+        with torch.no_grad():
+            runs.append((call, out["embedding"], ref_model(x).pooler_output.cpu().numpy(), x))
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    ref_model = ref_model.to(tdt)
+    for call, ours, ref, x in runs:
+        with torch.no_grad():
+            torch_lowp = ref_model(x.to(tdt)).pooler_output.float().cpu().numpy()
+        err, floor = rel_l2(ours, ref), rel_l2(torch_lowp, ref)
+        report(f"{preset} {dtype} 2x{size}x{size} {call}: rel L2 {err:.2e} (PyTorch in {dtype}: {floor:.2e})")
+        # bfloat16 keeps 8 bits: a random-weight ConvNeXt's pooled embedding can land above 1e-2 in
+        # PyTorch's own bf16 run too; then ours must stay within 1.5x of PyTorch's bf16 error.
+        tol = max(TOL, 1.5 * floor) if dtype == "bfloat16" else TOL
+        assert err < tol, f"seed {s}, {call}: {err:.3e} (PyTorch {dtype}: {floor:.3e})"
+    assert_captured(model._encode_device, 2)

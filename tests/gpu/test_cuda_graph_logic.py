@@ -1,0 +1,113 @@
+"""The CPU-side bookkeeping of whole-forward CUDA graphs (convkernels/backends/cuda_graphs.py):
+the per-backend LRU over every model's graphs, releasing what it evicts, the exported gauges
+(read back from the Prometheus registry's text), and the service settings that reach the
+backend constructor. Runs everywhere; test_cuda_graphs.py checks the same on a GPU."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from convkernels import REGISTRY
+from convkernels.backends.cuda_graphs import GraphCache
+
+
+class Entry:
+    """A captured graph as the cache sees it: its pool bytes, and whether it was released."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+        self.nbytes = 0
+
+
+def gauge(name: str, backend: str) -> float:
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if line.startswith(f'{name}{{backend="{backend}"}} '):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} for backend {backend} not exported")
+
+
+def test_lru_evicts_the_least_recently_used_over_all_forwards_and_releases_it():
+    cache = GraphCache(capacity=3, backend_name="graph-test-lru")
+    entries = {k: Entry(n) for k, n in [((0, "a"), 100), ((1, "a"), 200), ((0, "b"), 300)]}
+    for key, e in entries.items():
+        assert cache.put(key, e) == []
+    assert cache.get((0, "a")) is entries[(0, "a")]  # now the most recent
+    newest = Entry(400)
+    assert cache.put((2, "a"), newest) == [(1, "a")]  # forward 1's graph was the oldest
+    assert entries[(1, "a")].released and not entries[(0, "a")].released
+    assert cache.get((1, "a")) is None
+    assert sorted(cache.keys_of(0)) == ["a", "b"] and cache.keys_of(2) == ["a"]
+    assert cache.held_bytes() == 100 + 300 + 400 and cache.held_bytes(0) == 400
+    assert cache.evictions == 1
+
+
+def test_replacing_a_key_releases_the_old_graph():
+    cache = GraphCache(capacity=2, backend_name="graph-test-replace")
+    old, new = Entry(10), Entry(20)
+    cache.put((0, "k"), old)
+    cache.put((0, "k"), new)
+    assert old.released and not new.released and len(cache) == 1 and cache.held_bytes() == 20
+
+
+def test_dropping_a_forward_releases_only_its_graphs():
+    cache = GraphCache(capacity=8, backend_name="graph-test-drop")
+    mine = [Entry(5), Entry(6)]
+    other = Entry(7)
+    cache.put((3, "x"), mine[0])
+    cache.put((4, "x"), other)
+    cache.put((3, "y"), mine[1])
+    cache.drop_owner(3)
+    assert all(e.released for e in mine) and not other.released
+    assert cache.keys_of(3) == [] and cache.held_bytes() == 7
+
+
+def test_graphs_held_and_pool_bytes_are_exported_as_gauges():
+    name = "graph-test-gauges"
+    cache = GraphCache(capacity=2, backend_name=name)
+    cache.put((0, "a"), Entry(1000))
+    cache.put((0, "b"), Entry(24))
+    assert gauge("convkernels_cuda_graphs", name) == 2
+    assert gauge("convkernels_cuda_graph_pool_bytes", name) == 1024
+    cache.put((0, "c"), Entry(1))  # evicts the 1000-byte graph
+    assert gauge("convkernels_cuda_graphs", name) == 2
+    assert gauge("convkernels_cuda_graph_pool_bytes", name) == 25
+    cache.drop_owner(0)
+    assert gauge("convkernels_cuda_graphs", name) == 0
+    assert gauge("convkernels_cuda_graph_pool_bytes", name) == 0
+
+
+def test_capacity_below_one_is_one():
+    cache = GraphCache(capacity=0, backend_name="graph-test-cap")
+    a, b = Entry(1), Entry(2)
+    cache.put((0, "a"), a)
+    cache.put((0, "b"), b)
+    assert a.released and len(cache) == 1
+
+
+def test_service_settings_pass_graph_options_to_the_cuda_backend_only(monkeypatch):
+    from convkernels import get_backend
+    from service.settings import Settings
+
+    monkeypatch.setenv("CONVSERVE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("CONVSERVE_CUDA_GRAPH_CAPACITY", "5")
+    monkeypatch.setenv("CONVSERVE_CUDA_AUTOTUNE_PLANS", "3")
+    opts = Settings().backend_options()
+    assert opts["cuda_options"] == {"cuda_graphs": False, "graph_capacity": 5, "autotune_max_plans": 3}
+    monkeypatch.delenv("CONVSERVE_CUDA_GRAPHS")
+    assert Settings().backend_options()["cuda_options"]["cuda_graphs"] is True  # on by default
+    # a backend other than cuda ignores the cuda-only options
+    assert get_backend("numpy", **opts).name == "numpy"
+
+
+def test_bad_graph_capacity_fails_settings(monkeypatch):
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    monkeypatch.setenv("CONVSERVE_CUDA_GRAPH_CAPACITY", "0")
+    with pytest.raises(ValidationError):
+        Settings()
