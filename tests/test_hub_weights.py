@@ -187,6 +187,26 @@ def test_convnext_from_hub_matches_transformers(offline, backend):
     assert model.weights_provenance["commit"] == hub["commits"]["enc"]
 
 
+def test_wan_vae_from_a_pipeline_subfolder_pinned_by_commit(offline, backend, tmp_path, request):
+    """`wan=wan2.1-vae:Wan-AI/Wan2.1-T2V-1.3B-Diffusers/vae@<commit>` at test size."""
+    from models import load_model
+    from test_models_wan import WAN_SMALL, make_reference, reference_decode
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # diffusers' many small ops crawl with an oversubscribed pool on 2 shared cores
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    seed, cache = fresh_seed(), offline["cache"]
+    vae, folder, config = make_reference(tmp_path, WAN_SMALL, seed)
+    commit = _commit(seed)
+    add_snapshot(cache, "testorg/tiny-wan-pipe", commit, folder_files(folder, "vae/"), refs=("main",))
+    model = load_model("wan", "tiny-wan-vae", backend, weights=f"testorg/tiny-wan-pipe/vae@{commit}")
+    lat = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 2, 5, 7)).astype(np.float32)
+    ours = model.decode(lat)
+    np.testing.assert_array_equal(ours, load_model("wan", "tiny-wan-vae", backend, weights=str(folder)).decode(lat))
+    assert rel_l2(ours, reference_decode(vae, config, lat)) < 1e-4
+    assert model.card()["weights"] == f"hf://testorg/tiny-wan-pipe/vae@{commit}"
+
+
 def test_pickle_only_repository_is_refused(offline, backend):
     from models import WeightsError, load_model
     with pytest.raises(WeightsError, match=r"pickle-only: no \.safetensors.*pytorch_model\.bin.*refused"):
