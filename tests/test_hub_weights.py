@@ -276,3 +276,57 @@ def test_live_server_serves_hub_weights_with_provenance(offline, backend, tmp_pa
         assert enc["hub"]["commit"] == hub["commits"]["enc"] and enc["hub"]["subfolder"] is None
     finally:
         server.stop()
+
+
+# ---- online, against a local stand-in for the Hub's HTTP API ----------------------------------------
+@pytest.fixture
+def hub_server(hub):
+    from hub_server import HubServer, Repo
+    vae_dir = hub["root"] / "new" / "vae"
+    pipe = {f"vae/{p.name}": p.read_bytes() for p in vae_dir.iterdir()}
+    pipe["vae/diffusion_pytorch_model.bin"] = b"a pickle that must never be fetched"
+    pipe["unet/diffusion_pytorch_model.safetensors"] = b"another model's weights"
+    pipe["model_index.json"] = b'{"_class_name": "StableDiffusionPipeline"}'
+    server = HubServer({
+        "onlineorg/pipe": Repo(_commit(1), pipe, revisions=("main", "v2")),
+        "onlineorg/pickles": Repo(_commit(2), {"config.json": b"{}", "pytorch_model.bin": b"pickle"}),
+    })
+    yield server
+    server.stop()
+
+
+def test_pull_over_http_fetches_only_configs_and_safetensors_then_serves_offline(hub_server, hub, backend,
+                                                                                  tmp_path, monkeypatch):
+    from models import load_model
+    cache = tmp_path / "cache"
+    online = {"HF_ENDPOINT": hub_server.url, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_XET": "1"}
+    r = _cli("pull", "sd=tiny-vae:onlineorg/pipe/vae@v2", env_extra=online)
+    assert r.returncode == 0, r.stderr
+    commit = hub_server.repos["onlineorg/pipe"].commit
+    assert f"hf://onlineorg/pipe/vae@{commit} (revision v2)" in r.stdout
+    assert hub_server.fetched() == {"onlineorg/pipe/vae/config.json",
+                                    "onlineorg/pipe/vae/diffusion_pytorch_model.safetensors"}
+
+    # the cache it left is what an offline server loads
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    model = load_model("sd", "tiny-vae", backend, weights="onlineorg/pipe/vae@v2")
+    assert model.weights_provenance["commit"] == commit
+    lat = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 5, 6)).astype(np.float32)
+    folder = load_model("sd", "tiny-vae", backend, weights=str(hub["root"] / "new" / "vae"))
+    np.testing.assert_array_equal(_decode(model, lat), _decode(folder, lat))
+
+
+@pytest.mark.parametrize("ref,expect", [
+    ("onlineorg/pickles", r"no \.safetensors weights .*\['pytorch_model\.bin'\].*refused"),
+    ("onlineorg/absent", "no such repository 'onlineorg/absent'"),
+    ("onlineorg/pipe/vae@v3", "has no revision 'v3'"),
+])
+def test_pull_over_http_refuses_clearly(hub_server, tmp_path, ref, expect):
+    import re
+    online = {"HF_ENDPOINT": hub_server.url, "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_XET": "1"}
+    r = _cli("pull", ref, env_extra=online)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("convserve: error:")]
+    assert line.startswith(f"convserve: error: weights {ref}:") and re.search(expect, line), line
+    assert not any(p.endswith(".bin") for p in hub_server.fetched())
