@@ -110,11 +110,10 @@ def _fetch_hub_weights(entries, hashes: bool) -> list:
 
     resolved = []
     for entry in entries:
-        ref = parse_weights(entry.weights) if entry.weights else None
-        if not isinstance(ref, HubRef):
-            continue
         try:
-            resolved.append((entry, resolve(ref, hashes=hashes)))
+            ref = parse_weights(entry.weights) if entry.weights else None
+            if isinstance(ref, HubRef):
+                resolved.append((entry, resolve(ref, hashes=hashes)))
         except ValueError as exc:
             if not entry.optional:
                 _fail(str(exc))

@@ -249,8 +249,10 @@ def test_pull_reports_the_resolved_commit(hub):
     assert len(lines) == 2, r.stdout
     assert f"hf://{PIPE}/vae@{hub['commits']['old']}" in lines[0] and "revision v1" in lines[0]
     assert f"hf://{ENC}@{hub['commits']['enc']}" in lines[1]
-    missing = _cli("pull", "testorg/missing", env_extra=env)
-    assert missing.returncode == 2 and "testorg/missing" in missing.stderr and "Traceback" not in missing.stderr
+    for bad in ("testorg/missing", "testorg/bad name", "x=tiny-vae:nope"):
+        r = _cli("pull", bad, env_extra=env)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and bad.rpartition(":")[2] in r.stderr, r.stderr
 
 
 def test_live_server_serves_hub_weights_with_provenance(offline, backend, tmp_path, monkeypatch):
