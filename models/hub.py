@@ -30,7 +30,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Hub names: letters, digits, '-', '_', '.'; no leading/trailing '-' or '.', no '--' or '..'
 # (huggingface_hub's own repo-id rule, applied to every path part).
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-_REF = re.compile(rf"(?P<org>{_PART})/(?P<name>{_PART})(?P<sub>(?:/{_PART})*)(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?")
+_REF = re.compile(rf"(?P<org>{_PART})/(?P<name>{_PART})(?P<sub>(?:/{_PART})*)"
+                  r"(?:@(?P<rev>[A-Za-z0-9][A-Za-z0-9._/-]*))?")
 _PATHLIKE = re.compile(r"^(?:/|\./|\.\./|~|\.$|\.\.$)|\\")
 
 

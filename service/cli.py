@@ -28,8 +28,9 @@ def _set_env(**values) -> None:
 @app.command()
 def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE_HOST, 127.0.0.1]"),
           port: Optional[int] = typer.Option(None, help="port [CONVSERVE_PORT, 8000]"),
-          models: Optional[str] = typer.Option(None, help="name=preset[:weights],...; weights: a folder, a .safetensors "
-                                                   "file or a Hub reference org/name/subfolder@revision (both optional) [CONVSERVE_MODELS]"),
+          models: Optional[str] = typer.Option(None, help="name=preset[:weights],...; weights: a folder, a "
+                                               ".safetensors file or a Hub reference org/name/subfolder@revision "
+                                               "(both optional) [CONVSERVE_MODELS]"),
           backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda [CONVSERVE_BACKEND]"),
           dtype: Optional[str] = typer.Option(None, help="compute dtype [backend default]"),
           workers: int = typer.Option(1, help="server processes (each loads the models; graceful drain needs 1)"),
@@ -55,7 +56,10 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     settings = Settings()
     level = settings.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _fetch_hub_weights(_model_entries(settings.models), hashes=False)
+    if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
+        # Everything is in the cache now: the loaders (every worker) read it there, so they all get
+        # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
+        os.environ["HF_HUB_OFFLINE"] = "1"
     if workers > 1:
         _serve_workers(settings, workers, level, HeaderTimeoutH11Protocol)
         return

@@ -332,3 +332,30 @@ def test_pull_over_http_refuses_clearly(hub_server, tmp_path, ref, expect):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("convserve: error:")]
     assert line.startswith(f"convserve: error: weights {ref}:") and re.search(expect, line), line
     assert not any(p.endswith(".bin") for p in hub_server.fetched())
+
+
+def test_serve_downloads_once_then_loads_from_the_cache(hub_server, hub, backend, tmp_path, monkeypatch):
+    """The README's first run: `convserve serve --models sd=...:org/name/vae` with an empty cache
+    fetches the weights before the server starts; the loader then reads the cache (one revision
+    look-up in all, so a branch moving meanwhile cannot split what is served)."""
+    import httpx
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    server = start_server(tmp_path, models="sd=tiny-vae:onlineorg/pipe/vae")
+    try:
+        card = httpx.get(f"{server.url}/v1/models/sd", timeout=10).json()
+        assert card["hub"]["commit"] == hub_server.repos["onlineorg/pipe"].commit
+        lookups = [p for m, p in hub_server.requests if "/revision/" in p]
+        assert lookups == ["/api/models/onlineorg/pipe/revision/main"], hub_server.requests
+        lat = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 7, 3)).astype(np.float32)
+        r = httpx.post(f"{server.url}/v1/models/sd/decode", content=npy(lat), params={"format": "npy"},
+                       headers={"content-type": "application/x-npy"}, timeout=60)
+        assert r.status_code == 200, r.text
+        ref = vae_decode_ref(hub["vaes"]["new"], lat)
+        assert rel_l2(from_npy(r.content), ref) < 1e-5
+    finally:
+        server.stop()
