@@ -137,7 +137,7 @@ def pull(models: Optional[list[str]] = typer.Argument(
     specs = models or [Settings().models]
     entries = []
     for item in (i.strip() for spec in specs for i in spec.split(",")):
-        if "/" in item and not {"=", ":"} & set(item):  # a bare org/name[...]: a reference on its own
+        if item.startswith("hf://") or ("/" in item and not {"=", ":"} & set(item)):  # a bare reference
             entries.append(ModelEntry(item, "", item))
         elif item:
             entries.extend(_model_entries(item))

@@ -243,7 +243,7 @@ def test_serve_with_a_missing_repository_exits_with_one_line(hub):
 
 def test_pull_reports_the_resolved_commit(hub):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub["cache"])}
-    r = _cli("pull", f"sd=tiny-vae:{PIPE}/vae@v1,tiny-convnext", ENC, env_extra=env)
+    r = _cli("pull", f"sd=tiny-vae:{PIPE}/vae@v1,tiny-convnext", f"hf://{ENC}", env_extra=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2, r.stdout
