@@ -59,7 +59,7 @@ def parse_hub_ref(text: str) -> HubRef:
     """`[hf://]org/name[/subfolder][@revision]` -> HubRef; anything else is a HubError listing the forms."""
     body = text[len(HF_SCHEME):] if text.startswith(HF_SCHEME) else text
     m = _REF.fullmatch(body)
-    if m is None or "--" in body.partition("@")[0] or ".." in body:
+    if m is None or "--" in m["org"] + m["name"] or ".." in body:
         raise HubError(f"weights {text!r} are not a valid Hub reference; {_forms()}")
     sub = m["sub"].strip("/") or None
     return HubRef(f"{m['org']}/{m['name']}", sub, m["rev"])
