@@ -22,6 +22,9 @@ DOCKERFILES = {"cpu": DEPLOY / "docker" / "Dockerfile.cpu", "cuda": DEPLOY / "do
 #: Environment variables an image may set besides CONVSERVE_*: interpreter and runtime plumbing,
 #: not service configuration (that goes only through CONVSERVE_*).
 PLUMBING_ENV = re.compile(r"^(PATH|PYTHON\w*|PIP_\w+|NVIDIA_\w+|CUPY_CACHE_DIR|LANG|LC_ALL)$")
+#: huggingface_hub's own variables (where the Hub cache lives, offline mode, the token for gated
+#: repositories): Hub weights references resolve through them, as every HF library's do.
+HUB_ENV = re.compile(r"^(HF_HOME|HF_HUB_CACHE|HF_HUB_OFFLINE|HF_TOKEN)$")
 
 
 # ----------------------------------------------------------------------------- settings
@@ -268,7 +271,7 @@ def dockerfile_problems(text: str, settings_env: set[str], repo: Path = REPO) ->
         if name.startswith("CONVSERVE_"):
             if name not in settings_env:
                 problems.append(f"ENV {name} is not a service setting")
-        elif not PLUMBING_ENV.match(name):
+        elif not PLUMBING_ENV.match(name) and not HUB_ENV.match(name):
             problems.append(f"ENV {name}: configuration goes through CONVSERVE_* only")
 
     volumes: set[str] = set()
@@ -717,7 +720,7 @@ def manifest_problems(docs: list[dict], settings_env: set[str]) -> list[str]:
                 problems.append(f"env {e['name']} needs {ref.get('name')!r}, which nothing creates")
         settings[e["name"]] = e.get("value", "")
     for key in settings:
-        if key not in settings_env:
+        if key not in settings_env and not HUB_ENV.match(key):
             problems.append(f"setting {key} is not a service setting")
     if settings.get("CONVSERVE_HOST") != "0.0.0.0":
         problems.append("CONVSERVE_HOST must be 0.0.0.0 in a pod")

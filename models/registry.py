@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from .hub import resolve_weights
+
 log = logging.getLogger("convserve.models")
 
 #: module (under models/) -> the kind of model its presets build
@@ -97,13 +99,17 @@ PRESETS = _Presets()
 
 def load_model(name: str, preset: str, backend, weights: str | None = None, **overrides: Any):
     """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
-    diffusers/HF model folder or a .safetensors file, None = seeded random init."""
+    diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
+    (models/hub.py; the model then has `weights_provenance`), None = seeded random init."""
     if preset not in PRESETS:
         missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
         raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
                        + (f" (families unavailable: {missing})" if missing else ""))
     info = PRESETS[preset]
     mod = importlib.import_module(f"{__package__}.{info.family}")
-    if overrides:
-        return mod.build(name, preset, backend, weights, **overrides)
-    return mod.build(name, preset, backend, weights)
+    local, hub = resolve_weights(weights)
+    model = mod.build(name, preset, backend, local, **overrides) if overrides else mod.build(name, preset, backend, local)
+    if hub is not None:  # the card names the pinned Hub source, not a path inside the cache
+        model.weights_source = hub.source
+        model.weights_provenance = hub.provenance
+    return model

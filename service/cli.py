@@ -1,4 +1,4 @@
-"""`convserve serve | decode | encode | bench`."""
+"""`convserve serve | pull | decode | encode | bench`."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,9 @@ def _set_env(**values) -> None:
 @app.command()
 def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE_HOST, 127.0.0.1]"),
           port: Optional[int] = typer.Option(None, help="port [CONVSERVE_PORT, 8000]"),
-          models: Optional[str] = typer.Option(None, help="name=preset[:weights.safetensors],... [CONVSERVE_MODELS]"),
+          models: Optional[str] = typer.Option(None, help="name=preset[:weights],...; weights: a folder, a "
+                                               ".safetensors file or a Hub reference org/name/subfolder@revision "
+                                               "(both optional) [CONVSERVE_MODELS]"),
           backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda [CONVSERVE_BACKEND]"),
           dtype: Optional[str] = typer.Option(None, help="compute dtype [backend default]"),
           workers: int = typer.Option(1, help="server processes (each loads the models; graceful drain needs 1)"),
@@ -54,6 +56,10 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     settings = Settings()
     level = settings.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
+        # Everything is in the cache now: the loaders (every worker) read it there, so they all get
+        # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
+        os.environ["HF_HUB_OFFLINE"] = "1"
     if workers > 1:
         _serve_workers(settings, workers, level, HeaderTimeoutH11Protocol)
         return
@@ -85,12 +91,75 @@ def _serve_workers(settings, workers: int, level: str, http) -> None:
             shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
 
 
+def _fail(message: str, code: int = 2):
+    """A start-up or usage error as one line on stderr and a non-zero exit, not a traceback."""
+    typer.echo(f"convserve: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _model_entries(spec: str):
+    from .settings import parse_models
+
+    try:
+        return parse_models(spec)
+    except ValueError as exc:
+        _fail(f"models {spec!r}: {exc}")
+
+
+def _fetch_hub_weights(entries, hashes: bool) -> list:
+    """Resolve every Hub reference among `entries` into the Hub cache before anything loads, so a
+    missing repository (offline, gated, a typo) stops start-up with one line naming it, and N
+    workers find the files already there. Optional entries only warn."""
+    from models.hub import HubRef, parse_weights, resolve
+
+    resolved = []
+    for entry in entries:
+        try:
+            ref = parse_weights(entry.weights) if entry.weights else None
+            if isinstance(ref, HubRef):
+                resolved.append((entry, resolve(ref, hashes=hashes)))
+        except ValueError as exc:
+            if not entry.optional:
+                _fail(str(exc))
+            typer.echo(f"convserve: warning: optional model {entry.name} skipped: {exc}", err=True)
+    return resolved
+
+
+@app.command()
+def pull(models: Optional[list[str]] = typer.Argument(
+        None, help="MODELS entries (name=preset:org/name, optionally org/name/subfolder@revision; comma "
+                   "lists) or bare Hub references; default: CONVSERVE_MODELS")):
+    """Download the Hub weights of MODELS into the Hugging Face cache (HF_HOME / HF_HUB_CACHE) ahead of
+    time, e.g. while building an image or in a Kubernetes init container; `serve` with HF_HUB_OFFLINE=1
+    then loads them without the network."""
+    from .settings import ModelEntry, Settings
+
+    specs = models or [Settings().models]
+    entries = []
+    for item in (i.strip() for spec in specs for i in spec.split(",")):
+        if item.startswith("hf://") or ("/" in item and not {"=", ":"} & set(item)):  # a bare reference
+            entries.append(ModelEntry(item, "", item))
+        elif item:
+            entries.extend(_model_entries(item))
+    if not any(e.weights for e in entries):
+        typer.echo("nothing to pull: no entry names Hub weights")
+        return
+    for entry, got in _fetch_hub_weights(entries, hashes=True):
+        p = got.provenance
+        size = sum(f["size"] for f in p["files"].values())
+        typer.echo(f"pulled {got.source} (revision {p['revision']}): {len(p['files'])} files, "
+                   f"{size / 1e6:.1f} MB in {p['path']}")
+
+
 def _load_local(preset: str, weights: Optional[str], backend: str):
     from convkernels import get_backend
-    from models import load_model
+    from models import WeightsError, load_model
 
     be = get_backend(backend)
-    return load_model(preset, preset, be, weights=weights)
+    try:
+        return load_model(preset, preset, be, weights=weights)
+    except WeightsError as exc:
+        _fail(str(exc))
 
 
 def _read_tensor(path: Path, prefer: str) -> np.ndarray:
@@ -150,7 +219,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
 def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help=".npy, .safetensors or .json latents"),
            output: Path = typer.Option(..., "-o", "--output", help="out.png|.jpg|.webp, out.mp4, out.npy or a folder"),
            preset: Optional[str] = typer.Option(None, help="model preset [tiny-vae; tiny-wan-vae for 5-D latents]"),
-           weights: Optional[str] = typer.Option(None, help="a .safetensors file or diffusers folder"),
+           weights: Optional[str] = typer.Option(None, help="a .safetensors file, diffusers folder or Hub reference"),
            backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
            tiled: str = typer.Option("auto", help="on|off|auto"),
            quality: int = typer.Option(90, min=1, max=100),
@@ -218,7 +287,7 @@ def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) 
 @app.command()
 def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="JPEG/PNG/WebP files"),
            preset: str = typer.Option("tiny-convnext", help="encoder preset"),
-           weights: Optional[str] = typer.Option(None),
+           weights: Optional[str] = typer.Option(None, help="an HF folder, .safetensors file or Hub reference"),
            backend: str = typer.Option("auto"),
            top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="print the k most likely labels"),
            output: Optional[Path] = typer.Option(None, "-o", "--output", help="save embeddings as .npy"),

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.hub import parse_weights
+
 MIB = 1024 * 1024
 
 #: Served when CONVSERVE_MODELS is unset. The video VAE is optional here so a partial checkout
@@ -23,8 +25,9 @@ class ModelEntry:
 
 
 def parse_models(spec: str) -> list[ModelEntry]:
-    """`name=preset[:weights_path]` entries, comma separated. A bare `preset` names itself;
-    a trailing `?` marks an entry whose load failure is logged instead of fatal."""
+    """`name=preset[:weights]` entries, comma separated. A bare `preset` names itself; weights
+    are a local path or a Hub reference `org/name[/subfolder][@revision]` (models/hub.py); a
+    trailing `?` marks an entry whose load failure is logged instead of fatal."""
     entries: list[ModelEntry] = []
     for raw in spec.split(","):
         item = raw.strip()
@@ -39,7 +42,10 @@ def parse_models(spec: str) -> list[ModelEntry]:
         name, preset = name.strip(), preset.strip()
         if not name or not preset:
             raise ValueError(f"bad model entry {raw!r}: expected name=preset[:weights]")
-        entries.append(ModelEntry(name, preset, weights.strip() or None, optional))
+        weights = weights.strip() or None
+        if weights is not None:
+            parse_weights(weights)  # a malformed or ambiguous Hub reference fails here, naming the forms
+        entries.append(ModelEntry(name, preset, weights, optional))
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate model names in {spec!r}")

@@ -89,7 +89,7 @@ def test_server_service(name):
 
     argv, image_env = checks.container_command(dockerfile.read_text())
     env = {k: _default(v) for k, v in svc["environment"].items()}
-    unknown = set(env) - SETTINGS_ENV
+    unknown = {k for k in set(env) - SETTINGS_ENV if not checks.HUB_ENV.match(k)}
     assert not unknown, f"not service settings: {unknown}"
     assert env["CONVSERVE_BACKEND"] == image_env["CONVSERVE_BACKEND"]
 
@@ -100,6 +100,7 @@ def test_server_service(name):
     plan_dir = env.get("CONVSERVE_PLAN_CACHE_DIR", image_env["CONVSERVE_PLAN_CACHE_DIR"])
     assert mounts.get(plan_dir) in COMPOSE["volumes"], "plan cache must live on a named volume"
     assert "/models" in mounts
+    assert mounts.get(image_env["HF_HOME"]) in COMPOSE["volumes"], "Hub downloads must live on a named volume"
 
     hc = svc["healthcheck"]["test"]
     image_hc = [i.args for i in checks.parse_dockerfile(dockerfile.read_text())[1][-1].instructions

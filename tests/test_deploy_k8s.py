@@ -178,3 +178,29 @@ def test_autoscaling_metrics_are_served_by_the_adapter(rendered):
         for name in checks.hpa_pod_metrics(rendered[overlay]):
             assert name in rules, f"no adapter rule serves {name}"
             assert re.search(rf"`{rules[name]}\{{model\}}` gauge", contract), rules[name]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_init_container_pulls_hub_weights_the_server_reads_offline(rendered, overlay):
+    """`convserve pull` runs first, from the server's image and settings, with the Hub reachable and
+    the models PVC writable; the server finds the same HF_HOME on that PVC, read-only, offline."""
+    pod = _pod(by_kind(rendered[overlay], "Deployment"))
+    server = container(rendered[overlay])
+    (init,) = pod["initContainers"]
+    assert init["image"] == server["image"] and init["args"] == ["pull"]
+    assert init["envFrom"] == server["envFrom"]
+    settings = by_kind(rendered[overlay], "ConfigMap")["data"]
+    assert settings["HF_HUB_OFFLINE"] == "1"
+    assert {e["name"]: e.get("value") for e in init["env"]}["HF_HUB_OFFLINE"] == "0"
+    hf_home = settings["HF_HOME"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def mount_of(c):
+        (m,) = [m for m in c["volumeMounts"] if hf_home.startswith(m["mountPath"].rstrip("/") + "/")]
+        return m
+
+    assert mount_of(init)["name"] == mount_of(server)["name"]
+    assert "persistentVolumeClaim" in volumes[mount_of(init)["name"]]
+    assert not mount_of(init).get("readOnly") and mount_of(server).get("readOnly") is True
+    assert not volumes[mount_of(init)["name"]]["persistentVolumeClaim"].get("readOnly")
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
