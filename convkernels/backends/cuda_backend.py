@@ -509,7 +509,7 @@ class CudaBackend(Backend):
         batches are one strided-batched call."""
         if a.dtype == b.dtype and a.dtype in _STORAGE.values():
             return self.blas.matmul(a, b)
-        return self.cp.matmul(a, b)  # float64: no compute dtype of this backend, never in a model
+        return self.blas.matmul(self._f32(a), self._f32(b))  # float64: no compute dtype here, never in a model
 
     def _attention(self, q, k, v, scale):
         """softmax(q k^T * scale) v, query rows in chunks so the score matrix stays bounded.
