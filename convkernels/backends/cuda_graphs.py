@@ -152,7 +152,8 @@ class GraphedForward:
         # one lock for all of a backend's forwards: a capture may evict (and free) another
         # forward's graph, which must not be mid-replay in another thread then
         self._lock = lock if lock is not None else threading.RLock()
-        weakref.finalize(self, cache.drop_owner, self.token)
+        # a model that goes away frees its graphs; at interpreter exit the process frees everything
+        weakref.finalize(self, cache.drop_owner, self.token).atexit = False
 
     def __call__(self, x):
         key = (tuple(x.shape), x.dtype.str)
