@@ -15,6 +15,10 @@ is the path that actually ran: a `cudnn` choice whose key has the FALLBACK marke
 
 Latency: sampled convs get a pair of CUDA events on the current stream; flush_timings() reads
 them after the batch (no synchronisation per conv).
+
+Matmuls (linear, attention, gemm_fallback's products) go through cuBLAS's C API on the backend's
+own handle (cuda_blas.py), never CuPy's cuBLAS: that is what lets `graphed` forwards be captured
+as CUDA graphs (cuda_graphs.py; on unless cuda_graphs=False).
 """
 from __future__ import annotations
 
