@@ -1,8 +1,11 @@
-"""Cold vs warm start of a real server: time to /readyz, then the first and second request of one
-size (issue #11: "a restarted server's first request must not autotune again").
+"""Cold vs warm start of a real server: time to /readyz, then the first, second and third request
+of one size (issue #11: "a restarted server's first request must not autotune again"; issue #17:
+the first request of a new SD-VAE 512 shape within 10 s on the GPU, and on CUDA the second request
+captures the forward as a CUDA graph, the third replays it).
 
-Three starts, one after the other, sharing one CONVSERVE_PLAN_CACHE_DIR:
-  cold    an empty plan-cache directory (CUDA builds, and with autotune times, every plan)
+Four starts, one after the other:
+  no-dir  no CONVSERVE_PLAN_CACHE_DIR at all (nothing persists)
+  cold    an empty plan-cache directory (CUDA builds, and with autotune times, the plans)
   warm    the same directory again (CUDA loads the serialized plans)
   warm+   the same directory and CONVSERVE_WARMUP_SIZES=<size>: the size runs before ready
 The NumPy backend keeps its measured path choices in the same directory (one JSON file per machine
@@ -62,20 +65,22 @@ def main() -> None:
     base = dict(models=args.models, backend=args.backend, plan_cache_dir=cache, request_timeout_s=3600)
     if args.backend == "cuda":
         base["cuda_autotune"] = 1  # read by the CUDA backend: the cold start pays for the measured plans
+    no_dir = {k: v for k, v in base.items() if k != "plan_cache_dir"}
     rows = []
-    for label, extra in (("cold", {}), ("warm", {}), ("warm+", {"warmup_sizes": str(args.size)})):
-        with ServerProcess(timeout=3600, log_path=args.log, **base, **extra) as srv:
-            first = request(srv.url, args.model, args.size)
-            second = request(srv.url, args.model, args.size)
-        rows.append((label, srv.ready_s, first, second))
-        print(f"{label:6s} ready {srv.ready_s:8.2f} s   first request {first:8.2f} s   second {second:8.2f} s", flush=True)
+    for label, settings in (("no-dir", no_dir), ("cold", base), ("warm", base),
+                            ("warm+", {**base, "warmup_sizes": str(args.size)})):
+        with ServerProcess(timeout=3600, log_path=args.log, **settings) as srv:
+            times = [request(srv.url, args.model, args.size) for _ in range(3)]
+        rows.append((label, srv.ready_s, *times))
+        print(f"{label:6s} ready {srv.ready_s:8.2f} s   requests {times[0]:8.2f} s, {times[1]:8.3f} s, "
+              f"{times[2]:8.3f} s", flush=True)
     from machine import describe_machine
     print(f"machine: {describe_machine()}")
     print(f"{args.models} on {args.backend}, {args.size}x{args.size}, plan cache {cache}")
-    print("| start | time to ready s | first request s | second request s |")
-    print("| --- | --- | --- | --- |")
-    for label, ready, first, second in rows:
-        print(f"| {label} | {ready:.2f} | {first:.2f} | {second:.2f} |")
+    print("| start | time to ready s | first request s | second request s | third request s |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, ready, first, second, third in rows:
+        print(f"| {label} | {ready:.2f} | {first:.2f} | {second:.3f} | {third:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,25 @@
 """GPU model benchmark, PEERS.md workloads: our CUDA backend (models/ on CuPy + cuDNN frontend)
-vs the PyTorch reference implementation of the same architecture, eager, on the same GPU in the
-same run, printed as a ratio (ours / peer; below 1 = we are faster).
+with every forward replayed as a CUDA graph (the default) and without (eager), vs the PyTorch
+reference implementation of the same architecture, eager and (with --compile) torch.compile, on the
+same GPU in the same run, printed as ratios (ours / peer; below 1 = we are faster), wall time and
+GPU kernel time side by side.
 
 - SD-VAE decode (diffusers AutoencoderKL, fp16, channels-last): 1x4x64x64, 4x4x64x64, 1x4x128x128
-- Wan 2.1 VAE decode (diffusers AutoencoderKLWan, bf16): 1x16x5x60x104 -> 17x480x832
-- ConvNeXt-Tiny 224 (peer: timm convnext_tiny if importable, else transformers ConvNextModel), fp16
+- ConvNeXt-Tiny 224 (peer: timm convnext_tiny if importable, else transformers ConvNextModel), fp16:
+  batch 1, 32, 128
+- Wan 2.1 VAE decode (diffusers AutoencoderKLWan, bf16): 1x16x5x60x104 -> 17x480x832 (not graphed)
 
 Both sides use random weights (timing only; parity is tests/gpu/test_models_gpu.py). Ours is
 timed end to end through model.decode / model.encode: latents in host memory, images back in
-host memory (PyTorch's time excludes those copies; at 512x512 they are ~0.3 ms). Peak GPU memory:
-ours = the CuPy memory pool's high-water mark, peer = torch.cuda.max_memory_allocated.
+host memory (PyTorch's time excludes those copies; at 512x512 they are ~0.3 ms). "kernel ms" is
+the summed duration of the GPU kernels of one call (CUPTI through torch.profiler, which sees
+CuPy's and cuDNN's kernels and a graph's replayed ones alike; copies excluded): wall minus kernel
+time is what the host costs. Peak GPU memory: ours = the CuPy memory pool's high-water mark plus
+the graph pools, peer = torch.cuda.max_memory_allocated.
 
-Run: PYTHONPATH=. python3 benchmarks/gpu_models.py [--only sd,wan,convnext] [--reps N]
+Run: PYTHONPATH=. python3 benchmarks/gpu_models.py [--only sd,convnext,wan] [--reps N] [--compile]
+`--only sd,convnext` takes ~2-3 min on an H100 without --compile; torch.compile adds its compile
+time per shape (~2 min for an SD-VAE decode shape).
 """
 from __future__ import annotations
 
@@ -31,7 +39,6 @@ SD_VAE_512_TFLOP = 2.48
 CONVNEXT_T_224_TFLOP = 2 * 4.47e-3
 DENSE_PEAK_TFLOPS = 800.0  # bf16/fp16 dense matmul measured on this H100 (KINDS.md: 769-798)
 
-
 def wall(fn, warm, reps, sync):
     for _ in range(warm):
         fn()
@@ -45,12 +52,33 @@ def wall(fn, warm, reps, sync):
     return statistics.median(ts)
 
 
+def kernel_ms(fn, sync, reps=3):
+    """Summed GPU kernel time of one call of fn (median call count: reps), from CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        sync()
+    total_us = 0.0
+    for ev in prof.key_averages():
+        if ev.key.startswith(("Memcpy", "Memset")) or "memcpy" in ev.key.lower():
+            continue
+        total_us += getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+    return total_us / 1e3 / reps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="sd,convnext,wan")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--autotune", type=int, default=1)
-    ap.add_argument("--graphs", type=int, default=0, help="1: replay each forward as a CUDA graph")
+    ap.add_argument("--autotune-plans", type=int, default=4, help="cuDNN plans timed per conv key")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile (adds its compile time)")
+    ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--kernels", type=int, default=1, help="0: skip the GPU kernel time (profiler) columns")
     args = ap.parse_args()
     only = set(args.only.split(","))
 
@@ -78,50 +106,85 @@ def main():
         csync()
         return pool.total_bytes() / 2**30
 
-    def record(name, ours_ms, peer_ms, ours_gib=None, peer_gib=None, extra=None, tflop=None):
+    def kern(fn, sync):
+        return kernel_ms(fn, sync) if args.kernels else None
+
+    def record(name, graphs_ms, eager_ms, peer_ms, compiled_ms=None, kernels=None, ours_gib=None, peer_gib=None,
+               extra=None, tflop=None):
         """tflop: the reference architecture's work (2 x multiply-adds), for achieved TFLOP/s."""
-        results[name] = dict(ours_ms=ours_ms, peer_ms=peer_ms, ratio=ours_ms / peer_ms, ours_peak_gib=ours_gib,
-                             peer_peak_gib=peer_gib, tflop=tflop, **(extra or {}))
-        print(f"{name:48s} ours {ours_ms:9.2f} ms  peer {peer_ms:9.2f} ms  ratio {ours_ms / peer_ms:6.2f}", flush=True)
+        results[name] = dict(ours_ms=graphs_ms, ours_eager_ms=eager_ms, peer_ms=peer_ms, compiled_ms=compiled_ms,
+                             ratio=graphs_ms / peer_ms, ratio_compiled=None if compiled_ms is None else graphs_ms / compiled_ms,
+                             kernels_ms=kernels or {}, ours_peak_gib=ours_gib, peer_peak_gib=peer_gib, tflop=tflop,
+                             **(extra or {}))
+        comp = f"  compile {compiled_ms:8.2f} ms ({graphs_ms / compiled_ms:5.2f})" if compiled_ms else ""
+        print(f"{name:44s} graphs {graphs_ms:8.2f} ms  eager {eager_ms:8.2f} ms  torch {peer_ms:8.2f} ms "
+              f"({graphs_ms / peer_ms:5.2f}){comp}", flush=True)
 
     def backend(dtype, autotune=bool(args.autotune)):
-        return get_backend("cuda", dtype=dtype, autotune=autotune, autotune_max_plans=8,
-                           cuda_graphs=bool(args.graphs))
+        return get_backend("cuda", dtype=dtype, autotune=autotune, autotune_max_plans=args.autotune_plans)
+
+    def pair(name, loader, be):
+        """The same model twice on one backend (shared plan cache): graphed, and eager."""
+        graphed = loader(name)
+        be.cuda_graphs = False  # models built now get the eager forward
+        try:
+            eager = loader(name + "-eager")
+        finally:
+            be.cuda_graphs = True
+        return graphed, eager
+
+    def compiled(fn):
+        return torch.compile(fn, mode=args.compile_mode) if args.compile else None
 
     if "sd" in only:
         from diffusers import AutoencoderKL
         be = backend("float16")
         t0 = time.time()
-        model = load_model("sd", "sd-vae", be)
+        model, model_eager = pair("sd", lambda n: load_model(n, "sd-vae", be), be)
         vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
                             down_block_types=("DownEncoderBlock2D",) * 4,
                             up_block_types=("UpDecoderBlock2D",) * 4).to("cuda", torch.half)
         vae = vae.to(memory_format=torch.channels_last).eval()
+        vae_c = compiled(lambda z: vae.decode(z).sample)
         for n, s in ((1, 64), (4, 64), (1, 128)):
             lat = rng.standard_normal((n, 4, s, s)).astype(np.float32)
             t1 = time.time()
             model.decode(lat, tiled=False)  # builds (and autotunes) the plans of this shape
-            warm_s = time.time() - t1
+            first_s = time.time() - t1
+            t1 = time.time()
+            model.decode(lat, tiled=False)  # captures the graph
+            capture_s = time.time() - t1
             ours = wall(lambda: model.decode(lat, tiled=False), 1, args.reps, csync)
-            gib = ours_peak(lambda: model.decode(lat, tiled=False))
-            if args.graphs:  # the graphs' private pools hold their activations
-                gib += model._decode_device.stats()["pool_bytes"] / 2**30
+            ours_e = wall(lambda: model_eager.decode(lat, tiled=False), 1, args.reps, csync)
+            gib = ours_peak(lambda: model.decode(lat, tiled=False)) + model._decode_device.stats()["pool_bytes"] / 2**30
+            latd = be.asarray(lat.transpose(0, 2, 3, 1))
+            kernels = dict(ours=kern(lambda: model._decode_device(latd), csync))
             z = torch.from_numpy(lat).to("cuda", torch.half).to(memory_format=torch.channels_last)
+            comp = None
             with torch.inference_mode():
                 peer = wall(lambda: vae.decode(z).sample, 2, args.reps, tsync)
+                kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync)
                 torch.cuda.reset_peak_memory_stats()
                 vae.decode(z)
                 pgib = torch.cuda.max_memory_allocated() / 2**30
-            record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, peer, gib, pgib,
-                   dict(first_call_s=warm_s), tflop=SD_VAE_512_TFLOP * n * (s / 64) ** 2)
+                if vae_c is not None:
+                    t1 = time.time()
+                    vae_c(z)
+                    compile_s = time.time() - t1
+                    comp = wall(lambda: vae_c(z), 3, args.reps, tsync)
+                    kernels["compiled"] = kern(lambda: vae_c(z), tsync)
+                    print(f"torch.compile({args.compile_mode}) first call {compile_s:.1f} s", flush=True)
+            record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, ours_e, peer, comp, kernels, gib, pgib,
+                   dict(first_call_s=first_s, capture_call_s=capture_s, graph=model._decode_device.stats()),
+                   tflop=SD_VAE_512_TFLOP * n * (s / 64) ** 2)
         be.flush_timings()
         details["sd"] = dict(plan_cache=be.plan_cache_stats(), setup_s=time.time() - t0)
-        del vae
+        del vae, vae_c
         torch.cuda.empty_cache()
 
     if "convnext" in only:
         be = backend("float16")
-        model = load_model("cnx", "convnext-tiny", be)
+        model, model_eager = pair("cnx", lambda n: load_model(n, "convnext-tiny", be), be)
         try:
             import timm
             peer_model = timm.create_model("convnext_tiny", pretrained=False)
@@ -133,23 +196,41 @@ def main():
             peer_name = "transformers ConvNextModel"
             call = peer_model
         peer_model = peer_model.to("cuda", torch.half).to(memory_format=torch.channels_last).eval()
+        call_c = compiled(call)
         for n in (1, 32, 128):
             px = rng.random((n, 224, 224, 3), dtype=np.float32)
+            t1 = time.time()
             model.encode(px)
+            first_s = time.time() - t1
+            model.encode(px)  # captures the graph
             ours = wall(lambda: model.encode(px), 1, args.reps, csync)
+            ours_e = wall(lambda: model_eager.encode(px), 1, args.reps, csync)
+            xd = be.asarray(px)
+            kernels = dict(ours=kern(lambda: model._encode_device(xd), csync))
+            # the network alone, pixels already on the device, no copy back: graphed and eager
+            ours_dev = wall(lambda: model._encode_device(xd), 2, args.reps, csync)
+            ours_dev_e = wall(lambda: model_eager._encode_device(xd), 2, args.reps, csync)
             x = torch.from_numpy(px).permute(0, 3, 1, 2).to("cuda", torch.half).contiguous(
                 memory_format=torch.channels_last)
+            comp = None
             with torch.inference_mode():
                 peer = wall(lambda: call(x), 3, args.reps, tsync)
-            record(f"convnext-tiny 224 n{n} fp16", ours, peer, tflop=CONVNEXT_T_224_TFLOP * n, extra=dict(peer=peer_name,
-                                                                          ours_img_s=n / ours * 1e3))
-            # the same network without the host side (pixels already on the device, no copy back)
-            xd = be.asarray(px)  # features() takes [0, 1] pixels: the normalisation is folded into the stem
-            ours_dev = wall(lambda: model.features(xd), 2, args.reps, csync)
-            record(f"convnext-tiny 224 n{n} fp16 features(), on device", ours_dev, peer, tflop=CONVNEXT_T_224_TFLOP * n,
-                   extra=dict(note="stem..last stage on a device input; peer is the whole forward"))
+                kernels["torch"] = kern(lambda: call(x), tsync)
+                if call_c is not None:
+                    t1 = time.time()
+                    call_c(x)
+                    compile_s = time.time() - t1
+                    comp = wall(lambda: call_c(x), 3, args.reps, tsync)
+                    kernels["compiled"] = kern(lambda: call_c(x), tsync)
+                    print(f"torch.compile({args.compile_mode}) first call {compile_s:.1f} s", flush=True)
+            record(f"convnext-tiny 224 n{n} fp16", ours, ours_e, peer, comp, kernels, tflop=CONVNEXT_T_224_TFLOP * n,
+                   extra=dict(peer=peer_name, ours_img_s=n / ours * 1e3, first_call_s=first_s,
+                              graph=model._encode_device.stats()))
+            record(f"convnext-tiny 224 n{n} fp16, on device", ours_dev, ours_dev_e, peer, comp,
+                   tflop=CONVNEXT_T_224_TFLOP * n,
+                   extra=dict(note="device pixels in, device outputs; the peers' rows are the same calls"))
         details["convnext"] = dict(plan_cache=be.plan_cache_stats())
-        del peer_model
+        del peer_model, call_c
         torch.cuda.empty_cache()
 
     if "wan" in only:
@@ -172,27 +253,43 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             vae.decode(z)
             pgib = torch.cuda.max_memory_allocated() / 2**30
-        record("wan2.1-vae decode 16x5x60x104 bf16", ours, peer, gib, pgib, dict(first_call_s=warm_s))
+        record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours, peer, ours_gib=gib, peer_gib=pgib,
+               extra=dict(first_call_s=warm_s, note="not graphed: graphs on and off are the same call"))
         details["wan"] = dict(plan_cache=be.plan_cache_stats(),
                               small_kd={str(k.x_shape): v for k, v in be.measurements.items()})
 
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cudnn=torch.backends.cudnn.version(),
-               cupy=cp.__version__, python=sys.version.split()[0], autotune=bool(args.autotune))
+    import cudnn
+    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),
+               torch=torch.__version__, torch_cudnn=torch.backends.cudnn.version(), cupy=cp.__version__,
+               cuda_runtime=cp.cuda.runtime.runtimeGetVersion(), cudnn=cudnn.backend_version(),
+               cudnn_frontend=getattr(cudnn, "__version__", "?"), python=sys.version.split()[0],
+               autotune=bool(args.autotune), autotune_plans=args.autotune_plans,
+               compile_mode=args.compile_mode if args.compile else None)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "gpu_models.json"), "w") as f:
         json.dump(dict(env=env, results=results, details=details), f, indent=1, default=str)
-    print(f"# GPU models on {env['gpu']}: ours (convserve CUDA backend) vs PyTorch {env['torch']} eager, same run")
-    print(f"{'workload':48s} {'ours ms':>9s} {'peer ms':>9s} {'ratio':>6s} {'ours GiB':>8s} {'peer GiB':>8s}"
-          f" {'ours TF/s':>9s} {'peak %':>6s} {'peer TF/s':>9s}")
+    print(f"\n# GPU models, {env['date']}, {env['gpu']}: convserve CUDA backend (CUDA graphs on = 'graphs', off = "
+          f"'eager') vs PyTorch {env['torch']} eager and torch.compile({args.compile_mode if args.compile else 'not run'}),"
+          f" one process; cuDNN {env['cudnn']}, frontend {env['cudnn_frontend']}, CuPy {env['cupy']}, "
+          f"CUDA runtime {env['cuda_runtime']}; autotune {env['autotune']} ({args.autotune_plans} plans/key)")
+
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    print("| workload | ours graphs ms | ours eager ms | torch eager ms | torch.compile ms | graphs / torch eager |"
+          " graphs / compile | kernel ms: ours / eager torch / compile | ours GiB | torch GiB | ours TF/s (peak %) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k, v in results.items():
-        og = f"{v['ours_peak_gib']:.2f}" if v["ours_peak_gib"] is not None else "-"
-        pg = f"{v['peer_peak_gib']:.2f}" if v["peer_peak_gib"] is not None else "-"
-        roof = "-".rjust(9) + " " + "-".rjust(6) + " " + "-".rjust(9)
+        km = v["kernels_ms"]
+        kern_s = " / ".join(f(km.get(x), "{:.3f}") for x in ("ours", "torch", "compiled")) if km else "-"
+        roof = "-"
         if v.get("tflop"):
-            ours_tf, peer_tf = v["tflop"] / (v["ours_ms"] / 1e3), v["tflop"] / (v["peer_ms"] / 1e3)
-            roof = f"{ours_tf:9.1f} {100 * ours_tf / DENSE_PEAK_TFLOPS:5.1f}% {peer_tf:9.1f}"
-        print(f"{k:48s} {v['ours_ms']:9.2f} {v['peer_ms']:9.2f} {v['ratio']:6.2f} {og:>8s} {pg:>8s} {roof}")
+            tf = v["tflop"] / (v["ours_ms"] / 1e3)
+            roof = f"{tf:.1f} ({100 * tf / DENSE_PEAK_TFLOPS:.1f}%)"
+        print(f"| {k} | {f(v['ours_ms'])} | {f(v['ours_eager_ms'])} | {f(v['peer_ms'])} | {f(v['compiled_ms'])} | "
+              f"{f(v['ratio'])} | {f(v['ratio_compiled'])} | {kern_s} | {f(v['ours_peak_gib'])} | "
+              f"{f(v['peer_peak_gib'])} | {roof} |")
 
 
 if __name__ == "__main__":

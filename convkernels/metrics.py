@@ -36,8 +36,8 @@ CUDA_GRAPH_CAPTURES = Counter(
 
 CUDA_GRAPHS_HELD = Gauge(
     "convkernels_cuda_graphs", "CUDA graphs held (LRU-bounded by CONVSERVE_CUDA_GRAPH_CAPACITY)",
-    ["backend"], registry=REGISTRY)
+    ["backend"], registry=REGISTRY, multiprocess_mode="livesum")
 
 CUDA_GRAPH_POOL_BYTES = Gauge(
     "convkernels_cuda_graph_pool_bytes", "Device bytes the held CUDA graphs' private memory pools hold",
-    ["backend"], registry=REGISTRY)
+    ["backend"], registry=REGISTRY, multiprocess_mode="livesum")

@@ -15,6 +15,10 @@ is the path that actually ran: a `cudnn` choice whose key has the FALLBACK marke
 
 Latency: sampled convs get a pair of CUDA events on the current stream; flush_timings() reads
 them after the batch (no synchronisation per conv).
+
+Matmuls (linear, attention, gemm_fallback's products) go through cuBLAS's C API on the backend's
+own handle (cuda_blas.py), never CuPy's cuBLAS: that is what lets `graphed` forwards be captured
+as CUDA graphs (cuda_graphs.py; on unless cuda_graphs=False).
 """
 from __future__ import annotations
 
@@ -509,7 +513,7 @@ class CudaBackend(Backend):
         batches are one strided-batched call."""
         if a.dtype == b.dtype and a.dtype in _STORAGE.values():
             return self.blas.matmul(a, b)
-        return self.cp.matmul(a, b)  # float64: no compute dtype of this backend, never in a model
+        return self.blas.matmul(self._f32(a), self._f32(b))  # float64: no compute dtype here, never in a model
 
     def _attention(self, q, k, v, scale):
         """softmax(q k^T * scale) v, query rows in chunks so the score matrix stays bounded.

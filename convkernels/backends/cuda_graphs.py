@@ -29,6 +29,9 @@ Sampled conv latency is not observed for replays (the convs are inside one launc
 
 A forward that cannot be captured (a host synchronisation inside it, say) runs eagerly for that
 key from then on, with one warning in the log; the GPU tests assert that no model forward does.
+A capture that fails where the eager run of the same input fails too (bad data, an injected
+fault) marks nothing: the error is the forward's. Out of memory while capturing (the capture's
+pool comes on top of the eager run's cached memory) defers like a cache miss.
 """
 from __future__ import annotations
 
@@ -149,7 +152,8 @@ class GraphedForward:
         # one lock for all of a backend's forwards: a capture may evict (and free) another
         # forward's graph, which must not be mid-replay in another thread then
         self._lock = lock if lock is not None else threading.RLock()
-        weakref.finalize(self, cache.drop_owner, self.token)
+        # a model that goes away frees its graphs; at interpreter exit the process frees everything
+        weakref.finalize(self, cache.drop_owner, self.token).atexit = False
 
     def __call__(self, x):
         key = (tuple(x.shape), x.dtype.str)
@@ -159,13 +163,20 @@ class GraphedForward:
                 return self.fn(x)  # first sight: eager, builds plans and compiles kernels
             entry = self.cache.get((self.token, key))
             if entry is None:
-                entry = self._capture(key, x)
+                entry, failure = self._capture(key, x)
                 if entry is None:
-                    return self.fn(x)
+                    # if this raises too, the forward fails on this input (bad data, an injected
+                    # fault): that says nothing about capturing it, so nothing is marked
+                    out = self.fn(x)
+                    if failure is not None:
+                        self._give_up(key, failure)
+                    return out
             return self._replay(entry, x)
 
     # ---- capture --------------------------------------------------------------------------------
     def _capture(self, key, x):
+        """(entry, None) when captured; (None, None) when deferred (a cache miss under capture,
+        out of memory with a second pool); (None, exception) when the forward cannot be captured."""
         cp = self.backend.cp
         self.backend.synchronize()  # the side stream must not overtake work queued for x
         pool = cp.cuda.MemoryPool()
@@ -185,16 +196,16 @@ class GraphedForward:
                         graph = _end_capture(stream)
                 if graph is None:
                     raise RuntimeError("stream capture was invalidated")
-        except CaptureMissed as exc:
+        except (CaptureMissed, MemoryError) as exc:
             pool.free_all_blocks()
             self._missed[key] += 1
             if self._missed[key] >= MAX_MISSED_CAPTURES:
-                return self._give_up(key, exc)
+                return None, exc
             log.info("capture for input %s deferred: %s", key, exc)
-            return None
+            return None, None
         except Exception as exc:  # e.g. a host synchronisation inside the forward
             pool.free_all_blocks()
-            return self._give_up(key, exc)
+            return None, exc
         self._missed.pop(key, None)
         multi = isinstance(out, tuple)
         entry = _Captured(graph, pool, static_in, out if multi else (out,), multi, Counter(calls), kept,
@@ -203,14 +214,14 @@ class GraphedForward:
         CUDA_GRAPH_CAPTURES.labels(self.backend.name, "captured").inc()
         self.cache.put((self.token, key), entry)
         log.info("captured a CUDA graph for input %s: %d convs, %d pool bytes", key, len(calls), entry.nbytes)
-        return entry
+        return entry, None
 
-    def _give_up(self, key, exc):
+    def _give_up(self, key, exc) -> None:
         self.ungraphable[key] = f"{exc.__class__.__name__}: {exc}"
+        self._missed.pop(key, None)
         CUDA_GRAPH_CAPTURES.labels(self.backend.name, "failed").inc()
         log.warning("forward for input %s cannot be captured as a CUDA graph (%s); running it eagerly",
                     key, self.ungraphable[key])
-        return None
 
     # ---- replay ---------------------------------------------------------------------------------
     def _replay(self, entry: _Captured, x):

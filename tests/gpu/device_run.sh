@@ -3,7 +3,7 @@
 # Usage on the device machine (repo root): bash tests/gpu/device_run.sh [pytest args...]
 # Logs go to $OUT (set by the device tool) or ./out.
 # Switches (environment): SKIP_TESTS=1, SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
-# PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), GRAPHS=1 (gpu_models --graphs 1),
+# PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,9 +33,9 @@ if [ -n "${PEERS:-}" ]; then  # the shared PyTorch baseline, carried in .gpuextr
   PEER_ONLY="$PEERS" timeout ${PEERS_TIMEOUT:-240} python3 .gpuextra/torch_baseline.py 2>&1 \
     | tee "$OUT/torch_baseline.log" | grep -v "^dw" | tail -n 30
 fi
-if [ "${GRAPHS:-0}" = 1 ]; then  # the same models with every forward replayed as a CUDA graph
-  timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu_models.py --only "${MODELS:-sd,convnext}" --graphs 1 \
-    ${MODELS_ARGS:-} 2>&1 | tee "$OUT/gpu_models_graphs.log" | tail -n 30
+if [ "${COMPILE:-0}" = 1 ]; then  # the same table with torch.compile beside (adds its compile time per shape)
+  timeout ${COMPILE_TIMEOUT:-600} python3 benchmarks/gpu_models.py --only "${MODELS:-sd,convnext}" --compile \
+    ${MODELS_ARGS:-} 2>&1 | tee "$OUT/gpu_models_compile.log" | tail -n 30
 fi
 if [ "${STREAM:-0}" = 1 ]; then  # issue #13's GPU row: streamed Wan 2.1 decode, real config
   timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \

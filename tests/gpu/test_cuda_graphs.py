@@ -248,3 +248,30 @@ def test_tiled_decode_replays_one_graph_per_repeated_tile_shape(saved):
     print(f"tiled decode: rel L2 {err:.2e}, {stats}")
     assert err < TOL, f"{err:.3e}"
     assert stats["ungraphable"] == {} and stats["captures"] >= 1 and stats["replays"] >= 2, stats
+
+
+def test_a_forward_failing_on_its_input_marks_nothing():
+    """A capture that fails where the eager run of the same input fails too (bad data, an
+    injected fault) is the forward's error, not the capture's: the call raises, and the next
+    call of the shape is captured."""
+    import cupy as cp
+
+    be = graphed_backend()
+    runs = {"n": 0}
+
+    def forward(x):
+        runs["n"] += 1
+        if runs["n"] in (2, 3):  # the capture attempt and its eager retry
+            raise RuntimeError("injected forward failure")
+        return be.mul(x, 2.0)
+
+    run = be.graphed(forward)
+    x = cp.asarray(np.random.default_rng().random((3, 5), dtype=np.float32))
+    np.testing.assert_array_equal(cp.asnumpy(run(x)), 2 * cp.asnumpy(x))  # eager
+    with pytest.raises(RuntimeError, match="injected"):
+        run(x)
+    assert run.stats()["ungraphable"] == {}
+    for _ in range(2):  # captured now, then replayed
+        np.testing.assert_array_equal(cp.asnumpy(run(x)), 2 * cp.asnumpy(x))
+    stats = run.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 2 and stats["ungraphable"] == {}, stats

@@ -59,3 +59,7 @@ def test_service_on_cuda_matches_references(cuda_server):
     paths = sorted(f"{dict(lab)['op']}/{dict(lab)['path']}={int(v)}" for (n, lab), v in snap.items()
                    if n == "convkernels_conv_total" and v > 0)
     report([f"seed {saved.seed}", *rep.lines(), "conv paths: " + " ".join(paths)])
+    graphs = {dict(lab).get("outcome", "replays"): int(v) for (n, lab), v in snap.items()
+              if n in ("convkernels_cuda_graph_captures_total", "convkernels_cuda_graph_replays_total")}
+    report([f"CUDA graphs (on by default): {graphs}"])
+    assert graphs.get("failed", 0) == 0, f"a served forward could not be captured as a CUDA graph: {graphs}"
