@@ -77,6 +77,12 @@ class Backend(ABC):
         replay it (CUDA graphs) returns a replaying wrapper; the others return fn itself."""
         return fn
 
+    @property
+    def calls_to_warm(self) -> int:
+        """Calls of a graphed forward on a new input shape before it runs at full speed: 1, or 2
+        where the second call records the CUDA graph that later calls replay."""
+        return 1
+
     def _time_conv(self, op: str, path: str, run):
         """Run `run()`; record its time when sampled. Synchronous backends time on the host;
         asynchronous ones override this with device events harvested by flush_timings."""

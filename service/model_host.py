@@ -1,6 +1,7 @@
 """Loading, warming up and describing the served models (through models.load_model only)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -106,11 +107,12 @@ def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> Host
     return HostedModel(entry, model, secs)
 
 
-def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = ()) -> None:
+def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: int = 1) -> None:
     """One small call per model, so first requests do not pay for path choice and allocation;
-    then one call per requested image size (H, W): decoders produce it (rounded down to their
-    latent grid; video decoders two latent frames, which covers the first-frame and later chunk
-    shapes), encoders take it."""
+    then `calls_per_size` calls per requested image size (H, W) (2 where the backend records a
+    CUDA graph on the second call): decoders produce it (rounded down to their latent grid; video
+    decoders two latent frames, which covers the first-frame and later chunk shapes), encoders
+    take it."""
     m = hm.model
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -124,7 +126,7 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = ()) -> None:
         hm.extra["has_logits"] = out.get("logits") is not None
     else:
         raise ValueError(f"model {hm.name}: unknown kind {hm.kind!r}")
-    for h, w in sizes:
+    for (h, w), _ in itertools.product(sizes, range(calls_per_size)):
         t1 = time.perf_counter()
         if hm.kind == IMAGE_ENCODER:
             m.encode(rng.random((1, h, w, 3), dtype=np.float32))

@@ -77,7 +77,7 @@ class Service:
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size)
-                    warm_up(hm, s.warmup_shapes())
+                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm)
                 except Exception as exc:
                     faults.count(entry.name, "load_error", "failed")
                     if not entry.optional:

@@ -221,6 +221,10 @@ class CudaBackend(Backend):
         return out
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
+    @property
+    def calls_to_warm(self) -> int:
+        return 2 if self.cuda_graphs else 1
+
     def graphed(self, fn):
         return GraphedForward(self, fn, self.graphs, self._graph_lock) if self.cuda_graphs else fn
 

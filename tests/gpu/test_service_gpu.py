@@ -63,3 +63,27 @@ def test_service_on_cuda_matches_references(cuda_server):
               if n in ("convkernels_cuda_graph_captures_total", "convkernels_cuda_graph_replays_total")}
     report([f"CUDA graphs (on by default): {graphs}"])
     assert graphs.get("failed", 0) == 0, f"a served forward could not be captured as a CUDA graph: {graphs}"
+
+
+def test_warmup_sizes_capture_graphs_so_the_first_request_replays(tmp_path_factory):
+    """With CONVSERVE_WARMUP_SIZES the warm-up calls each size twice on CUDA (the second call
+    records the graph), so the first request of that size is already a replay."""
+    cuda_or_skip()
+    import httpx
+    import numpy as np
+    from live_server import metric, npy, scrape, start_server
+
+    server = start_server(tmp_path_factory.mktemp("servers_warm"), ready_timeout=150, backend="cuda",
+                          dtype=DTYPE, models="tiny-vae", warmup_sizes="72x88")
+    try:
+        s0 = scrape(server.url)
+        assert metric(s0, "convkernels_cuda_graph_captures_total", backend="cuda", outcome="captured") >= 1
+        replays0 = metric(s0, "convkernels_cuda_graph_replays_total", backend="cuda")
+        lat = np.random.default_rng().standard_normal((1, 4, 9, 11)).astype(np.float32)
+        r = httpx.post(f"{server.url}/v1/models/tiny-vae/decode", content=npy(lat),
+                       headers={"content-type": "application/x-npy"}, params={"format": "npy"}, timeout=60)
+        assert r.status_code == 200, r.text
+        s1 = scrape(server.url)
+        assert metric(s1, "convkernels_cuda_graph_replays_total", backend="cuda") - replays0 == 1
+    finally:
+        server.stop()
