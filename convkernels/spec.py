@@ -184,6 +184,17 @@ def validate_conv(op: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...], s
     return out_shape
 
 
+def is_subpixel_upsample(key: ConvKey) -> bool:
+    """The transposed conv that upsampling layers are (2-d, kernel 4, stride 2, padding 1: what
+    nearest-2x upsample + 3x3 conv becomes, see models/weights.py). Each of its four output
+    phases (rows 2i + a, columns 2j + b) is a 2x2 conv of the input: along an axis, phase a reads
+    input i - 1 + a + t (t = 0, 1) through kernel tap 3 - a - 2t."""
+    s = key.spec
+    return (s.transpose and s.nd == 2 and key.kernel == (4, 4) and s.stride == (2, 2)
+            and s.padding == ((1, 1), (1, 1)) and s.dilation == (1, 1) and s.groups == 1
+            and s.output_padding == (0, 0))
+
+
 def prod(values: Iterable[int]) -> int:
     out = 1
     for v in values:

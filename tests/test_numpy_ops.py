@@ -129,6 +129,25 @@ def test_conv_transpose_matches_torch(be, case):
     assert rel_l2(ours, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("limit", [4096, None])
+def test_subpixel_path_writes_phases_in_place(limit):
+    """The upsampling layers' transposed conv (kernel 4, stride 2, padding 1) on subpixel_gemm,
+    whole and in row tiles (limit 4096 B: one row per tile), with the full epilogue."""
+    rng, seed = fresh_rng()
+    be = get_backend("numpy", unfold_limit_bytes=limit)
+    x = rng.standard_normal((2, 9, 14, 37)).astype(np.float32)
+    w = rng.standard_normal((21, 4, 4, 37)).astype(np.float32)
+    b = rng.standard_normal(21).astype(np.float32)
+    res = rng.standard_normal((2, 18, 28, 21)).astype(np.float32)
+    ours = be.conv_transpose2d(x, w, b, stride=2, padding=1, residual=res, activation="silu")
+    assert [c["path"] for c in be.conv_choices()] == ["subpixel_gemm"]
+    ref = ref_conv_transpose(x, w, b, (2, 2), (1, 1), (0, 0), (1, 1), 1)
+    ref = from_t(ref_activation(to_t(ref), "silu")) + res
+    assert rel_l2(ours, ref) < TOL, f"seed {seed}"
+    again = be.conv_transpose2d(x, w, b, stride=2, padding=1, residual=res, activation="silu")
+    assert np.array_equal(ours, again)  # the cached phase weights give the same answer
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_tiled_unfold_equals_untiled(transpose):
     rng, seed = fresh_rng()
@@ -136,9 +155,10 @@ def test_tiled_unfold_equals_untiled(transpose):
     small = get_backend("numpy", unfold_limit_bytes=4096)
     x = rng.standard_normal((2, 21, 19, 5)).astype(np.float32)
     if transpose:
+        # padding 2: kernel 4, stride 2, padding 1 would run on subpixel_gemm
         w = rng.standard_normal((4, 4, 4, 5)).astype(np.float32)
-        run = lambda b: b.conv_transpose2d(x, w, stride=2, padding=1)
-        ref = ref_conv_transpose(x, w, None, (2, 2), (1, 1), (0, 0), (1, 1), 1)
+        run = lambda b: b.conv_transpose2d(x, w, stride=2, padding=2)
+        ref = ref_conv_transpose(x, w, None, (2, 2), (2, 2), (0, 0), (1, 1), 1)
     else:
         w = rng.standard_normal((6, 3, 3, 5)).astype(np.float32)
         run = lambda b: b.conv2d(x, w, padding=((1, 0), (2, 1)), stride=(1, 2))
