@@ -311,14 +311,7 @@ class CudaBackend(Backend):
             rs = None if residual is None else residual.reshape(ys.shape)
             stride, dil, lo, hi = (1, *stride), (1, *dil), (0, *lo), (0, *hi)
         if spec.transpose:
-            # dgrad filter: (Cin, *k, O/g) with F[g*cg + c, k, o] = w[g*og + o, k, c]
-            g = spec.groups
-            o_ch, cg = ws.shape[0], ws.shape[-1]
-            kdims = ws.shape[1:-1]
-            nk = len(kdims)
-            ws = cp.ascontiguousarray(
-                ws.reshape(g, o_ch // g, *kdims, cg).transpose(0, nk + 2, *range(2, nk + 2), 1)
-            ).reshape(g * cg, *kdims, o_ch // g)
+            ws = self._dgrad_weights(ws, spec.groups)
         ptrs = {"x": xs.data.ptr, "w": ws.data.ptr, "y": ys.data.ptr}
         if bias is not None:
             ptrs["b"] = bias.data.ptr
@@ -366,14 +359,33 @@ class CudaBackend(Backend):
         return out, "depthwise_direct"
 
     def _dw_weights(self, w):
-        """(C,KH,KW,1) -> (KH,KW,C), cached per weight buffer. The entry keeps the weight array
-        alive, so its pointer cannot be reused by another array while cached."""
-        k = (w.data.ptr, w.shape, w.dtype.str)
+        """(C,KH,KW,1) -> (KH,KW,C), once per weight buffer."""
+        return self._derived_weights("depthwise", w, lambda v: self.cp.ascontiguousarray(
+            v.reshape(v.shape[0], -1).T).reshape(*v.shape[1:-1], v.shape[0]))
+
+    def _dgrad_weights(self, w, groups: int):
+        """A transposed conv's weight in cuDNN's dgrad filter layout, once per weight buffer (a
+        model's weights never change; re-laying them out cost a copy per call):
+        (Cin, *k, O/g) with F[g*cg + c, k, o] = w[g*og + o, k, c]."""
+        def relayout(v):
+            o_ch, cg = v.shape[0], v.shape[-1]
+            kdims = v.shape[1:-1]
+            nk = len(kdims)
+            return self.cp.ascontiguousarray(
+                v.reshape(groups, o_ch // groups, *kdims, cg).transpose(0, nk + 2, *range(2, nk + 2), 1)
+            ).reshape(groups * cg, *kdims, o_ch // groups)
+        return self._derived_weights(("dgrad", groups), w, relayout)
+
+    def _derived_weights(self, kind, w, derive):
+        """derive(w), cached per (kind, weight buffer), LRU. The entry keeps the weight array
+        alive, so its pointer cannot be reused by another array while cached. Filled by a
+        model's first (eager) forward, so a CUDA graph captured later only reads it."""
+        k = (kind, w.data.ptr, w.shape, w.dtype.str)
         hit = self._dw_cache.get(k)
         if hit is not None:
             self._dw_cache.move_to_end(k)
             return hit[1]
-        wt = self.cp.ascontiguousarray(w.reshape(w.shape[0], -1).T).reshape(*w.shape[1:-1], w.shape[0])
+        wt = derive(w)
         self._dw_cache[k] = (w, wt)
         if len(self._dw_cache) > 512:
             self._dw_cache.popitem(last=False)
