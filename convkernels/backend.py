@@ -222,10 +222,22 @@ class Backend(ABC):
         self._check_activation(activation, "rms_norm")
         return self._rms_norm(x, weight, float(eps), activation)
 
+    #: the generic _rms_norm's temporaries are several times its input: inputs above this many
+    #: bytes (as float32) go through it in bands of rows (axis -3) and only the output is full size
+    RMS_BAND_BYTES = 32 * 1024 * 1024
+
     def _rms_norm(self, x, weight, eps, activation):
         """Generic route for backends without an RMS kernel (override it: a kernel does about
-        a third of this work). On [x, -x] the mean is exactly zero, so layer_norm's variance
-        is mean(x^2) and its first C outputs are the RMS norm; the -x half is dropped."""
+        a third of this work and needs no bands). On [x, -x] the mean is exactly zero, so
+        layer_norm's variance is mean(x^2) and its first C outputs are the RMS norm; the -x half
+        is dropped. Bands are large enough that a GPU pays a handful of extra launches per norm,
+        not hundreds (a 480x832 4-frame Wan chunk: ~20 bands)."""
+        rows = x.shape[-3] if x.ndim >= 3 else 1
+        row_bytes = 4 * int(np.prod(x.shape)) // max(rows, 1)  # as float32: conservative for halves
+        band = max(1, self.RMS_BAND_BYTES // max(row_bytes, 1))
+        if band < rows:
+            return self.concat([self._rms_norm(self.slice(x, -3, s, min(s + band, rows)), weight, eps, activation)
+                                for s in range(0, rows, band)], axis=-3)
         c = x.shape[-1]
         w2 = None if weight is None else self.concat([weight, self.mul(weight, 0.0)], axis=0)
         y = self.layer_norm(self.concat([x, self.mul(x, -1.0)], axis=-1), w2, None, eps, activation)
