@@ -427,6 +427,12 @@ class CudaBackend(Backend):
         dt = self.dtype_of(x)
         return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation)
 
+    def _rms_norm(self, x, weight, eps, activation):
+        # one kernel: the base class's layer_norm route concatenates [x, -x] (copies) and
+        # runs in bands
+        dt = self.dtype_of(x)
+        return self._k(dt).rms_norm(self._c(x), self._as(weight, dt), eps, activation)
+
     def _activation(self, x, activation):
         return self._k(self.dtype_of(x)).epilogue(self._c(x), None, None, activation)
 
