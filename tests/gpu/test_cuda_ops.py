@@ -210,7 +210,15 @@ def test_depthwise_direct_path(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,groups", [((2, 13, 11, 32), 8), ((1, 5, 9, 7, 12), 4), ((3, 17, 6), 3),
-                                          ((1, 64, 64, 128), 32)])
+                                          ((1, 64, 64, 128), 32),
+                                          # 16-byte vectors spanning two groups (4 channels each)
+                                          ((3, 7, 9, 48), 12),
+                                          # many chunks per item, batch > 1, non-square
+                                          ((2, 96, 75, 64), 32),
+                                          # a row of more 16-byte columns than threads (fp32: 260)
+                                          ((1, 3, 5, 1040), 8),
+                                          # 40 channels: fp16 vectors, fp32 scalar-by-vector mix
+                                          ((2, 11, 13, 40), 5)])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_group_norm(dtype, shape, groups, activation):
     be = backend(dtype)
@@ -223,6 +231,22 @@ def test_group_norm(dtype, shape, groups, activation):
     ref = from_t(ref_activation(F.group_norm(to_t(xh), groups, torch.from_numpy(wh), torch.from_numpy(bh), 1e-6),
                                 activation))
     assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_rms_norm(dtype, activation):
+    """The one-kernel RMS norm (Wan's norm, eps as tiny as Wan's) vs torch's rms_norm."""
+    be = backend(dtype)
+    rng, seed = fresh_rng()
+    for shape, eps in (((2, 3, 5, 7, 13), 1e-6), ((1, 2, 9, 33, 96), 1e-24 / 96), ((4, 1000), 1e-5)):
+        c = shape[-1]
+        x, xh = put(be, rng.standard_normal(shape) * 2 + 0.5)
+        w, wh = put(be, rng.uniform(0.5, 1.5, c))
+        ours = be.to_host(be.rms_norm(x, w, eps, activation=activation))
+        t = F.rms_norm(torch.from_numpy(xh), (c,), torch.from_numpy(wh), eps)
+        ref = ref_activation(t, activation).numpy()
+        assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed} {shape}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
