@@ -16,6 +16,7 @@ import numpy as np
 ACT_CODES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 BLOCK = 256
+DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
 
 _SOURCE = r"""
 #if DT == 0
@@ -298,6 +299,68 @@ extern "C" __global__ void dw2d(const T* x, const T* wt, const T* bias, const T*
     }
 }
 
+// Depthwise 2-d conv, stride 1, dilation 1, C a multiple of VEC: each thread computes DW_TW
+// consecutive output columns of one 16-byte vector of channels (consecutive threads: consecutive
+// vectors, coalesced), so each loaded input vector serves up to DW_TW outputs and each weight
+// vector DW_TW of them, where dw2d re-reads both per output element. Fused epilogue as dw2d.
+#define DW_TW 4
+extern "C" __global__ void dw2d_vec(const T* x, const T* wt, const T* bias, const T* res, T* y,
+                                    int H, int W, int C, int OH, int OW, int KH, int KW, int ph, int pw,
+                                    int has_bias, int has_res, int a, long long items) {
+    int CV = C / VEC, OWB = (OW + DW_TW - 1) / DW_TW;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
+         i += (long long)gridDim.x * blockDim.x) {
+        int cv = (int)(i % CV);
+        long long t = i / CV;
+        int owb = (int)(t % OWB); t /= OWB;
+        int oh = (int)(t % OH);
+        long long n = t / OH;
+        int c0 = cv * VEC, ow0 = owb * DW_TW;
+        float acc[DW_TW][VEC];
+#pragma unroll
+        for (int k = 0; k < DW_TW; ++k)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[k][j] = 0.0f;
+        for (int kh = 0; kh < KH; ++kh) {
+            int ih = oh - ph + kh;
+            if (ih < 0 || ih >= H) continue;
+            const T* xrow = x + ((n * H + ih) * (long long)W) * C + c0;
+            for (int kw = 0; kw < KW; ++kw) {
+                float wv[VEC];
+                load_vec(wt + ((long long)kh * KW + kw) * C + c0, wv);
+#pragma unroll
+                for (int k = 0; k < DW_TW; ++k) {
+                    int iw = ow0 + k - pw + kw;
+                    if (iw < 0 || iw >= W) continue;
+                    float xv[VEC];
+                    load_vec(xrow + (long long)iw * C, xv);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[k][j] = fmaf(xv[j], wv[j], acc[k][j]);
+                }
+            }
+        }
+        float bv[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) bv[j] = 0.0f;
+        if (has_bias) load_vec(bias + c0, bv);
+#pragma unroll
+        for (int k = 0; k < DW_TW; ++k) {
+            if (ow0 + k >= OW) break;
+            long long o = ((n * OH + oh) * (long long)OW + ow0 + k) * C + c0;
+            float v[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[j] = act(acc[k][j] + bv[j], a);
+            if (has_res) {
+                float rv[VEC];
+                load_vec(res + o, rv);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[j] += rv[j];
+            }
+            store_vec(y + o, v);
+        }
+    }
+}
+
 // Softmax over rows of length L, of x * scale: one 256-thread block per row.
 extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L, float scale) {
     __shared__ float sh[32];
@@ -433,6 +496,17 @@ class Kernels:
         kh, kw = wt.shape[0], wt.shape[1]
         total = y.size
         i32 = np.int32
+        vec = 16 // x.itemsize
+        operands = [x, wt, y] + [v for v in (bias, residual) if v is not None]
+        if (tuple(stride) == (1, 1) and tuple(dilation) == (1, 1) and c % vec == 0
+                and all(v.data.ptr % 16 == 0 for v in operands)):
+            items = n * out_shape[1] * -(-out_shape[2] // DW_TW) * (c // vec)
+            self.fn("dw2d_vec")((_grid(items),), (BLOCK,), (
+                x, wt, bias if bias is not None else x, residual if residual is not None else x, y,
+                i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),
+                i32(pad_lo[0]), i32(pad_lo[1]), i32(bias is not None), i32(residual is not None),
+                i32(ACT_CODES[activation]), np.int64(items)))
+            return y
         self.fn("dw2d")((_grid(total),), (BLOCK,), (
             x, wt, bias if bias is not None else x, residual if residual is not None else x, y,
             i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),

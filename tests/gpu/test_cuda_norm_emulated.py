@@ -1,5 +1,5 @@
-"""The CUDA backend's GroupNorm kernels (cuda_kernels.py, the source CuPy compiles) run on the
-CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
+"""The CUDA backend's GroupNorm and vectorised depthwise kernels (cuda_kernels.py, the source
+CuPy compiles) run on the CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
 thread, a barrier for __syncthreads and locked atomics, launched with the grid the backend's
 wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
 that split a vector, the chunking and the folded finalize against torch.nn.functional, where
@@ -14,9 +14,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from torch_reference import F, fresh_rng, from_t, ref_activation, rel_l2, to_t, torch
+from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, _SOURCE, gn_chunks
+from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, _SOURCE, gn_chunks
 
 HARNESS = r"""
 #include <atomic>
@@ -70,6 +70,15 @@ extern "C" void run_group_norm(const float* x, float* y, double* acc, const floa
     dim3 grid; grid.x = nchunks; grid.y = N;
     launch(grid, [=] { gn_stats(x, acc, S, C, G, rows_per_chunk, vec); });
     launch(grid, [=] { gn_norm(x, y, acc, w, b, S, C, G, rows_per_chunk, count, eps, has_w, has_b, a, vec); });
+}
+
+// grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
+extern "C" void run_dw2d_vec(const float* x, const float* wt, const float* bias, const float* res, float* y,
+                             int H, int W, int C, int OH, int OW, int KH, int KW, int ph, int pw,
+                             int has_bias, int has_res, int a, long long items) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = 2;
+    launch(grid, [=] { dw2d_vec(x, wt, bias, res, y, H, W, C, OH, OW, KH, KW, ph, pw, has_bias, has_res, a, items); });
 }
 """
 
@@ -133,3 +142,28 @@ def test_chunks_cover_every_row_once():
     for n, rows in ((1, 1), (1, 7), (1, 4096), (2, 262144), (128, 3136), (600, 5), (3, 529)):
         per_chunk, chunks = gn_chunks(n, rows)
         assert per_chunk >= 1 and per_chunk * chunks >= rows > per_chunk * (chunks - 1), (n, rows)
+
+
+@pytest.mark.parametrize("n,h,w,c,k", [(2, 9, 13, 12, 7), (1, 5, 6, 8, 3), (3, 7, 3, 20, 5)])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_vectorised_depthwise_matches_torch(lib, n, h, w, c, k, epilogue):
+    """dw2d_vec (stride 1, 'same' padding): widths not a multiple of its 4 columns per thread,
+    narrower than the kernel, batch > 1; bias + SiLU + residual fused."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wd = rng.standard_normal((c, k, k, 1)).astype(np.float32)
+    wt = np.ascontiguousarray(wd.reshape(c, -1).T)  # (KH*KW, C), as the backend's _dw_weights
+    b = rng.standard_normal(c).astype(np.float32)
+    r = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    items = n * h * -(-w // DW_TW) * (c // 4)
+    i32 = ctypes.c_int
+    lib.run_dw2d_vec(p(x), p(wt), p(b), p(r), p(y), i32(h), i32(w), i32(c), i32(h), i32(w), i32(k), i32(k),
+                     i32(k // 2), i32(k // 2), i32(epilogue), i32(epilogue), i32(ACT_CODES["silu" if epilogue else None]),
+                     ctypes.c_longlong(items))
+    pad = ((k // 2, k // 2), (k // 2, k // 2))
+    ref = ref_conv(x, wd, b if epilogue else None, (1, 1), pad, (1, 1), c, r if epilogue else None,
+                   "silu" if epilogue else None)
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"

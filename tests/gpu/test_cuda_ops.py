@@ -197,7 +197,9 @@ def test_depthwise_direct_path(dtype):
     be = backend(dtype, fresh=True)
     be.paths.forced = "depthwise_direct"
     extra = (2, 3, (16, 13), 24, 24, (7, 7), (1, 1), ((3, 3), (3, 3)), (1, 1), 24)
-    for case in (CONV_CASES[5], CONV_CASES[6], extra):
+    # dw2d_vec (stride 1, channels a multiple of the vector): width not a multiple of 4 columns
+    vec = (2, 2, (9, 14), 40, 40, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 40)
+    for case in (CONV_CASES[5], CONV_CASES[6], extra, vec):
         for ep in ("plain", "bias_silu_residual", "bias_gelu"):
             before = scrape()
             err, seed = run_conv_case(be, case, ep)
