@@ -117,6 +117,22 @@ __device__ __forceinline__ void store_vec(T* p, const float* f) {
     *reinterpret_cast<uint4*>(p) = v.u;
 }
 
+// The chunk of rows (s0..s1) of the block and the column tc / row offset tr of the thread, as
+// both GroupNorm passes map them: cpb threads side by side cover up to a row's `cols` columns
+// of V channels, rpar rows are walked side by side.
+struct GnTile { long long s0, s1; int V, cols, Cg, cpb, rpar, tc, tr; };
+__device__ __forceinline__ GnTile gn_tile(long long S, int C, int G, long long rows_per_chunk, int vec) {
+    GnTile t;
+    t.s0 = (long long)blockIdx.x * rows_per_chunk;
+    t.s1 = t.s0 + rows_per_chunk; if (t.s1 > S) t.s1 = S;
+    t.V = vec ? VEC : 1;
+    t.cols = C / t.V; t.Cg = C / G;
+    t.cpb = t.cols < (int)blockDim.x ? t.cols : (int)blockDim.x;
+    t.rpar = blockDim.x / t.cpb;
+    t.tc = threadIdx.x % t.cpb; t.tr = threadIdx.x / t.cpb;
+    return t;
+}
+
 // pass 1: per-group sum and sum of squares of one chunk, added into acc (N, G, 2), which the
 // caller zeroes. Dynamic shared memory: 2 * G doubles.
 extern "C" __global__ void gn_stats(const T* x, double* acc, long long S, int C, int G,
@@ -125,13 +141,9 @@ extern "C" __global__ void gn_stats(const T* x, double* acc, long long S, int C,
     int n = blockIdx.y;
     for (int i = threadIdx.x; i < 2 * G; i += blockDim.x) shg[i] = 0.0;
     __syncthreads();
-    long long s0 = (long long)blockIdx.x * rows_per_chunk;
-    long long s1 = s0 + rows_per_chunk; if (s1 > S) s1 = S;
-    int V = vec ? VEC : 1;
-    int cols = C / V, Cg = C / G;
-    int cpb = cols < (int)blockDim.x ? cols : (int)blockDim.x;
-    int rpar = blockDim.x / cpb;
-    int tc = threadIdx.x % cpb, tr = threadIdx.x / cpb;
+    GnTile t = gn_tile(S, C, G, rows_per_chunk, vec);
+    long long s0 = t.s0, s1 = t.s1;
+    int V = t.V, cols = t.cols, Cg = t.Cg, cpb = t.cpb, rpar = t.rpar, tc = t.tc, tr = t.tr;
     const T* item = x + (long long)n * S * C;
     if (tr < rpar) {
         for (int col = tc; col < cols; col += cpb) {
@@ -190,13 +202,9 @@ extern "C" __global__ void gn_norm(const T* x, T* y, const double* acc, const T*
         shm[G + g] = (float)(1.0 / sqrt(var + (double)eps));
     }
     __syncthreads();
-    long long s0 = (long long)blockIdx.x * rows_per_chunk;
-    long long s1 = s0 + rows_per_chunk; if (s1 > S) s1 = S;
-    int V = vec ? VEC : 1;
-    int cols = C / V, Cg = C / G;
-    int cpb = cols < (int)blockDim.x ? cols : (int)blockDim.x;
-    int rpar = blockDim.x / cpb;
-    int tc = threadIdx.x % cpb, tr = threadIdx.x / cpb;
+    GnTile t = gn_tile(S, C, G, rows_per_chunk, vec);
+    long long s0 = t.s0, s1 = t.s1;
+    int V = t.V, cols = t.cols, Cg = t.Cg, cpb = t.cpb, rpar = t.rpar, tc = t.tc, tr = t.tr;
     if (tr >= rpar) return;
     const T* xi = x + (long long)n * S * C;
     T* yi = y + (long long)n * S * C;
