@@ -268,6 +268,26 @@ class Backend(ABC):
             raise ValueError(f"upsample_nearest: need {nd} positive integer factors, got {scale!r}")
         return self._upsample_nearest(x, factors)
 
+    def upsample_conv2d(self, x, weight, bias=None):
+        """Nearest 2x upsample of (N, H, W, C), then a 3x3 conv with padding 1 (weight O,3,3,C):
+        diffusers' Upsample2D and Wan's Resample. One op so that each backend computes it its
+        fastest way: literally (NumPy: the 3x3 conv on the upsampled input runs on Winograd), or
+        as the equivalent stride-2 transposed conv writing its four phases interleaved (CUDA)."""
+        if x.ndim != 4:
+            raise ValueError(f"upsample_conv2d: input must be N,H,W,C, got shape {tuple(x.shape)}")
+        c = x.shape[-1]
+        if weight.ndim != 4 or tuple(weight.shape[1:]) != (3, 3, c):
+            raise ValueError(f"upsample_conv2d: weight must be (O, 3, 3, {c}), got {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"upsample_conv2d: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        self._check_dtype(x, "upsample_conv2d")
+        self._check_dtype(weight, "upsample_conv2d")
+        return self._upsample_conv2d(x, weight, bias)
+
+    def _upsample_conv2d(self, x, weight, bias):
+        """The literal form (a backend overrides this where another one is faster)."""
+        return self.conv2d(self._upsample_nearest(x, (2, 2)), weight, bias, padding=1)
+
     def pad(self, x, padding: PaddingArg, mode: str = "zeros"):
         """Pad the spatial axes of (N, *spatial, C). mode: 'zeros' or 'replicate'."""
         if mode not in ("zeros", "replicate"):

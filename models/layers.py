@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from .weights import conv_weight_to_channels_last, upsample_conv_as_transpose
+from .weights import conv_weight_to_channels_last
 
 
 class Layer:
@@ -154,10 +154,10 @@ class SpatialAttention(Layer):
 class Upsample2D(Layer):
     """diffusers Upsample2D (use_conv=True): nearest 2x upsample then a 3x3 conv, padding 1.
 
-    mode "subpixel" (default) computes the same function as one stride-2 transposed conv of the
-    input (weights derived once at load, models/weights.py): four 2x2 phase convs, 16 instead of
-    36 multiply-adds per low-res pixel and channel pair, written straight into the interleaved
-    output; mode "nearest" runs it literally."""
+    mode "subpixel" (default) hands both steps to the backend as one op (upsample_conv2d), which
+    computes them its fastest way (CUDA: a stride-2 transposed conv writing the four output
+    phases interleaved, 16 instead of 36 multiply-adds per low-res pixel and channel pair);
+    mode "nearest" runs them as two ops."""
 
     def __init__(self, channels: int, mode: str = "subpixel"):
         super().__init__()
@@ -165,18 +165,11 @@ class Upsample2D(Layer):
             raise ValueError(f"Upsample2D mode must be 'subpixel' or 'nearest', got {mode!r}")
         self.mode = mode
         self.conv = self.add("conv", Conv2d(channels, channels, 3, padding=1))
-        self.transpose_weight = None
-
-    def _derive(self, tensors, backend, prefix: str) -> None:
-        if self.mode == "subpixel":
-            w = conv_weight_to_channels_last(np.asarray(tensors[prefix + "conv.weight"], np.float64))  # O,3,3,I
-            self.transpose_weight = backend.asarray(upsample_conv_as_transpose(w))
-            del self.conv.params["weight"]  # the transposed-conv weight replaces it; keep device memory lean
 
     def __call__(self, backend, x):
         if self.mode == "nearest":
             return self.conv(backend, backend.upsample_nearest(x, 2))
-        return backend.conv_transpose2d(x, self.transpose_weight, self.conv.params["bias"], stride=2, padding=1)
+        return backend.upsample_conv2d(x, self.conv.params["weight"], self.conv.params["bias"])
 
 
 class Downsample2D(Layer):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .weights import conv_weight_to_channels_last, upsample_conv_as_transpose
+from .weights import conv_weight_to_channels_last
 
 Array = Any
 
@@ -124,25 +124,6 @@ class Conv2d(Conv):
 
     def __call__(self, x, residual=None):
         return self.backend.conv2d(x, self.weight, self.bias, padding=self.padding, residual=residual)
-
-
-class UpsampleConv2d(Conv):
-    """Nearest 2x upsample then a 3x3 conv (padding 1), held as the equivalent stride-2
-    transposed conv (weight derived once at load, models/weights.py): 4 instead of 9 taps per
-    output, no 4x-size upsampled frames, phases written straight into the interleaved output."""
-
-    def __init__(self, backend, cin, cout):
-        super().__init__(backend, cin, cout, (3, 3))
-
-    def set_param(self, name, host):
-        if name == "weight":
-            w = conv_weight_to_channels_last(np.asarray(host, np.float64))
-            self.weight = self.backend.asarray(upsample_conv_as_transpose(w))
-        else:
-            super().set_param(name, host)
-
-    def __call__(self, x):
-        return self.backend.conv_transpose2d(x, self.weight, self.bias, stride=2, padding=1)
 
 
 class CausalConv3d(Conv):
@@ -274,7 +255,7 @@ class Resample(Layer):
         self.backend = backend
         self.dim, self.mode = dim, mode
         self.out_dim = dim // 2 if out_dim is None else out_dim
-        self.conv = UpsampleConv2d(backend, dim, self.out_dim)
+        self.conv = Conv2d(backend, dim, self.out_dim, 3, padding=1)
         self.time_conv = CausalConv3d(backend, dim, 2 * dim, (3, 1, 1), padding=(1, 0, 0)) \
             if mode == "upsample3d" else None
 
@@ -308,7 +289,7 @@ class Resample(Layer):
         if self.time_conv is not None:
             x = self._double_frames(x, state)
         n, t, h, w, c = x.shape
-        frames = self.conv(b.reshape(x, (n * t, h, w, c)))
+        frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias)
         return b.reshape(frames, (n, t, 2 * h, 2 * w, self.out_dim))
 
 

@@ -134,18 +134,3 @@ def conv_transpose_weight_to_channels_last(w: np.ndarray, groups: int = 1) -> np
     nd = len(k)
     w = np.transpose(w, (0, 2, *range(3, 3 + nd), 1))  # g, O/g, *k, I/g
     return np.ascontiguousarray(w.reshape(g * og, *k, i // g))
-
-
-#: along one axis, nearest-2x upsampling then a 3-tap conv (padding 1) is a 4-tap transposed conv
-#: (stride 2, padding 1): output 2i + a reads input i - 1 + a + t through tap 3 - a - 2t, and that
-#: input covers conv taps {0} / {1, 2} (a = 0) or {0, 1} / {2} (a = 1) once upsampled
-_UPSAMPLE_TAPS = np.array([[0, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 0]], np.float64)
-
-
-def upsample_conv_as_transpose(w: np.ndarray) -> np.ndarray:
-    """Channels-last weight (O, 3, 3, I) of "nearest 2x upsample, then a 3x3 conv with padding 1"
-    -> the (O, 4, 4, I) weight of conv_transpose2d(stride=2, padding=1) computing the same
-    function: 4 instead of 9 multiply-adds per output and input channel, no upsampled tensor,
-    and the four output phases land interleaved (backends run it as four 2x2 phase convs or as
-    one strided dgrad). Summed in float64."""
-    return np.einsum("yk,xl,oklc->oyxc", _UPSAMPLE_TAPS, _UPSAMPLE_TAPS, np.asarray(w, np.float64))

@@ -237,8 +237,8 @@ def test_cost_rules_take_workaround_paths_only_on_older_mlx_with_metal(monkeypat
     monkeypatch.delenv("CONVSERVE_UNFOLD_LIMIT_BYTES", raising=False)
     dw = _key("conv2d", (1, 60, 60, 384), (384, 3, 3, 1), ConvSpec.make(2, 1, 1, 1, 384))
     c3 = _key("conv3d", (1, 19, 64, 64, 256), (256, 3, 3, 3, 256), ConvSpec.make(3, 1, ((0, 0), (1, 1), (1, 1))))
-    # unfold 510*510*16*256*4 bytes > the 2 GiB default limit (padding 2: padding 1 is the
-    # upsampling layers' conv, which runs on subpixel everywhere)
+    # unfold 510*510*16*256*4 bytes > the 2 GiB default limit (padding 2: with padding 1 the
+    # conv runs on subpixel everywhere)
     ct = _key("conv_transpose2d", (1, 256, 256, 256), (256, 4, 4, 256), ConvSpec.make(2, 2, 2, transpose=True))
     up = _key("conv_transpose2d", (1, 256, 256, 256), (256, 4, 4, 256), ConvSpec.make(2, 2, 1, transpose=True))
     old = MlxBackend(env=MlxEnv((0, 31, 2), True), autotune=False)

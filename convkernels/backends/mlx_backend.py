@@ -7,8 +7,8 @@ graph that `to_host`/`synchronize` evaluate.
 Conv paths (name, guard, cost rule, runner); the workaround paths exist for MLX releases that
 predate the upstream fixes, and their guards/cost rules read the installed version:
 - mlx_native: mx.conv_general (transposed convs as flip + input dilation).
-- subpixel: the transposed conv of upsampling layers (kernel 4, stride 2, padding 1) as four
-  2x2 phase convs written into the interleaved output.
+- subpixel: a transposed conv with kernel 4, stride 2, padding 1 as four 2x2 phase convs written
+  into the interleaved output.
 - group_split: grouped conv as one conv per group (MLX has no grouped conv3d).
 - depthwise_tail: depthwise conv2d whose output is not a multiple of 8 (MLX PR 3446): our
   tail-aware Metal kernel where MLX < 0.32.0 still gates its own, else pad-to-8-and-slice.

@@ -286,8 +286,8 @@ class NumpyBackend(Backend):
                      self._run_winograd4_3d),
             # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
-            # upsampling (nearest 2x + 3x3 conv) as a transposed conv: four phase convs written
-            # straight into the interleaved output
+            # k4 s2 p1 transposed convs (nearest 2x + 3x3 conv as one conv): four phase convs
+            # written straight into the interleaved output
             ConvPath("subpixel_gemm", is_subpixel_upsample, lambda k: 0.5 * k.macs(), self._run_subpixel),
             ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
             ConvPath("tiled_unfold", lambda k: not fits(k) and not is_subpixel_upsample(k), dense_cost,

@@ -126,7 +126,7 @@ CONV_T_CASES = [
     (2, 1, (16, 17), 32, 24, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1),
     (3, 1, (3, 5, 4), 4, 5, (3, 3, 3), (1, 2, 2), (1, 1, 1), (0, 1, 1), (1, 1, 1), 1),
     (3, 2, (2, 4, 3), 6, 4, (2, 3, 3), (2, 1, 2), (0, 1, 0), (1, 0, 0), (1, 1, 1), 2),
-    # the upsampling layers' transposed conv: odd channels, non-square, batch 2
+    # k4 s2 p1 (what upsample_conv2d runs): odd channels, non-square, batch 2
     (2, 2, (7, 10), 13, 11, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1),
 ]
 
@@ -233,6 +233,22 @@ def test_group_norm(dtype, shape, groups, activation):
     ref = from_t(ref_activation(F.group_norm(to_t(xh), groups, torch.from_numpy(wh), torch.from_numpy(bh), 1e-6),
                                 activation))
     assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,cout", [((2, 7, 10, 13), 11), ((1, 16, 17, 32), 32)])
+def test_upsample_conv2d(dtype, shape, cout):
+    """nearest 2x + 3x3 conv as one transposed conv (weights derived on the device, once)."""
+    be = backend(dtype)
+    rng, seed = fresh_rng()
+    x, xh = put(be, rng.standard_normal(shape))
+    w, wh = put(be, rng.standard_normal((cout, 3, 3, shape[-1])) / np.sqrt(9 * shape[-1]))
+    b, bh = put(be, rng.standard_normal(cout))
+    for _ in range(2):  # the second call reads the cached transposed weight
+        ours = be.to_host(be.upsample_conv2d(x, w, b))
+        up = F.interpolate(to_t(xh), scale_factor=2, mode="nearest")
+        ref = from_t(F.conv2d(up, torch.from_numpy(wh).movedim(-1, 1).contiguous(), torch.from_numpy(bh), padding=1))
+        assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
