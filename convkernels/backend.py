@@ -228,10 +228,22 @@ class Backend(ABC):
         self._check_activation(activation, "rms_norm")
         return self._rms_norm(x, weight, float(eps), activation)
 
+    #: the generic _rms_norm's temporaries are several times its input: inputs above this many
+    #: bytes (as float32) go through it in bands of rows (axis -3) and only the output is full size
+    RMS_BAND_BYTES = 32 * 1024 * 1024
+
     def _rms_norm(self, x, weight, eps, activation):
         """Generic route for backends without an RMS kernel (override it: a kernel does about
-        a third of this work). On [x, -x] the mean is exactly zero, so layer_norm's variance
-        is mean(x^2) and its first C outputs are the RMS norm; the -x half is dropped."""
+        a third of this work and needs no bands). On [x, -x] the mean is exactly zero, so
+        layer_norm's variance is mean(x^2) and its first C outputs are the RMS norm; the -x half
+        is dropped. Bands are large enough that a GPU pays a handful of extra launches per norm,
+        not hundreds (a 480x832 4-frame Wan chunk: ~20 bands)."""
+        rows = x.shape[-3] if x.ndim >= 3 else 1
+        row_bytes = 4 * int(np.prod(x.shape)) // max(rows, 1)  # as float32: conservative for halves
+        band = max(1, self.RMS_BAND_BYTES // max(row_bytes, 1))
+        if band < rows:
+            return self.concat([self._rms_norm(self.slice(x, -3, s, min(s + band, rows)), weight, eps, activation)
+                                for s in range(0, rows, band)], axis=-3)
         c = x.shape[-1]
         w2 = None if weight is None else self.concat([weight, self.mul(weight, 0.0)], axis=0)
         y = self.layer_norm(self.concat([x, self.mul(x, -1.0)], axis=-1), w2, None, eps, activation)
@@ -261,6 +273,26 @@ class Backend(ABC):
         if len(factors) != nd or any(f < 1 for f in factors):
             raise ValueError(f"upsample_nearest: need {nd} positive integer factors, got {scale!r}")
         return self._upsample_nearest(x, factors)
+
+    def upsample_conv2d(self, x, weight, bias=None):
+        """Nearest 2x upsample of (N, H, W, C), then a 3x3 conv with padding 1 (weight O,3,3,C):
+        diffusers' Upsample2D and Wan's Resample. One op so that each backend computes it its
+        fastest way: literally (NumPy: the 3x3 conv on the upsampled input runs on Winograd), or
+        as the equivalent stride-2 transposed conv writing its four phases interleaved (CUDA)."""
+        if x.ndim != 4:
+            raise ValueError(f"upsample_conv2d: input must be N,H,W,C, got shape {tuple(x.shape)}")
+        c = x.shape[-1]
+        if weight.ndim != 4 or tuple(weight.shape[1:]) != (3, 3, c):
+            raise ValueError(f"upsample_conv2d: weight must be (O, 3, 3, {c}), got {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"upsample_conv2d: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        self._check_dtype(x, "upsample_conv2d")
+        self._check_dtype(weight, "upsample_conv2d")
+        return self._upsample_conv2d(x, weight, bias)
+
+    def _upsample_conv2d(self, x, weight, bias):
+        """The literal form (a backend overrides this where another one is faster)."""
+        return self.conv2d(self._upsample_nearest(x, (2, 2)), weight, bias, padding=1)
 
     def pad(self, x, padding: PaddingArg, mode: str = "zeros"):
         """Pad the spatial axes of (N, *spatial, C). mode: 'zeros' or 'replicate'."""

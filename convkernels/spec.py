@@ -184,6 +184,31 @@ def validate_conv(op: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...], s
     return out_shape
 
 
+def is_subpixel_upsample(key: ConvKey) -> bool:
+    """A 2-d transposed conv with kernel 4, stride 2, padding 1 (the form of nearest-2x upsample +
+    3x3 conv, see upsample_conv_as_transpose). Each of its four output
+    phases (rows 2i + a, columns 2j + b) is a 2x2 conv of the input: along an axis, phase a reads
+    input i - 1 + a + t (t = 0, 1) through kernel tap 3 - a - 2t."""
+    s = key.spec
+    return (s.transpose and s.nd == 2 and key.kernel == (4, 4) and s.stride == (2, 2)
+            and s.padding == ((1, 1), (1, 1)) and s.dilation == (1, 1) and s.groups == 1
+            and s.output_padding == (0, 0))
+
+
+def upsample_conv_as_transpose(xp, w):
+    """Channels-last weight (O, 3, 3, I) of "nearest 2x upsample, then a 3x3 conv with padding 1"
+    -> the (O, 4, 4, I) weight of the conv_transpose2d(stride=2, padding=1) computing the same
+    function (an `is_subpixel_upsample` conv): 4 instead of 9 multiply-adds per output and input
+    channel, no upsampled tensor. Along one axis, output 2i + a reads input i - 1 + a + t through
+    tap 3 - a - 2t, and once upsampled that input covers conv taps {0} / {1, 2} (a = 0) or
+    {0, 1} / {2} (a = 1): transposed taps 0..3 are w2, w1 + w2, w0 + w1, w0. Elementwise adds
+    only (no gemm). `xp`: the array module of `w` (numpy, cupy)."""
+    def taps(v, axis):
+        t = [xp.take(v, i, axis=axis) for i in range(3)]
+        return xp.stack([t[2], t[1] + t[2], t[0] + t[1], t[0]], axis=axis)
+    return taps(taps(w, 1), 2)
+
+
 def prod(values: Iterable[int]) -> int:
     out = 1
     for v in values:

@@ -177,15 +177,8 @@ class CausalConv3d(Conv):
 
 class ChannelRMSNorm(Layer):
     """WanRMS_norm: F.normalize over channels * sqrt(C) * gamma (no bias in the decoder), i.e.
-    the backend's rms_norm with eps = 1e-24 / C (F.normalize's 1e-12 floor on ||x||).
-
-    A backend without an RMS kernel runs it through layer_norm on [x, -x], whose temporaries
-    are several times the input, so large inputs go in row bands of at most NORM_BAND_BYTES:
-    the transient stays bounded and only the output is full size. Bands are large enough that
-    a GPU backend pays a handful of extra launches per norm, not hundreds (a 480x832 4-frame
-    chunk: ~20 bands)."""
-
-    NORM_BAND_BYTES = 32 * 1024 * 1024
+    the backend's rms_norm with eps = 1e-24 / C (F.normalize's 1e-12 floor on ||x||). (A backend
+    without an RMS kernel bounds its temporaries itself, Backend.RMS_BAND_BYTES.)"""
 
     def __init__(self, backend, dim: int, images: bool):
         self.backend = backend
@@ -203,14 +196,7 @@ class ChannelRMSNorm(Layer):
         self.gamma = self.backend.asarray(np.ascontiguousarray(np.asarray(host).reshape(self.dim)))
 
     def __call__(self, x, activation=None):
-        b = self.backend
-        rows = x.shape[-3]  # H of N,T,H,W,C or N,H,W,C
-        row_bytes = 4 * math.prod(x.shape) // max(rows, 1)  # as float32: conservative for halves
-        band = max(1, self.NORM_BAND_BYTES // max(row_bytes, 1))
-        if band >= rows:
-            return b.rms_norm(x, self.gamma, self.eps, activation)
-        return b.concat([b.rms_norm(b.slice(x, -3, s, min(s + band, rows)), self.gamma, self.eps, activation)
-                         for s in range(0, rows, band)], axis=-3)
+        return self.backend.rms_norm(x, self.gamma, self.eps, activation)
 
 
 class ResidualBlock(Layer):
@@ -303,8 +289,8 @@ class Resample(Layer):
         if self.time_conv is not None:
             x = self._double_frames(x, state)
         n, t, h, w, c = x.shape
-        frames = b.upsample_nearest(b.reshape(x, (n * t, h, w, c)), 2)
-        return b.reshape(self.conv(frames), (n, t, 2 * h, 2 * w, self.out_dim))
+        frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias)
+        return b.reshape(frames, (n, t, 2 * h, 2 * w, self.out_dim))
 
 
 class UpBlock(Layer):

@@ -37,7 +37,7 @@ def test_conv_counts_by_path_match_what_ran():
     after = scrape()
     dw_path = "depthwise_direct" if _cpu.AVAILABLE else "depthwise_shift"
     expected = {("conv2d", dw_path): 3, ("conv2d", "im2col_gemm"): 2, ("conv2d", "pointwise_gemm"): 1,
-                ("conv_transpose2d", "im2col_gemm"): 1, ("conv3d", "im2col_gemm"): 1}
+                ("conv_transpose2d", "subpixel_gemm"): 1, ("conv3d", "im2col_gemm"): 1}
     for (op, path), n in expected.items():
         assert conv_count(after, op, path) - conv_count(before, op, path) == n, (op, path)
     # latency histogram observed once per conv, under the same labels

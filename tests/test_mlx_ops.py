@@ -121,6 +121,19 @@ def test_conv_transpose_matches_torch(case):
         assert rel_l2(be.to_host(ours), ref) < TOL, f"path {name}, seed {seed}"
 
 
+def test_upsample_conv2d(be):
+    """nearest 2x + 3x3 conv (Upsample2D / Wan's Resample) vs torch: odd channels, non-square."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((2, 7, 10, 13)).astype(np.float32)
+    w = rng.standard_normal((11, 3, 3, 13)).astype(np.float32)
+    b = rng.standard_normal(11).astype(np.float32)
+    ours = be.to_host(be.upsample_conv2d(dev(be, x), dev(be, w), dev(be, b)))
+    up = F.interpolate(to_t(x), scale_factor=2, mode="nearest")
+    ref = from_t(F.conv2d(up, torch.from_numpy(w.astype(np.float64)).movedim(-1, 1).contiguous(),
+                          torch.from_numpy(b.astype(np.float64)), padding=1))
+    assert rel_l2(ours, ref) < TOL, f"seed {seed}"
+
+
 @pytest.mark.parametrize("activation", [None, "silu", "gelu"])
 def test_group_norm(be, activation):
     rng, seed = fresh_rng()

@@ -237,8 +237,10 @@ def test_cost_rules_take_workaround_paths_only_on_older_mlx_with_metal(monkeypat
     monkeypatch.delenv("CONVSERVE_UNFOLD_LIMIT_BYTES", raising=False)
     dw = _key("conv2d", (1, 60, 60, 384), (384, 3, 3, 1), ConvSpec.make(2, 1, 1, 1, 384))
     c3 = _key("conv3d", (1, 19, 64, 64, 256), (256, 3, 3, 3, 256), ConvSpec.make(3, 1, ((0, 0), (1, 1), (1, 1))))
-    # unfold 512*512*16*256*4 bytes > the 2 GiB default limit
-    ct = _key("conv_transpose2d", (1, 256, 256, 256), (256, 4, 4, 256), ConvSpec.make(2, 2, 1, transpose=True))
+    # unfold 510*510*16*256*4 bytes > the 2 GiB default limit (padding 2: with padding 1 the
+    # conv runs on subpixel everywhere)
+    ct = _key("conv_transpose2d", (1, 256, 256, 256), (256, 4, 4, 256), ConvSpec.make(2, 2, 2, transpose=True))
+    up = _key("conv_transpose2d", (1, 256, 256, 256), (256, 4, 4, 256), ConvSpec.make(2, 2, 1, transpose=True))
     old = MlxBackend(env=MlxEnv((0, 31, 2), True), autotune=False)
     new = MlxBackend(env=MlxEnv((0, 32, 4), True), autotune=False)
     cpu = MlxBackend(env=MlxEnv((0, 31, 2), False), autotune=False)
@@ -249,6 +251,7 @@ def test_cost_rules_take_workaround_paths_only_on_older_mlx_with_metal(monkeypat
     bounded = MlxBackend(env=MlxEnv((0, 32, 4), True), unfold_limit_bytes=1 << 20, autotune=False)
     assert bounded.paths.choose(ct).name == "tiled_unfold"
     assert cpu.paths.choose(dw).name == "mlx_native"  # padding only adds work off Metal
+    assert {b.paths.choose(up).name for b in (old, new, cpu, bounded)} == {"subpixel"}
     # fixed Metal MLX decomposes by itself; on MLX CPU the decomposition showed no consistent win
     assert new.paths.choose(c3).name == "mlx_native"
     assert MlxBackend(env=MlxEnv((0, 32, 4), False), autotune=False).paths.choose(c3).name == "mlx_native"
@@ -299,7 +302,7 @@ def test_conv_counts_by_path_carry_the_mlx_labels():
     tiled = get_backend("mlx", unfold_limit_bytes=1024, timing_sample_rate=1.0)
     tiled.conv2d(x, be.asarray(rng.standard_normal((5, 3, 3, 16)).astype(np.float32)), padding=1)
     after = _scrape()
-    expected = {("conv2d", "mlx_native"): 2, ("conv_transpose2d", "mlx_native"): 1, ("conv3d", "group_split"): 1,
+    expected = {("conv2d", "mlx_native"): 2, ("conv_transpose2d", "subpixel"): 1, ("conv3d", "group_split"): 1,
                 ("conv2d", "depthwise_tail"): 1, ("conv3d", "small_kd_2d"): 1, ("conv2d", "tiled_unfold"): 1}
     for (op, path), n in expected.items():
         assert _count(after, op, path) - _count(before, op, path) == n, (op, path)

@@ -9,6 +9,7 @@ from torch_reference import CONV_T_CASES, F, fresh_rng, from_t, ref_activation, 
 from convkernels import ConvKey, ConvSpec, get_backend
 from convkernels import _cpu
 from convkernels.backend import CONV_OPS
+from convkernels.spec import upsample_conv_as_transpose
 
 TOL = 1e-5
 
@@ -129,6 +130,59 @@ def test_conv_transpose_matches_torch(be, case):
     assert rel_l2(ours, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("limit", [4096, None])
+def test_subpixel_path_writes_phases_in_place(limit):
+    """A kernel-4 stride-2 padding-1 transposed conv on subpixel_gemm,
+    whole and in row tiles (limit 4096 B: one row per tile), with the full epilogue."""
+    rng, seed = fresh_rng()
+    be = get_backend("numpy", unfold_limit_bytes=limit)
+    x = rng.standard_normal((2, 9, 14, 37)).astype(np.float32)
+    w = rng.standard_normal((21, 4, 4, 37)).astype(np.float32)
+    b = rng.standard_normal(21).astype(np.float32)
+    res = rng.standard_normal((2, 18, 28, 21)).astype(np.float32)
+    ours = be.conv_transpose2d(x, w, b, stride=2, padding=1, residual=res, activation="silu")
+    assert [c["path"] for c in be.conv_choices()] == ["subpixel_gemm"]
+    ref = ref_conv_transpose(x, w, b, (2, 2), (1, 1), (0, 0), (1, 1), 1)
+    ref = from_t(ref_activation(to_t(ref), "silu")) + res
+    assert rel_l2(ours, ref) < TOL, f"seed {seed}"
+    again = be.conv_transpose2d(x, w, b, stride=2, padding=1, residual=res, activation="silu")
+    assert np.array_equal(ours, again)  # the cached phase weights give the same answer
+
+
+def ref_upsample_conv(x, w, b):
+    """nearest 2x then 3x3 conv, padding 1, in torch (float64); w: ours O,3,3,C."""
+    up = F.interpolate(to_t(x), scale_factor=2, mode="nearest")
+    wt = torch.from_numpy(np.asarray(w, np.float64)).movedim(-1, 1).contiguous()
+    return from_t(F.conv2d(up, wt, None if b is None else torch.from_numpy(np.asarray(b, np.float64)), padding=1))
+
+
+@pytest.mark.parametrize("shape,cout", [((2, 7, 10, 13), 11), ((1, 5, 3, 40), 33)])
+def test_upsample_conv2d_matches_torch(be, shape, cout):
+    rng, seed = fresh_rng()
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((cout, 3, 3, shape[-1])).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    assert rel_l2(be.upsample_conv2d(x, w, b), ref_upsample_conv(x, w, b)) < TOL, f"seed {seed}"
+    with pytest.raises(ValueError, match="weight must be"):
+        be.upsample_conv2d(x, w[:, :2], b)
+    with pytest.raises(ValueError, match="bias must"):
+        be.upsample_conv2d(x, w, b[:-1])
+
+
+def test_upsample_conv_as_transpose_is_the_same_function(be):
+    """The weight derivation the CUDA backend runs on the device (spec.upsample_conv_as_transpose,
+    here with NumPy as its array module): the stride-2 transposed conv with the derived 4x4
+    weight equals nearest 2x + the 3x3 conv."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((2, 9, 6, 21)).astype(np.float32)
+    w = rng.standard_normal((17, 3, 3, 21)).astype(np.float32)
+    b = rng.standard_normal(17).astype(np.float32)
+    w4 = upsample_conv_as_transpose(np, w.astype(np.float64))
+    assert w4.shape == (17, 4, 4, 21)
+    ours = be.conv_transpose2d(x, w4, b, stride=2, padding=1)
+    assert rel_l2(ours, ref_upsample_conv(x, w, b)) < TOL, f"seed {seed}"
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_tiled_unfold_equals_untiled(transpose):
     rng, seed = fresh_rng()
@@ -136,9 +190,10 @@ def test_tiled_unfold_equals_untiled(transpose):
     small = get_backend("numpy", unfold_limit_bytes=4096)
     x = rng.standard_normal((2, 21, 19, 5)).astype(np.float32)
     if transpose:
+        # padding 2: kernel 4, stride 2, padding 1 would run on subpixel_gemm
         w = rng.standard_normal((4, 4, 4, 5)).astype(np.float32)
-        run = lambda b: b.conv_transpose2d(x, w, stride=2, padding=1)
-        ref = ref_conv_transpose(x, w, None, (2, 2), (1, 1), (0, 0), (1, 1), 1)
+        run = lambda b: b.conv_transpose2d(x, w, stride=2, padding=2)
+        ref = ref_conv_transpose(x, w, None, (2, 2), (2, 2), (0, 0), (1, 1), 1)
     else:
         w = rng.standard_normal((6, 3, 3, 5)).astype(np.float32)
         run = lambda b: b.conv2d(x, w, padding=((1, 0), (2, 1)), stride=(1, 2))

@@ -79,6 +79,8 @@ def ref_activation(t, activation):
 # Transposed-conv grid shared by every backend's op tests.
 # (nd, N, spatial, C_in, C_out, kernel, stride, padding, output_padding, dilation, groups)
 CONV_T_CASES = [
+    # k4 s2 p1 (the sub-pixel paths): odd channels, non-square, batch 2
+    (2, 2, (7, 10), 13, 11, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1),
     (2, 2, (7, 9), 5, 3, (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 1),
     (2, 1, (6, 5), 4, 6, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 2),
     (2, 2, (5, 7), 6, 9, (3, 2), (3, 1), (0, 1), (2, 0), (1, 2), 3),

@@ -1,11 +1,11 @@
 """The CUDA backend's non-conv kernels (CuPy RawModule, compiled once per storage dtype):
-conv epilogue (bias, activation, residual), activations, GroupNorm (+activation) in three
-launches, channels-last LayerNorm (+activation), row softmax, and float32 casts.
+conv epilogue (bias, activation, residual), activations, GroupNorm (+activation) in two
+passes, channels-last LayerNorm and RMS norm (+activation), row softmax, and float32 casts.
 
 Storage types: float32 is `float`; float16 and bfloat16 are both `unsigned short` bit
 patterns converted to float in registers (bfloat16 has no CuPy dtype, so bf16 arrays live
 as uint16; this also keeps the kernels free of cuda_fp16.h / cuda_bf16.h includes, which
-NVRTC may not find). All arithmetic is float32; GroupNorm statistics accumulate in float64.
+NVRTC may not find). All arithmetic is float32; GroupNorm statistics are combined in float64.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 ACT_CODES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 BLOCK = 256
+DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
 
 _SOURCE = r"""
 #if DT == 0
@@ -96,79 +97,158 @@ extern "C" __global__ void from_f32(const float* x, T* y, long long n) {
          i += (long long)gridDim.x * blockDim.x) y[i] = st(x[i]);
 }
 
-// GroupNorm pass 1: per (batch item, chunk of spatial rows) per-channel sum and sum of squares.
-// Threads cover channels (coalesced, channels-last) and, when C < blockDim, several rows.
-extern "C" __global__ void gn_partial(const T* x, double* psum, double* psq, long long S, int C,
-                                      long long rows_per_chunk, int nchunks) {
-    __shared__ double sh_s[256];
-    __shared__ double sh_q[256];
-    int n = blockIdx.y, chunk = blockIdx.x;
-    long long s0 = (long long)chunk * rows_per_chunk;
-    long long s1 = s0 + rows_per_chunk; if (s1 > S) s1 = S;
-    int cpb = C < (int)blockDim.x ? C : (int)blockDim.x;
-    int rpar = blockDim.x / cpb;
-    int tc = threadIdx.x % cpb, tr = threadIdx.x / cpb;
-    for (int cbase = 0; cbase < C; cbase += cpb) {
-        int c = cbase + tc;
-        double s = 0.0, q = 0.0;
-        if (tr < rpar && c < C) {
+// ---- GroupNorm over channels-last x (N, S, C) in two passes, fp32 in registers, statistics in
+// fp64. A block covers one chunk of rows of one batch item; its threads own fixed columns of
+// VEC channels (one 16-byte load each when vec != 0, i.e. C % VEC == 0; one channel otherwise)
+// and walk the chunk's rows, several rows side by side when a row has fewer columns than threads.
+#define VEC (16 / (int)sizeof(T))
+
+__device__ __forceinline__ void load_vec(const T* p, float* f) {
+    union { uint4 u; T t[VEC]; } v;
+    v.u = *reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) f[j] = ld(v.t[j]);
+}
+
+__device__ __forceinline__ void store_vec(T* p, const float* f) {
+    union { uint4 u; T t[VEC]; } v;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v.t[j] = st(f[j]);
+    *reinterpret_cast<uint4*>(p) = v.u;
+}
+
+// The chunk of rows (s0..s1) of the block and the column tc / row offset tr of the thread, as
+// both GroupNorm passes map them: cpb threads side by side cover up to a row's `cols` columns
+// of V channels, rpar rows are walked side by side.
+struct GnTile { long long s0, s1; int V, cols, Cg, cpb, rpar, tc, tr; };
+__device__ __forceinline__ GnTile gn_tile(long long S, int C, int G, long long rows_per_chunk, int vec) {
+    GnTile t;
+    t.s0 = (long long)blockIdx.x * rows_per_chunk;
+    t.s1 = t.s0 + rows_per_chunk; if (t.s1 > S) t.s1 = S;
+    t.V = vec ? VEC : 1;
+    t.cols = C / t.V; t.Cg = C / G;
+    t.cpb = t.cols < (int)blockDim.x ? t.cols : (int)blockDim.x;
+    t.rpar = blockDim.x / t.cpb;
+    t.tc = threadIdx.x % t.cpb; t.tr = threadIdx.x / t.cpb;
+    return t;
+}
+
+// pass 1: per-group sum and sum of squares of one chunk, added into acc (N, G, 2), which the
+// caller zeroes. Dynamic shared memory: 2 * G doubles.
+extern "C" __global__ void gn_stats(const T* x, double* acc, long long S, int C, int G,
+                                    long long rows_per_chunk, int vec) {
+    extern __shared__ double shg[];
+    int n = blockIdx.y;
+    for (int i = threadIdx.x; i < 2 * G; i += blockDim.x) shg[i] = 0.0;
+    __syncthreads();
+    GnTile t = gn_tile(S, C, G, rows_per_chunk, vec);
+    long long s0 = t.s0, s1 = t.s1;
+    int V = t.V, cols = t.cols, Cg = t.Cg, cpb = t.cpb, rpar = t.rpar, tc = t.tc, tr = t.tr;
+    const T* item = x + (long long)n * S * C;
+    if (tr < rpar) {
+        for (int col = tc; col < cols; col += cpb) {
+            float s[VEC], q[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { s[j] = 0.0f; q[j] = 0.0f; }
             for (long long r = s0 + tr; r < s1; r += rpar) {
-                double v = (double)ld(x[((long long)n * S + r) * C + c]);
-                s += v; q += v * v;
+                const T* p = item + r * C + (long long)col * V;
+                if (vec) {
+                    float f[VEC];
+                    load_vec(p, f);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) { s[j] += f[j]; q[j] += f[j] * f[j]; }
+                } else {
+                    float f = ld(*p);
+                    s[0] += f; q[0] += f * f;
+                }
+            }
+            // fold the column's channels into their groups (a column may span several groups)
+            int c0 = col * V;
+            int g = c0 / Cg;
+            double gs = 0.0, gq = 0.0;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                if (j < V) {
+                    int gj = (c0 + j) / Cg;
+                    if (gj != g) {
+                        atomicAdd(&shg[2 * g], gs); atomicAdd(&shg[2 * g + 1], gq);
+                        g = gj; gs = 0.0; gq = 0.0;
+                    }
+                    gs += (double)s[j]; gq += (double)q[j];
+                }
+            }
+            atomicAdd(&shg[2 * g], gs); atomicAdd(&shg[2 * g + 1], gq);
+        }
+    }
+    __syncthreads();
+    double* out = acc + (long long)n * 2 * G;
+    for (int i = threadIdx.x; i < 2 * G; i += blockDim.x) atomicAdd(&out[i], shg[i]);
+}
+
+// pass 2: y = act((x - mean) * rstd * w + b) with the statistics of pass 1, as one FMA per
+// element: each thread folds its channels' mean, rstd, weight and bias into scale and shift
+// once. Dynamic shared memory: 2 * G floats (mean, rstd).
+extern "C" __global__ void gn_norm(const T* x, T* y, const double* acc, const T* w, const T* b,
+                                   long long S, int C, int G, long long rows_per_chunk, double count,
+                                   float eps, int has_w, int has_b, int a, int vec) {
+    extern __shared__ float shm[];
+    int n = blockIdx.y;
+    const double* st_n = acc + (long long)n * 2 * G;
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+        double m = st_n[2 * g] / count;
+        double var = st_n[2 * g + 1] / count - m * m;
+        if (var < 0.0) var = 0.0;
+        shm[g] = (float)m;
+        shm[G + g] = (float)(1.0 / sqrt(var + (double)eps));
+    }
+    __syncthreads();
+    GnTile t = gn_tile(S, C, G, rows_per_chunk, vec);
+    long long s0 = t.s0, s1 = t.s1;
+    int V = t.V, cols = t.cols, Cg = t.Cg, cpb = t.cpb, rpar = t.rpar, tc = t.tc, tr = t.tr;
+    if (tr >= rpar) return;
+    const T* xi = x + (long long)n * S * C;
+    T* yi = y + (long long)n * S * C;
+    for (int col = tc; col < cols; col += cpb) {
+        float scale[VEC], shift[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            int c = col * V + (j < V ? j : 0);
+            int g = c / Cg;
+            float wc = has_w ? ld(w[c]) : 1.0f;
+            float bc = has_b ? ld(b[c]) : 0.0f;
+            scale[j] = shm[G + g] * wc;
+            shift[j] = bc - shm[g] * scale[j];
+        }
+        for (long long r = s0 + tr; r < s1; r += rpar) {
+            long long o = r * C + (long long)col * V;
+            if (vec) {
+                float f[VEC];
+                load_vec(xi + o, f);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) f[j] = act(fmaf(f[j], scale[j], shift[j]), a);
+                store_vec(yi + o, f);
+            } else {
+                yi[o] = st(act(fmaf(ld(xi[o]), scale[0], shift[0]), a));
             }
         }
-        sh_s[threadIdx.x] = s; sh_q[threadIdx.x] = q;
-        __syncthreads();
-        if (tr == 0 && c < C) {
-            for (int k = 1; k < rpar; ++k) { s += sh_s[k * cpb + tc]; q += sh_q[k * cpb + tc]; }
-            long long o = ((long long)n * nchunks + chunk) * C + c;
-            psum[o] = s; psq[o] = q;
-        }
-        __syncthreads();
     }
 }
 
-// GroupNorm pass 2: one 256-thread block per (n, g): mean and 1/sqrt(var + eps).
-extern "C" __global__ void gn_finalize(const double* psum, const double* psq, float* mean, float* rstd,
-                                       int N, int G, int Cg, int nchunks, double count, float eps) {
-    __shared__ double sh_s[256];
-    __shared__ double sh_q[256];
-    int i = blockIdx.x;
-    int n = i / G, g = i % G, C = G * Cg;
-    double s = 0.0, q = 0.0;
-    for (int j = threadIdx.x; j < nchunks * Cg; j += blockDim.x) {
-        int k = j / Cg, c = g * Cg + j % Cg;
-        long long o = ((long long)n * nchunks + k) * C + c;
-        s += psum[o]; q += psq[o];
-    }
-    sh_s[threadIdx.x] = s; sh_q[threadIdx.x] = q;
-    __syncthreads();
-    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
-        if ((int)threadIdx.x < h) { sh_s[threadIdx.x] += sh_s[threadIdx.x + h]; sh_q[threadIdx.x] += sh_q[threadIdx.x + h]; }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-        double m = sh_s[0] / count;
-        double var = sh_q[0] / count - m * m;
-        if (var < 0.0) var = 0.0;
-        mean[i] = (float)m;
-        rstd[i] = (float)(1.0 / sqrt(var + (double)eps));
-    }
-}
-
-// GroupNorm pass 3: normalise, affine, activation.
-extern "C" __global__ void gn_apply(const T* x, T* y, const float* mean, const float* rstd,
-                                    const T* w, const T* b, long long per_item, int C, int Cg, int G,
-                                    int has_w, int has_b, int a, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        int c = (int)(i % C);
-        long long item = i / per_item;
-        int k = (int)(item * G + c / Cg);
-        float v = (ld(x[i]) - mean[k]) * rstd[k];
+// RMS norm over the last axis (Wan's norm): one warp per row, y = act(x * rsqrt(mean(x^2) + eps) * w).
+extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows, int C, int has_w,
+                                    float eps, int a) {
+    long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + row * C;
+    T* yr = y + row * C;
+    float q = 0.0f;
+    for (int c = lane; c < C; c += 32) { float v = ld(xr[c]); q += v * v; }
+    float r = rsqrtf(warp_sum(q) / C + eps);
+    for (int c = lane; c < C; c += 32) {
+        float v = ld(xr[c]) * r;
         if (has_w) v *= ld(w[c]);
-        if (has_b) v += ld(b[c]);
-        y[i] = st(act(v, a));
+        yr[c] = st(act(v, a));
     }
 }
 
@@ -227,6 +307,68 @@ extern "C" __global__ void dw2d(const T* x, const T* wt, const T* bias, const T*
     }
 }
 
+// Depthwise 2-d conv, stride 1, dilation 1, C a multiple of VEC: each thread computes DW_TW
+// consecutive output columns of one 16-byte vector of channels (consecutive threads: consecutive
+// vectors, coalesced), so each loaded input vector serves up to DW_TW outputs and each weight
+// vector DW_TW of them, where dw2d re-reads both per output element. Fused epilogue as dw2d.
+#define DW_TW 4
+extern "C" __global__ void dw2d_vec(const T* x, const T* wt, const T* bias, const T* res, T* y,
+                                    int H, int W, int C, int OH, int OW, int KH, int KW, int ph, int pw,
+                                    int has_bias, int has_res, int a, long long items) {
+    int CV = C / VEC, OWB = (OW + DW_TW - 1) / DW_TW;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
+         i += (long long)gridDim.x * blockDim.x) {
+        int cv = (int)(i % CV);
+        long long t = i / CV;
+        int owb = (int)(t % OWB); t /= OWB;
+        int oh = (int)(t % OH);
+        long long n = t / OH;
+        int c0 = cv * VEC, ow0 = owb * DW_TW;
+        float acc[DW_TW][VEC];
+#pragma unroll
+        for (int k = 0; k < DW_TW; ++k)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[k][j] = 0.0f;
+        for (int kh = 0; kh < KH; ++kh) {
+            int ih = oh - ph + kh;
+            if (ih < 0 || ih >= H) continue;
+            const T* xrow = x + ((n * H + ih) * (long long)W) * C + c0;
+            for (int kw = 0; kw < KW; ++kw) {
+                float wv[VEC];
+                load_vec(wt + ((long long)kh * KW + kw) * C + c0, wv);
+#pragma unroll
+                for (int k = 0; k < DW_TW; ++k) {
+                    int iw = ow0 + k - pw + kw;
+                    if (iw < 0 || iw >= W) continue;
+                    float xv[VEC];
+                    load_vec(xrow + (long long)iw * C, xv);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[k][j] = fmaf(xv[j], wv[j], acc[k][j]);
+                }
+            }
+        }
+        float bv[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) bv[j] = 0.0f;
+        if (has_bias) load_vec(bias + c0, bv);
+#pragma unroll
+        for (int k = 0; k < DW_TW; ++k) {
+            if (ow0 + k >= OW) break;
+            long long o = ((n * OH + oh) * (long long)OW + ow0 + k) * C + c0;
+            float v[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[j] = act(acc[k][j] + bv[j], a);
+            if (has_res) {
+                float rv[VEC];
+                load_vec(res + o, rv);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[j] += rv[j];
+            }
+            store_vec(y + o, v);
+        }
+    }
+}
+
 // Softmax over rows of length L, of x * scale: one 256-thread block per row.
 extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L, float scale) {
     __shared__ float sh[32];
@@ -248,6 +390,18 @@ extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L,
 
 def _grid(n: int) -> int:
     return max(1, min((n + BLOCK - 1) // BLOCK, 132 * 32))
+
+
+#: blocks per GroupNorm pass to aim for: about 4 per SM of an H100 (132 SMs)
+GN_TARGET_BLOCKS = 4 * 132
+
+
+def gn_chunks(n: int, rows: int) -> tuple[int, int]:
+    """(rows per chunk, chunks per batch item) of the GroupNorm passes: about GN_TARGET_BLOCKS
+    blocks over the batch, never an empty chunk."""
+    want = max(1, min(rows, -(-GN_TARGET_BLOCKS // n)))
+    per_chunk = -(-rows // want)
+    return per_chunk, -(-rows // per_chunk)
 
 
 class Kernels:
@@ -300,30 +454,36 @@ class Kernels:
         return y
 
     def group_norm(self, x, groups, weight, bias, eps, activation):
+        """Two launches (and a memset of the (N, G, 2) fp64 accumulator): statistics, then the
+        normalisation with the finalize folded in. 16-byte loads where C is a multiple of the
+        vector width (always for the hosted models); chunks of rows sized so that ~4 blocks per
+        SM of the H100 run in each pass."""
         cp = self.cp
         n, c = x.shape[0], x.shape[-1]
         s = x.size // (n * c)
-        # enough chunks to fill the GPU (>= ~4 blocks per SM), each at least 16 rows
-        nchunks = max(1, min(s // 16 if s >= 16 else 1, max(1, 1024 // n)))
-        rows_per_chunk = (s + nchunks - 1) // nchunks
-        nchunks = (s + rows_per_chunk - 1) // rows_per_chunk
-        psum = cp.empty((n, nchunks, c), dtype=cp.float64)
-        psq = cp.empty((n, nchunks, c), dtype=cp.float64)
-        self.fn("gn_partial")((nchunks, n), (BLOCK,), (
-            x, psum, psq, np.int64(s), np.int32(c), np.int64(rows_per_chunk), np.int32(nchunks)))
-        mean = cp.empty((n * groups,), dtype=cp.float32)
-        rstd = cp.empty((n * groups,), dtype=cp.float32)
-        cg = c // groups
-        self.fn("gn_finalize")((n * groups,), (BLOCK,), (
-            psum, psq, mean, rstd, np.int32(n), np.int32(groups), np.int32(cg), np.int32(nchunks),
-            np.float64(s * cg), np.float32(eps)))
+        vec = int(c % (16 // x.itemsize) == 0 and x.data.ptr % 16 == 0)
+        rows_per_chunk, nchunks = gn_chunks(n, s)
+        acc = cp.zeros((n, groups, 2), dtype=cp.float64)
+        i64, i32 = np.int64, np.int32
+        self.fn("gn_stats")((nchunks, n), (BLOCK,), (
+            x, acc, i64(s), i32(c), i32(groups), i64(rows_per_chunk), i32(vec)),
+            shared_mem=2 * groups * 8)
         y = cp.empty_like(x)
-        total = x.size
-        self.fn("gn_apply")((_grid(total),), (BLOCK,), (
-            x, y, mean, rstd, weight if weight is not None else x, bias if bias is not None else x,
-            np.int64(s * c), np.int32(c), np.int32(cg), np.int32(groups),
-            np.int32(weight is not None), np.int32(bias is not None), np.int32(ACT_CODES[activation]),
-            np.int64(total)))
+        self.fn("gn_norm")((nchunks, n), (BLOCK,), (
+            x, y, acc, weight if weight is not None else x, bias if bias is not None else x,
+            i64(s), i32(c), i32(groups), i64(rows_per_chunk), np.float64(s * (c // groups)), np.float32(eps),
+            i32(weight is not None), i32(bias is not None), i32(ACT_CODES[activation]), i32(vec)),
+            shared_mem=2 * groups * 4)
+        return y
+
+    def rms_norm(self, x, weight, eps, activation):
+        c = x.shape[-1]
+        rows = x.size // c
+        y = self.cp.empty_like(x)
+        per_block = BLOCK // 32
+        self.fn("rms_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), (
+            x, y, weight if weight is not None else x, np.int64(rows), np.int32(c),
+            np.int32(weight is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
     def layer_norm(self, x, weight, bias, eps, activation):
@@ -344,6 +504,17 @@ class Kernels:
         kh, kw = wt.shape[0], wt.shape[1]
         total = y.size
         i32 = np.int32
+        vec = 16 // x.itemsize
+        operands = [x, wt, y] + [v for v in (bias, residual) if v is not None]
+        if (tuple(stride) == (1, 1) and tuple(dilation) == (1, 1) and c % vec == 0
+                and all(v.data.ptr % 16 == 0 for v in operands)):
+            items = n * out_shape[1] * -(-out_shape[2] // DW_TW) * (c // vec)
+            self.fn("dw2d_vec")((_grid(items),), (BLOCK,), (
+                x, wt, bias if bias is not None else x, residual if residual is not None else x, y,
+                i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),
+                i32(pad_lo[0]), i32(pad_lo[1]), i32(bias is not None), i32(residual is not None),
+                i32(ACT_CODES[activation]), np.int64(items)))
+            return y
         self.fn("dw2d")((_grid(total),), (BLOCK,), (
             x, wt, bias if bias is not None else x, residual if residual is not None else x, y,
             i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),

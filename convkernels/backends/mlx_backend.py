@@ -7,6 +7,8 @@ graph that `to_host`/`synchronize` evaluate.
 Conv paths (name, guard, cost rule, runner); the workaround paths exist for MLX releases that
 predate the upstream fixes, and their guards/cost rules read the installed version:
 - mlx_native: mx.conv_general (transposed convs as flip + input dilation).
+- subpixel: a transposed conv with kernel 4, stride 2, padding 1 as four 2x2 phase convs written
+  into the interleaved output.
 - group_split: grouped conv as one conv per group (MLX has no grouped conv3d).
 - depthwise_tail: depthwise conv2d whose output is not a multiple of 8 (MLX PR 3446): our
   tail-aware Metal kernel where MLX < 0.32.0 still gates its own, else pad-to-8-and-slice.
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..backend import Backend
 from ..paths import ConvPath
-from ..spec import ConvKey, upsample_shapes
+from ..spec import ConvKey, is_subpixel_upsample, upsample_shapes
 from . import mlx_metal
 from . import mlx_paths as mp
 
@@ -165,6 +167,8 @@ class MlxBackend(Backend):
 
         return [
             ConvPath("mlx_native", native_ok, lambda k: float(k.macs()), self._run_native),
+            # native runs a transposed conv on its zero-stuffed input: 4x the multiplies here
+            ConvPath("subpixel", is_subpixel_upsample, lambda k: 0.5 * k.macs(), self._run_subpixel),
             ConvPath("group_split", lambda k: k.spec.groups > 1, split_cost, self._run_group_split),
             ConvPath("depthwise_tail", tail_ok, tail_cost, self._run_depthwise_tail),
             ConvPath("small_kd_2d", mp.small_kd_ok, small_kd_cost, self._run_small_kd),
@@ -217,6 +221,10 @@ class MlxBackend(Backend):
     def _run_native(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
         return self._epilogue(mp.native_conv(x, w, key), bias, residual, activation)
+
+    def _run_subpixel(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        return self._epilogue(mp.subpixel_conv(x, w, key), bias, residual, activation)
 
     def _run_group_split(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)

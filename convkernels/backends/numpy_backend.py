@@ -13,7 +13,7 @@ import numpy as np
 from .. import _cpu
 from ..backend import Backend
 from ..paths import ConvPath
-from ..spec import ConvKey, prod, upsample_shapes
+from ..spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
 from . import numpy_conv as nc
 from .numpy_path_store import PathStore
 
@@ -230,7 +230,10 @@ class NumpyBackend(Backend):
                     and all(v == 1 for v in s.stride) and not any(lo or hi for lo, hi in s.padding))
 
         def fits(k: ConvKey) -> bool:
-            return nc.unfold_bytes(k) <= self.unfold_limit_bytes
+            # not where subpixel_gemm runs: col2im does the same multiplies plus 16 scatter-adds
+            # over the output (1.25-1.5x slower from 32 to 512 channels, one thread), and timing it only
+            # to lose would add tens of seconds to a first SD-VAE 512 decode
+            return nc.unfold_bytes(k) <= self.unfold_limit_bytes and not is_subpixel_upsample(k)
 
         def dense_cost(k: ConvKey) -> float:
             return float(k.macs())
@@ -283,8 +286,12 @@ class NumpyBackend(Backend):
                      self._run_winograd4_3d),
             # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
+            # k4 s2 p1 transposed convs (nearest 2x + 3x3 conv as one conv): four phase convs
+            # written straight into the interleaved output
+            ConvPath("subpixel_gemm", is_subpixel_upsample, lambda k: 0.5 * k.macs(), self._run_subpixel),
             ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
-            ConvPath("tiled_unfold", lambda k: not fits(k), dense_cost, self._run_unfold),
+            ConvPath("tiled_unfold", lambda k: not fits(k) and not is_subpixel_upsample(k), dense_cost,
+                     self._run_unfold),
         ]
 
     def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
@@ -347,8 +354,8 @@ class NumpyBackend(Backend):
         return self._run_winograd_3d(x, w, key, bias, residual, activation, nc.F4X3)
 
     def _winograd_u(self, w: np.ndarray, transform=nc.winograd_weights) -> np.ndarray:
-        """Transformed weights, cached per weight buffer: the transform costs about a third of the
-        conv (26 ms at 512->512) and model weights never change. A view (Wan's first latent frame
+        """Transformed weights (Winograd's, sub-pixel phases'), cached per weight buffer: the
+        transform costs about a third of the conv (26 ms at 512->512) and model weights never change. A view (Wan's first latent frame
         uses only the last time tap, a fresh slice per call) is cached under the array owning its
         memory, keyed by where the view starts and how it walks that memory."""
         owner = w
@@ -369,6 +376,12 @@ class NumpyBackend(Backend):
     def _run_shift(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
         return self._epilogue(nc.conv_shift_gemm(x, w, key, self.unfold_limit_bytes), bias, residual, activation)
+
+    def _run_subpixel(self, x, w, key, bias, residual, activation):
+        x, w = self._operands(x, w)
+        wp = self._winograd_u(w, nc.subpixel_weights) if x.dtype == np.float32 else None
+        out = nc.conv_transpose_subpixel(x, w, key, self.unfold_limit_bytes, wp)
+        return self._epilogue(out, bias, residual, activation)
 
     def _run_unfold(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)

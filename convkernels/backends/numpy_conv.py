@@ -20,6 +20,9 @@ WINOGRAD_TILE_BYTES = 16 << 20
 #: the 3-D Winograd path keeps every frame of one row of tiles side by side; a call whose single
 #: row exceeds this (a long clip in one conv3d) takes the per-tap paths instead
 WINOGRAD_3D_ROW_MAX_BYTES = 64 << 20
+#: unfold tile of conv_transpose_subpixel (bytes): the gemm's result tile, copied into place,
+#: stays cache-resident
+SUBPIXEL_TILE_BYTES = 8 << 20
 
 def pad_spatial(x: np.ndarray, pads) -> np.ndarray:
     if not any(lo or hi for lo, hi in pads):
@@ -210,6 +213,46 @@ def conv_shift_gemm(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int
                     a += t
             out[b, r0:r1] = a.reshape(r1 - r0, *sp[1:], o)[(slice(None), *valid)]
     return out
+
+
+#: the output phases (a, b) of an `is_subpixel_upsample` conv (spec.py says which taps each reads)
+SUBPIXEL_PHASES = tuple(itertools.product((0, 1), (0, 1)))
+
+
+def subpixel_weights(w: np.ndarray) -> np.ndarray:
+    """(O, 4, 4, C) -> (4 phases, 4 taps * C, O): phase (a, b)'s 2x2 kernel, rows ordered
+    (ty, tx, c) as a 2x2 window of the input unfolds."""
+    o, c = w.shape[0], w.shape[-1]
+    mats = [w[:, [3 - a, 1 - a]][:, :, [3 - b, 1 - b]].reshape(o, 4 * c).T for a, b in SUBPIXEL_PHASES]
+    return np.ascontiguousarray(np.stack(mats))
+
+
+def conv_transpose_subpixel(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
+                            wp: np.ndarray | None = None) -> np.ndarray:
+    """An `is_subpixel_upsample` transposed conv as its four 2x2 phase convs over one padded copy
+    of the input, each phase written straight into its interleaved positions of the output (rows 2i + a,
+    columns 2j + b): no zero-stuffing, no col2im scatter-adds, no concatenation. Per phase and
+    tile of rows: unfold the 2x2 windows, one gemm with a 4C-deep reduction, copy the cache-sized
+    result into place. `wp`: subpixel_weights(w) when the caller caches them."""
+    n, h, wd, c = x.shape
+    o = key.out_channels
+    if wp is None:
+        wp = subpixel_weights(w)
+    xp = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    out = np.empty((n, h, 2, wd, 2, o), dtype=x.dtype)
+    rows = _rows_per_tile(wd * 4 * c * x.dtype.itemsize, min(limit_bytes, SUBPIXEL_TILE_BYTES), h)
+    cols = np.empty((rows * wd, 4 * c), dtype=x.dtype)
+    res = np.empty((rows * wd, o), dtype=x.dtype)
+    for p, (a, b) in enumerate(SUBPIXEL_PHASES):
+        win = windows(xp[:, a:a + h + 1, b:b + wd + 1], (h, wd), (2, 2), (1, 1), (1, 1))
+        for i in range(n):
+            for r0 in range(0, h, rows):
+                r1 = min(r0 + rows, h)
+                m = (r1 - r0) * wd
+                cols[:m].reshape(r1 - r0, wd, 2, 2, c)[...] = win[i, r0:r1]
+                np.matmul(cols[:m], wp[p], out=res[:m])
+                out[i, r0:r1, a, :, b] = res[:m].reshape(r1 - r0, wd, o)
+    return out.reshape(key.out_shape)
 
 
 def winograd_weights(w: np.ndarray) -> np.ndarray:

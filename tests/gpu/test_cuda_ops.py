@@ -126,6 +126,8 @@ CONV_T_CASES = [
     (2, 1, (16, 17), 32, 24, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1),
     (3, 1, (3, 5, 4), 4, 5, (3, 3, 3), (1, 2, 2), (1, 1, 1), (0, 1, 1), (1, 1, 1), 1),
     (3, 2, (2, 4, 3), 6, 4, (2, 3, 3), (2, 1, 2), (0, 1, 0), (1, 0, 0), (1, 1, 1), 2),
+    # k4 s2 p1 (what upsample_conv2d runs): odd channels, non-square, batch 2
+    (2, 2, (7, 10), 13, 11, (4, 4), (2, 2), (1, 1), (0, 0), (1, 1), 1),
 ]
 
 
@@ -195,7 +197,9 @@ def test_depthwise_direct_path(dtype):
     be = backend(dtype, fresh=True)
     be.paths.forced = "depthwise_direct"
     extra = (2, 3, (16, 13), 24, 24, (7, 7), (1, 1), ((3, 3), (3, 3)), (1, 1), 24)
-    for case in (CONV_CASES[5], CONV_CASES[6], extra):
+    # dw2d_vec (stride 1, channels a multiple of the vector): width not a multiple of 4 columns
+    vec = (2, 2, (9, 14), 40, 40, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), 40)
+    for case in (CONV_CASES[5], CONV_CASES[6], extra, vec):
         for ep in ("plain", "bias_silu_residual", "bias_gelu"):
             before = scrape()
             err, seed = run_conv_case(be, case, ep)
@@ -208,7 +212,15 @@ def test_depthwise_direct_path(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,groups", [((2, 13, 11, 32), 8), ((1, 5, 9, 7, 12), 4), ((3, 17, 6), 3),
-                                          ((1, 64, 64, 128), 32)])
+                                          ((1, 64, 64, 128), 32),
+                                          # 16-byte vectors spanning two groups (4 channels each)
+                                          ((3, 7, 9, 48), 12),
+                                          # many chunks per item, batch > 1, non-square
+                                          ((2, 96, 75, 64), 32),
+                                          # a row of more 16-byte columns than threads (fp32: 260)
+                                          ((1, 3, 5, 1040), 8),
+                                          # 40 channels: fp16 vectors, fp32 scalar-by-vector mix
+                                          ((2, 11, 13, 40), 5)])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_group_norm(dtype, shape, groups, activation):
     be = backend(dtype)
@@ -221,6 +233,38 @@ def test_group_norm(dtype, shape, groups, activation):
     ref = from_t(ref_activation(F.group_norm(to_t(xh), groups, torch.from_numpy(wh), torch.from_numpy(bh), 1e-6),
                                 activation))
     assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,cout", [((2, 7, 10, 13), 11), ((1, 16, 17, 32), 32)])
+def test_upsample_conv2d(dtype, shape, cout):
+    """nearest 2x + 3x3 conv as one transposed conv (weights derived on the device, once)."""
+    be = backend(dtype)
+    rng, seed = fresh_rng()
+    x, xh = put(be, rng.standard_normal(shape))
+    w, wh = put(be, rng.standard_normal((cout, 3, 3, shape[-1])) / np.sqrt(9 * shape[-1]))
+    b, bh = put(be, rng.standard_normal(cout))
+    for _ in range(2):  # the second call reads the cached transposed weight
+        ours = be.to_host(be.upsample_conv2d(x, w, b))
+        up = F.interpolate(to_t(xh), scale_factor=2, mode="nearest")
+        ref = from_t(F.conv2d(up, torch.from_numpy(wh).movedim(-1, 1).contiguous(), torch.from_numpy(bh), padding=1))
+        assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_rms_norm(dtype, activation):
+    """The one-kernel RMS norm (Wan's norm, eps as tiny as Wan's) vs torch's rms_norm."""
+    be = backend(dtype)
+    rng, seed = fresh_rng()
+    for shape, eps in (((2, 3, 5, 7, 13), 1e-6), ((1, 2, 9, 33, 96), 1e-24 / 96), ((4, 1000), 1e-5)):
+        c = shape[-1]
+        x, xh = put(be, rng.standard_normal(shape) * 2 + 0.5)
+        w, wh = put(be, rng.uniform(0.5, 1.5, c))
+        ours = be.to_host(be.rms_norm(x, w, eps, activation=activation))
+        t = F.rms_norm(torch.from_numpy(xh), (c,), torch.from_numpy(wh), eps)
+        ref = ref_activation(t, activation).numpy()
+        assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed} {shape}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,169 @@
+"""The CUDA backend's GroupNorm and vectorised depthwise kernels (cuda_kernels.py, the source
+CuPy compiles) run on the CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
+thread, a barrier for __syncthreads and locked atomics, launched with the grid the backend's
+wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
+that split a vector, the chunking and the folded finalize against torch.nn.functional, where
+there is no GPU. (fp16/bf16 differ only in the load/store conversions and the vector width;
+tests/gpu/test_cuda_ops.py runs all three on a GPU.)"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
+
+from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, _SOURCE, gn_chunks
+
+HARNESS = r"""
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; };
+static thread_local dim3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+static std::barrier<>* g_bar;
+static std::mutex g_atomic;
+static unsigned char g_smem[48 * 1024];
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline double atomicAdd(double* p, double v) { std::lock_guard<std::mutex> l(g_atomic); double o = *p; *p = o + v; return o; }
+static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }  // unused by the norms
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+
+SOURCE
+
+template <typename K>
+static void launch(dim3 grid, K body) {
+    gridDim = grid;
+    for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+            std::barrier<> bar(blockDim.x);
+            g_bar = &bar;
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < blockDim.x; ++t)
+                ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
+            for (auto& th : ts) th.join();
+        }
+}
+
+extern "C" void run_group_norm(const float* x, float* y, double* acc, const float* w, const float* b,
+                               int N, long long S, int C, int G, long long rows_per_chunk, int nchunks,
+                               double count, float eps, int has_w, int has_b, int a, int vec) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = nchunks; grid.y = N;
+    launch(grid, [=] { gn_stats(x, acc, S, C, G, rows_per_chunk, vec); });
+    launch(grid, [=] { gn_norm(x, y, acc, w, b, S, C, G, rows_per_chunk, count, eps, has_w, has_b, a, vec); });
+}
+
+// grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
+extern "C" void run_dw2d_vec(const float* x, const float* wt, const float* bias, const float* res, float* y,
+                             int H, int W, int C, int OH, int OW, int KH, int KW, int ph, int pw,
+                             int has_bias, int has_res, int a, long long items) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = 2;
+    launch(grid, [=] { dw2d_vec(x, wt, bias, res, y, H, W, C, OH, OW, KH, KW, ph, pw, has_bias, has_res, a, items); });
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the emulation")
+    src = _SOURCE.replace("extern __shared__ double shg[];", "double* shg = (double*)g_smem;")
+    src = src.replace("extern __shared__ float shm[];", "float* shm = (float*)g_smem;")
+    assert "extern __shared__" not in src, "a kernel with dynamic shared memory the harness does not map"
+    code = HARNESS.replace("SOURCE", src).replace("BLOCK_THREADS", str(BLOCK))
+    d = tmp_path_factory.mktemp("cuda_emulation")
+    (d / "k.cpp").write_text("#define DT 0\n" + code)
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(d / "k.cpp"),
+                            "-o", str(d / "k.so")], capture_output=True, text=True)
+    if build.returncode:
+        if "barrier" in build.stderr and "No such file" in build.stderr:
+            pytest.skip("the C++ compiler has no <barrier>")
+        raise AssertionError(build.stderr[-4000:])
+    return ctypes.CDLL(str(d / "k.so"))
+
+
+def group_norm(lib, x, groups, w, b, eps, activation, vec):
+    n, c = x.shape[0], x.shape[-1]
+    s = x.size // (n * c)
+    rows_per_chunk, nchunks = gn_chunks(n, s)
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.full_like(x, np.nan)
+    acc = np.zeros((n, groups, 2), np.float64)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    lib.run_group_norm(p(x), p(y), p(acc), p(w), p(b), ctypes.c_int(n), ctypes.c_longlong(s), ctypes.c_int(c),
+                       ctypes.c_int(groups), ctypes.c_longlong(rows_per_chunk), ctypes.c_int(nchunks),
+                       ctypes.c_double(s * (c // groups)), ctypes.c_float(eps), ctypes.c_int(1), ctypes.c_int(1),
+                       ctypes.c_int(ACT_CODES[activation]), ctypes.c_int(vec))
+    return y, nchunks
+
+
+@pytest.mark.parametrize("shape,groups,vec", [
+    ((2, 5, 7, 12), 3, 1),      # 3 float4 columns per row, 64 rows side by side
+    ((1, 9, 11, 8), 4, 1),      # a float4 spans two groups of 2 channels
+    ((3, 4, 5, 6), 2, 0),       # channels not a multiple of 4: one channel per thread
+    ((1, 130, 1040), 8, 1),     # 260 columns > 256 threads; 130 chunks of one row
+    ((2, 33, 20), 5, 0),        # groups of 4 channels, scalar path, odd rows
+])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_group_norm_kernels_match_torch(lib, shape, groups, vec, activation):
+    rng, seed = fresh_rng()
+    c = shape[-1]
+    x = (rng.standard_normal(shape) * 3 + 1.5).astype(np.float32)
+    w = rng.standard_normal(c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    ours, nchunks = group_norm(lib, x, groups, w, b, 1e-6, activation, vec)
+    ref = from_t(ref_activation(F.group_norm(to_t(x.astype(np.float64)), groups, torch.from_numpy(w.astype(np.float64)),
+                                             torch.from_numpy(b.astype(np.float64)), 1e-6), activation))
+    assert np.isfinite(ours).all(), "an element was never written"
+    assert rel_l2(ours, ref) < 1e-5, f"seed {seed}, {nchunks} chunks"
+
+
+def test_chunks_cover_every_row_once():
+    for n, rows in ((1, 1), (1, 7), (1, 4096), (2, 262144), (128, 3136), (600, 5), (3, 529)):
+        per_chunk, chunks = gn_chunks(n, rows)
+        assert per_chunk >= 1 and per_chunk * chunks >= rows > per_chunk * (chunks - 1), (n, rows)
+
+
+@pytest.mark.parametrize("n,h,w,c,k", [(2, 9, 13, 12, 7), (1, 5, 6, 8, 3), (3, 7, 3, 20, 5)])
+@pytest.mark.parametrize("epilogue", [False, True])
+def test_vectorised_depthwise_matches_torch(lib, n, h, w, c, k, epilogue):
+    """dw2d_vec (stride 1, 'same' padding): widths not a multiple of its 4 columns per thread,
+    narrower than the kernel, batch > 1; bias + SiLU + residual fused."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wd = rng.standard_normal((c, k, k, 1)).astype(np.float32)
+    wt = np.ascontiguousarray(wd.reshape(c, -1).T)  # (KH*KW, C), as the backend's _dw_weights
+    b = rng.standard_normal(c).astype(np.float32)
+    r = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    items = n * h * -(-w // DW_TW) * (c // 4)
+    i32 = ctypes.c_int
+    lib.run_dw2d_vec(p(x), p(wt), p(b), p(r), p(y), i32(h), i32(w), i32(c), i32(h), i32(w), i32(k), i32(k),
+                     i32(k // 2), i32(k // 2), i32(epilogue), i32(epilogue), i32(ACT_CODES["silu" if epilogue else None]),
+                     ctypes.c_longlong(items))
+    pad = ((k // 2, k // 2), (k // 2, k // 2))
+    ref = ref_conv(x, wd, b if epilogue else None, (1, 1), pad, (1, 1), c, r if epilogue else None,
+                   "silu" if epilogue else None)
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
