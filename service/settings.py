@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0)
     #: a connection must deliver each request's complete headers this soon (slowloris guard)
     header_timeout_s: float = Field(10.0, gt=0)
+    #: how long an idle kept-alive connection stays open; well above client pools' idle expiry
+    #: (httpx 5 s, requests/urllib3 none) so the server never closes a connection a client is reusing
+    keep_alive_s: float = Field(75.0, gt=0)
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
