@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
+    #: long side / short side of an image to encode; a thin strip is no picture (and the resize
+    #: to the model's input would stretch one source row over all of it)
+    max_aspect_ratio: float = Field(32.0, ge=1)
     #: video frames per request (after temporal upsampling)
     max_frames: int = Field(256, ge=1)
     api_key: str | None = None
