@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from . import kserve, metrics, problems, remote_vae, routes_v1, streaming
-from .http_protocol import HeaderTimeoutH11Protocol
+from .http_protocol import CloseWhenBodyUnread, HeaderTimeoutH11Protocol
 from .pipeline import Service
 from .settings import Settings
 
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.service = svc
     problems.install(app)
+    app.add_middleware(CloseWhenBodyUnread)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness: the process serves HTTP")
     async def healthz():

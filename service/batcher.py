@@ -83,22 +83,44 @@ class Batcher:
         self._closed = False
         self._stopped = False
         self._running: list[WorkItem] = []
+        #: places held by admitted requests whose inputs are still being read and parsed
+        self._reserved = 0
         self.row_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
         self._thread.start()
 
     # ---- producer side (event loop) ------------------------------------------------------------
+    def reserve(self) -> None:
+        """Hold a queue place for a request about to read its body, so a full queue is answered
+        before the body is read and parsed. The place is used by submit(reserved=True) or given
+        back by release()."""
+        with self._cond:
+            if self._stopped or self._closed:
+                raise Closed()
+            if len(self._pending) + self._reserved >= self.max_queue:
+                raise QueueFull()
+            self._reserved += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._reserved -= 1
+
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
-               continuation: bool = False, solo: bool = False) -> WorkItem:
+               continuation: bool = False, solo: bool = False, reserved: bool = False) -> WorkItem:
         """continuation: a later step of a request admitted earlier (a streamed decode); it is not
-        refused by a full queue or a drain, only by a stopped worker. solo: see WorkItem.solo."""
+        refused by a full queue or a drain, only by a stopped worker. reserved: the request holds
+        a place from reserve(), which this item takes (refused only by a stopped worker).
+        solo: see WorkItem.solo."""
         loop = asyncio.get_running_loop()
         item = WorkItem(model, key, inputs, call, loop, loop.create_future(), solo=solo)
+        admitted = continuation or reserved
         with self._cond:
-            if self._stopped or (self._closed and not continuation):
+            if self._stopped or (self._closed and not admitted):
                 raise Closed()
-            if len(self._pending) >= self.max_queue and not continuation:
+            if len(self._pending) + self._reserved >= self.max_queue and not admitted:
                 raise QueueFull()
+            if reserved:
+                self._reserved -= 1
             self._pending.append(item)
             self._set_depth(model)
             self._cond.notify()

@@ -38,6 +38,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
           max_queue_delay_ms: Optional[float] = typer.Option(None, help="batching window [5]"),
           max_queue: Optional[int] = typer.Option(None, help="queued requests before 429 [64]"),
           request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout [60]"),
+          keep_alive_s: Optional[float] = typer.Option(None, help="idle kept-alive connections close after [75]"),
           api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY'"),
           shutdown_grace_s: Optional[float] = typer.Option(None, help="drain time after SIGTERM [30]"),
           warmup_sizes: Optional[str] = typer.Option(None, help="image sizes run once before ready, e.g. 512,1024x768"),
@@ -52,7 +53,8 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
 
     _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, max_batch=max_batch,
              max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, request_timeout_s=request_timeout_s,
-             api_key=api_key, shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
+             keep_alive_s=keep_alive_s, api_key=api_key, shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes,
+             log_level=log_level)
     settings = Settings()
     level = settings.log_level.lower()
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -65,7 +67,8 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
         return
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
-                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5)
+                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=settings.keep_alive_s)
     DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
 
 
@@ -85,7 +88,8 @@ def _serve_workers(settings, workers: int, level: str, http) -> None:
         os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="convserve-metrics-")
     try:
         uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port, http=http,
-                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s))
+                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+                    timeout_keep_alive=settings.keep_alive_s)
     finally:
         if own_dir:
             shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)

@@ -147,9 +147,10 @@ def npy_bytes(arr: np.ndarray) -> bytes:
 
 
 # ---- images ----------------------------------------------------------------------------------------
-def open_image(data: bytes, max_pixels: int, what: str = "image") -> np.ndarray:
-    """Decode JPEG/PNG/WebP bytes to uint8 H,W,3. The size is checked from the header before
-    the pixels are decoded, so a decompression bomb costs nothing."""
+def open_image(data: bytes, max_pixels: int, what: str = "image", max_aspect_ratio: float | None = None) -> np.ndarray:
+    """Decode JPEG/PNG/WebP bytes to uint8 H,W,3. The size (and, for images to be resized, the
+    aspect ratio) is checked from the header before the pixels are decoded, so a decompression
+    bomb costs nothing."""
     try:
         img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
@@ -163,6 +164,8 @@ def open_image(data: bytes, max_pixels: int, what: str = "image") -> np.ndarray:
     w, h = img.size
     if w * h > max_pixels:
         raise Problem(413, "image-too-large", f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+    if max_aspect_ratio is not None:
+        check_source_image(h, w, max_pixels, max_aspect_ratio, what)
     if img.format not in ("JPEG", "PNG", "WEBP"):
         raise Problem(415, "undecodable-image", f"{what}: format {img.format} not accepted (JPEG, PNG, WebP)")
     try:
@@ -174,27 +177,58 @@ def open_image(data: bytes, max_pixels: int, what: str = "image") -> np.ndarray:
         raise Problem(422, "undecodable-image", f"{what}: image data is corrupt ({exc.__class__.__name__}: {exc})") from exc
 
 
-def _resize_channels(img: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Bicubic resize of float H,W,C per channel (PIL 'F' mode keeps full precision)."""
-    w, h = size
-    return np.stack([np.asarray(Image.fromarray(np.ascontiguousarray(img[..., c]), mode="F")
-                                .resize((w, h), Image.BICUBIC)) for c in range(img.shape[-1])], axis=-1)
+def check_source_image(height: int, width: int, max_pixels: int, max_aspect_ratio: float, what: str = "image") -> None:
+    """Limits on an image before it is resized to a model's input: its pixels (what it costs to
+    hold) and its aspect ratio (a 1xN strip is no picture; resized to fill the model's input it
+    would be a long thin sliver of a single source row)."""
+    if height * width > max_pixels:
+        raise Problem(413, "image-too-large",
+                      f"{what}: {width}x{height} = {width * height} pixels exceeds the limit of {max_pixels}")
+    ratio = max(height, width) / max(min(height, width), 1)
+    if ratio > max_aspect_ratio:
+        raise Problem(422, "extreme-aspect-ratio",
+                      f"{what}: {width}x{height} has an aspect ratio of {ratio:.4g}, above the limit of "
+                      f"{max_aspect_ratio:g} (CONVSERVE_MAX_ASPECT_RATIO)")
+
+
+def _resize_box(img: np.ndarray, size: int, box: tuple[float, float, float, float]) -> np.ndarray:
+    """Bicubic resize of the source region `box` (left, top, right, bottom; fractional) of uint8 or
+    float H,W,C to size x size x C, float32 in [0,1] (PIL 'F' mode keeps full precision). Only the
+    rows and columns the filter reaches are converted to float, a channel at a time."""
+    h, w = img.shape[:2]
+    left, top, right, bottom = box
+    # bicubic support is 2 source pixels per output pixel, scaled when downsampling; +2 for rounding
+    reach_x, reach_y = 2 * max((right - left) / size, 1.0) + 2, 2 * max((bottom - top) / size, 1.0) + 2
+    x0, x1 = max(0, math.floor(left - reach_x)), min(w, math.ceil(right + reach_x))
+    y0, y1 = max(0, math.floor(top - reach_y)), min(h, math.ceil(bottom + reach_y))
+    region = img[y0:y1, x0:x1]
+    local = (left - x0, top - y0, right - x0, bottom - y0)
+    scale = np.float32(1 / 255.0) if img.dtype == np.uint8 else np.float32(1.0)
+    return np.stack([np.asarray(Image.fromarray(np.ascontiguousarray(region[..., c], dtype=np.float32) * scale,
+                                                mode="F").resize((size, size), Image.BICUBIC, box=local))
+                     for c in range(img.shape[-1])], axis=-1)
 
 
 def preprocess(img: np.ndarray, input_size: int, crop_pct: float = 0.875) -> np.ndarray:
     """uint8 or float [0,1] H,W,3 -> float32 input_size x input_size x 3 in [0,1]: shortest side
     resized to input_size / crop_pct, then a centre crop (the ConvNeXt evaluation transform).
-    Mean/std normalisation is the model's own job."""
-    x = img.astype(np.float32) / 255.0 if img.dtype == np.uint8 else img.astype(np.float32)
-    h, w = x.shape[:2]
-    if (h, w) != (input_size, input_size):
-        short = max(input_size, int(round(input_size / crop_pct)))
-        scale = short / min(h, w)
-        nh, nw = max(input_size, round(h * scale)), max(input_size, round(w * scale))
-        x = _resize_channels(x, (nw, nh))
-        top, left = (nh - input_size) // 2, (nw - input_size) // 2
-        x = x[top:top + input_size, left:left + input_size]
-    return np.clip(x, 0.0, 1.0)
+    Mean/std normalisation is the model's own job.
+
+    The crop is taken before the resize: only the source region under the crop is resampled,
+    straight to input_size x input_size (PIL's filter reads past the region's edges, so the
+    pixels are those of resize-then-crop). Resizing the whole image first would allocate the
+    resized image, which for a 1xN strip is input_size^2 * N pixels, whatever the body size."""
+    h, w = img.shape[:2]
+    if (h, w) == (input_size, input_size):
+        x = img.astype(np.float32) / 255.0 if img.dtype == np.uint8 else img.astype(np.float32)
+        return np.clip(x, 0.0, 1.0)
+    short = max(input_size, int(round(input_size / crop_pct)))
+    scale = short / min(h, w)
+    nh, nw = max(input_size, round(h * scale)), max(input_size, round(w * scale))
+    top, left = (nh - input_size) // 2, (nw - input_size) // 2
+    sy, sx = h / nh, w / nw  # source pixels per resized pixel, as the full resize would use
+    box = (left * sx, top * sy, (left + input_size) * sx, (top + input_size) * sy)
+    return np.clip(_resize_box(img, input_size, box), 0.0, 1.0)
 
 
 def to_uint8(images01: np.ndarray) -> np.ndarray:

@@ -3,9 +3,16 @@
 uvicorn closes idle keep-alive connections, but its keep-alive timer is cancelled by every byte
 received, and nothing times out a request whose headers never finish: a client sending one header
 byte a second holds its connection open forever (slowloris). Here each request's headers must be
-complete within `header_timeout_s` of the connection becoming ready for that request (opened, or
-its previous response sent); a connection that misses the deadline gets a 408 problem+json and is
-closed. Bodies are bounded separately, by the app's request timeout.
+complete within `header_timeout_s` of the request starting: the connection opening for the first
+request, and the first byte of the next request on a kept-alive connection. (Idle time between
+requests belongs to uvicorn's keep-alive timeout, CONVSERVE_KEEP_ALIVE_S: counting it here would
+answer a client that reuses a connection after `header_timeout_s` of idle with an unsolicited 408.)
+A connection that misses the deadline gets a 408 problem+json and is closed.
+
+A response sent while the request body is still arriving (413 by Content-Length, 401, 404, 429)
+closes the connection: uvicorn would otherwise discard the unread body for as long as the client
+keeps trickling it, holding the connection open. Bodies the app reads are bounded by its request
+timeout (service/bodies.py).
 """
 from __future__ import annotations
 
@@ -44,6 +51,11 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self._cancel_header_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is None and self._waiting_for_headers():  # a kept-alive connection's next request began
+            self._arm_header_timer()
+
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
@@ -51,9 +63,17 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self._cancel_header_timer()
 
     def on_response_complete(self) -> None:
-        # armed first: the base class may parse a pipelined request, which cancels it again
-        self._arm_header_timer()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # answered before its body arrived: the rest of the body would be read and dropped
+            # for as long as the client sends it (the app's response says Connection: close)
+            self.transport.close()
         super().on_response_complete()
+        # bytes of the next request that came during this one (not pipelined whole) start its clock
+        if self._header_timer is None and self.conn.trailing_data[0] and self._waiting_for_headers():
+            self._arm_header_timer()
+
+    def _waiting_for_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
@@ -67,9 +87,44 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def _header_timeout(self) -> None:
         self._header_timer = None
-        waiting_for_headers = self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
-        if self.transport.is_closing() or not waiting_for_headers:
+        if self.transport.is_closing() or not self._waiting_for_headers():
             return
         log.debug("closing %s: request headers not complete within %g s", self.client, self.header_timeout_s)
         self.transport.write(_timeout_response(self.header_timeout_s))
         self.transport.close()
+
+
+class CloseWhenBodyUnread:
+    """ASGI middleware: a response that starts before the app has read the whole request body
+    says `Connection: close` (the protocol above then closes once it is sent), so the client
+    knows not to reuse the connection and stops sending the body."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _has_body(scope["headers"]):
+            return await self.app(scope, receive, send)
+        body_read = False
+
+        async def tracking_receive():
+            nonlocal body_read
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read = True
+            return message
+
+        async def closing_send(message):
+            if message["type"] == "http.response.start" and not body_read:
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracking_receive, closing_send)
+
+
+def _has_body(headers) -> bool:
+    for key, value in headers:
+        if key == b"transfer-encoding" or (key == b"content-length" and value.strip() not in (b"0", b"")):
+            return True
+    return False

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from .auth import require_api_key
 from .bodies import read_body
-from .codecs import bf16_to_f32, preprocess
+from .codecs import bf16_to_f32, check_source_image, preprocess
 from .model_host import IMAGE_DECODER, VIDEO_DECODER, HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
@@ -203,6 +203,8 @@ async def infer(name: str, request: Request, version: str | None = None):
                 raise Problem(422, "bad-shape", f"pixels must be N,H,W,3, got {list(px.shape)}")
             size = int(hm.model.input_size)
             if px.shape[1:3] != (size, size) or px.dtype == np.uint8:
+                check_source_image(px.shape[1], px.shape[2], svc.settings.max_pixels, svc.settings.max_aspect_ratio,
+                                   "pixels")
                 px = np.stack([await svc.in_pool(preprocess, im, size) for im in px])
             enc = await svc.encode(name, px, disconnected=request.is_disconnected)
             results = {k: v for k, v in (("embedding", enc["embedding"]), ("logits", enc.get("logits")))

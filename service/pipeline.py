@@ -6,6 +6,7 @@ their wire format into tensors and format the rows that come back."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import threading
@@ -28,6 +29,15 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 
 #: how often a waiting request checks whether its client went away
 DISCONNECT_POLL_S = 0.05
+
+
+class _Reservation:
+    """The queue place a request was admitted with (Service.track), until its first model call."""
+    used = False
+
+
+_RESERVATION: contextvars.ContextVar[_Reservation | None] = contextvars.ContextVar("convserve_reservation",
+                                                                                   default=None)
 
 
 def start_all_workers(pool: ThreadPoolExecutor, workers: int, timeout_s: float = 10.0) -> None:
@@ -129,13 +139,30 @@ class Service:
             raise Problem(404, "unknown-model", f"no model named {name!r}; served: {sorted(self.models)}")
         return hm
 
-    def _admit(self, model: str) -> None:
+    def _admit(self, model: str) -> _Reservation:
+        """Admission before any work: decided from the request line and the queue's state (the
+        queue counts the places of admitted requests still reading their bodies), so a full
+        queue costs a rejected client no body upload, parsing or NaN scan on the server."""
         if self.draining:
             metrics.REJECTED.labels(model, "shutting_down").inc()
             raise Problem(503, "shutting-down", "the server is shutting down",
                           headers={"Retry-After": self.retry_after(), "Connection": "close"})
-        if not self.ready:
+        if not self.ready or self.batcher is None:
             raise Problem(503, "not-ready", "models are still loading", headers={"Retry-After": "2"})
+        try:
+            self.batcher.reserve()
+        except QueueFull:
+            raise self._queue_full(model) from None
+        except Closed:
+            metrics.REJECTED.labels(model, "shutting_down").inc()
+            raise Problem(503, "shutting-down", "the server is shutting down",
+                          headers={"Retry-After": self.retry_after(), "Connection": "close"}) from None
+        return _Reservation()
+
+    def _queue_full(self, model: str) -> Problem:
+        metrics.REJECTED.labels(model, "queue_full").inc()
+        return Problem(429, "queue-full", f"the queue holds {self.settings.max_queue} requests; retry later",
+                       headers={"Retry-After": self.retry_after()})
 
     @asynccontextmanager
     async def track(self, model: str, endpoint: str):
@@ -144,8 +171,10 @@ class Service:
         self.inflight += 1
         metrics.INFLIGHT.labels(model).inc()
         status = 200
+        reservation = None
         try:
-            self._admit(model)
+            reservation = self._admit(model)
+            _RESERVATION.set(reservation)
             yield
         except Problem as p:
             status = p.status
@@ -157,6 +186,10 @@ class Service:
             status = 500
             raise
         finally:
+            if reservation is not None:
+                _RESERVATION.set(None)
+                if not reservation.used:
+                    self.batcher.release()
             self.inflight -= 1
             metrics.INFLIGHT.labels(model).dec()
             metrics.REQUESTS.labels(model, endpoint, str(status)).inc()
@@ -171,12 +204,15 @@ class Service:
                    *, continuation: bool = False, solo: bool = False):
         """continuation/solo: see Batcher.submit (the streaming adapter's later decode steps)."""
         call = faults.with_call_faults(call, self.faults)
+        reservation = _RESERVATION.get()
+        reserved = reservation is not None and not reservation.used and not continuation
         try:
-            item = self.batcher.submit(hm.name, key, inputs, call, continuation=continuation, solo=solo)
+            item = self.batcher.submit(hm.name, key, inputs, call, continuation=continuation, solo=solo,
+                                       reserved=reserved)
+            if reserved:
+                reservation.used = True
         except QueueFull:
-            metrics.REJECTED.labels(hm.name, "queue_full").inc()
-            raise Problem(429, "queue-full", f"the queue holds {self.settings.max_queue} requests; retry later",
-                          headers={"Retry-After": self.retry_after()}) from None
+            raise self._queue_full(hm.name) from None
         except Closed:
             metrics.REJECTED.labels(hm.name, "shutting_down").inc()
             raise Problem(503, "shutting-down", "the server is shutting down",

@@ -307,6 +307,11 @@ def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: st
         rgb = codecs.open_image(body, svc.settings.max_pixels, "image")
         return (rgb.astype(np.float32) / np.float32(255.0))[None], "float32"
     x = read_wire_tensor(body, shape, dtype)
+    # the pixel limit before the float copy, which is 4x the body for uint8 pixels
+    if x.ndim >= 3:
+        h, w = x.shape[-3:-1] if x.dtype == np.uint8 else x.shape[-2:]
+        if h * w > svc.settings.max_pixels:
+            raise Problem(413, "image-too-large", f"{w}x{h} pixels exceed the limit of {svc.settings.max_pixels}")
     if x.dtype == np.uint8:
         x = x[None] if x.ndim == 3 else x
         if x.ndim != 4 or x.shape[-1] != 3:

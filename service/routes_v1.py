@@ -128,9 +128,9 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
                          crop_pct: float = 0.875) -> np.ndarray:
     """Images (or pixel arrays) from the body -> float32 N,S,S,3 in [0,1] at the model's size."""
     mt = codecs.media_type(request.headers.get("content-type"))
-    max_px, max_n = svc.settings.max_pixels, svc.settings.max_batch
+    max_px, max_n, max_ar = svc.settings.max_pixels, svc.settings.max_batch, svc.settings.max_aspect_ratio
     if mt.startswith("image/"):
-        images = [await svc.in_pool(codecs.open_image, body, max_px, "image")]
+        images = [await svc.in_pool(codecs.open_image, body, max_px, "image", max_ar)]
     elif mt == "multipart/form-data":
         form = await request.form(max_files=max_n + 1)
         parts = [v for _, v in form.multi_items() if hasattr(v, "read")]
@@ -141,7 +141,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         images = []
         for i, part in enumerate(parts):
             data = await part.read()
-            images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}"))
+            images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}", max_ar))
     else:
         arr, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "pixels")
         if arr.ndim == 3:
@@ -152,8 +152,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
             raise Problem(415, "unsupported-dtype", f"pixels dtype {arr.dtype}: send uint8 or float in [0,1]")
         if arr.shape[0] > max_n:
             raise Problem(422, "batch-too-large", f"{arr.shape[0]} images in one request; the limit is {max_n}")
-        if arr.shape[1] * arr.shape[2] > max_px:
-            raise Problem(413, "image-too-large", f"{arr.shape[2]}x{arr.shape[1]} pixels exceed the limit of {max_px}")
+        codecs.check_source_image(arr.shape[1], arr.shape[2], max_px, max_ar, "pixels")
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
         images = list(arr)

@@ -86,9 +86,15 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0)
     #: a connection must deliver each request's complete headers this soon (slowloris guard)
     header_timeout_s: float = Field(10.0, gt=0)
+    #: how long an idle kept-alive connection stays open; well above client pools' idle expiry
+    #: (httpx 5 s, requests/urllib3 none) so the server never closes a connection a client is reusing
+    keep_alive_s: float = Field(75.0, gt=0)
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
+    #: long side / short side of an image to encode; a thin strip is no picture (and the resize
+    #: to the model's input would stretch one source row over all of it)
+    max_aspect_ratio: float = Field(32.0, ge=1)
     #: video frames per request (after temporal upsampling)
     max_frames: int = Field(256, ge=1)
     api_key: str | None = None

@@ -1,7 +1,8 @@
 """`convserve serve --workers 2`: two uvicorn worker processes behind one socket. /metrics, whichever
 worker answers the scrape, reports the whole server (prometheus_client multiprocess mode in a
 directory the CLI makes and removes); the header timeout holds in every worker; SIGTERM stops both
-workers and the parent exits 0."""
+workers and the parent exits 0; kept-alive connections reused after idling past the header
+timeout and httpx's 5 s pool expiry are served (the keep-alive setting reaches the workers)."""
 from __future__ import annotations
 
 import socket
@@ -69,10 +70,30 @@ def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path):
                     reply += chunk
                 return reply, time.monotonic() - t0
 
+        def reuse_after(idle_s: float) -> bytes:
+            def response(sock) -> bytes:
+                data = b""
+                while not data.endswith(b'{"status":"ok"}') and (chunk := sock.recv(65536)):
+                    data += chunk
+                return data
+
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+                get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+                sock.sendall(get)
+                first = response(sock)
+                assert first.startswith(b"HTTP/1.1 200"), first[:200]
+                time.sleep(idle_s)
+                sock.sendall(get)
+                return response(sock)
+
         with ThreadPoolExecutor(6) as pool:  # several connections: both workers get some
+            reused = [pool.submit(reuse_after, idle) for idle in (HEADER_TIMEOUT_S + 0.5, 5.5, 5.5)]
             for reply, secs in pool.map(unfinished_headers, range(6)):
                 assert reply.startswith(b"HTTP/1.1 408") and b"header-timeout" in reply, reply[:200]
                 assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 3, secs
+            for f in reused:
+                reply = f.result()
+                assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
     finally:
         code = srv.stop(timeout=30)
     assert code == 0, srv.log()
