@@ -27,9 +27,12 @@ router = APIRouter(prefix="/v2", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["triton-extensions"])
 
 
-def _check_version(name: str, version: str | None) -> None:
+def _versioned_model(request: Request, name: str, version: str | None) -> tuple[Service, HostedModel]:
+    svc = service(request)
+    hm = svc.model(name)
     if version is not None and version != VERSION:
         raise Problem(404, "unknown-model-version", f"{name} has only version {VERSION}, not {version!r}")
+    return svc, hm
 
 
 def _without_batch_axis(shape: list[int]) -> list[int]:
@@ -79,18 +82,14 @@ async def all_model_stats(request: Request):
 @router.get("/models/{name}/stats", summary="Triton statistics extension: one model", responses=ERRORS)
 @router.get("/models/{name}/versions/{version}/stats", include_in_schema=False)
 async def model_stats(name: str, request: Request, version: str | None = None):
-    svc = service(request)
-    hm = svc.model(name)
-    _check_version(name, version)
+    svc, hm = _versioned_model(request, name, version)
     return {"model_stats": [svc.stats.snapshot(hm.name, VERSION)]}
 
 
 @router.get("/models/{name}/config", summary="Triton model configuration extension", responses=ERRORS)
 @router.get("/models/{name}/versions/{version}/config", include_in_schema=False)
 async def config(name: str, request: Request, version: str | None = None):
-    svc = service(request)
-    hm = svc.model(name)
-    _check_version(name, version)
+    svc, hm = _versioned_model(request, name, version)
     return model_config(svc, hm)
 
 
