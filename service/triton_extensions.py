@@ -5,7 +5,7 @@
   derived from the KServe metadata (`kserve.model_metadata_doc`) and the batcher settings;
 - statistics: `GET /v2/models/stats`, `GET /v2/models/{name}/stats` (`service.model_stats`);
 - model repository, read side: `POST /v2/repository/index`. Models are fixed at start-up
-  (CONVSERVE_MODELS), so load and unload answer 501.
+  (CONVSERVE_MODELS), so load and unload answer 405.
 
 The router must be included before kserve's: `/v2/models/stats` would otherwise match
 `/v2/models/{name}`."""
@@ -139,10 +139,12 @@ async def repository_index(request: Request):
 
 
 @router.post("/repository/models/{name}/load", summary="Triton model repository extension: load (not offered)",
-             responses={501: PROBLEM_SCHEMA}, status_code=501)
+             responses={405: PROBLEM_SCHEMA}, status_code=405)
 @router.post("/repository/models/{name}/unload", include_in_schema=False)
 async def repository_load(name: str, request: Request):
+    # 405 with an empty Allow (RFC 9110: the resource allows no method), not 501: the refusal is a
+    # property of this deployment, not a server fault, and the service answers no 5xx to a request
     action = request.url.path.rsplit("/", 1)[-1]
-    raise Problem(501, "repository-changes-unsupported",
+    raise Problem(405, "repository-changes-unsupported",
                   f"cannot {action} {name!r}: convserve serves the models named by CONVSERVE_MODELS at "
-                  "start-up; restart with a different CONVSERVE_MODELS to change them")
+                  "start-up; restart with a different CONVSERVE_MODELS to change them", headers={"Allow": ""})
