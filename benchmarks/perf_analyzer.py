@@ -31,8 +31,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "loadtests")]
 
 from machine import describe_machine  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+from service.batcher import batch_sizes  # noqa: E402
 
 ENCODER, DECODER = "tiny-convnext", "tiny-vae"
+MAX_BATCH = 8  # the service default
 
 
 def perf_analyzer_version(cmd: list[str]) -> str:
@@ -42,10 +44,27 @@ def perf_analyzer_version(cmd: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"cannot run perf_analyzer ({' '.join(cmd)}): {exc}") from exc
     out = (run.stdout + run.stderr).strip()
-    if "Perf Analyzer" not in out:
+    found = [line for line in out.splitlines() if "Perf Analyzer" in line]
+    if not found:
         raise SystemExit(f"{' '.join(cmd)} is not a working perf_analyzer:\n{out}\n"
                          "(README 'Triton tools' says how to run the 2.60 wheel where glibc is older than 2.38)")
-    return out.splitlines()[0]
+    return found[0]
+
+
+def warm_batch_sizes(url: str, model: str, tensor: str, row_shape: list[int], max_batch: int) -> None:
+    """One request per batch size the batcher runs: the first call of a new shape pays for the
+    CPU backend's path choice (seconds), which would otherwise land in a measurement window."""
+    import numpy as np
+    import tritonclient.http as tc
+
+    client = tc.InferenceServerClient(url.removeprefix("http://"), network_timeout=600)
+    try:
+        for rows in batch_sizes(max_batch):
+            x = tc.InferInput(tensor, [rows, *row_shape], "FP32")
+            x.set_data_from_numpy(np.zeros((rows, *row_shape), np.float32))
+            client.infer(model, [x])
+    finally:
+        client.close()
 
 
 def run_perf_analyzer(cmd: list[str], url: str, model: str, shape: str, batch: int, concurrency: int,
@@ -117,17 +136,19 @@ def main(argv=None) -> int:
     cmd = [args.perf_analyzer]
     version = perf_analyzer_version(cmd)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    targets = [("encode", ENCODER, f"pixels:{args.image_side},{args.image_side},3"),
-               ("decode", DECODER, f"latents:4,{args.latent_side},{args.latent_side}")]
+    targets = [("encode", ENCODER, "pixels", [args.image_side, args.image_side, 3]),
+               ("decode", DECODER, "latents", [4, args.latent_side, args.latent_side])]
 
     print(f"machine: {describe_machine()}")
     print(f"peer tool: {version}; server: convserve serve, numpy backend, {ENCODER} {args.image_side}px, "
           f"{DECODER} {args.latent_side}x{args.latent_side} latents, batch {args.batch}")
-    server = ServerProcess(models=f"{DECODER},{ENCODER}", backend="numpy")
+    server = ServerProcess(models=f"{DECODER},{ENCODER}", backend="numpy", max_batch=MAX_BATCH)
     out_dir = Path(tempfile.mkdtemp(prefix="convserve-perf-analyzer-"))
     rows = []
     try:
-        for scenario, model, shape in targets:
+        for scenario, model, tensor, row_shape in targets:
+            warm_batch_sizes(server.url, model, tensor, row_shape, MAX_BATCH)
+            shape = f"{tensor}:{','.join(map(str, row_shape))}"
             before = server_counts(server.url, model)
             for c in levels:
                 r = run_perf_analyzer(cmd, server.url, model, shape, args.batch, c, args.interval_ms,
