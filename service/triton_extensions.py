@@ -1,5 +1,5 @@
 """Triton's HTTP protocol extensions beyond KServe v2 inference, so Triton's own tools
-(perf_analyzer, tritonclient, model analyzers) work against convserve unchanged:
+(perf_analyzer, tritonclient) work against convserve unchanged:
 
 - model configuration: `GET /v2/models/{name}/config`, the model's config in Triton's JSON form,
   derived from the KServe metadata (`kserve.model_metadata_doc`) and the batcher settings;
