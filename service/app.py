@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import kserve, metrics, problems, remote_vae, routes_v1, streaming
+from . import kserve, metrics, problems, remote_vae, routes_v1, streaming, triton_extensions
 from .http_protocol import CloseWhenBodyUnread, HeaderTimeoutH11Protocol
 from .pipeline import Service
 from .settings import Settings
@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_v1.router)
     app.include_router(streaming.router)
     app.include_router(kserve.health)
+    app.include_router(triton_extensions.router)  # before kserve's: /v2/models/stats is not a model name
     app.include_router(kserve.router)
     app.include_router(remote_vae.router)
     return app

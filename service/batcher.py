@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import metrics
+from .model_stats import BatchTimes, ModelStats, ns
 
 log = logging.getLogger("convserve.batcher")
 
@@ -71,13 +72,20 @@ def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None 
         fut.set_result(result)
 
 
+def batch_sizes(max_batch: int) -> list[int]:
+    """Every batch size Batcher._bucket runs: the powers of two below max_batch, and max_batch."""
+    return [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
+
+
 class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
-                 after_batch: Callable[[], None] | None = None, name: str = "device0"):
+                 after_batch: Callable[[], None] | None = None, name: str = "device0",
+                 stats: ModelStats | None = None):
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
         self.max_queue = max_queue
         self.after_batch = after_batch
+        self.stats = stats
         self._pending: deque[WorkItem] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -220,12 +228,15 @@ class Batcher:
     def _run(self, batch: list[WorkItem]) -> None:
         model = batch[0].model
         now = time.perf_counter()
-        for it in batch:
-            metrics.QUEUE_WAIT_SECONDS.labels(model).observe(now - it.enqueued)
+        waits = [now - it.enqueued for it in batch]
+        for wait in waits:
+            metrics.QUEUE_WAIT_SECONDS.labels(model).observe(wait)
         inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
+        stacked = time.perf_counter()
         metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
         try:
             out = batch[0].call(inputs)
+            called = time.perf_counter()
         except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch
             # the id ties a client's 500 to this log line (and its traceback)
             error_id = uuid.uuid4().hex[:16]
@@ -246,8 +257,14 @@ class Batcher:
         # per-row cost, smoothed: Retry-After hints are the queued rows times this
         per_row = (time.perf_counter() - now) / max(int(inputs.shape[0]), 1)
         self.row_seconds = per_row if self.row_seconds == 0.0 else 0.8 * self.row_seconds + 0.2 * per_row
-        start = 0
+        split = time.perf_counter()
+        parts, start = [], 0
         for it in batch:
-            part = _rows_of(out, start, start + it.rows)
+            parts.append(_rows_of(out, start, start + it.rows))
             start += it.rows
+        if self.stats is not None:  # before the results go out, so a client that got one sees it counted
+            self.stats.batch_done(model, BatchTimes(int(inputs.shape[0]), tuple(ns(w) for w in waits),
+                                                    ns(stacked - now), ns(called - stacked),
+                                                    ns(time.perf_counter() - split)))
+        for it, part in zip(batch, parts):
             it.loop.call_soon_threadsafe(_resolve, it.future, part)

@@ -54,10 +54,12 @@ async def server_metadata():
         v = version("convserve")
     except PackageNotFoundError:
         v = "dev"
-    return {"name": "convserve", "version": v, "extensions": ["binary_tensor_data"]}
+    return {"name": "convserve", "version": v,
+            "extensions": ["binary_tensor_data", "model_configuration", "statistics"]}
 
 
-def _metadata(svc: Service, hm: HostedModel) -> dict:
+def model_metadata_doc(svc: Service, hm: HostedModel) -> dict:
+    """The KServe v2 model metadata; the Triton model configuration (triton_extensions) derives from it."""
     inputs, outputs = hm.tensors()
     strip = lambda ts: [{k: t[k] for k in ("name", "datatype", "shape")} for t in ts]  # noqa: E731
     return {"name": hm.name, "versions": [VERSION], "platform": f"convserve_{svc.backend.name}",
@@ -70,7 +72,7 @@ def _metadata(svc: Service, hm: HostedModel) -> dict:
 @router.get("/models/{name}/versions/{version}", include_in_schema=False)
 async def model_metadata(name: str, request: Request, version: str | None = None):
     svc = service(request)
-    return _metadata(svc, svc.model(name))
+    return model_metadata_doc(svc, svc.model(name))
 
 
 @router.get("/models/{name}/ready", summary="KServe v2 model readiness", responses=ERRORS)

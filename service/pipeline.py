@@ -20,6 +20,7 @@ import numpy as np
 from . import faults, metrics
 from .batcher import Batcher, Closed, QueueFull
 from .model_host import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, HostedModel, load_entry, warm_up
+from .model_stats import ModelStats, ns
 from .problems import Problem
 from .settings import Settings
 
@@ -64,6 +65,8 @@ class Service:
         self.load_error: str | None = None
         self.inflight = 0
         self.faults: faults.FaultSettings | None = None
+        #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats)
+        self.stats = ModelStats()
         self._loader: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -98,7 +101,8 @@ class Service:
                 self.models[entry.name] = hm
             self.faults = faults.arm(self.backend)  # after warm-up: injected faults never stop a start
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
-                                   max_queue=s.max_queue, after_batch=self.backend.flush_timings)
+                                   max_queue=s.max_queue, after_batch=self.backend.flush_timings,
+                                   stats=self.stats)
             self.ready = True
             log.info("ready: %s", ", ".join(self.models))
         except Exception as exc:  # the server stays up (live, not ready) and says why
@@ -192,8 +196,10 @@ class Service:
                     self.batcher.release()
             self.inflight -= 1
             metrics.INFLIGHT.labels(model).dec()
+            elapsed = time.perf_counter() - t0
             metrics.REQUESTS.labels(model, endpoint, str(status)).inc()
-            metrics.REQUEST_SECONDS.labels(model, endpoint).observe(time.perf_counter() - t0)
+            metrics.REQUEST_SECONDS.labels(model, endpoint).observe(elapsed)
+            self.stats.request_done(model, status == 200, ns(elapsed))
 
     async def in_pool(self, fn, *args):
         """Codec work (image/video encode, image decode) off the event loop."""
