@@ -99,7 +99,7 @@ class MlxBackend(Backend):
     def to_host(self, x):
         if not isinstance(x, mx.array):
             return np.asarray(x)
-        if x.dtype == mx.bfloat16:  # NumPy has no bfloat16
+        if x.dtype in (mx.bfloat16, mx.float16):  # NumPy has no bfloat16; its float16 cast is slow
             x = x.astype(mx.float32)
         return np.array(x)
 
