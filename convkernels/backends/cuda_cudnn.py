@@ -240,7 +240,11 @@ class CudnnConvBuilder(PlanSerializer):
         return bytes(data)
 
     def loads(self, key: PlanKey, blob: bytes, meta: dict) -> PlanEntry:
+        import cupy as cp
+
         t0 = time.perf_counter()
+        # deserialize runs a warm-up capture on the handle's stream: make it this thread's live one
+        self.cudnn.set_stream(handle=self.handle, stream=cp.cuda.get_current_stream().ptr)
         g = self.cudnn.pygraph(handle=self.handle)
         g.deserialize(self.handle, blob if meta.get("blob") == "bytes" else list(blob))
         uids = {str(r): int(u) for r, u in meta["uids"].items()}

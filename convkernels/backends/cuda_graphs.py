@@ -180,7 +180,18 @@ class GraphedForward:
         cp = self.backend.cp
         self.backend.synchronize()  # the side stream must not overtake work queued for x
         pool = cp.cuda.MemoryPool()
+        caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)
+        try:
+            return self._capture_on(key, x, pool, stream)
+        finally:
+            # the capture stream dies with this call: handles left pointing at it would hand
+            # cuDNN a destroyed stream (its plan deserialisation captures a warm-up on the
+            # handle's stream: "cuda_stream_is_capturing ... context is destroyed" on the H100)
+            self.backend.bind_stream(caller)
+
+    def _capture_on(self, key, x, pool, stream):
+        cp = self.backend.cp
         graph = None
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
