@@ -278,7 +278,8 @@ class Backend(ABC):
         """Nearest 2x upsample of (N, H, W, C), then a 3x3 conv with padding 1 (weight O,3,3,C):
         diffusers' Upsample2D and Wan's Resample. One op so that each backend computes it its
         fastest way: literally (NumPy: the 3x3 conv on the upsampled input runs on Winograd), or
-        as the equivalent stride-2 transposed conv writing its four phases interleaved (CUDA)."""
+        as the equivalent stride-2 transposed conv writing its four phases interleaved (MLX,
+        CUDA; spec.upsample_conv_as_transpose)."""
         if x.ndim != 4:
             raise ValueError(f"upsample_conv2d: input must be N,H,W,C, got shape {tuple(x.shape)}")
         c = x.shape[-1]
