@@ -4,7 +4,7 @@
 # Logs go to $OUT (set by the device tool) or ./out.
 # Switches (environment): SKIP_TESTS=1, SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
-# STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start).
+# STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new shape's first call), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -39,6 +39,10 @@ if [ "${COMPILE:-0}" = 1 ]; then  # the same table with torch.compile beside (ad
 fi
 if [ "${BREAKDOWN:-0}" = 1 ]; then  # where one graphed forward's wall time goes, stage by stage
   timeout ${BREAKDOWN_TIMEOUT:-240} python3 benchmarks/gpu_breakdown.py 2>&1 | tee "$OUT/gpu_breakdown.log" | tail -n 8
+fi
+if [ "${FIRSTCALL:-0}" = 1 ]; then  # where a new shape's first call spends its time (cProfile)
+  timeout ${FIRSTCALL_TIMEOUT:-300} python3 benchmarks/first_call_profile.py 2>&1 | tee "$OUT/first_call.log" \
+    | grep -E "=====|first decode|second decode" | tail -n 12
 fi
 if [ "${STREAM:-0}" = 1 ]; then  # issue #13's GPU row: streamed Wan 2.1 decode, real config
   timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
