@@ -9,6 +9,7 @@ NVRTC may not find). All arithmetic is float32; GroupNorm statistics are combine
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -274,6 +275,59 @@ extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, lon
     }
 }
 
+// LayerNorm over the last axis with the row held in registers: one warp per row, each lane owns
+// up to LN_MAXV 16-byte vectors of channels (C % VEC == 0, C <= 32 * LN_MAXV * VEC, 16-byte
+// aligned rows), so the row is read once instead of three times (ln_rows) and with full-width
+// loads. Same arithmetic as ln_rows: the mean first, then the centred variance, in fp32.
+#define LN_MAXV 4
+extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b, long long rows, int C,
+                                       int has_w, int has_b, float eps, int a) {
+    long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + row * C;
+    T* yr = y + row * C;
+    int nv = C / VEC;
+    float v[LN_MAXV][VEC];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            load_vec(xr + cv * VEC, v[i]);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) s += v[i][j];
+        }
+    }
+    float m = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { float d = v[i][j] - m; q += d * d; }
+        }
+    }
+    float r = rsqrtf(warp_sum(q) / C + eps);
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            float wv[VEC], bv[VEC];
+            if (has_w) load_vec(w + cv * VEC, wv);
+            if (has_b) load_vec(b + cv * VEC, bv);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float o = (v[i][j] - m) * r;
+                if (has_w) o *= wv[j];
+                if (has_b) o += bv[j];
+                v[i][j] = act(o, a);
+            }
+            store_vec(yr + cv * VEC, v[i]);
+        }
+    }
+}
+
 // Depthwise 2-d conv, channels-last, one thread per output element (coalesced over channels),
 // weights pre-transposed to (KH, KW, C); fused epilogue act(conv + bias) + residual.
 extern "C" __global__ void dw2d(const T* x, const T* wt, const T* bias, const T* res, T* y,
@@ -404,6 +458,19 @@ def gn_chunks(n: int, rows: int) -> tuple[int, int]:
     return per_chunk, -(-rows // per_chunk)
 
 
+#: 16-byte vectors of channels one lane of ln_rows_vec holds (the kernel's LN_MAXV)
+LN_MAXV = 4
+
+
+def ln_vectorised(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether ln_rows_vec takes a LayerNorm: whole 16-byte vectors per row, at most LN_MAXV of
+    them per lane, every buffer 16-byte aligned (rows then are too: C * itemsize % 16 == 0)."""
+    vec = 16 // itemsize
+    return (channels % vec == 0 and channels // vec <= 32 * LN_MAXV
+            and os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
+            and all(p % 16 == 0 for p in ptrs))
+
+
 class Kernels:
     """The compiled kernels for one storage dtype ('float32', 'float16', 'bfloat16')."""
 
@@ -491,7 +558,9 @@ class Kernels:
         rows = x.size // c
         y = self.cp.empty_like(x)
         per_block = BLOCK // 32
-        self.fn("ln_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), (
+        operands = [x, y] + [v for v in (weight, bias) if v is not None]
+        name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands]) else "ln_rows"
+        self.fn(name)(((rows + per_block - 1) // per_block,), (BLOCK,), (
             x, y, weight if weight is not None else x, bias if bias is not None else x,
             np.int64(rows), np.int32(c), np.int32(weight is not None), np.int32(bias is not None),
             np.float32(eps), np.int32(ACT_CODES[activation])))

@@ -1,4 +1,4 @@
-"""The CUDA backend's GroupNorm and vectorised depthwise kernels (cuda_kernels.py, the source
+"""The CUDA backend's GroupNorm, LayerNorm and vectorised depthwise kernels (cuda_kernels.py, the source
 CuPy compiles) run on the CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
 thread, a barrier for __syncthreads and locked atomics, launched with the grid the backend's
 wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
@@ -16,13 +16,14 @@ import pytest
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, _SOURCE, gn_chunks
+from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, gn_chunks, ln_vectorised
 
 HARNESS = r"""
 #include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -41,7 +42,18 @@ static unsigned char g_smem[48 * 1024];
 #define __shared__ static
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline double atomicAdd(double* p, double v) { std::lock_guard<std::mutex> l(g_atomic); double o = *p; *p = o + v; return o; }
-static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }  // unused by the norms
+// a warp's shuffle: the 32 threads of a warp meet at their warp's barrier (a warp that returns
+// early, as a LayerNorm warp past the last row does, leaves the others' barriers alone)
+static std::barrier<>* g_warp_bar[32];
+static float g_shfl[1024];
+static inline float __shfl_xor_sync(unsigned, float v, int o) {
+    std::barrier<>* bar = g_warp_bar[threadIdx.x >> 5];
+    g_shfl[threadIdx.x] = v;
+    bar->arrive_and_wait();
+    float r = g_shfl[threadIdx.x ^ o];
+    bar->arrive_and_wait();
+    return r;
+}
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
@@ -56,6 +68,11 @@ static void launch(dim3 grid, K body) {
         for (unsigned bx = 0; bx < grid.x; ++bx) {
             std::barrier<> bar(blockDim.x);
             g_bar = &bar;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (unsigned w = 0; w < blockDim.x / 32; ++w) {
+                warps.emplace_back(new std::barrier<>(32));
+                g_warp_bar[w] = warps.back().get();
+            }
             std::vector<std::thread> ts;
             for (unsigned t = 0; t < blockDim.x; ++t)
                 ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
@@ -70,6 +87,14 @@ extern "C" void run_group_norm(const float* x, float* y, double* acc, const floa
     dim3 grid; grid.x = nchunks; grid.y = N;
     launch(grid, [=] { gn_stats(x, acc, S, C, G, rows_per_chunk, vec); });
     launch(grid, [=] { gn_norm(x, y, acc, w, b, S, C, G, rows_per_chunk, count, eps, has_w, has_b, a, vec); });
+}
+
+extern "C" void run_layer_norm(const float* x, float* y, const float* w, const float* b, long long rows, int C,
+                               float eps, int a, int vec) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
+    if (vec) launch(grid, [=] { ln_rows_vec(x, y, w, b, rows, C, 1, 1, eps, a); });
+    else launch(grid, [=] { ln_rows(x, y, w, b, rows, C, 1, 1, eps, a); });
 }
 
 // grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
@@ -167,3 +192,38 @@ def test_vectorised_depthwise_matches_torch(lib, n, h, w, c, k, epilogue):
                    "silu" if epilogue else None)
     assert np.isfinite(y).all(), "an element was never written"
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows,c", [
+    (13, 12),     # 3 float4 vectors per row; the second block's last warps have no row
+    (7, 260),     # 65 vectors: lane 0 holds three, the others two
+    (9, 4 * 32 * LN_MAXV),  # the widest row the registers hold
+    (1, 4),
+])
+@pytest.mark.parametrize("vec", [1, 0])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation):
+    """ln_rows_vec (row in registers, 16-byte loads) and ln_rows: odd row counts, rows narrower
+    than a warp's vectors, warps without a row; against torch in float64."""
+    rng, seed = fresh_rng()
+    x = (rng.standard_normal((rows, c)) * 2 + 0.7).astype(np.float32)
+    w = rng.standard_normal(c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    lib.run_layer_norm(p(x), p(y), p(w), p(b), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(1e-6),
+                       ctypes.c_int(ACT_CODES[activation]), ctypes.c_int(vec))
+    ref = from_t(ref_activation(F.layer_norm(to_t(x.astype(np.float64)), (c,), torch.from_numpy(w.astype(np.float64)),
+                                             torch.from_numpy(b.astype(np.float64)), 1e-6), activation))
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+def test_layer_norm_vector_path_choice():
+    """ln_rows_vec only where whole 16-byte vectors fit the lanes' registers and every buffer
+    is 16-byte aligned."""
+    assert ln_vectorised(768, 2, [0, 256, 4096])            # ConvNeXt-T's widest stage, fp16
+    assert ln_vectorised(1024, 2, [0, 16])                  # ConvNeXt-B's, fp16
+    assert not ln_vectorised(1024, 4, [0])                  # fp32: 256 vectors > 32 * LN_MAXV
+    assert not ln_vectorised(100, 2, [0])                   # not whole vectors of 8 halves
+    assert not ln_vectorised(96, 2, [0, 8])                 # a buffer off 16 bytes
