@@ -36,6 +36,7 @@ from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose, validate_conv
 from . import cuda_gemm
 from .cuda_blas import Cublas
+from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
 from .cuda_cudnn import CudnnConvBuilder
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
 from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
@@ -247,6 +248,9 @@ class CudaBackend(Backend):
         keep: list = []
         self._tls.calls, self._tls.keep = calls, keep
         keep.append(self.blas.workspace)  # replaced never, but held like the cuDNN workspace
+        lt = getattr(self, "_lt_state", (None,))[0]
+        if lt is not None:
+            keep.append(lt.workspace)
         try:
             yield calls, keep
         finally:
@@ -473,12 +477,55 @@ class CudaBackend(Backend):
     def _linear(self, x, weight, bias, residual, activation):
         dt = self.dtype_of(x)
         lead = tuple(x.shape[:-1])
+        fused = self._linear_fused(x, weight, bias, residual, activation, dt)
+        if fused is not None:
+            return fused.reshape(*lead, weight.shape[0])
         out = self._matmul(self.reshape(x, (-1, x.shape[-1])), self.transpose(self._as(weight, dt), (1, 0)))
         out = self._c(out)
         res = None if residual is None else self._as(residual, dt).reshape(out.shape)
         if bias is not None or res is not None or activation is not None:
             self._k(dt).epilogue(out, self._as(bias, dt), res, activation, out=out)
         return out.reshape(*lead, weight.shape[0])
+
+    def _blas_lt(self):
+        """The cuBLASLt fused-linear handle, made on first use outside a capture (its workspace
+        must not come from a graph's pool); None where fused linears are off or unavailable.
+        CONVSERVE_CUDA_LT_EPILOGUES=0 turns them off (A/B against gemm + epilogue kernel)."""
+        state = getattr(self, "_lt_state", None)
+        if state is None:
+            if self.capturing():
+                raise CaptureMissed("cuBLASLt handle not made yet")
+            lt = None
+            if os.environ.get("CONVSERVE_CUDA_LT_EPILOGUES", "1") not in ("0", "false", "no"):
+                try:
+                    lt = CublasLt(self.cp, allow_tf32=self.allow_tf32)
+                except (OSError, AttributeError, CublasLtError) as exc:  # no library, an old one
+                    log.warning("cuBLASLt unavailable (%s): linear layers run gemm + epilogue kernel", exc)
+            # the tanh GELU for erf-GELU layers in float16 / bfloat16 (cuda_blas_lt.py says why);
+            # CONVSERVE_CUDA_LT_GELU_APPROX=0 keeps those layers on the exact erf epilogue kernel
+            approx = os.environ.get("CONVSERVE_CUDA_LT_GELU_APPROX", "1") not in ("0", "false", "no")
+            state = self._lt_state = (lt, approx)
+        return state
+
+    def _linear_fused(self, x, weight, bias, residual, activation, dt):
+        """act(x @ W^T + bias) + residual as one cuBLASLt call, or None (no such epilogue, mixed
+        dtypes, cuBLASLt off or without an algorithm): the caller runs gemm + epilogue kernel."""
+        if bias is None and residual is None and activation is None:
+            return None  # a plain matmul: cuBLAS already does it in one call
+        lt, approx = self._blas_lt()
+        if lt is None:
+            return None
+        epilogue = lt_epilogue(bias is not None, activation, residual is not None, approx and dt != "float32")
+        if epilogue is None:
+            return None
+        x2 = self._c(self._as(x, dt).reshape(-1, x.shape[-1]))
+        w = self._c(self._as(weight, dt))
+        b = None if bias is None else self._c(self._as(bias, dt))
+        r = None if residual is None else self._c(self._as(residual, dt)).reshape(x2.shape[0], w.shape[0])
+        try:
+            return lt.linear(x2, w, b, r, epilogue, allow_new=not self.capturing())
+        except LookupError as exc:
+            raise CaptureMissed(str(exc)) from exc
 
     # ---- resampling and padding ----------------------------------------------------------------
     def _upsample_nearest(self, x, scale):
