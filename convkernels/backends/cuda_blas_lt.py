@@ -166,6 +166,7 @@ class _Prepared:
     b: ctypes.c_void_p
     c: ctypes.c_void_p
     heuristic: _HeuristicResult
+    proven: bool = False  # ran once: a later failure is an error, not a missing capability
 
 
 class CublasLt:
@@ -187,9 +188,6 @@ class CublasLt:
     def _check(rc: int, what: str) -> None:
         if rc != 0:
             raise CublasLtError(f"{what} failed with cublasStatus {rc}")
-
-    def knows(self, key: LtKey) -> bool:
-        return key in self._prepared
 
     def linear(self, x, w, bias, residual, epilogue: int, allow_new: bool = True):
         """act(x @ w.T + bias) + residual for contiguous x (M, K), w (N, K), bias (N,), residual
@@ -229,6 +227,14 @@ class CublasLt:
                 ctypes.byref(beta), vp(ptrs["c"]), prep.c, vp(ptrs["d"]), prep.c, ctypes.byref(prep.heuristic.algo),
                 vp(self.workspace.data.ptr), ctypes.c_size_t(self.workspace.nbytes),
                 vp(cp.cuda.get_current_stream().ptr))
+            if rc != 0 and not prep.proven:
+                # the heuristic does not see that C and D are distinct buffers (a residual), and
+                # not every algorithm writes out of place: its first (eager) run says so, and
+                # this key takes the unfused path from then on (cuDNN plans are treated alike)
+                log.info("cuBLASLt: algorithm for %s failed its first run (status %s); unfused path", key, rc)
+                self._prepared[key] = None
+                return None
+            prep.proven = True
         self._check(rc, "cublasLtMatmul")
         return out
 
