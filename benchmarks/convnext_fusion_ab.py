@@ -10,6 +10,8 @@ fresh backend and model):
   (cuda_blas_lt.py) instead of cuBLAS + the `epilogue` kernel
 - CONVSERVE_CUDA_LT_GELU_APPROX: cuBLASLt's tanh GELU for ConvNeXt's erf GELU (off: fc1 unfused)
 - CONVSERVE_CUDA_LN_VEC: LayerNorm with the row in registers (ln_rows_vec) instead of ln_rows
+- CONVSERVE_CUDA_DW_LN (off by default): the block's depthwise conv + bias and its LayerNorm as
+  one kernel (dw_ln, a warp per pixel) instead of cuDNN's conv + ln_rows_vec
 
 Run: PYTHONPATH=. python3 benchmarks/convnext_fusion_ab.py [--reps 20] [--batches 1,32,128]
 Writes $OUT/convnext_fusion_ab.json when OUT is set.
@@ -30,9 +32,11 @@ CONFIGS = [  # name, environment
     ("exact GELU (fc1 unfused)", {"CONVSERVE_CUDA_LT_GELU_APPROX": "0"}),
     ("no cuBLASLt epilogues", {"CONVSERVE_CUDA_LT_EPILOGUES": "0"}),
     ("no vectorised LayerNorm", {"CONVSERVE_CUDA_LN_VEC": "0"}),
+    ("+ dw conv + LayerNorm fused", {"CONVSERVE_CUDA_DW_LN": "1"}),
     ("none (main before #20)", {"CONVSERVE_CUDA_LT_EPILOGUES": "0", "CONVSERVE_CUDA_LN_VEC": "0"}),
 ]
-SWITCHES = ("CONVSERVE_CUDA_LT_EPILOGUES", "CONVSERVE_CUDA_LT_GELU_APPROX", "CONVSERVE_CUDA_LN_VEC")
+SWITCHES = ("CONVSERVE_CUDA_LT_EPILOGUES", "CONVSERVE_CUDA_LT_GELU_APPROX", "CONVSERVE_CUDA_LN_VEC",
+            "CONVSERVE_CUDA_DW_LN")
 
 
 def device_ms(fn, reps, cp):
@@ -108,7 +112,7 @@ def main():
             peer[n] = (statistics.median(ts), *kernels(lambda: net(x), tsync))
             print(f"  PyTorch eager ({peer_name}) n{n}: {peer[n][0]:.3f} ms, kernels {peer[n][1]:.3f} ms "
                   f"({peer[n][2]} launches), {n / peer[n][0] * 1e3:.0f} img/s", flush=True)
-    del net
+    net = None  # frees its memory before our runs
     torch.cuda.empty_cache()
 
     rows = []
@@ -129,7 +133,7 @@ def main():
             print(f"{name:28s} n{n:<4d} {ms:8.3f} ms {row['img_s']:8.0f} img/s  ours/PyTorch {row['ratio']:.2f}  "
                   f"kernels {kms:.3f} ms ({launches} launches) ours/PyTorch {row['kernel_ratio']:.2f}"
                   f"{'' if row['graph'] else '  NOT CAPTURED'}", flush=True)
-        del model, be
+        model = be = None
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
     for k in SWITCHES:

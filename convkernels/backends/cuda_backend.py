@@ -40,7 +40,7 @@ from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
 from .cuda_cudnn import CudnnConvBuilder
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
 from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
-from .cuda_kernels import Kernels
+from .cuda_kernels import Kernels, dw_ln_applies
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
 
 log = logging.getLogger("convkernels.cuda")
@@ -464,6 +464,35 @@ class CudaBackend(Backend):
     def _layer_norm(self, x, weight, bias, eps, activation):
         dt = self.dtype_of(x)
         return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation)
+
+    def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
+        """LayerNorm(depthwise 'same' stride-1 conv2d(x, w) + bias) over channels in one kernel
+        (dw_ln: the conv output never goes to memory), or None where it does not apply (the
+        caller runs conv2d then layer_norm). Off unless CONVSERVE_CUDA_DW_LN=1: our depthwise
+        kernel against cuDNN's is a measured choice (benchmarks/convnext_fusion_ab.py)."""
+        if os.environ.get("CONVSERVE_CUDA_DW_LN", "0") not in ("1", "true", "yes"):
+            return None
+        dt = self.dtype_of(x)
+        if dt not in _STORAGE or x.ndim != 4 or w.ndim != 4 or norm_w is None or norm_b is None:
+            return None
+        x, w = self._as(x, dt), self._as(w, dt)
+        nw, nb, b = self._as(norm_w, dt), self._as(norm_b, dt), self._as(bias, dt)
+        kernel = (int(w.shape[1]), int(w.shape[2]))
+        c = int(x.shape[-1])
+        if nw.shape != (c,) or nb.shape != (c,) or (b is not None and b.shape != (c,)):
+            return None
+        ptrs = [v.data.ptr for v in (x, w, nw, nb, b) if v is not None]
+        if not dw_ln_applies(c, x.itemsize, kernel, tuple(w.shape), ptrs):
+            return None
+        wt = self._dw_weights(w)
+        if wt.data.ptr % 16:
+            return None
+        recorded = getattr(self._tls, "calls", None)
+        if recorded is not None:
+            recorded.append(("conv2d", "depthwise_layer_norm"))
+        else:
+            self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
+        return self._k(dt).depthwise_layer_norm(x, wt, b, nw, nb, float(eps), (kernel[0] // 2, kernel[1] // 2))
 
     def _rms_norm(self, x, weight, eps, activation):
         # one kernel: the base class's layer_norm route concatenates [x, -x] (copies) and

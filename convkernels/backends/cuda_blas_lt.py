@@ -17,7 +17,7 @@ call (host state, read at launch). The workspace is this object's own, allocated
 captured graph keeps it alive (CudaBackend.recording_calls).
 
 The pure parts (epilogue choice, layouts from a cuda_blas GemmPlan, cache key) are tested on the
-CPU; the calls themselves in tests/gpu/test_cuda_linear_fused.py.
+CPU; the calls themselves in tests/gpu/test_cuda_convnext_fusions.py.
 """
 from __future__ import annotations
 
@@ -245,14 +245,16 @@ class CublasLt:
         lay = lt_layouts(plan)
         desc = ctypes.c_void_p()
         self._check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), key.compute, CUDA_R_32F), "MatmulDescCreate")
-        for attr, value in ((DESC_TRANSA, ctypes.c_int32(plan.op_first)), (DESC_TRANSB, ctypes.c_int32(plan.op_second)),
-                            (DESC_EPILOGUE, ctypes.c_uint32(key.epilogue)), (DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))):
+        attrs = ((DESC_TRANSA, ctypes.c_int32(plan.op_first)), (DESC_TRANSB, ctypes.c_int32(plan.op_second)),
+                 (DESC_EPILOGUE, ctypes.c_uint32(key.epilogue)), (DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr)))
+        for attr, value in attrs:
             self._check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
                         f"MatmulDescSetAttribute {attr}")
         layouts = []
         for rows, cols, ld in (lay.a, lay.b, lay.c):
             h = ctypes.c_void_p()
-            self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(h), key.dtype, rows, cols, ld), "MatrixLayoutCreate")
+            self._check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(h), key.dtype, rows, cols, ld),
+                        "MatrixLayoutCreate")
             layouts.append(h)
         pref = ctypes.c_void_p()
         self._check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")

@@ -328,6 +328,86 @@ extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b,
     }
 }
 
+// ConvNeXt's depthwise conv (stride 1, 'same' padding) + bias with the LayerNorm over channels
+// that follows it, in one pass: one warp per output pixel holds the pixel's C channels in
+// registers as ln_rows_vec does (same conditions: C % VEC == 0, C <= 32 * LN_MAXV * VEC, 16-byte
+// aligned buffers), so the conv output is never written and read back. Weights (KH, KW, C).
+extern "C" __global__ void dw_ln(const T* x, const T* wt, const T* bias, const T* nw, const T* nb, T* y,
+                                 int H, int W, int C, int KH, int KW, int ph, int pw, int has_bias,
+                                 float eps, long long pixels) {
+    long long pix = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (pix >= pixels) return;
+    int ow = (int)(pix % W);
+    long long t = pix / W;
+    int oh = (int)(t % H);
+    long long n = t / H;
+    int nv = C / VEC;
+    float acc[LN_MAXV][VEC];
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (has_bias && cv < nv) load_vec(bias + cv * VEC, acc[i]);
+        else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[i][j] = 0.0f;
+        }
+    }
+    for (int kh = 0; kh < KH; ++kh) {
+        int ih = oh - ph + kh;
+        if (ih < 0 || ih >= H) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            int iw = ow - pw + kw;
+            if (iw < 0 || iw >= W) continue;
+            const T* xp = x + ((n * H + ih) * (long long)W + iw) * C;
+            const T* wp = wt + ((long long)kh * KW + kw) * C;
+#pragma unroll
+            for (int i = 0; i < LN_MAXV; ++i) {
+                int cv = lane + 32 * i;
+                if (cv < nv) {
+                    float xv[VEC], wv[VEC];
+                    load_vec(xp + cv * VEC, xv);
+                    load_vec(wp + cv * VEC, wv);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[i][j] = fmaf(xv[j], wv[j], acc[i][j]);
+                }
+            }
+        }
+    }
+    // the conv output rounds to the storage type, as the unfused conv's would before the norm
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { acc[i][j] = ld(st(acc[i][j])); s += acc[i][j]; }
+        }
+    }
+    float m = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { float d = acc[i][j] - m; q += d * d; }
+        }
+    }
+    float r = rsqrtf(warp_sum(q) / C + eps);
+    T* yp = y + pix * C;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            float wv[VEC], bv[VEC];
+            load_vec(nw + cv * VEC, wv);
+            load_vec(nb + cv * VEC, bv);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[i][j] = fmaf((acc[i][j] - m) * r, wv[j], bv[j]);
+            store_vec(yp + cv * VEC, acc[i]);
+        }
+    }
+}
+
 // Depthwise 2-d conv, channels-last, one thread per output element (coalesced over channels),
 // weights pre-transposed to (KH, KW, C); fused epilogue act(conv + bias) + residual.
 extern "C" __global__ void dw2d(const T* x, const T* wt, const T* bias, const T* res, T* y,
@@ -462,13 +542,26 @@ def gn_chunks(n: int, rows: int) -> tuple[int, int]:
 LN_MAXV = 4
 
 
-def ln_vectorised(channels: int, itemsize: int, ptrs) -> bool:
-    """Whether ln_rows_vec takes a LayerNorm: whole 16-byte vectors per row, at most LN_MAXV of
-    them per lane, every buffer 16-byte aligned (rows then are too: C * itemsize % 16 == 0)."""
+def row_in_registers(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether a warp can hold a row of `channels` in registers (ln_rows_vec, dw_ln): whole
+    16-byte vectors, at most LN_MAXV of them per lane, every buffer 16-byte aligned (rows then
+    are too: C * itemsize % 16 == 0)."""
     vec = 16 // itemsize
-    return (channels % vec == 0 and channels // vec <= 32 * LN_MAXV
-            and os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
-            and all(p % 16 == 0 for p in ptrs))
+    return channels % vec == 0 and channels // vec <= 32 * LN_MAXV and all(p % 16 == 0 for p in ptrs)
+
+
+def ln_vectorised(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether ln_rows_vec takes a LayerNorm (CONVSERVE_CUDA_LN_VEC=0 keeps ln_rows, for A/B)."""
+    return (os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
+            and row_in_registers(channels, itemsize, ptrs))
+
+
+def dw_ln_applies(channels: int, itemsize: int, kernel: tuple, w_shape: tuple, ptrs) -> bool:
+    """Whether dw_ln computes LayerNorm(depthwise conv + bias): one filter per channel, an odd
+    kernel ('same' padding k // 2 on both sides), a row that fits a warp's registers."""
+    kh, kw = kernel
+    return (tuple(w_shape) == (channels, kh, kw, 1) and kh % 2 == 1 and kw % 2 == 1
+            and row_in_registers(channels, itemsize, ptrs))
 
 
 class Kernels:
@@ -589,6 +682,20 @@ class Kernels:
             i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),
             i32(stride[0]), i32(stride[1]), i32(pad_lo[0]), i32(pad_lo[1]), i32(dilation[0]), i32(dilation[1]),
             i32(bias is not None), i32(residual is not None), i32(ACT_CODES[activation]), np.int64(total)))
+        return y
+
+    def depthwise_layer_norm(self, x, wt, bias, norm_w, norm_b, eps, pad_lo):
+        """LayerNorm(depthwise stride-1 'same' conv(x) + bias) over channels, one kernel; x
+        (N,H,W,C), wt (KH,KW,C). The caller checks dw_ln_applies first."""
+        y = self.cp.empty_like(x)
+        n, h, w, c = x.shape
+        pixels = n * h * w
+        per_block = BLOCK // 32
+        i32 = np.int32
+        self.fn("dw_ln")(((pixels + per_block - 1) // per_block,), (BLOCK,), (
+            x, wt, bias if bias is not None else x, norm_w, norm_b, y, i32(h), i32(w), i32(c),
+            i32(wt.shape[0]), i32(wt.shape[1]), i32(pad_lo[0]), i32(pad_lo[1]), i32(bias is not None),
+            np.float32(eps), np.int64(pixels)))
         return y
 
     def softmax_rows(self, x, scale: float = 1.0):

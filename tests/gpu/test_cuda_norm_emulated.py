@@ -1,10 +1,12 @@
-"""The CUDA backend's GroupNorm, LayerNorm and vectorised depthwise kernels (cuda_kernels.py, the source
-CuPy compiles) run on the CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
-thread, a barrier for __syncthreads and locked atomics, launched with the grid the backend's
+"""The CUDA backend's GroupNorm, LayerNorm, depthwise + LayerNorm and vectorised depthwise
+kernels (cuda_kernels.py, the source CuPy compiles) run on the CPU: the float32 build of the
+same source, compiled as C++ with one host thread per CUDA thread, a barrier for __syncthreads,
+a barrier per warp for warp shuffles and locked atomics, launched with the grid the backend's
 wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
-that split a vector, the chunking and the folded finalize against torch.nn.functional, where
-there is no GPU. (fp16/bf16 differ only in the load/store conversions and the vector width;
-tests/gpu/test_cuda_ops.py runs all three on a GPU.)"""
+that split a vector, the chunking and the folded finalize, rows held in registers across a
+warp's lanes, against torch.nn.functional, where there is no GPU. (fp16/bf16 differ only in the
+load/store conversions and the vector width; tests/gpu/test_cuda_ops.py and
+test_cuda_convnext_fusions.py run all three on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +18,8 @@ import pytest
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, gn_chunks, ln_vectorised
+from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, dw_ln_applies, gn_chunks,
+                                               ln_vectorised)
 
 HARNESS = r"""
 #include <atomic>
@@ -95,6 +98,13 @@ extern "C" void run_layer_norm(const float* x, float* y, const float* w, const f
     dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
     if (vec) launch(grid, [=] { ln_rows_vec(x, y, w, b, rows, C, 1, 1, eps, a); });
     else launch(grid, [=] { ln_rows(x, y, w, b, rows, C, 1, 1, eps, a); });
+}
+
+extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
+                          float* y, int H, int W, int C, int KH, int KW, float eps, long long pixels) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)((pixels + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
+    launch(grid, [=] { dw_ln(x, wt, bias, nw, nb, y, H, W, C, KH, KW, KH / 2, KW / 2, 1, eps, pixels); });
 }
 
 // grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
@@ -227,3 +237,36 @@ def test_layer_norm_vector_path_choice():
     assert not ln_vectorised(1024, 4, [0])                  # fp32: 256 vectors > 32 * LN_MAXV
     assert not ln_vectorised(100, 2, [0])                   # not whole vectors of 8 halves
     assert not ln_vectorised(96, 2, [0, 8])                 # a buffer off 16 bytes
+
+
+@pytest.mark.parametrize("n,h,w,c,k", [(2, 5, 7, 12, 7), (1, 9, 4, 260, 3), (3, 3, 3, 8, 7),
+                                       (1, 2, 13, 4 * 32 * LN_MAXV, 5)])
+def test_depthwise_layer_norm_matches_torch(lib, n, h, w, c, k):
+    """dw_ln: LayerNorm(depthwise conv + bias) in one pass; images narrower than the kernel,
+    batch > 1, lanes with and without a vector, the widest row; against torch in float64."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wd = (rng.standard_normal((c, k, k, 1)) / k).astype(np.float32)
+    wt = np.ascontiguousarray(wd.reshape(c, -1).T)  # (KH*KW, C), as the backend's _dw_weights
+    b = rng.standard_normal(c).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(c)).astype(np.float32)
+    nb = rng.standard_normal(c).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    i32 = ctypes.c_int
+    lib.run_dw_ln(p(x), p(wt), p(b), p(nw), p(nb), p(y), i32(h), i32(w), i32(c), i32(k), i32(k), ctypes.c_float(1e-6),
+                  ctypes.c_longlong(n * h * w))
+    conv = ref_conv(x, wd, b, (1, 1), ((k // 2, k // 2), (k // 2, k // 2)), (1, 1), c)
+    ref = F.layer_norm(torch.from_numpy(conv), (c,), torch.from_numpy(nw.astype(np.float64)),
+                       torch.from_numpy(nb.astype(np.float64)), 1e-6).numpy()
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+def test_depthwise_layer_norm_applies_to_convnext_blocks_only():
+    assert dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 1), [0, 16, 32])
+    assert dw_ln_applies(1024, 2, (7, 7), (1024, 7, 7, 1), [0])
+    assert not dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 2), [0])     # channel multiplier 2
+    assert not dw_ln_applies(96, 2, (4, 4), (96, 4, 4, 1), [0])     # even kernel: no 'same' padding
+    assert not dw_ln_applies(100, 2, (7, 7), (100, 7, 7, 1), [0])   # not whole vectors
+    assert not dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 1), [0, 8])  # a buffer off 16 bytes

@@ -1,9 +1,11 @@
-"""Linear layers with bias / activation / residual fused into the GEMM through cuBLASLt
-(convkernels/backends/cuda_blas_lt.py) against torch.nn.functional: odd sizes (M odd, K and N
+"""ConvNeXt block fusions on CUDA. Linear layers with bias / activation / residual fused into
+the GEMM through cuBLASLt (convkernels/backends/cuda_blas_lt.py) against torch.nn.functional: odd sizes (M odd, K and N
 not multiples of 8, leading batch axes), every dtype; the fused path actually taken where it
 can be; CONVSERVE_CUDA_LT_EPILOGUES=0 and CONVSERVE_CUDA_LT_GELU_APPROX=0 as A/B switches; fused
 linears inside a captured CUDA graph; and ConvNeXt against transformers with cuBLASLt's tanh
-GELU standing in for the erf GELU, and without. Skipped without a CUDA GPU + CuPy + cuDNN."""
+GELU standing in for the erf GELU, and without. The depthwise conv + LayerNorm kernel (dw_ln, off
+unless CONVSERVE_CUDA_DW_LN=1) against torch and inside a captured ConvNeXt. Skipped without a
+CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import os
@@ -169,3 +171,59 @@ def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dty
         with open(os.path.join(out_dir, "model_parity.txt"), "a") as f:
             f.write(line + "\n")
     assert max(errs["1"] + errs["0"]) < 1e-2, errs
+
+
+# ---- depthwise conv + LayerNorm in one kernel (dw_ln, CONVSERVE_CUDA_DW_LN=1) -------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h,w,c", [(2, 9, 13, 96), (1, 7, 7, 768), (3, 5, 4, 40), (1, 14, 14, 1024)])
+def test_depthwise_layer_norm_matches_torch(monkeypatch, dtype, n, h, w, c):
+    """LayerNorm(depthwise 7x7 conv + bias) against torch: odd, non-square images, batch > 1,
+    C = 40 (5 vectors of fp16, 10 of fp32), ConvNeXt-B's widest C (fp32 does not fit: None)."""
+    from torch_reference import ref_conv
+
+    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1")
+    be = fresh_backend(dtype)
+    rng, seed = fresh_rng()
+    x, xh = put(be, rng.standard_normal((n, h, w, c)))
+    wd, wdh = put(be, rng.standard_normal((c, 7, 7, 1)) / 7)
+    b, bh = put(be, rng.standard_normal(c))
+    nw, nwh = put(be, 1 + 0.3 * rng.standard_normal(c))
+    nb, nbh = put(be, rng.standard_normal(c))
+    out = be.depthwise_conv_layer_norm(x, wd, b, nw, nb, 1e-6)
+    if dtype == "float32" and c == 1024:
+        assert out is None  # 256 float4 vectors: more than a warp's registers hold
+        return
+    assert out is not None
+    conv = ref_conv(xh, wdh, bh, (1, 1), ((3, 3), (3, 3)), (1, 1), c)
+    ref = F.layer_norm(torch.from_numpy(conv), (c,), torch.from_numpy(nwh), torch.from_numpy(nbh), 1e-6).numpy()
+    err = rel_l2(be.to_host(out), ref)
+    assert err < TOL[dtype], f"seed {seed}: {err:.3e}"
+
+
+def test_depthwise_layer_norm_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("CONVSERVE_CUDA_DW_LN", raising=False)
+    be = fresh_backend("float16")
+    x = be.asarray(np.ones((1, 7, 7, 96), np.float32))
+    wd = be.asarray(np.ones((96, 7, 7, 1), np.float32))
+    ones = be.asarray(np.ones(96, np.float32))
+    assert be.depthwise_conv_layer_norm(x, wd, ones, ones, ones, 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_convnext_with_every_fusion_on_is_captured_and_matches_transformers(tmp_path, monkeypatch, dtype):
+    """dw_ln switched on as well as the cuBLASLt epilogues: eager, capture + replay, replay."""
+    from models import load_model
+
+    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1")
+    saved = save_models(tmp_path)
+    model = load_model("enc", "tiny-convnext", fresh_backend(dtype, cuda_graphs=True), weights=str(saved.root / "enc"))
+    rng = np.random.default_rng(fresh_seed())
+    for i in range(3):
+        pixels = rng.random((2, 64, 64, 3), dtype=np.float32)
+        out = model.encode(pixels)
+        emb, logits = convnext_ref(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std))
+        errs = rel_l2(out["embedding"], emb), rel_l2(out["logits"], logits)
+        print(f"convnext {dtype} dw_ln on, call {i}: rel L2 {errs[0]:.2e} / {errs[1]:.2e}")
+        assert max(errs) < 1e-2, f"call {i}: {errs}"
+    stats = model._encode_device.stats()
+    assert stats["ungraphable"] == {} and stats["captures"] == 1 and stats["replays"] == 2, stats
