@@ -28,7 +28,6 @@ import os
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 
 from .cuda_blas import (_CUDA_TYPES, COMPUTE_32F, COMPUTE_32F_FAST_TF32, CUDA_R_32F, OP_N, WORKSPACE_BYTES,
                         GemmPlan, plan_matmul)
@@ -283,17 +282,3 @@ class CublasLt:
             self.lib.cublasLtDestroy(self.handle)
             self.handle = ctypes.c_void_p()
 
-
-def reference_linear(x: np.ndarray, w: np.ndarray, bias, residual, epilogue: int) -> np.ndarray:
-    """What cuBLASLt computes for `epilogue` (float64 NumPy; GELU as its tanh approximation).
-    For CPU tests of the epilogue choice."""
-    y = x.astype(np.float64) @ w.astype(np.float64).T
-    if epilogue in (EPILOGUE_BIAS, EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS):
-        y = y + bias.astype(np.float64)
-    if residual is not None:  # C with beta = 1, before the activation
-        y = y + residual.astype(np.float64)
-    if epilogue in (EPILOGUE_RELU, EPILOGUE_RELU_BIAS):
-        y = np.maximum(y, 0.0)
-    if epilogue in (EPILOGUE_GELU, EPILOGUE_GELU_BIAS):
-        y = 0.5 * y * (1.0 + np.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3)))
-    return y

@@ -11,8 +11,8 @@ from torch_reference import F, fresh_rng, rel_l2, torch
 
 from convkernels.backends.cuda_blas import OP_N, OP_T
 from convkernels.backends.cuda_blas_lt import (EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_GELU, EPILOGUE_GELU_BIAS,
-                                               EPILOGUE_RELU_BIAS, MAX_ALIGNMENT, alignment, lt_epilogue, lt_key,
-                                               lt_layouts, plan_linear, reference_linear)
+                                               EPILOGUE_RELU, EPILOGUE_RELU_BIAS, MAX_ALIGNMENT, alignment, lt_epilogue,
+                                               lt_key, lt_layouts, plan_linear)
 
 
 def test_epilogue_choice():
@@ -28,6 +28,21 @@ def test_epilogue_choice():
     assert lt_epilogue(True, "silu", False, True) is None
     # cuBLASLt would activate after adding C: an activation with a residual is not fusable
     assert lt_epilogue(True, "gelu_tanh", True, True) is None
+
+
+def reference_linear(x: np.ndarray, w: np.ndarray, bias, residual, epilogue: int) -> np.ndarray:
+    """What cuBLASLt computes for `epilogue`, as its documentation defines the epilogues (float64;
+    GELU as its tanh approximation; C with beta = 1 added before the activation)."""
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    if epilogue in (EPILOGUE_BIAS, EPILOGUE_RELU_BIAS, EPILOGUE_GELU_BIAS):
+        y = y + bias.astype(np.float64)
+    if residual is not None:  # C with beta = 1, before the activation
+        y = y + residual.astype(np.float64)
+    if epilogue in (EPILOGUE_RELU, EPILOGUE_RELU_BIAS):
+        y = np.maximum(y, 0.0)
+    if epilogue in (EPILOGUE_GELU, EPILOGUE_GELU_BIAS):
+        y = 0.5 * y * (1.0 + np.tanh(0.7978845608028654 * (y + 0.044715 * y ** 3)))
+    return y
 
 
 def read_stored(buf, rows, cols, ld):
