@@ -541,6 +541,8 @@ class CudaBackend(Backend):
         dtypes, cuBLASLt off or without an algorithm): the caller runs gemm + epilogue kernel."""
         if bias is None and residual is None and activation is None:
             return None  # a plain matmul: cuBLAS already does it in one call
+        if dt not in _STORAGE:
+            return None
         lt, approx = self._blas_lt()
         if lt is None:
             return None

@@ -28,7 +28,6 @@ import os
 import threading
 from dataclasses import dataclass
 
-
 from .cuda_blas import (_CUDA_TYPES, COMPUTE_32F, COMPUTE_32F_FAST_TF32, CUDA_R_32F, OP_N, WORKSPACE_BYTES,
                         GemmPlan, plan_matmul)
 
