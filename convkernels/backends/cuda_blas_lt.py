@@ -8,7 +8,8 @@ each followed by a separate `epilogue` kernel that read and wrote the whole acti
 cuBLASLt's GELU is the tanh approximation. Layers that ask for the erf GELU (ConvNeXt's) take it
 only where the caller allows the approximation (`gelu_approx`): float16 / bfloat16 storage,
 whose rounding (2^-11 / 2^-8 relative) is of the order of the difference (|gelu_erf -
-gelu_tanh| < 5e-4 over the reals); float32 keeps the exact erf path.
+gelu_tanh| < 5e-4 over the reals). float32 layers keep both GELUs on the epilogue kernel (float32
+answers to 1e-5; cuBLASLt does not document its GELU's accuracy); their bias and residual fuse.
 
 Capture rules (cuda_graphs.py): descriptors, layouts, preferences and the heuristic's algorithm
 are host objects, created and cached per key on the first (eager) call; a key first seen under

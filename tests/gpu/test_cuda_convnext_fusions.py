@@ -64,7 +64,7 @@ def backends():
 @pytest.mark.parametrize("has_bias,activation,has_res", EPILOGUES)
 def test_linear_matches_torch(backends, dtype, x_shape, n, has_bias, activation, has_res):
     """Fused where cuBLASLt has the epilogue, gemm + epilogue kernel where not (silu, an
-    activation with a residual, fp32 erf GELU): same answer. The erf-GELU reference is exact."""
+    activation with a residual, fp32 GELU): same answer. The erf-GELU reference is exact."""
     be = backends[dtype]
     rng, seed = fresh_rng()
     k = x_shape[-1]
