@@ -10,6 +10,8 @@ fresh backend and model):
   (cuda_blas_lt.py) instead of cuBLAS + the `epilogue` kernel
 - CONVSERVE_CUDA_LT_GELU_APPROX: cuBLASLt's tanh GELU for ConvNeXt's erf GELU (off: fc1 unfused)
 - CONVSERVE_CUDA_LN_VEC: LayerNorm with the row in registers (ln_rows_vec) instead of ln_rows
+- CONVSERVE_CUDA_DW_BIAS_IN_LN: the depthwise conv runs without its bias, which the LayerNorm
+  kernel adds as it reads the conv output (instead of cuDNN fusing it, or not)
 - CONVSERVE_CUDA_DW_LN (off by default): the block's depthwise conv + bias and its LayerNorm as
   one kernel (dw_ln, a warp per pixel) instead of cuDNN's conv + ln_rows_vec
 
@@ -32,11 +34,13 @@ CONFIGS = [  # name, environment
     ("exact GELU (fc1 unfused)", {"CONVSERVE_CUDA_LT_GELU_APPROX": "0"}),
     ("no cuBLASLt epilogues", {"CONVSERVE_CUDA_LT_EPILOGUES": "0"}),
     ("no vectorised LayerNorm", {"CONVSERVE_CUDA_LN_VEC": "0"}),
+    ("dw bias in the conv, not the norm", {"CONVSERVE_CUDA_DW_BIAS_IN_LN": "0"}),
     ("+ dw conv + LayerNorm fused", {"CONVSERVE_CUDA_DW_LN": "1"}),
-    ("none (main before #20)", {"CONVSERVE_CUDA_LT_EPILOGUES": "0", "CONVSERVE_CUDA_LN_VEC": "0"}),
+    ("none (main before #20)", {"CONVSERVE_CUDA_LT_EPILOGUES": "0", "CONVSERVE_CUDA_LN_VEC": "0",
+                                "CONVSERVE_CUDA_DW_BIAS_IN_LN": "0"}),
 ]
 SWITCHES = ("CONVSERVE_CUDA_LT_EPILOGUES", "CONVSERVE_CUDA_LT_GELU_APPROX", "CONVSERVE_CUDA_LN_VEC",
-            "CONVSERVE_CUDA_DW_LN")
+            "CONVSERVE_CUDA_DW_BIAS_IN_LN", "CONVSERVE_CUDA_DW_LN")
 
 
 def device_ms(fn, reps, cp):

@@ -55,6 +55,12 @@ _DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16"
 _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch of a fusion (A/B on the device without code changes)."""
+    v = os.environ.get(name, "").strip().lower()
+    return default if not v else v in ("1", "true", "yes", "on")
+
+
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
     return int(v) if v else None
@@ -466,33 +472,41 @@ class CudaBackend(Backend):
         return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation)
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
-        """LayerNorm(depthwise 'same' stride-1 conv2d(x, w) + bias) over channels in one kernel
-        (dw_ln: the conv output never goes to memory), or None where it does not apply (the
-        caller runs conv2d then layer_norm). Off unless CONVSERVE_CUDA_DW_LN=1: our depthwise
-        kernel against cuDNN's is a measured choice (benchmarks/convnext_fusion_ab.py)."""
-        if os.environ.get("CONVSERVE_CUDA_DW_LN", "0") not in ("1", "true", "yes"):
-            return None
+        """LayerNorm(depthwise 'same' stride-1 conv2d(x, w) + bias) over channels (ConvNeXt's
+        block), or None where this does not apply (the caller runs conv2d then layer_norm):
+        - CONVSERVE_CUDA_DW_LN=1: one kernel (dw_ln; the conv output never goes to memory). Off by
+          default: our depthwise kernel against cuDNN's is a measured choice
+          (benchmarks/convnext_fusion_ab.py).
+        - else: cuDNN's conv without the bias, which the LayerNorm kernel adds as it reads the
+          conv output. A depthwise conv + bias graph may build only unfused (then the bias costs a
+          pass of its own) or on a slower fusion engine; the bare depthwise conv is the one
+          measured equal to PyTorch's (PEERS.md). CONVSERVE_CUDA_DW_BIAS_IN_LN=0 turns it off."""
         dt = self.dtype_of(x)
         if dt not in _STORAGE or x.ndim != 4 or w.ndim != 4 or norm_w is None or norm_b is None:
             return None
+        c = int(x.shape[-1])
+        kernel = (int(w.shape[1]), int(w.shape[2]))
+        if tuple(w.shape) != (c, *kernel, 1) or kernel[0] % 2 == 0 or kernel[1] % 2 == 0:
+            return None
         x, w = self._as(x, dt), self._as(w, dt)
         nw, nb, b = self._as(norm_w, dt), self._as(norm_b, dt), self._as(bias, dt)
-        kernel = (int(w.shape[1]), int(w.shape[2]))
-        c = int(x.shape[-1])
         if nw.shape != (c,) or nb.shape != (c,) or (b is not None and b.shape != (c,)):
             return None
-        ptrs = [v.data.ptr for v in (x, w, nw, nb, b) if v is not None]
-        if not dw_ln_applies(c, x.itemsize, kernel, tuple(w.shape), ptrs):
+        pad = (kernel[0] // 2, kernel[1] // 2)
+        if _switch("CONVSERVE_CUDA_DW_LN", False):
+            ptrs = [v.data.ptr for v in (x, w, nw, nb, b) if v is not None]
+            wt = self._dw_weights(w) if dw_ln_applies(c, x.itemsize, kernel, tuple(w.shape), ptrs) else None
+            if wt is not None and wt.data.ptr % 16 == 0:
+                recorded = getattr(self._tls, "calls", None)
+                if recorded is not None:
+                    recorded.append(("conv2d", "depthwise_layer_norm"))
+                else:
+                    self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
+                return self._k(dt).depthwise_layer_norm(x, wt, b, nw, nb, float(eps), pad)
+        if b is None or not _switch("CONVSERVE_CUDA_DW_BIAS_IN_LN", True):
             return None
-        wt = self._dw_weights(w)
-        if wt.data.ptr % 16:
-            return None
-        recorded = getattr(self._tls, "calls", None)
-        if recorded is not None:
-            recorded.append(("conv2d", "depthwise_layer_norm"))
-        else:
-            self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
-        return self._k(dt).depthwise_layer_norm(x, wt, b, nw, nb, float(eps), (kernel[0] // 2, kernel[1] // 2))
+        h = self.conv2d(x, w, None, padding=pad, groups=c)
+        return self._k(dt).layer_norm(self._c(h), nw, nb, float(eps), None, input_bias=b)
 
     def _rms_norm(self, x, weight, eps, activation):
         # one kernel: the base class's layer_norm route concatenates [x, -x] (copies) and
@@ -525,14 +539,14 @@ class CudaBackend(Backend):
             if self.capturing():
                 raise CaptureMissed("cuBLASLt handle not made yet")
             lt = None
-            if os.environ.get("CONVSERVE_CUDA_LT_EPILOGUES", "1") not in ("0", "false", "no"):
+            if _switch("CONVSERVE_CUDA_LT_EPILOGUES", True):
                 try:
                     lt = CublasLt(self.cp, allow_tf32=self.allow_tf32)
                 except (OSError, AttributeError, CublasLtError) as exc:  # no library, an old one
                     log.warning("cuBLASLt unavailable (%s): linear layers run gemm + epilogue kernel", exc)
             # the tanh GELU for erf-GELU layers in float16 / bfloat16 (cuda_blas_lt.py says why);
             # CONVSERVE_CUDA_LT_GELU_APPROX=0 keeps those layers on the exact erf epilogue kernel
-            approx = os.environ.get("CONVSERVE_CUDA_LT_GELU_APPROX", "1") not in ("0", "false", "no")
+            approx = _switch("CONVSERVE_CUDA_LT_GELU_APPROX", True)
             state = self._lt_state = (lt, approx)
         return state
 

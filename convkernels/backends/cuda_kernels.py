@@ -254,25 +254,28 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
 }
 
 // LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
-extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, long long rows, int C,
-                                   int has_w, int has_b, float eps, int a) {
+// xb (has_xb): a per-channel bias added to x before the norm (the bias of the conv before it).
+extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows, int C,
+                                   int has_w, int has_b, int has_xb, float eps, int a) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const T* xr = x + row * C;
     T* yr = y + row * C;
+#define LN_X(c) (ld(xr[c]) + (has_xb ? ld(xb[c]) : 0.0f))
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += ld(xr[c]);
+    for (int c = lane; c < C; c += 32) s += LN_X(c);
     float m = warp_sum(s) / C;
     float q = 0.0f;
-    for (int c = lane; c < C; c += 32) { float d = ld(xr[c]) - m; q += d * d; }
+    for (int c = lane; c < C; c += 32) { float d = LN_X(c) - m; q += d * d; }
     float r = rsqrtf(warp_sum(q) / C + eps);
     for (int c = lane; c < C; c += 32) {
-        float v = (ld(xr[c]) - m) * r;
+        float v = (LN_X(c) - m) * r;
         if (has_w) v *= ld(w[c]);
         if (has_b) v += ld(b[c]);
         yr[c] = st(act(v, a));
     }
+#undef LN_X
 }
 
 // LayerNorm over the last axis with the row held in registers: one warp per row, each lane owns
@@ -280,8 +283,8 @@ extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, lon
 // aligned rows), so the row is read once instead of three times (ln_rows) and with full-width
 // loads. Same arithmetic as ln_rows: the mean first, then the centred variance, in fp32.
 #define LN_MAXV 4
-extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b, long long rows, int C,
-                                       int has_w, int has_b, float eps, int a) {
+extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows,
+                                       int C, int has_w, int has_b, int has_xb, float eps, int a) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -295,6 +298,12 @@ extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b,
         int cv = lane + 32 * i;
         if (cv < nv) {
             load_vec(xr + cv * VEC, v[i]);
+            if (has_xb) {
+                float bv[VEC];
+                load_vec(xb + cv * VEC, bv);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[i][j] += bv[j];
+            }
 #pragma unroll
             for (int j = 0; j < VEC; ++j) s += v[i][j];
         }
@@ -646,17 +655,20 @@ class Kernels:
             np.int32(weight is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
-    def layer_norm(self, x, weight, bias, eps, activation):
+    def layer_norm(self, x, weight, bias, eps, activation, input_bias=None):
+        """act(LayerNorm(x + input_bias) * weight + bias) over the last axis; `input_bias` is a
+        per-channel bias of the op before the norm, added here instead of in its own pass."""
         c = x.shape[-1]
         rows = x.size // c
         y = self.cp.empty_like(x)
         per_block = BLOCK // 32
-        operands = [x, y] + [v for v in (weight, bias) if v is not None]
+        operands = [x, y] + [v for v in (weight, bias, input_bias) if v is not None]
         name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands]) else "ln_rows"
         self.fn(name)(((rows + per_block - 1) // per_block,), (BLOCK,), (
             x, y, weight if weight is not None else x, bias if bias is not None else x,
+            input_bias if input_bias is not None else x,
             np.int64(rows), np.int32(c), np.int32(weight is not None), np.int32(bias is not None),
-            np.float32(eps), np.int32(ACT_CODES[activation])))
+            np.int32(input_bias is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
     def depthwise2d(self, x, wt, bias, residual, activation, stride, pad_lo, dilation, out_shape):

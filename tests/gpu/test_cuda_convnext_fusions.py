@@ -3,9 +3,9 @@ the GEMM through cuBLASLt (convkernels/backends/cuda_blas_lt.py) against torch.n
 not multiples of 8, leading batch axes), every dtype; the fused path actually taken where it
 can be; CONVSERVE_CUDA_LT_EPILOGUES=0 and CONVSERVE_CUDA_LT_GELU_APPROX=0 as A/B switches; fused
 linears inside a captured CUDA graph; and ConvNeXt against transformers with cuBLASLt's tanh
-GELU standing in for the erf GELU, and without. The depthwise conv + LayerNorm kernel (dw_ln, off
-unless CONVSERVE_CUDA_DW_LN=1) against torch and inside a captured ConvNeXt. Skipped without a
-CUDA GPU + CuPy + cuDNN."""
+GELU standing in for the erf GELU, and without. Depthwise conv + LayerNorm both ways (dw_ln, off
+unless CONVSERVE_CUDA_DW_LN=1; the conv's bias added by the norm, the default) against torch, and
+dw_ln inside a captured ConvNeXt. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import os
@@ -173,15 +173,18 @@ def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dty
     assert max(errs["1"] + errs["0"]) < 1e-2, errs
 
 
-# ---- depthwise conv + LayerNorm in one kernel (dw_ln, CONVSERVE_CUDA_DW_LN=1) -------------------
+# ---- depthwise conv + LayerNorm: dw_ln (CONVSERVE_CUDA_DW_LN=1) or the conv's bias in the norm ------
+@pytest.mark.parametrize("mode", ["dw_ln", "bias_in_ln"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,h,w,c", [(2, 9, 13, 96), (1, 7, 7, 768), (3, 5, 4, 40), (1, 14, 14, 1024)])
-def test_depthwise_layer_norm_matches_torch(monkeypatch, dtype, n, h, w, c):
+@pytest.mark.parametrize("n,h,w,c", [(2, 9, 13, 96), (1, 7, 7, 768), (3, 5, 4, 40), (1, 14, 14, 1024), (2, 6, 5, 36)])
+def test_depthwise_layer_norm_matches_torch(monkeypatch, mode, dtype, n, h, w, c):
     """LayerNorm(depthwise 7x7 conv + bias) against torch: odd, non-square images, batch > 1,
-    C = 40 (5 vectors of fp16, 10 of fp32), ConvNeXt-B's widest C (fp32 does not fit: None)."""
+    C = 40 (5 vectors of fp16, 10 of fp32), C = 36 (no whole fp16 vectors: dw_ln declines, ln_rows
+    takes the bias), 768 and 1024 (fp32 rows do not fit dw_ln's registers: the other route)."""
+    from convkernels.backends.cuda_kernels import LN_MAXV
     from torch_reference import ref_conv
 
-    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1")
+    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1" if mode == "dw_ln" else "0")
     be = fresh_backend(dtype)
     rng, seed = fresh_rng()
     x, xh = put(be, rng.standard_normal((n, h, w, c)))
@@ -189,19 +192,28 @@ def test_depthwise_layer_norm_matches_torch(monkeypatch, dtype, n, h, w, c):
     b, bh = put(be, rng.standard_normal(c))
     nw, nwh = put(be, 1 + 0.3 * rng.standard_normal(c))
     nb, nbh = put(be, rng.standard_normal(c))
+    before = conv_total("depthwise_layer_norm")
     out = be.depthwise_conv_layer_norm(x, wd, b, nw, nb, 1e-6)
-    if dtype == "float32" and c == 1024:
-        assert out is None  # 256 float4 vectors: more than a warp's registers hold
-        return
-    assert out is not None
+    assert out is not None  # where dw_ln declines, the bias-in-norm route answers
+    vec = 4 if dtype == "float32" else 8  # channels per 16-byte vector
+    fits = c % vec == 0 and c // vec <= 32 * LN_MAXV
+    assert conv_total("depthwise_layer_norm") - before == (1 if mode == "dw_ln" and fits else 0)
     conv = ref_conv(xh, wdh, bh, (1, 1), ((3, 3), (3, 3)), (1, 1), c)
     ref = F.layer_norm(torch.from_numpy(conv), (c,), torch.from_numpy(nwh), torch.from_numpy(nbh), 1e-6).numpy()
     err = rel_l2(be.to_host(out), ref)
     assert err < TOL[dtype], f"seed {seed}: {err:.3e}"
 
 
-def test_depthwise_layer_norm_is_off_by_default(monkeypatch):
-    monkeypatch.delenv("CONVSERVE_CUDA_DW_LN", raising=False)
+def conv_total(path: str) -> float:
+    from convkernels import REGISTRY
+    return sum(s.value for fam in REGISTRY.collect() for s in fam.samples
+               if s.name == "convkernels_conv_total" and s.labels.get("backend") == "cuda"
+               and s.labels.get("path") == path)
+
+
+def test_both_depthwise_layer_norm_routes_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "0")
+    monkeypatch.setenv("CONVSERVE_CUDA_DW_BIAS_IN_LN", "0")
     be = fresh_backend("float16")
     x = be.asarray(np.ones((1, 7, 7, 96), np.float32))
     wd = be.asarray(np.ones((96, 7, 7, 1), np.float32))
@@ -211,7 +223,8 @@ def test_depthwise_layer_norm_is_off_by_default(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_convnext_with_every_fusion_on_is_captured_and_matches_transformers(tmp_path, monkeypatch, dtype):
-    """dw_ln switched on as well as the cuBLASLt epilogues: eager, capture + replay, replay."""
+    """dw_ln switched on as well as the cuBLASLt epilogues: eager, capture + replay, replay (the
+    default route, the conv's bias in the norm, is what test_models_gpu / test_cuda_graphs run)."""
     from models import load_model
 
     monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1")

@@ -92,12 +92,12 @@ extern "C" void run_group_norm(const float* x, float* y, double* acc, const floa
     launch(grid, [=] { gn_norm(x, y, acc, w, b, S, C, G, rows_per_chunk, count, eps, has_w, has_b, a, vec); });
 }
 
-extern "C" void run_layer_norm(const float* x, float* y, const float* w, const float* b, long long rows, int C,
-                               float eps, int a, int vec) {
+extern "C" void run_layer_norm(const float* x, float* y, const float* w, const float* b, const float* xb,
+                               long long rows, int C, float eps, int a, int vec, int has_xb) {
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
-    if (vec) launch(grid, [=] { ln_rows_vec(x, y, w, b, rows, C, 1, 1, eps, a); });
-    else launch(grid, [=] { ln_rows(x, y, w, b, rows, C, 1, 1, eps, a); });
+    if (vec) launch(grid, [=] { ln_rows_vec(x, y, w, b, xb, rows, C, 1, 1, has_xb, eps, a); });
+    else launch(grid, [=] { ln_rows(x, y, w, b, xb, rows, C, 1, 1, has_xb, eps, a); });
 }
 
 extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
@@ -211,19 +211,22 @@ def test_vectorised_depthwise_matches_torch(lib, n, h, w, c, k, epilogue):
     (1, 4),
 ])
 @pytest.mark.parametrize("vec", [1, 0])
-@pytest.mark.parametrize("activation", [None, "gelu"])
-def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation):
+@pytest.mark.parametrize("activation,input_bias", [(None, False), ("gelu", False), (None, True)])
+def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation, input_bias):
     """ln_rows_vec (row in registers, 16-byte loads) and ln_rows: odd row counts, rows narrower
-    than a warp's vectors, warps without a row; against torch in float64."""
+    than a warp's vectors, warps without a row, a per-channel bias added before the norm;
+    against torch in float64."""
     rng, seed = fresh_rng()
     x = (rng.standard_normal((rows, c)) * 2 + 0.7).astype(np.float32)
     w = rng.standard_normal(c).astype(np.float32)
     b = rng.standard_normal(c).astype(np.float32)
+    xb = (3 * rng.standard_normal(c)).astype(np.float32)
     y = np.full_like(x, np.nan)
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
-    lib.run_layer_norm(p(x), p(y), p(w), p(b), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(1e-6),
-                       ctypes.c_int(ACT_CODES[activation]), ctypes.c_int(vec))
-    ref = from_t(ref_activation(F.layer_norm(to_t(x.astype(np.float64)), (c,), torch.from_numpy(w.astype(np.float64)),
+    lib.run_layer_norm(p(x), p(y), p(w), p(b), p(xb), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(1e-6),
+                       ctypes.c_int(ACT_CODES[activation]), ctypes.c_int(vec), ctypes.c_int(input_bias))
+    xin = x.astype(np.float64) + (xb.astype(np.float64) if input_bias else 0.0)
+    ref = from_t(ref_activation(F.layer_norm(to_t(xin), (c,), torch.from_numpy(w.astype(np.float64)),
                                              torch.from_numpy(b.astype(np.float64)), 1e-6), activation))
     assert np.isfinite(y).all(), "an element was never written"
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
