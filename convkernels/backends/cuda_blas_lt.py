@@ -23,14 +23,12 @@ CPU; the calls themselves in tests/gpu/test_cuda_convnext_fusions.py.
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
 from .cuda_blas import (_CUDA_TYPES, COMPUTE_32F, COMPUTE_32F_FAST_TF32, CUDA_R_32F, OP_N, WORKSPACE_BYTES,
-                        GemmPlan, plan_matmul)
+                        GemmPlan, load_cuda_library, plan_matmul)
 
 log = logging.getLogger("convkernels.cuda.blaslt")
 
@@ -113,22 +111,8 @@ class _HeuristicResult(ctypes.Structure):
 
 
 def load_libcublaslt(cuda_major: int):
-    """libcublasLt of this CUDA major, the one libcublas loads if it is already in the process."""
-    names = [f"libcublasLt.so.{cuda_major}"]
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-        names.append(load_nvidia_dynamic_lib("cublasLt").abs_path)
-    except Exception:
-        pass
-    for root in filter(None, (os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
-        names += sorted(glob.glob(os.path.join(root, "lib64", f"libcublasLt.so.{cuda_major}*")))
-    errors = []
-    for name in names:
-        try:
-            return _declare(ctypes.CDLL(name))
-        except OSError as exc:
-            errors.append(f"{name}: {exc}")
-    raise OSError("libcublasLt not found: " + "; ".join(errors))
+    """libcublasLt of this CUDA major: libcublas, loaded first by the backend, brings it in."""
+    return load_cuda_library("cublasLt", cuda_major, _declare)
 
 
 def _declare(lib):

@@ -283,6 +283,29 @@ extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, con
 // aligned rows), so the row is read once instead of three times (ln_rows) and with full-width
 // loads. Same arithmetic as ln_rows: the mean first, then the centred variance, in fp32.
 #define LN_MAXV 4
+// mean m and 1 / sqrt(var + eps) r of a row held across a warp's lanes (lane owns vectors lane,
+// lane + 32, ... of the row's nv): the mean first, then the centred variance
+__device__ __forceinline__ void row_stats(float (*v)[VEC], int nv, int lane, int C, float eps, float& m, float& r) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) s += v[i][j];
+        }
+    }
+    m = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { float d = v[i][j] - m; q += d * d; }
+        }
+    }
+    r = rsqrtf(warp_sum(q) / C + eps);
+}
+
 extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows,
                                        int C, int has_w, int has_b, int has_xb, float eps, int a) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -292,7 +315,6 @@ extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b,
     T* yr = y + row * C;
     int nv = C / VEC;
     float v[LN_MAXV][VEC];
-    float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < LN_MAXV; ++i) {
         int cv = lane + 32 * i;
@@ -304,20 +326,10 @@ extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b,
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) v[i][j] += bv[j];
             }
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) s += v[i][j];
         }
     }
-    float m = warp_sum(s) / C;
-    float q = 0.0f;
-#pragma unroll
-    for (int i = 0; i < LN_MAXV; ++i) {
-        if (lane + 32 * i < nv) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) { float d = v[i][j] - m; q += d * d; }
-        }
-    }
-    float r = rsqrtf(warp_sum(q) / C + eps);
+    float m, r;
+    row_stats(v, nv, lane, C, eps, m, r);
 #pragma unroll
     for (int i = 0; i < LN_MAXV; ++i) {
         int cv = lane + 32 * i;
@@ -384,24 +396,15 @@ extern "C" __global__ void dw_ln(const T* x, const T* wt, const T* bias, const T
         }
     }
     // the conv output rounds to the storage type, as the unfused conv's would before the norm
-    float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < LN_MAXV; ++i) {
         if (lane + 32 * i < nv) {
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) { acc[i][j] = ld(st(acc[i][j])); s += acc[i][j]; }
+            for (int j = 0; j < VEC; ++j) acc[i][j] = ld(st(acc[i][j]));
         }
     }
-    float m = warp_sum(s) / C;
-    float q = 0.0f;
-#pragma unroll
-    for (int i = 0; i < LN_MAXV; ++i) {
-        if (lane + 32 * i < nv) {
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) { float d = acc[i][j] - m; q += d * d; }
-        }
-    }
-    float r = rsqrtf(warp_sum(q) / C + eps);
+    float m, r;
+    row_stats(acc, nv, lane, C, eps, m, r);
     T* yp = y + pix * C;
 #pragma unroll
     for (int i = 0; i < LN_MAXV; ++i) {
