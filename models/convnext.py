@@ -311,8 +311,12 @@ class ConvNeXtBlock:
 
     def __call__(self, x):
         bk = self.backend
-        h = bk.conv2d(x, self.dw_w, self.dw_b, padding=DW_KERNEL // 2, groups=self.channels)
-        h = bk.layer_norm(h, self.norm_w, self.norm_b, self.eps)
+        # a backend may compute conv + norm in one pass (CUDA: dw_ln, where switched on)
+        fused = getattr(bk, "depthwise_conv_layer_norm", None)
+        h = None if fused is None else fused(x, self.dw_w, self.dw_b, self.norm_w, self.norm_b, self.eps)
+        if h is None:
+            h = bk.conv2d(x, self.dw_w, self.dw_b, padding=DW_KERNEL // 2, groups=self.channels)
+            h = bk.layer_norm(h, self.norm_w, self.norm_b, self.eps)
         h = bk.linear(h, self.fc1_w, self.fc1_b, activation=self.activation)
         return bk.linear(h, self.fc2_w, self.fc2_b, residual=x)
 

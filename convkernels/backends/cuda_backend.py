@@ -36,10 +36,11 @@ from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose, validate_conv
 from . import cuda_gemm
 from .cuda_blas import Cublas
+from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
 from .cuda_cudnn import CudnnConvBuilder
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
 from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
-from .cuda_kernels import Kernels
+from .cuda_kernels import Kernels, dw_ln_applies
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
 
 log = logging.getLogger("convkernels.cuda")
@@ -52,6 +53,12 @@ MAX_PENDING_TIMINGS = 8192
 _DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                 np.dtype(np.float64): "float64"}
 _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment switch of a fusion (A/B on the device without code changes)."""
+    v = os.environ.get(name, "").strip().lower()
+    return default if not v else v in ("1", "true", "yes", "on")
 
 
 def _env_int(name: str) -> int | None:
@@ -251,6 +258,9 @@ class CudaBackend(Backend):
         keep: list = []
         self._tls.calls, self._tls.keep = calls, keep
         keep.append(self.blas.workspace)  # replaced never, but held like the cuDNN workspace
+        lt = getattr(self, "_lt_state", (None,))[0]
+        if lt is not None:
+            keep.append(lt.workspace)
         try:
             yield calls, keep
         finally:
@@ -465,6 +475,43 @@ class CudaBackend(Backend):
         dt = self.dtype_of(x)
         return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation)
 
+    def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
+        """LayerNorm(depthwise 'same' stride-1 conv2d(x, w) + bias) over channels (ConvNeXt's
+        block), or None where this does not apply (the caller runs conv2d then layer_norm):
+        - CONVSERVE_CUDA_DW_LN=1: one kernel (dw_ln; the conv output never goes to memory). Off by
+          default: our depthwise kernel against cuDNN's is a measured choice
+          (benchmarks/convnext_fusion_ab.py).
+        - else: cuDNN's conv without the bias, which the LayerNorm kernel adds as it reads the
+          conv output. A depthwise conv + bias graph may build only unfused (then the bias costs a
+          pass of its own) or on a slower fusion engine; the bare depthwise conv is the one
+          measured equal to PyTorch's (PEERS.md). CONVSERVE_CUDA_DW_BIAS_IN_LN=0 turns it off."""
+        dt = self.dtype_of(x)
+        if dt not in _STORAGE or x.ndim != 4 or w.ndim != 4 or norm_w is None or norm_b is None:
+            return None
+        c = int(x.shape[-1])
+        kernel = (int(w.shape[1]), int(w.shape[2]))
+        if tuple(w.shape) != (c, *kernel, 1) or kernel[0] % 2 == 0 or kernel[1] % 2 == 0:
+            return None
+        x, w = self._as(x, dt), self._as(w, dt)
+        nw, nb, b = self._as(norm_w, dt), self._as(norm_b, dt), self._as(bias, dt)
+        if nw.shape != (c,) or nb.shape != (c,) or (b is not None and b.shape != (c,)):
+            return None
+        pad = (kernel[0] // 2, kernel[1] // 2)
+        if _switch("CONVSERVE_CUDA_DW_LN", False):
+            ptrs = [v.data.ptr for v in (x, w, nw, nb, b) if v is not None]
+            wt = self._dw_weights(w) if dw_ln_applies(c, x.itemsize, kernel, tuple(w.shape), ptrs) else None
+            if wt is not None and wt.data.ptr % 16 == 0:
+                recorded = getattr(self._tls, "calls", None)
+                if recorded is not None:
+                    recorded.append(("conv2d", "depthwise_layer_norm"))
+                else:
+                    self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
+                return self._k(dt).depthwise_layer_norm(x, wt, b, nw, nb, float(eps), pad)
+        if b is None or not _switch("CONVSERVE_CUDA_DW_BIAS_IN_LN", True):
+            return None
+        h = self.conv2d(x, w, None, padding=pad, groups=c)
+        return self._k(dt).layer_norm(self._c(h), nw, nb, float(eps), None, input_bias=b)
+
     def _rms_norm(self, x, weight, eps, activation):
         # one kernel: the base class's layer_norm route concatenates [x, -x] (copies) and
         # runs in bands
@@ -477,12 +524,59 @@ class CudaBackend(Backend):
     def _linear(self, x, weight, bias, residual, activation):
         dt = self.dtype_of(x)
         lead = tuple(x.shape[:-1])
+        fused = self._linear_fused(x, weight, bias, residual, activation, dt)
+        if fused is not None:
+            return fused.reshape(*lead, weight.shape[0])
         out = self._matmul(self.reshape(x, (-1, x.shape[-1])), self.transpose(self._as(weight, dt), (1, 0)))
         out = self._c(out)
         res = None if residual is None else self._as(residual, dt).reshape(out.shape)
         if bias is not None or res is not None or activation is not None:
             self._k(dt).epilogue(out, self._as(bias, dt), res, activation, out=out)
         return out.reshape(*lead, weight.shape[0])
+
+    def _blas_lt(self):
+        """The cuBLASLt fused-linear handle, made on first use outside a capture (its workspace
+        must not come from a graph's pool); None where fused linears are off or unavailable.
+        CONVSERVE_CUDA_LT_EPILOGUES=0 turns them off (A/B against gemm + epilogue kernel)."""
+        state = getattr(self, "_lt_state", None)
+        if state is None:
+            if self.capturing():
+                raise CaptureMissed("cuBLASLt handle not made yet")
+            lt = None
+            if _switch("CONVSERVE_CUDA_LT_EPILOGUES", True):
+                try:
+                    lt = CublasLt(self.cp, allow_tf32=self.allow_tf32)
+                except (OSError, AttributeError, CublasLtError) as exc:  # no library, an old one
+                    log.warning("cuBLASLt unavailable (%s): linear layers run gemm + epilogue kernel", exc)
+            # the tanh GELU for erf-GELU layers in float16 / bfloat16 (cuda_blas_lt.py says why);
+            # CONVSERVE_CUDA_LT_GELU_APPROX=0 keeps those layers on the exact erf epilogue kernel
+            approx = _switch("CONVSERVE_CUDA_LT_GELU_APPROX", True)
+            state = self._lt_state = (lt, approx)
+        return state
+
+    def _linear_fused(self, x, weight, bias, residual, activation, dt):
+        """act(x @ W^T + bias) + residual as one cuBLASLt call, or None (no such epilogue, mixed
+        dtypes, cuBLASLt off or without an algorithm): the caller runs gemm + epilogue kernel."""
+        if bias is None and residual is None and activation is None:
+            return None  # a plain matmul: cuBLAS already does it in one call
+        if dt not in _STORAGE:
+            return None
+        lt, approx = self._blas_lt()
+        if lt is None:
+            return None
+        if dt == "float32" and activation in ("gelu", "gelu_tanh"):
+            return None  # float32 answers to 1e-5: cuBLASLt's GELU is not promised that close
+        epilogue = lt_epilogue(bias is not None, activation, residual is not None, approx)
+        if epilogue is None:
+            return None
+        x2 = self._c(self._as(x, dt).reshape(-1, x.shape[-1]))
+        w = self._c(self._as(weight, dt))
+        b = None if bias is None else self._c(self._as(bias, dt))
+        r = None if residual is None else self._c(self._as(residual, dt)).reshape(x2.shape[0], w.shape[0])
+        try:
+            return lt.linear(x2, w, b, r, epilogue, allow_new=not self.capturing())
+        except LookupError as exc:
+            raise CaptureMissed(str(exc)) from exc
 
     # ---- resampling and padding ----------------------------------------------------------------
     def _upsample_nearest(self, x, scale):

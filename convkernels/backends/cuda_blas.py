@@ -170,21 +170,27 @@ def load_libcublas(cuda_major: int):
         import cupy_backends.cuda.libs.cublas  # noqa: F401
     except Exception:
         pass
-    names = [f"libcublas.so.{cuda_major}"]
+    return load_cuda_library("cublas", cuda_major, _declare)
+
+
+def load_cuda_library(stem: str, cuda_major: int, declare):
+    """declare(lib) for lib{stem}.so.{cuda_major}: the one already in the process (dlopen finds
+    it by soname), else the NVIDIA wheel's, else the toolkit's."""
+    names = [f"lib{stem}.so.{cuda_major}"]
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
-        names.append(load_nvidia_dynamic_lib("cublas").abs_path)
+        names.append(load_nvidia_dynamic_lib(stem).abs_path)
     except Exception:
         pass
     for root in filter(None, (os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
-        names += sorted(glob.glob(os.path.join(root, "lib64", f"libcublas.so.{cuda_major}*")))
+        names += sorted(glob.glob(os.path.join(root, "lib64", f"lib{stem}.so.{cuda_major}*")))
     errors = []
     for name in names:
         try:
-            return _declare(ctypes.CDLL(name))
+            return declare(ctypes.CDLL(name))
         except OSError as exc:
             errors.append(f"{name}: {exc}")
-    raise OSError("libcublas not found: " + "; ".join(errors))
+    raise OSError(f"lib{stem} not found: " + "; ".join(errors))
 
 
 def _declare(lib):

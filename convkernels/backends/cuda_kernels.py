@@ -9,6 +9,7 @@ NVRTC may not find). All arithmetic is float32; GroupNorm statistics are combine
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -253,24 +254,169 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
 }
 
 // LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
-extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, long long rows, int C,
-                                   int has_w, int has_b, float eps, int a) {
+// xb (has_xb): a per-channel bias added to x before the norm (the bias of the conv before it).
+extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows, int C,
+                                   int has_w, int has_b, int has_xb, float eps, int a) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const T* xr = x + row * C;
     T* yr = y + row * C;
+#define LN_X(c) (ld(xr[c]) + (has_xb ? ld(xb[c]) : 0.0f))
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += ld(xr[c]);
+    for (int c = lane; c < C; c += 32) s += LN_X(c);
     float m = warp_sum(s) / C;
     float q = 0.0f;
-    for (int c = lane; c < C; c += 32) { float d = ld(xr[c]) - m; q += d * d; }
+    for (int c = lane; c < C; c += 32) { float d = LN_X(c) - m; q += d * d; }
     float r = rsqrtf(warp_sum(q) / C + eps);
     for (int c = lane; c < C; c += 32) {
-        float v = (ld(xr[c]) - m) * r;
+        float v = (LN_X(c) - m) * r;
         if (has_w) v *= ld(w[c]);
         if (has_b) v += ld(b[c]);
         yr[c] = st(act(v, a));
+    }
+#undef LN_X
+}
+
+// LayerNorm over the last axis with the row held in registers: one warp per row, each lane owns
+// up to LN_MAXV 16-byte vectors of channels (C % VEC == 0, C <= 32 * LN_MAXV * VEC, 16-byte
+// aligned rows), so the row is read once instead of three times (ln_rows) and with full-width
+// loads. Same arithmetic as ln_rows: the mean first, then the centred variance, in fp32.
+#define LN_MAXV 4
+// mean m and 1 / sqrt(var + eps) r of a row held across a warp's lanes (lane owns vectors lane,
+// lane + 32, ... of the row's nv): the mean first, then the centred variance
+__device__ __forceinline__ void row_stats(float (*v)[VEC], int nv, int lane, int C, float eps, float& m, float& r) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) s += v[i][j];
+        }
+    }
+    m = warp_sum(s) / C;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { float d = v[i][j] - m; q += d * d; }
+        }
+    }
+    r = rsqrtf(warp_sum(q) / C + eps);
+}
+
+extern "C" __global__ void ln_rows_vec(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows,
+                                       int C, int has_w, int has_b, int has_xb, float eps, int a) {
+    long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + row * C;
+    T* yr = y + row * C;
+    int nv = C / VEC;
+    float v[LN_MAXV][VEC];
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            load_vec(xr + cv * VEC, v[i]);
+            if (has_xb) {
+                float bv[VEC];
+                load_vec(xb + cv * VEC, bv);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[i][j] += bv[j];
+            }
+        }
+    }
+    float m, r;
+    row_stats(v, nv, lane, C, eps, m, r);
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            float wv[VEC], bv[VEC];
+            if (has_w) load_vec(w + cv * VEC, wv);
+            if (has_b) load_vec(b + cv * VEC, bv);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                float o = (v[i][j] - m) * r;
+                if (has_w) o *= wv[j];
+                if (has_b) o += bv[j];
+                v[i][j] = act(o, a);
+            }
+            store_vec(yr + cv * VEC, v[i]);
+        }
+    }
+}
+
+// ConvNeXt's depthwise conv (stride 1, 'same' padding) + bias with the LayerNorm over channels
+// that follows it, in one pass: one warp per output pixel holds the pixel's C channels in
+// registers as ln_rows_vec does (same conditions: C % VEC == 0, C <= 32 * LN_MAXV * VEC, 16-byte
+// aligned buffers), so the conv output is never written and read back. Weights (KH, KW, C).
+extern "C" __global__ void dw_ln(const T* x, const T* wt, const T* bias, const T* nw, const T* nb, T* y,
+                                 int H, int W, int C, int KH, int KW, int ph, int pw, int has_bias,
+                                 float eps, long long pixels) {
+    long long pix = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (pix >= pixels) return;
+    int ow = (int)(pix % W);
+    long long t = pix / W;
+    int oh = (int)(t % H);
+    long long n = t / H;
+    int nv = C / VEC;
+    float acc[LN_MAXV][VEC];
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (has_bias && cv < nv) load_vec(bias + cv * VEC, acc[i]);
+        else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[i][j] = 0.0f;
+        }
+    }
+    for (int kh = 0; kh < KH; ++kh) {
+        int ih = oh - ph + kh;
+        if (ih < 0 || ih >= H) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            int iw = ow - pw + kw;
+            if (iw < 0 || iw >= W) continue;
+            const T* xp = x + ((n * H + ih) * (long long)W + iw) * C;
+            const T* wp = wt + ((long long)kh * KW + kw) * C;
+#pragma unroll
+            for (int i = 0; i < LN_MAXV; ++i) {
+                int cv = lane + 32 * i;
+                if (cv < nv) {
+                    float xv[VEC], wv[VEC];
+                    load_vec(xp + cv * VEC, xv);
+                    load_vec(wp + cv * VEC, wv);
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[i][j] = fmaf(xv[j], wv[j], acc[i][j]);
+                }
+            }
+        }
+    }
+    // the conv output rounds to the storage type, as the unfused conv's would before the norm
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[i][j] = ld(st(acc[i][j]));
+        }
+    }
+    float m, r;
+    row_stats(acc, nv, lane, C, eps, m, r);
+    T* yp = y + pix * C;
+#pragma unroll
+    for (int i = 0; i < LN_MAXV; ++i) {
+        int cv = lane + 32 * i;
+        if (cv < nv) {
+            float wv[VEC], bv[VEC];
+            load_vec(nw + cv * VEC, wv);
+            load_vec(nb + cv * VEC, bv);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[i][j] = fmaf((acc[i][j] - m) * r, wv[j], bv[j]);
+            store_vec(yp + cv * VEC, acc[i]);
+        }
     }
 }
 
@@ -404,6 +550,32 @@ def gn_chunks(n: int, rows: int) -> tuple[int, int]:
     return per_chunk, -(-rows // per_chunk)
 
 
+#: 16-byte vectors of channels one lane of ln_rows_vec holds (the kernel's LN_MAXV)
+LN_MAXV = 4
+
+
+def row_in_registers(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether a warp can hold a row of `channels` in registers (ln_rows_vec, dw_ln): whole
+    16-byte vectors, at most LN_MAXV of them per lane, every buffer 16-byte aligned (rows then
+    are too: C * itemsize % 16 == 0)."""
+    vec = 16 // itemsize
+    return channels % vec == 0 and channels // vec <= 32 * LN_MAXV and all(p % 16 == 0 for p in ptrs)
+
+
+def ln_vectorised(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether ln_rows_vec takes a LayerNorm (CONVSERVE_CUDA_LN_VEC=0 keeps ln_rows, for A/B)."""
+    return (os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
+            and row_in_registers(channels, itemsize, ptrs))
+
+
+def dw_ln_applies(channels: int, itemsize: int, kernel: tuple, w_shape: tuple, ptrs) -> bool:
+    """Whether dw_ln computes LayerNorm(depthwise conv + bias): one filter per channel, an odd
+    kernel ('same' padding k // 2 on both sides), a row that fits a warp's registers."""
+    kh, kw = kernel
+    return (tuple(w_shape) == (channels, kh, kw, 1) and kh % 2 == 1 and kw % 2 == 1
+            and row_in_registers(channels, itemsize, ptrs))
+
+
 class Kernels:
     """The compiled kernels for one storage dtype ('float32', 'float16', 'bfloat16')."""
 
@@ -486,15 +658,20 @@ class Kernels:
             np.int32(weight is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
-    def layer_norm(self, x, weight, bias, eps, activation):
+    def layer_norm(self, x, weight, bias, eps, activation, input_bias=None):
+        """act(LayerNorm(x + input_bias) * weight + bias) over the last axis; `input_bias` is a
+        per-channel bias of the op before the norm, added here instead of in its own pass."""
         c = x.shape[-1]
         rows = x.size // c
         y = self.cp.empty_like(x)
         per_block = BLOCK // 32
-        self.fn("ln_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), (
+        operands = [x, y] + [v for v in (weight, bias, input_bias) if v is not None]
+        name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands]) else "ln_rows"
+        self.fn(name)(((rows + per_block - 1) // per_block,), (BLOCK,), (
             x, y, weight if weight is not None else x, bias if bias is not None else x,
+            input_bias if input_bias is not None else x,
             np.int64(rows), np.int32(c), np.int32(weight is not None), np.int32(bias is not None),
-            np.float32(eps), np.int32(ACT_CODES[activation])))
+            np.int32(input_bias is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
     def depthwise2d(self, x, wt, bias, residual, activation, stride, pad_lo, dilation, out_shape):
@@ -520,6 +697,20 @@ class Kernels:
             i32(h), i32(w), i32(c), i32(out_shape[1]), i32(out_shape[2]), i32(kh), i32(kw),
             i32(stride[0]), i32(stride[1]), i32(pad_lo[0]), i32(pad_lo[1]), i32(dilation[0]), i32(dilation[1]),
             i32(bias is not None), i32(residual is not None), i32(ACT_CODES[activation]), np.int64(total)))
+        return y
+
+    def depthwise_layer_norm(self, x, wt, bias, norm_w, norm_b, eps, pad_lo):
+        """LayerNorm(depthwise stride-1 'same' conv(x) + bias) over channels, one kernel; x
+        (N,H,W,C), wt (KH,KW,C). The caller checks dw_ln_applies first."""
+        y = self.cp.empty_like(x)
+        n, h, w, c = x.shape
+        pixels = n * h * w
+        per_block = BLOCK // 32
+        i32 = np.int32
+        self.fn("dw_ln")(((pixels + per_block - 1) // per_block,), (BLOCK,), (
+            x, wt, bias if bias is not None else x, norm_w, norm_b, y, i32(h), i32(w), i32(c),
+            i32(wt.shape[0]), i32(wt.shape[1]), i32(pad_lo[0]), i32(pad_lo[1]), i32(bias is not None),
+            np.float32(eps), np.int64(pixels)))
         return y
 
     def softmax_rows(self, x, scale: float = 1.0):

@@ -4,7 +4,9 @@
 # Logs go to $OUT (set by the device tool) or ./out.
 # Switches (environment): SKIP_TESTS=1, SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
-# STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new shape's first call), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start).
+# STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
+# shape's first call), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start),
+# AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -56,5 +58,8 @@ fi
 if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
   timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
     --log "$OUT/cold_start_server.log" 2>&1 | tee "$OUT/cold_start.log" | tail -n 8
+fi
+if [ "${AB:-0}" = 1 ]; then  # issue #20: each ConvNeXt fusion switch on and off vs PyTorch eager
+  timeout ${AB_TIMEOUT:-300} python3 benchmarks/convnext_fusion_ab.py 2>&1 | tee "$OUT/convnext_fusion_ab.log" | tail -n 30
 fi
 exit $status

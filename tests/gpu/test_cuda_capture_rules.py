@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "convkernels" / "backends"
-MODULES = ["cuda_backend.py", "cuda_kernels.py", "cuda_gemm.py", "cuda_blas.py", "cuda_cudnn.py"]
+MODULES = ["cuda_backend.py", "cuda_kernels.py", "cuda_gemm.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
 
 #: (module, function) -> why it may do what a capture forbids
 EAGER_ONLY = {

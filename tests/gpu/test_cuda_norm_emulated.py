@@ -1,10 +1,12 @@
-"""The CUDA backend's GroupNorm and vectorised depthwise kernels (cuda_kernels.py, the source
-CuPy compiles) run on the CPU: the float32 build of the same source, compiled as C++ with one host thread per CUDA
-thread, a barrier for __syncthreads and locked atomics, launched with the grid the backend's
+"""The CUDA backend's GroupNorm, LayerNorm, depthwise + LayerNorm and vectorised depthwise
+kernels (cuda_kernels.py, the source CuPy compiles) run on the CPU: the float32 build of the
+same source, compiled as C++ with one host thread per CUDA thread, a barrier for __syncthreads,
+a barrier per warp for warp shuffles and locked atomics, launched with the grid the backend's
 wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
-that split a vector, the chunking and the folded finalize against torch.nn.functional, where
-there is no GPU. (fp16/bf16 differ only in the load/store conversions and the vector width;
-tests/gpu/test_cuda_ops.py runs all three on a GPU.)"""
+that split a vector, the chunking and the folded finalize, rows held in registers across a
+warp's lanes, against torch.nn.functional, where there is no GPU. (fp16/bf16 differ only in the
+load/store conversions and the vector width; tests/gpu/test_cuda_ops.py and
+test_cuda_convnext_fusions.py run all three on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
@@ -16,13 +18,15 @@ import pytest
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import ACT_CODES, BLOCK, DW_TW, _SOURCE, gn_chunks
+from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, dw_ln_applies, gn_chunks,
+                                               ln_vectorised)
 
 HARNESS = r"""
 #include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -41,7 +45,18 @@ static unsigned char g_smem[48 * 1024];
 #define __shared__ static
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline double atomicAdd(double* p, double v) { std::lock_guard<std::mutex> l(g_atomic); double o = *p; *p = o + v; return o; }
-static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }  // unused by the norms
+// a warp's shuffle: the 32 threads of a warp meet at their warp's barrier (a warp that returns
+// early, as a LayerNorm warp past the last row does, leaves the others' barriers alone)
+static std::barrier<>* g_warp_bar[32];
+static float g_shfl[1024];
+static inline float __shfl_xor_sync(unsigned, float v, int o) {
+    std::barrier<>* bar = g_warp_bar[threadIdx.x >> 5];
+    g_shfl[threadIdx.x] = v;
+    bar->arrive_and_wait();
+    float r = g_shfl[threadIdx.x ^ o];
+    bar->arrive_and_wait();
+    return r;
+}
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
@@ -56,6 +71,11 @@ static void launch(dim3 grid, K body) {
         for (unsigned bx = 0; bx < grid.x; ++bx) {
             std::barrier<> bar(blockDim.x);
             g_bar = &bar;
+            std::vector<std::unique_ptr<std::barrier<>>> warps;
+            for (unsigned w = 0; w < blockDim.x / 32; ++w) {
+                warps.emplace_back(new std::barrier<>(32));
+                g_warp_bar[w] = warps.back().get();
+            }
             std::vector<std::thread> ts;
             for (unsigned t = 0; t < blockDim.x; ++t)
                 ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
@@ -70,6 +90,21 @@ extern "C" void run_group_norm(const float* x, float* y, double* acc, const floa
     dim3 grid; grid.x = nchunks; grid.y = N;
     launch(grid, [=] { gn_stats(x, acc, S, C, G, rows_per_chunk, vec); });
     launch(grid, [=] { gn_norm(x, y, acc, w, b, S, C, G, rows_per_chunk, count, eps, has_w, has_b, a, vec); });
+}
+
+extern "C" void run_layer_norm(const float* x, float* y, const float* w, const float* b, const float* xb,
+                               long long rows, int C, float eps, int a, int vec, int has_xb) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
+    if (vec) launch(grid, [=] { ln_rows_vec(x, y, w, b, xb, rows, C, 1, 1, has_xb, eps, a); });
+    else launch(grid, [=] { ln_rows(x, y, w, b, xb, rows, C, 1, 1, has_xb, eps, a); });
+}
+
+extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
+                          float* y, int H, int W, int C, int KH, int KW, float eps, long long pixels) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)((pixels + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
+    launch(grid, [=] { dw_ln(x, wt, bias, nw, nb, y, H, W, C, KH, KW, KH / 2, KW / 2, 1, eps, pixels); });
 }
 
 // grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
@@ -167,3 +202,74 @@ def test_vectorised_depthwise_matches_torch(lib, n, h, w, c, k, epilogue):
                    "silu" if epilogue else None)
     assert np.isfinite(y).all(), "an element was never written"
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows,c", [
+    (13, 12),     # 3 float4 vectors per row; the second block's last warps have no row
+    (7, 260),     # 65 vectors: lane 0 holds three, the others two
+    (9, 4 * 32 * LN_MAXV),  # the widest row the registers hold
+    (1, 4),
+])
+@pytest.mark.parametrize("vec", [1, 0])
+@pytest.mark.parametrize("activation,input_bias", [(None, False), ("gelu", False), (None, True)])
+def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation, input_bias):
+    """ln_rows_vec (row in registers, 16-byte loads) and ln_rows: odd row counts, rows narrower
+    than a warp's vectors, warps without a row, a per-channel bias added before the norm;
+    against torch in float64."""
+    rng, seed = fresh_rng()
+    x = (rng.standard_normal((rows, c)) * 2 + 0.7).astype(np.float32)
+    w = rng.standard_normal(c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    xb = (3 * rng.standard_normal(c)).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    lib.run_layer_norm(p(x), p(y), p(w), p(b), p(xb), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(1e-6),
+                       ctypes.c_int(ACT_CODES[activation]), ctypes.c_int(vec), ctypes.c_int(input_bias))
+    xin = x.astype(np.float64) + (xb.astype(np.float64) if input_bias else 0.0)
+    ref = from_t(ref_activation(F.layer_norm(to_t(xin), (c,), torch.from_numpy(w.astype(np.float64)),
+                                             torch.from_numpy(b.astype(np.float64)), 1e-6), activation))
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+def test_layer_norm_vector_path_choice():
+    """ln_rows_vec only where whole 16-byte vectors fit the lanes' registers and every buffer
+    is 16-byte aligned."""
+    assert ln_vectorised(768, 2, [0, 256, 4096])            # ConvNeXt-T's widest stage, fp16
+    assert ln_vectorised(1024, 2, [0, 16])                  # ConvNeXt-B's, fp16
+    assert not ln_vectorised(1024, 4, [0])                  # fp32: 256 vectors > 32 * LN_MAXV
+    assert not ln_vectorised(100, 2, [0])                   # not whole vectors of 8 halves
+    assert not ln_vectorised(96, 2, [0, 8])                 # a buffer off 16 bytes
+
+
+@pytest.mark.parametrize("n,h,w,c,k", [(2, 5, 7, 12, 7), (1, 9, 4, 260, 3), (3, 3, 3, 8, 7),
+                                       (1, 2, 13, 4 * 32 * LN_MAXV, 5)])
+def test_depthwise_layer_norm_matches_torch(lib, n, h, w, c, k):
+    """dw_ln: LayerNorm(depthwise conv + bias) in one pass; images narrower than the kernel,
+    batch > 1, lanes with and without a vector, the widest row; against torch in float64."""
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    wd = (rng.standard_normal((c, k, k, 1)) / k).astype(np.float32)
+    wt = np.ascontiguousarray(wd.reshape(c, -1).T)  # (KH*KW, C), as the backend's _dw_weights
+    b = rng.standard_normal(c).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(c)).astype(np.float32)
+    nb = rng.standard_normal(c).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    i32 = ctypes.c_int
+    lib.run_dw_ln(p(x), p(wt), p(b), p(nw), p(nb), p(y), i32(h), i32(w), i32(c), i32(k), i32(k), ctypes.c_float(1e-6),
+                  ctypes.c_longlong(n * h * w))
+    conv = ref_conv(x, wd, b, (1, 1), ((k // 2, k // 2), (k // 2, k // 2)), (1, 1), c)
+    ref = F.layer_norm(torch.from_numpy(conv), (c,), torch.from_numpy(nw.astype(np.float64)),
+                       torch.from_numpy(nb.astype(np.float64)), 1e-6).numpy()
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+def test_depthwise_layer_norm_applies_to_convnext_blocks_only():
+    assert dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 1), [0, 16, 32])
+    assert dw_ln_applies(1024, 2, (7, 7), (1024, 7, 7, 1), [0])
+    assert not dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 2), [0])     # channel multiplier 2
+    assert not dw_ln_applies(96, 2, (4, 4), (96, 4, 4, 1), [0])     # even kernel: no 'same' padding
+    assert not dw_ln_applies(100, 2, (7, 7), (100, 7, 7, 1), [0])   # not whole vectors
+    assert not dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 1), [0, 8])  # a buffer off 16 bytes
