@@ -562,10 +562,16 @@ def row_in_registers(channels: int, itemsize: int, ptrs) -> bool:
     return channels % vec == 0 and channels // vec <= 32 * LN_MAXV and all(p % 16 == 0 for p in ptrs)
 
 
-def ln_vectorised(channels: int, itemsize: int, ptrs) -> bool:
+#: ln_rows_vec (a row in one warp's registers) won at few rows and lost at many on the H100
+#: (benchmarks/convnext_fusion_ab.py, 2026-11-24, ConvNeXt-T: b1 0.617 vs 0.722 ms with it,
+#: b32 2.31 vs 2.22 ms, b128 7.73 vs 7.29 ms); ln_rows takes norms over more rows than this
+LN_VEC_MAX_ROWS = 16384
+
+
+def ln_vectorised(channels: int, itemsize: int, ptrs, rows: int = 0) -> bool:
     """Whether ln_rows_vec takes a LayerNorm (CONVSERVE_CUDA_LN_VEC=0 keeps ln_rows, for A/B)."""
     return (os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
-            and row_in_registers(channels, itemsize, ptrs))
+            and rows <= LN_VEC_MAX_ROWS and row_in_registers(channels, itemsize, ptrs))
 
 
 def dw_ln_applies(channels: int, itemsize: int, kernel: tuple, w_shape: tuple, ptrs) -> bool:
@@ -666,7 +672,7 @@ class Kernels:
         y = self.cp.empty_like(x)
         per_block = BLOCK // 32
         operands = [x, y] + [v for v in (weight, bias, input_bias) if v is not None]
-        name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands]) else "ln_rows"
+        name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands], rows) else "ln_rows"
         self.fn(name)(((rows + per_block - 1) // per_block,), (BLOCK,), (
             x, y, weight if weight is not None else x, bias if bias is not None else x,
             input_bias if input_bias is not None else x,

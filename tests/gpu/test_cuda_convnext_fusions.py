@@ -163,14 +163,34 @@ def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dty
         out = model.encode(pixels)
         emb, logits = convnext_ref(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std))
         errs[approx] = (rel_l2(out["embedding"], emb), rel_l2(out["logits"], logits))
+    floor = torch_lowp_error(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std), dtype)
     line = (f"convnext tiny {dtype}: rel L2 embedding/logits with tanh GELU {errs['1'][0]:.2e}/{errs['1'][1]:.2e}, "
-            f"exact erf GELU {errs['0'][0]:.2e}/{errs['0'][1]:.2e}")
+            f"exact erf GELU {errs['0'][0]:.2e}/{errs['0'][1]:.2e} (PyTorch in {dtype}: {floor[0]:.2e}/{floor[1]:.2e})")
     print(line)
     out_dir = os.environ.get("OUT")
     if out_dir and os.path.isdir(out_dir):
         with open(os.path.join(out_dir, "model_parity.txt"), "a") as f:
             f.write(line + "\n")
-    assert max(errs["1"] + errs["0"]) < 1e-2, errs
+    # as in test_models_gpu: bfloat16 keeps 8 bits, and a random-weight ConvNeXt can land above 1e-2
+    # in PyTorch's own bf16 run; then ours must stay within 1.5x of PyTorch's bf16 error
+    tol = max(1e-2, 1.5 * max(floor)) if dtype == "bfloat16" else 1e-2
+    assert max(errs["1"] + errs["0"]) < tol, (errs, floor)
+
+
+def torch_lowp_error(ref_model, pixels, mean, std, dtype) -> tuple[float, float]:
+    """rel L2 of transformers' own run in `dtype` (CPU) against its fp32 run: embedding, logits."""
+    import copy
+
+    import torch
+
+    emb, logits = convnext_ref(ref_model, pixels, mean, std)
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    lowp = copy.deepcopy(ref_model).to(tdt)
+    x = torch.from_numpy(((pixels - mean) / std).transpose(0, 3, 1, 2).copy()).to(tdt)
+    with torch.no_grad():
+        base = lowp.convnext(x)
+        out = (base.pooler_output.float().numpy(), lowp.classifier(base.pooler_output).float().numpy())
+    return rel_l2(out[0], emb), rel_l2(out[1], logits)
 
 
 # ---- depthwise conv + LayerNorm: dw_ln (CONVSERVE_CUDA_DW_LN=1) or the conv's bias in the norm ------

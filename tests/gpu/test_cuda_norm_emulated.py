@@ -240,6 +240,8 @@ def test_layer_norm_vector_path_choice():
     assert not ln_vectorised(1024, 4, [0])                  # fp32: 256 vectors > 32 * LN_MAXV
     assert not ln_vectorised(100, 2, [0])                   # not whole vectors of 8 halves
     assert not ln_vectorised(96, 2, [0, 8])                 # a buffer off 16 bytes
+    assert ln_vectorised(96, 2, [0], rows=3136)             # ConvNeXt-T stage 1 at batch 1
+    assert not ln_vectorised(96, 2, [0], rows=100352)       # ... at batch 32: ln_rows measured faster
 
 
 @pytest.mark.parametrize("n,h,w,c,k", [(2, 5, 7, 12, 7), (1, 9, 4, 260, 3), (3, 3, 3, 8, 7),
