@@ -159,7 +159,10 @@ def _load_local(preset: str, weights: Optional[str], backend: str):
     from convkernels import get_backend
     from models import WeightsError, load_model
 
-    be = get_backend(backend)
+    from .settings import Settings
+
+    # the backend knobs (unfold limit, plan cache, ...) are the server's CONVSERVE_* settings
+    be = get_backend(backend, **Settings().backend_options())
     try:
         return load_model(preset, preset, be, weights=weights)
     except WeightsError as exc:

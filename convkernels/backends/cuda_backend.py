@@ -23,7 +23,6 @@ as CUDA graphs (cuda_graphs.py; on unless cuda_graphs=False).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 from collections import Counter, OrderedDict
@@ -54,11 +53,6 @@ _DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16"
 _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v else None
-
-
 class CudaBackend(Backend):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
@@ -80,10 +74,9 @@ class CudaBackend(Backend):
         name = props["name"]
         self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
         self.cudnn_version = str(cudnn.backend_version())
-        self.unfold_limit_bytes = int(unfold_limit_bytes or _env_int("CONVSERVE_UNFOLD_LIMIT_BYTES")
-                                      or DEFAULT_UNFOLD_LIMIT)
-        # serving turns autotune on by environment (the service passes only the dtype)
-        self.autotune = bool(autotune) or os.environ.get("CONVSERVE_CUDA_AUTOTUNE", "") in ("1", "true", "yes")
+        self.unfold_limit_bytes = int(unfold_limit_bytes or DEFAULT_UNFOLD_LIMIT)
+        # the service passes CONVSERVE_CUDA_AUTOTUNE (Settings.backend_options)
+        self.autotune = bool(autotune)
         self.allow_tf32 = bool(allow_tf32)
         # whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py); the
         # service passes CONVSERVE_CUDA_GRAPHS / CONVSERVE_CUDA_GRAPH_CAPACITY
@@ -97,9 +90,8 @@ class CudaBackend(Backend):
         self.handle = cudnn.create_handle()
         self.builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=self.allow_tf32, autotune=self.autotune,
                                         autotune_max_plans=autotune_max_plans)
-        cache_dir = plan_cache_dir or os.environ.get("CONVSERVE_PLAN_CACHE_DIR") or None
-        store = PlanStore(cache_dir, self.gpu_name, self.cudnn_version) if cache_dir else None
-        capacity = plan_cache_capacity or _env_int("CONVSERVE_PLAN_CACHE_CAPACITY") or DEFAULT_CAPACITY
+        store = PlanStore(plan_cache_dir, self.gpu_name, self.cudnn_version) if plan_cache_dir else None
+        capacity = plan_cache_capacity or DEFAULT_CAPACITY
         self.plan_cache = PlanCache(capacity, self.name, store=store, serializer=self.builder)
         self._ws = None
         self._pending: list = []
