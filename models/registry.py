@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from convkernels import Backend
+
 from .hub import resolve_weights
 
 log = logging.getLogger("convserve.models")
@@ -97,7 +99,7 @@ def _family_module(family: str, unavailable: dict[str, str]):
 PRESETS = _Presets()
 
 
-def load_model(name: str, preset: str, backend, weights: str | None = None, **overrides: Any):
+def load_model(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides: Any):
     """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
     diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
     (models/hub.py; the model then has `weights_provenance`), None = seeded random init."""
