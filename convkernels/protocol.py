@@ -13,6 +13,8 @@ import numpy as np
 from .spec import ConvSpec, PaddingArg
 
 Array = Any
+#: a callable run as hook(x, w, spec) ahead of every conv (Backend.before_conv); it may raise
+ConvHook = Callable[[Array, Array, ConvSpec], None]
 
 
 @runtime_checkable
@@ -21,6 +23,9 @@ class Backend(Protocol):
     name: str
     #: the dtype arrays are computed in unless asked otherwise (numpy names)
     dtype: str
+    #: None, or a hook run ahead of every conv: the one seam for wrapping convs (the service's
+    #: fault injection sets it; nothing replaces backend methods)
+    before_conv: ConvHook | None
 
     # ---- arrays and device ------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: str | None = None) -> Array: ...

@@ -54,3 +54,31 @@ def test_a_live_backend_is_an_instance_of_the_protocol():
     be = get_backend("numpy")
     assert isinstance(be, Backend)
     assert not isinstance(object(), Backend)
+
+
+@pytest.mark.parametrize("cls", backend_classes(), ids=lambda c: c.__name__)
+def test_before_conv_sees_every_conv_and_its_error_is_the_convs(cls):
+    """The documented seam for wrapping convs: every conv op calls it first with (x, w, spec),
+    and what it raises is the conv's error (the service's fault injection relies on both)."""
+    import numpy as np
+
+    be = get_backend({"NumpyBackend": "numpy", "MlxBackend": "mlx", "CudaBackend": "cuda"}[cls.__name__])
+    rng = np.random.default_rng()
+    seen = []
+    be.before_conv = lambda x, w, spec: seen.append((tuple(x.shape), tuple(w.shape), spec.nd, spec.transpose))
+    x2 = be.asarray(rng.standard_normal((1, 7, 5, 3)).astype(np.float32))
+    x3 = be.asarray(rng.standard_normal((1, 3, 5, 4, 3)).astype(np.float32))
+    be.conv2d(x2, be.asarray(rng.standard_normal((4, 3, 3, 3)).astype(np.float32)), padding=1)
+    be.conv3d(x3, be.asarray(rng.standard_normal((2, 3, 3, 3, 3)).astype(np.float32)), padding=1)
+    be.conv_transpose2d(x2, be.asarray(rng.standard_normal((5, 4, 4, 3)).astype(np.float32)), stride=2, padding=1)
+    assert seen == [((1, 7, 5, 3), (4, 3, 3, 3), 2, False), ((1, 3, 5, 4, 3), (2, 3, 3, 3, 3), 3, False),
+                    ((1, 7, 5, 3), (5, 4, 4, 3), 2, True)]
+
+    def refuse(x, w, spec):
+        raise MemoryError("refused by the hook")
+
+    be.before_conv = refuse
+    with pytest.raises(MemoryError, match="refused by the hook"):
+        be.conv2d(x2, be.asarray(rng.standard_normal((4, 3, 3, 3)).astype(np.float32)))
+    be.before_conv = None
+    assert be.conv2d(x2, be.asarray(rng.standard_normal((4, 1, 1, 3)).astype(np.float32))).shape == (1, 7, 5, 4)

@@ -178,6 +178,8 @@ class CudaBackend(Backend):
     # ---- convolutions ---------------------------------------------------------------------------
     def conv(self, x, w, spec: ConvSpec, bias=None, *, residual=None, activation=None):
         """act(conv(x, w) + bias) + residual. Counts the path that actually ran."""
+        if self.before_conv is not None:
+            self.before_conv(x, w, spec)
         nd = spec.nd
         op = (CONV_T_OPS if spec.transpose else CONV_OPS).get(nd)
         if op is None:

@@ -1,41 +1,22 @@
-"""Device faults: recovery from an out-of-memory decode, and the injection hooks that let tests
-(and chaos drills) cause faults on any machine.
+"""Recovery from an out-of-memory decode (always on; production, not injection).
 
-Recovery (always on): a decode that raises MemoryError (CuPy's OutOfMemoryError is one; the
-NumPy backend raises it too) is retried on the worker thread, first row by row when the batch has
-several rows, then in tiles, each retry with tiles half the size of the last, down to a floor.
-When every retry fails the request gets DeviceOutOfMemory (503 + Retry-After), never a crash.
-A streamed video decode (frames_with_oom_retry) resumes in tiles from the frame group that ran
-out, after decoding again (and dropping) the groups already sent.
-
-Injection (off unless a CONVSERVE_FAULT_* variable is set; armed only after warm-up, so a server
-always starts):
-  CONVSERVE_FAULT_OOM_ABOVE_BYTES=N   every backend conv whose input or output activation would
-                                      exceed N bytes raises MemoryError, as a device with little
-                                      free memory would (smaller tiles fit, larger ones do not)
-  CONVSERVE_FAULT_POISON_VALUE=V      a model call whose inputs hold the exact float V raises
-                                      RuntimeError, as a bug inside a model would (the worker must
-                                      fail that batch only and keep serving)
-  CONVSERVE_FAULT_HOLD_VALUE=V        a model call whose inputs hold the exact float V creates
-  CONVSERVE_FAULT_HOLD_RELEASE_FILE=F F.holding, then keeps the worker busy until file F exists
-                                      (at most HOLD_MAX_S), so a test knows when a request occupies
-                                      the worker and decides how long, instead of guessing how long
-                                      a decode takes on a loaded machine
-
-Every fault is counted in `convserve_faults_total{model,fault,outcome}`."""
+A decode that raises MemoryError (CuPy's OutOfMemoryError is one; the NumPy backend raises it too)
+is retried on the worker thread, first row by row when the batch has several rows, then in tiles,
+each retry with tiles half the size of the last, down to a floor. When every retry fails the
+request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
+(frames_with_oom_retry) resumes in tiles from the frame group that ran out, after decoding again
+(and dropping) the groups already sent. Every step is counted in
+`convserve_faults_total{model,fault="device_oom",outcome}`."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from . import metrics
+from .metrics import count_fault as count
 
 log = logging.getLogger("convserve.faults")
 
@@ -43,97 +24,10 @@ log = logging.getLogger("convserve.faults")
 MAX_SMALLER_TILES = 3
 
 
-class FaultSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CONVSERVE_FAULT_", extra="ignore")
-
-    oom_above_bytes: int | None = None
-    poison_value: float | None = None
-    hold_value: float | None = None
-    hold_release_file: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return any(v is not None for v in (self.oom_above_bytes, self.poison_value, self.hold_value))
-
-
 class DeviceOutOfMemory(Exception):
     """A decode ran out of device memory even in the smallest tiles tried."""
 
 
-def count(model: str, fault: str, outcome: str) -> None:
-    metrics.FAULTS.labels(model, fault, outcome).inc()
-
-
-# ---- injection -----------------------------------------------------------------------------------
-def _nbytes(shape, itemsize: int = 4) -> int:
-    return int(np.prod([int(s) for s in shape], dtype=np.int64)) * itemsize
-
-
-def _conv_out_shape(x_shape, w_shape, spec) -> tuple[int, ...]:
-    """Output shape of a channels-last conv (enough for a size check: stride and transpose only)."""
-    spatial = list(x_shape[1:-1])
-    stride = getattr(spec, "stride", (1,) * len(spatial))
-    if getattr(spec, "transpose", False):
-        spatial = [s * st for s, st in zip(spatial, stride)]
-    else:
-        spatial = [-(-s // st) for s, st in zip(spatial, stride)]
-    return (x_shape[0], *spatial, w_shape[0])
-
-
-def arm(backend, settings: FaultSettings | None = None) -> FaultSettings:
-    """Install the backend-level injection hooks named by the environment (no-op when none)."""
-    settings = settings or FaultSettings()
-    limit = settings.oom_above_bytes
-    if limit is not None:
-        conv = backend.conv
-
-        def conv_with_memory_limit(x, w, spec, bias=None, **kw):
-            need = max(_nbytes(x.shape), _nbytes(_conv_out_shape(tuple(x.shape), tuple(w.shape), spec)))
-            if need > limit:
-                raise MemoryError(f"injected device out of memory: conv activation of {need} bytes "
-                                  f"> CONVSERVE_FAULT_OOM_ABOVE_BYTES={limit}")
-            return conv(x, w, spec, bias, **kw)
-
-        backend.conv = conv_with_memory_limit  # the models call backend.conv (conv2d/3d go through it)
-        log.warning("fault injection armed: conv activations above %d bytes raise MemoryError", limit)
-    if settings.poison_value is not None:
-        log.warning("fault injection armed: model calls on inputs holding %r raise", settings.poison_value)
-    if settings.hold_value is not None:
-        log.warning("fault injection armed: model calls on inputs holding %r wait for %s",
-                    settings.hold_value, settings.hold_release_file)
-    return settings
-
-
-#: the longest an injected hold keeps the worker, should a test never release it
-HOLD_MAX_S = 120.0
-
-
-def _holds(inputs: np.ndarray, value: float | None) -> bool:
-    return value is not None and inputs.dtype.kind == "f" and bool((inputs == np.float32(value)).any())
-
-
-def with_call_faults(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
-    """`call` with the model-call faults that are set: raise on the poison value; wait for the
-    release file on the hold value."""
-    if settings is None or (settings.poison_value is None and settings.hold_value is None):
-        return call
-
-    def run(inputs: np.ndarray):
-        if _holds(inputs, settings.poison_value):
-            raise RuntimeError(f"injected worker fault: inputs hold the poison value {settings.poison_value!r}")
-        if _holds(inputs, settings.hold_value):
-            release = Path(settings.hold_release_file or "")
-            if settings.hold_release_file:
-                release.with_name(release.name + ".holding").touch()
-            deadline = time.monotonic() + HOLD_MAX_S
-            while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        return call(inputs)
-
-    return run
-
-
-# ---- recovery ------------------------------------------------------------------------------------
 def _smaller_tiling(model):
     """The model's tile settings with tiles half the size, or None at the floor. Both tile
     setting kinds are known: image VAEs (tile_latent_size, in latents) and the Wan video VAE
