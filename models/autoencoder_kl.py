@@ -248,8 +248,12 @@ class AutoencoderKLModel:
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  seed: int = 0, with_encoder: bool = True, tile_latent_size: int | None = None,
                  tile_overlap_factor: float = 0.25, memory_budget_bytes: int | None = None,
-                 upsample_mode: str = "subpixel"):
+                 upsample_mode: str = "subpixel", tile_size: int | None = None):
+        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE), used where
+        tile_latent_size is not given."""
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        if tile_size and not tile_latent_size:
+            tile_latent_size = max(1, int(tile_size) // cfg.spatial_factor)
         self.latent_channels = cfg.latent_channels
         self.spatial_factor = cfg.spatial_factor
         self.scaling_factor = float(cfg.scaling_factor)
@@ -381,6 +385,11 @@ class AutoencoderKLModel:
         return np.asarray(b.to_host(mean), dtype=np.float32)
 
     # ---- description -----------------------------------------------------------------------------
+    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:
+        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
+        out of memory, or None when there is no smaller one."""
+        return current.halved(self.spatial_factor)
+
     def card(self) -> dict:
         b = self.backend
         return {
@@ -407,7 +416,7 @@ class AutoencoderKLModel:
 
 
 _SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
-             "upsample_mode")
+             "upsample_mode", "tile_size")
 
 
 def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Backend, weights: str | None = None,

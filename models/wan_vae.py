@@ -166,9 +166,12 @@ class WanVAEDecoder:
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  seed: int = RANDOM_SEED, tile_sample_min_size: int = 256, tile_sample_stride: int = 192,
-                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS):
+                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS, tile_size: int | None = None):
+        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE); when given it
+        replaces tile_sample_min_size/stride, the stride a quarter smaller."""
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        self.tiling = TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
+        self.tiling = TileSettings.for_tile_size(tile_size) if tile_size else \
+            TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
         self.max_untiled_pixels = int(max_untiled_pixels)
         self.latent_channels = cfg.z_dim
         self.spatial_factor = cfg.spatial_factor
@@ -257,6 +260,11 @@ class WanVAEDecoder:
         return np.concatenate(list(self.decode_frames(latents_ncthw, tiled)), axis=1)
 
     # ---- description -----------------------------------------------------------------------------
+    def smaller_tiling(self, current: TileSettings) -> TileSettings | None:
+        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
+        out of memory, or None when there is no smaller one."""
+        return current.halved(self.spatial_factor)
+
     def card(self) -> dict:
         b = self.backend
         return {
@@ -287,7 +295,7 @@ class WanVAEDecoder:
         }
 
 
-_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels")
+_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels", "tile_size")
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides) -> WanVAEDecoder:

@@ -1,4 +1,5 @@
-"""Loading, warming up and describing the served models (through models.load_model only)."""
+"""Loading, warming up and describing the served models (through models.load_model and the typed
+model contract, models/contract.py, only)."""
 from __future__ import annotations
 
 import itertools
@@ -9,12 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from models.contract import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER
+
 from . import metrics
 from .settings import ModelEntry
 
 log = logging.getLogger("convserve.models")
 
-IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
+__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "load_entry", "warm_up"]
 
 
 @dataclass
@@ -39,7 +42,7 @@ class HostedModel:
 
     @property
     def labels(self) -> list[str] | None:
-        return getattr(self.model, "labels", None)
+        return self.model.labels if self.kind == IMAGE_ENCODER else None
 
     def tensors(self) -> tuple[list[dict], list[dict]]:
         """KServe v2 input/output tensor metadata (-1 = any size)."""
@@ -78,28 +81,11 @@ class HostedModel:
         return card
 
 
-def tiling_overrides(preset: str, tile_size: int | None) -> dict:
-    """CONVSERVE_TILE_SIZE (output pixels per tile side) as the model family's own setting."""
-    if not tile_size:
-        return {}
-    from models import PRESETS
-
-    info = PRESETS.get(preset)
-    if info is None:
-        return {}
-    if info.kind == IMAGE_DECODER:
-        return {"tile_latent_size": max(1, tile_size // 8)}
-    if info.kind == VIDEO_DECODER:
-        return {"tile_sample_min_size": tile_size, "tile_sample_stride": max(8, tile_size * 3 // 4)}
-    return {}
-
-
 def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> HostedModel:
     from models import load_model  # the models layer; imported late so settings errors come first
 
     t0 = time.perf_counter()
-    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
-                       **tiling_overrides(entry.preset, tile_size))
+    model = load_model(entry.name, entry.preset, backend, weights=entry.weights, tile_size=tile_size)
     secs = time.perf_counter() - t0
     metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
     log.info("loaded %s (preset %s, %s) in %.2fs", entry.name, entry.preset,

@@ -2,19 +2,21 @@
 
 A decode that raises MemoryError (CuPy's OutOfMemoryError is one; the NumPy backend raises it too)
 is retried on the worker thread, first row by row when the batch has several rows, then in tiles,
-each retry with tiles half the size of the last, down to a floor. When every retry fails the
+each retry in the model's next smaller tiling (its `smaller_tiling` answer, models/contract.py),
+down to the model's floor. When every retry fails the
 request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
 (frames_with_oom_retry) resumes in tiles from the frame group that ran out, after decoding again
 (and dropping) the groups already sent. Every step is counted in
 `convserve_faults_total{model,fault="device_oom",outcome}`."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import numpy as np
+
+from models.contract import TiledDecoder
 
 from .metrics import count_fault as count
 
@@ -28,32 +30,8 @@ class DeviceOutOfMemory(Exception):
     """A decode ran out of device memory even in the smallest tiles tried."""
 
 
-def _smaller_tiling(model):
-    """The model's tile settings with tiles half the size, or None at the floor. Both tile
-    setting kinds are known: image VAEs (tile_latent_size, in latents) and the Wan video VAE
-    (min_size/stride, in pixels)."""
-    t = getattr(model, "tiling", None)
-    if t is None:
-        return None
-    if hasattr(t, "tile_latent_size"):
-        from models.tiling import MIN_TILE_LATENT, _consistent_tile
-
-        size = t.tile_latent_size
-        if size // 2 < MIN_TILE_LATENT:
-            return None
-        new = _consistent_tile(size // 2, model.spatial_factor, t.overlap_factor)
-        return dataclasses.replace(t, tile_latent_size=new) if new < size else None
-    if hasattr(t, "min_size") and hasattr(t, "stride"):
-        f = model.spatial_factor
-        size, stride = t.min_size // 2, t.stride // 2
-        if size < 2 * f or stride < f:
-            return None
-        return dataclasses.replace(t, min_size=size, stride=stride)
-    return None
-
-
 @contextmanager
-def _tiling(model, tiling):
+def _tiling(model: TiledDecoder, tiling):
     # the worker thread is the only one running this model, so a temporary swap is safe; a streamed
     # decode already holds its own tile plan (made when it started)
     old = model.tiling
@@ -64,7 +42,7 @@ def _tiling(model, tiling):
         model.tiling = old
 
 
-def decode_with_oom_retry(model_name: str, model, decode: Callable[[np.ndarray, bool | None], np.ndarray],
+def decode_with_oom_retry(model_name: str, model: TiledDecoder, decode: Callable[[np.ndarray, bool | None], np.ndarray],
                           x: np.ndarray, tiled: bool | None) -> np.ndarray:
     """decode(x, tiled), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
     try:
@@ -81,15 +59,15 @@ def decode_with_oom_retry(model_name: str, model, decode: Callable[[np.ndarray, 
     return out
 
 
-def _retry_tiled(model_name: str, model, decode, x: np.ndarray) -> np.ndarray:
+def _retry_tiled(model_name: str, model: TiledDecoder, decode, x: np.ndarray) -> np.ndarray:
     last: BaseException | None = None
     try:
         return decode(x, True)
     except MemoryError as exc:
         last = exc
-    tiling = model.tiling if hasattr(model, "tiling") else None
+    tiling = model.tiling
     for _ in range(MAX_SMALLER_TILES):
-        tiling = _smaller_tiling(_Shim(model, tiling)) if tiling is not None else None
+        tiling = model.smaller_tiling(tiling)
         if tiling is None:
             break
         count(model_name, "device_oom", "retried")
@@ -103,7 +81,7 @@ def _retry_tiled(model_name: str, model, decode, x: np.ndarray) -> np.ndarray:
                             f"tried ({last})") from last
 
 
-def frames_with_oom_retry(model_name: str, model, make: Callable[[bool | None], Iterator[np.ndarray]],
+def frames_with_oom_retry(model_name: str, model: TiledDecoder, make: Callable[[bool | None], Iterator[np.ndarray]],
                           tiled: bool | None) -> Iterator[np.ndarray]:
     """The frame groups of make(tiled) (a streamed video decode), retried on MemoryError: the
     decode restarts tiled, then in smaller tiles, decodes again (and drops) the groups already
@@ -138,20 +116,18 @@ def frames_with_oom_retry(model_name: str, model, make: Callable[[bool | None], 
     return groups()
 
 
-def _tilings_to_try(model) -> Iterator:
+def _tilings_to_try(model: TiledDecoder) -> Iterator:
     """The model's own tiling, then ever smaller ones (at most MAX_SMALLER_TILES)."""
-    tiling = getattr(model, "tiling", None)
-    if tiling is None:
-        return
+    tiling = model.tiling
     yield tiling
     for _ in range(MAX_SMALLER_TILES):
-        tiling = _smaller_tiling(_Shim(model, tiling))
+        tiling = model.smaller_tiling(tiling)
         if tiling is None:
             return
         yield tiling
 
 
-def _resumed_tiled(model_name: str, model, make, sent: int, attempts: Iterator, exc: BaseException):
+def _resumed_tiled(model_name: str, model: TiledDecoder, make, sent: int, attempts: Iterator, exc: BaseException):
     """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
     Its next group may still run out of memory: the caller then asks again with the next tiling."""
     last = exc
@@ -172,11 +148,3 @@ def _resumed_tiled(model_name: str, model, make, sent: int, attempts: Iterator, 
     count(model_name, "device_oom", "failed")
     raise DeviceOutOfMemory(f"out of device memory in a streamed decode after {sent} frame groups, even in the "
                             f"smallest tiles tried ({last})") from last
-
-
-class _Shim:
-    """`model` seen with another tiling (so _smaller_tiling halves the last size tried)."""
-
-    def __init__(self, model, tiling):
-        self.tiling = tiling
-        self.spatial_factor = model.spatial_factor

@@ -309,7 +309,7 @@ class Service:
                          disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder."""
         hm = self.model(name)
-        if hm.kind != IMAGE_DECODER or not getattr(hm.model, "has_encoder", False):
+        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
             raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) has no VAE encoder weights to encode with")
         s = self.settings
         if images.ndim != 4 or images.shape[-1] != 3 or min(images.shape) < 1:

@@ -339,7 +339,7 @@ async def remote_encode(
     svc = _service(request)
     hm = svc.model(name)
     async with svc.track(name, "vae_encode"):
-        if hm.kind != IMAGE_DECODER or not getattr(hm.model, "has_encoder", False):
+        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
             raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) serves no VAE encoder: its checkpoint "
                           "holds no encoder weights")
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)

@@ -1,0 +1,61 @@
+"""What the service may ask a model: one typed Protocol per kind (docs/interfaces.md, "models").
+
+The service calls these members and nothing else; it never imports a model class or a private
+name. `kind` says which Protocol a model follows; a decoder's `tiling` is its current tile
+settings, opaque to the caller, which only passes it back to `smaller_tiling` or installs one
+that method returned (while it alone runs the model).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
+Kind = Literal["image-decoder", "video-decoder", "image-encoder"]
+
+
+@runtime_checkable
+class Model(Protocol):
+    name: str
+    kind: Kind
+
+    def card(self) -> dict: ...
+
+
+@runtime_checkable
+class TiledDecoder(Model, Protocol):
+    latent_channels: int
+    spatial_factor: int
+    tiling: Any
+
+    def smaller_tiling(self, current: Any) -> Any | None:
+        """Retry smaller: the tile settings to try after a decode in `current` ran out of
+        memory, or None when there is no smaller one."""
+
+
+@runtime_checkable
+class ImageDecoder(TiledDecoder, Protocol):
+    has_encoder: bool
+
+    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray: ...
+
+    def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
+
+
+@runtime_checkable
+class VideoDecoder(TiledDecoder, Protocol):
+    temporal_factor: int
+
+    def decode(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
+
+    def decode_frames(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> Iterator[np.ndarray]: ...
+
+
+@runtime_checkable
+class ImageEncoder(Model, Protocol):
+    input_size: int
+    embed_dim: int
+    labels: list[str] | None
+
+    def encode(self, pixels_nhwc01: np.ndarray) -> dict: ...
