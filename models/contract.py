@@ -19,6 +19,10 @@ Kind = Literal["image-decoder", "video-decoder", "image-encoder"]
 class Model(Protocol):
     name: str
     kind: Kind
+    #: where the weights came from (a path, hf://org/name@commit, or "random init"); None = unnamed
+    weights_source: str | None
+    #: Hub weights only: repository, subfolder, revision, resolved commit, file sizes and hashes
+    weights_provenance: dict | None
 
     def card(self) -> dict: ...
 

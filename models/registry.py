@@ -118,7 +118,7 @@ def load_model(name: str, preset: str, backend: Backend, weights: str | None = N
         overrides["tile_size"] = tile_size
     local, hub = resolve_weights(weights)
     model = mod.build(name, preset, backend, local, **overrides) if overrides else mod.build(name, preset, backend, local)
+    model.weights_provenance = None if hub is None else hub.provenance
     if hub is not None:  # the card names the pinned Hub source, not a path inside the cache
         model.weights_source = hub.source
-        model.weights_provenance = hub.provenance
     return model

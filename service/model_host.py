@@ -75,7 +75,7 @@ class HostedModel:
         })
         if not self.entry.weights and "weights" not in card:
             card["weights"] = "random init"
-        provenance = getattr(self.model, "weights_provenance", None)
+        provenance = self.model.weights_provenance
         if provenance:  # Hub weights: repository, resolved commit and file hashes, to pin a deployment
             card["hub"] = provenance
         return card
@@ -89,7 +89,7 @@ def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> Host
     secs = time.perf_counter() - t0
     metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
     log.info("loaded %s (preset %s, %s) in %.2fs", entry.name, entry.preset,
-             getattr(model, "weights_source", None) or entry.weights or "random init", secs)
+             model.weights_source or entry.weights or "random init", secs)
     return HostedModel(entry, model, secs)
 
 

@@ -34,13 +34,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from . import codecs, metrics, oom_recovery
+from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
 from .fmp4 import FragmentedMP4Writer
 from .model_host import VIDEO_DECODER, HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
-from .routes_v1 import ERRORS, TENSOR_BODY, service
 
 log = logging.getLogger("convserve.streaming")
 
