@@ -63,3 +63,25 @@ class ImageEncoder(Model, Protocol):
     labels: list[str] | None
 
     def encode(self, pixels_nhwc01: np.ndarray) -> dict: ...
+
+
+def example_input(model: Model, rng: np.random.Generator, *, n: int = 1, pixels: tuple[int, int] | None = None,
+                  latents: tuple[int, int] | None = None, frames: int = 2) -> np.ndarray:
+    """A random batch of `n` inputs `model` takes (warm-up, benchmarks). Decoders: latents of
+    `latents` (h, w), or the grid that decodes to about `pixels` (H, W), default 8x8; video
+    decoders with `frames` latent frames (2 covers the first-frame and later chunk shapes).
+    Encoders: images of `pixels`, default their input_size."""
+    if model.kind == IMAGE_ENCODER:
+        h, w = pixels or (int(model.input_size),) * 2
+        return rng.random((n, h, w, 3), dtype=np.float32)
+    if model.kind not in (IMAGE_DECODER, VIDEO_DECODER):
+        raise ValueError(f"model {model.name}: unknown kind {model.kind!r}")
+    f = int(model.spatial_factor)
+    hw = latents or ((max(1, pixels[0] // f), max(1, pixels[1] // f)) if pixels else (8, 8))
+    t = (frames,) if model.kind == VIDEO_DECODER else ()
+    return rng.standard_normal((n, model.latent_channels, *t, *hw)).astype(np.float32)
+
+
+def forward(model: Model, x: np.ndarray):
+    """The model's own call on an example_input: encode for encoders, decode (its defaults) for decoders."""
+    return model.encode(x) if model.kind == IMAGE_ENCODER else model.decode(x)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from convkernels import Backend
+from convkernels import Backend, ConvSpec
 
 log = logging.getLogger("convserve.faults")
 
@@ -48,11 +48,11 @@ def _nbytes(shape, itemsize: int = 4) -> int:
     return int(np.prod([int(s) for s in shape], dtype=np.int64)) * itemsize
 
 
-def _conv_out_shape(x_shape, w_shape, spec) -> tuple[int, ...]:
+def _conv_out_shape(x_shape, w_shape, spec: ConvSpec) -> tuple[int, ...]:
     """Output shape of a channels-last conv (enough for a size check: stride and transpose only)."""
     spatial = list(x_shape[1:-1])
-    stride = getattr(spec, "stride", (1,) * len(spatial))
-    if getattr(spec, "transpose", False):
+    stride = spec.stride
+    if spec.transpose:
         spatial = [s * st for s, st in zip(spatial, stride)]
     else:
         spatial = [-(-s // st) for s, st in zip(spatial, stride)]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from models.contract import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER
+from models.contract import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, example_input, forward
 
 from . import metrics
 from .settings import ModelEntry
@@ -102,25 +102,12 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: 
     m = hm.model
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    if hm.kind == IMAGE_DECODER:
-        m.decode(rng.standard_normal((1, m.latent_channels, 8, 8)).astype(np.float32))
-    elif hm.kind == VIDEO_DECODER:
-        m.decode(rng.standard_normal((1, m.latent_channels, 2, 8, 8)).astype(np.float32))
-    elif hm.kind == IMAGE_ENCODER:
-        s = int(m.input_size)
-        out = m.encode(rng.random((1, s, s, 3), dtype=np.float32))
+    out = forward(m, example_input(m, rng))
+    if hm.kind == IMAGE_ENCODER:
         hm.extra["has_logits"] = out.get("logits") is not None
-    else:
-        raise ValueError(f"model {hm.name}: unknown kind {hm.kind!r}")
     for (h, w), _ in itertools.product(sizes, range(calls_per_size)):
         t1 = time.perf_counter()
-        if hm.kind == IMAGE_ENCODER:
-            m.encode(rng.random((1, h, w, 3), dtype=np.float32))
-        else:
-            f = int(m.spatial_factor)
-            lat = (max(1, h // f), max(1, w // f))
-            frames = (2,) if hm.kind == VIDEO_DECODER else ()
-            m.decode(rng.standard_normal((1, m.latent_channels, *frames, *lat)).astype(np.float32))
+        forward(m, example_input(m, rng, pixels=(h, w)))
         log.info("warmed up %s at %dx%d in %.2fs", hm.name, h, w, time.perf_counter() - t1)
     hm.warmup_seconds = time.perf_counter() - t0
     metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)

@@ -12,7 +12,7 @@ import pytest
 from convkernels import get_backend
 from models import load_model
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
-                             TiledDecoder, VideoDecoder)
+                             TiledDecoder, VideoDecoder, example_input, forward)
 
 PROTOCOLS = {IMAGE_DECODER: ImageDecoder, VIDEO_DECODER: VideoDecoder, IMAGE_ENCODER: ImageEncoder}
 
@@ -60,3 +60,20 @@ def test_tile_size_becomes_each_decoders_own_setting(backend):
     assert (wan.tiling.min_size, wan.tiling.stride) == (96, 72)
     enc = load_model("e", "tiny-convnext", backend, tile_size=96)  # encoders do not tile: ignored
     assert enc.kind == IMAGE_ENCODER
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-wan-vae", "tiny-convnext"])
+def test_example_inputs_are_what_the_model_takes_at_the_asked_size(backend, preset):
+    """Warm-up and the CLI bench build their inputs with example_input: a decoder's latents decode
+    to the asked pixel size rounded down to its grid; an encoder takes images of that size."""
+    model = load_model(preset, preset, backend)
+    rng = np.random.default_rng()
+    h, w = 37, 50
+    out = forward(model, example_input(model, rng, n=2, pixels=(h, w)))
+    if model.kind == IMAGE_ENCODER:
+        assert out["embedding"].shape == (2, model.embed_dim)
+        return
+    f = model.spatial_factor
+    frames = (1 + model.temporal_factor,) if model.kind == VIDEO_DECODER else ()
+    assert out.shape == (2, *frames, h // f * f, w // f * f, 3)
+    assert forward(model, example_input(model, rng, latents=(3, 5))).shape[-3:-1] == (3 * f, 5 * f)
