@@ -64,7 +64,7 @@ def main() -> None:
     cache = args.plan_cache_dir or tempfile.mkdtemp(prefix="convserve-plans-")
     base = dict(models=args.models, backend=args.backend, plan_cache_dir=cache, request_timeout_s=3600)
     if args.backend == "cuda":
-        base["cuda_autotune"] = 1  # read by the CUDA backend: the cold start pays for the measured plans
+        base["cuda_autotune"] = 1  # CONVSERVE_CUDA_AUTOTUNE, passed to the CUDA backend: the cold start pays for the measured plans
     no_dir = {k: v for k, v in base.items() if k != "plan_cache_dir"}
     rows = []
     for label, settings in (("no-dir", no_dir), ("cold", base), ("warm", base),

@@ -1,8 +1,12 @@
-"""convkernels: the convolution kernel layer (op API, path choice, plan cache, kernel metrics)."""
-from .backend import Backend
+"""convkernels: the convolution kernel layer (op API, path choice, plan cache, kernel metrics).
+
+`Backend` is the typed contract (protocol.py) models and the service are written against;
+`BackendBase` is the class the numpy, mlx and cuda backends extend to implement it."""
+from .backend import Backend as BackendBase
 from .metrics import REGISTRY
 from .paths import ConvPath, PathChooser
+from .protocol import Backend
 from .registry import get_backend
 from .spec import ConvKey, ConvSpec
 
-__all__ = ["Backend", "ConvKey", "ConvPath", "ConvSpec", "PathChooser", "REGISTRY", "get_backend"]
+__all__ = ["Backend", "BackendBase", "ConvKey", "ConvPath", "ConvSpec", "PathChooser", "REGISTRY", "get_backend"]

@@ -16,6 +16,7 @@ import numpy as np
 
 from .metrics import CONV_SECONDS, CONV_TOTAL
 from .paths import ConvPath, PathChooser
+from .protocol import ConvHook
 from .spec import ACTIVATIONS, ConvKey, ConvSpec, PaddingArg, normalize_padding, validate_conv
 
 log = logging.getLogger("convkernels")
@@ -35,6 +36,9 @@ class Backend(ABC):
     name: str = "abstract"
     #: dtypes this backend computes in (numpy names)
     supported_dtypes: tuple[str, ...] = ("float32",)
+    #: the documented seam for wrapping convs (docs/interfaces.md): when set, called as
+    #: before_conv(x, w, spec) ahead of every conv; whatever it raises is the conv's error
+    before_conv: ConvHook | None = None
 
     def __init__(self, dtype: str = "float32", timing_sample_rate: float = 1.0):
         if dtype not in self.supported_dtypes:
@@ -145,6 +149,8 @@ class Backend(ABC):
 
         The residual is added after the activation: the hosted models are pre-activation
         (VAE ResNet blocks, ConvNeXt), where the skip joins after the last conv."""
+        if self.before_conv is not None:
+            self.before_conv(x, w, spec)
         nd = spec.nd
         op = (CONV_T_OPS if spec.transpose else CONV_OPS).get(nd)
         if op is None:

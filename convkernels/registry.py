@@ -39,10 +39,13 @@ def metal_status() -> tuple[bool, str]:
     return (ok, "Metal available" if ok else f"mlx present, no Metal on {platform.system()}")
 
 
-def get_backend(name: str = "auto", cuda_options: dict | None = None, **options) -> Backend:
+def get_backend(name: str = "auto", cuda_options: dict | None = None, numpy_options: dict | None = None,
+                **options) -> Backend:
     """Create a backend by name; 'auto' picks cuda, then mlx on Metal, then numpy, and logs why.
-    `cuda_options` are constructor options for the cuda backend only (e.g. cuda_graphs), ignored
-    where another backend is chosen."""
+    `options` go to whichever backend is chosen (dtype, unfold_limit_bytes, ...);
+    `cuda_options` / `numpy_options` are constructor options for that backend only (e.g.
+    cuda_graphs, plan_cache_dir), ignored where another backend is chosen. Backends read no
+    environment variables: the service passes its settings here (Settings.backend_options)."""
     if name not in NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
     if name == "auto":
@@ -60,7 +63,7 @@ def get_backend(name: str = "auto", cuda_options: dict | None = None, **options)
                 name = "numpy"
     if name == "numpy":
         from .backends.numpy_backend import NumpyBackend
-        return NumpyBackend(**options)
+        return NumpyBackend(**options, **(numpy_options or {}))
     if name == "mlx":
         if importlib.util.find_spec("mlx") is None:
             raise RuntimeError("backend 'mlx' needs the mlx extra: pip install 'convserve[mlx]'")

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from convkernels import Backend
+
 from . import tiling
 from .layers import (Conv2d, Downsample2D, GroupNorm, Layer, ResnetBlock2D, SpatialAttention, Upsample2D,
                      random_state_dict)
@@ -97,7 +99,7 @@ class MidBlock(Layer):
             self.attention = self.add("attentions", Layer()).add(
                 "0", SpatialAttention(channels, groups, VAE_NORM_EPS))
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         x = self.resnets[0](backend, x)
         if self.attention is not None:
             x = self.attention(backend, x)
@@ -127,7 +129,7 @@ class Decoder(Layer):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
 
-    def __call__(self, backend, z):
+    def __call__(self, backend: Backend, z):
         x = self.conv_in(backend, z)
         x = self.mid_block(backend, x)
         for resnets, up in self.stages:
@@ -161,7 +163,7 @@ class Encoder(Layer):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         x = self.conv_in(backend, x)
         for resnets, down in self.stages:
             for r in resnets:
@@ -242,12 +244,16 @@ class AutoencoderKLModel:
 
     kind = "image-decoder"
 
-    def __init__(self, name: str, preset: str, backend, cfg: AutoencoderKLConfig,
+    def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  seed: int = 0, with_encoder: bool = True, tile_latent_size: int | None = None,
                  tile_overlap_factor: float = 0.25, memory_budget_bytes: int | None = None,
-                 upsample_mode: str = "subpixel"):
+                 upsample_mode: str = "subpixel", tile_size: int | None = None):
+        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE), used where
+        tile_latent_size is not given."""
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        if tile_size and not tile_latent_size:
+            tile_latent_size = max(1, int(tile_size) // cfg.spatial_factor)
         self.latent_channels = cfg.latent_channels
         self.spatial_factor = cfg.spatial_factor
         self.scaling_factor = float(cfg.scaling_factor)
@@ -379,6 +385,11 @@ class AutoencoderKLModel:
         return np.asarray(b.to_host(mean), dtype=np.float32)
 
     # ---- description -----------------------------------------------------------------------------
+    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:
+        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
+        out of memory, or None when there is no smaller one."""
+        return current.halved(self.spatial_factor)
+
     def card(self) -> dict:
         b = self.backend
         return {
@@ -405,10 +416,10 @@ class AutoencoderKLModel:
 
 
 _SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
-             "upsample_mode")
+             "upsample_mode", "tile_size")
 
 
-def build(name: str, preset_config: Mapping[str, Any], preset: str, backend, weights: str | None = None,
+def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Backend, weights: str | None = None,
           **overrides) -> AutoencoderKLModel:
     """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
     config.json, when present, replaces the preset's architecture, and overrides (config fields

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from convkernels import Backend
+
 from .weights import WeightsError, check_state_dict, conv_weight_to_channels_last, read_checkpoint
 
 log = logging.getLogger("convserve.models")
@@ -249,7 +251,7 @@ class Stem:
     """4x4 stride-4 patchify conv + LayerNorm. Input normalisation (x - mean) / std is folded
     into the conv: the conv is unpadded, so the fold is exact and saves a pass over the input."""
 
-    def __init__(self, backend, sd, cfg: ConvNeXtConfig):
+    def __init__(self, backend: Backend, sd, cfg: ConvNeXtConfig):
         w = sd["stem.0.weight"].astype(np.float64)  # O, I, p, p
         mean = np.asarray(cfg.mean, np.float64)
         std = np.asarray(cfg.std, np.float64)
@@ -272,7 +274,7 @@ class Stem:
 class Downsample:
     """LayerNorm + 2x2 stride-2 conv between stages."""
 
-    def __init__(self, backend, sd, prefix: str, eps: float):
+    def __init__(self, backend: Backend, sd, prefix: str, eps: float):
         self.backend = backend
         self.norm_w = backend.asarray(sd[prefix + "0.weight"])
         self.norm_b = backend.asarray(sd[prefix + "0.bias"])
@@ -289,7 +291,7 @@ class Downsample:
 class ConvNeXtBlock:
     """dw 7x7 conv -> LayerNorm -> Linear 4x + GELU -> Linear (layer scale folded in) + shortcut."""
 
-    def __init__(self, backend, sd, prefix: str, cfg: ConvNeXtConfig):
+    def __init__(self, backend: Backend, sd, prefix: str, cfg: ConvNeXtConfig):
         self.backend = backend
         self.dw_w = backend.asarray(conv_weight_to_channels_last(sd[prefix + "conv_dw.weight"]))
         self.dw_b = backend.asarray(sd[prefix + "conv_dw.bias"])
@@ -328,7 +330,7 @@ class ConvNeXtEncoder:
 
     kind = "image-encoder"
 
-    def __init__(self, name: str, preset: str, backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
+    def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):
         self.name = name
         self.preset = preset
@@ -437,7 +439,7 @@ def preset_config(preset: str, **overrides) -> ConvNeXtConfig:
     return ConvNeXtConfig(**base)
 
 
-def build(name: str, preset: str, backend, weights: str | os.PathLike | None = None,
+def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike | None = None,
           **overrides) -> ConvNeXtEncoder:
     """A ConvNeXt encoder from a preset, with weights from an HF folder (config.json +
     model.safetensors), a single timm- or HF-named .safetensors, or None (seeded random init).

@@ -12,6 +12,8 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
+from convkernels import Backend
+
 from .weights import conv_weight_to_channels_last
 
 
@@ -46,7 +48,7 @@ class Layer:
                 out[p + k] = shape
         return out
 
-    def load(self, tensors: Mapping[str, np.ndarray], backend, prefix: str = "") -> None:
+    def load(self, tensors: Mapping[str, np.ndarray], backend: Backend, prefix: str = "") -> None:
         """Take this subtree's tensors (already checked by check_state_dict)."""
         layers = list(self.walk(prefix))
         for p, layer in layers:
@@ -55,7 +57,7 @@ class Layer:
         for p, layer in layers:  # after the whole subtree has its parameters
             layer._derive(tensors, backend, p)
 
-    def _derive(self, tensors: Mapping[str, np.ndarray], backend, prefix: str) -> None:
+    def _derive(self, tensors: Mapping[str, np.ndarray], backend: Backend, prefix: str) -> None:
         """Hook: parameters computed from the checkpoint's (host, once at load)."""
 
 
@@ -74,7 +76,7 @@ class Conv2d(Layer):
     def _convert(self, name, host):
         return conv_weight_to_channels_last(host) if name == "weight" else host
 
-    def __call__(self, backend, x, residual=None, activation=None):
+    def __call__(self, backend: Backend, x, residual=None, activation=None):
         return backend.conv2d(x, self.params["weight"], self.params.get("bias"), stride=self.stride,
                               padding=self.padding, residual=residual, activation=activation)
 
@@ -87,7 +89,7 @@ class GroupNorm(Layer):
     def _shapes(self):
         return {"weight": (self.channels,), "bias": (self.channels,)}
 
-    def __call__(self, backend, x, activation=None):
+    def __call__(self, backend: Backend, x, activation=None):
         return backend.group_norm(x, self.groups, self.params["weight"], self.params["bias"], self.eps,
                                   activation=activation)
 
@@ -100,7 +102,7 @@ class Linear(Layer):
     def _shapes(self):
         return {"weight": (self.cout, self.cin), "bias": (self.cout,)}
 
-    def __call__(self, backend, x, residual=None, activation=None):
+    def __call__(self, backend: Backend, x, residual=None, activation=None):
         return backend.linear(x, self.params["weight"], self.params["bias"], residual=residual,
                               activation=activation)
 
@@ -117,7 +119,7 @@ class ResnetBlock2D(Layer):
         self.conv2 = self.add("conv2", Conv2d(cout, cout, 3, padding=1))
         self.conv_shortcut = self.add("conv_shortcut", Conv2d(cin, cout, 1)) if cin != cout else None
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         h = self.norm1(backend, x, activation="silu")
         h = self.conv1(backend, h)
         h = self.norm2(backend, h, activation="silu")
@@ -140,7 +142,7 @@ class SpatialAttention(Layer):
         self.to_out = self.add("to_out", Layer())
         self.proj = self.to_out.add("0", Linear(channels, channels))
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         n, h, w, c = x.shape
         tokens = backend.reshape(self.group_norm(backend, x), (n, h * w, c))
         q = self.to_q(backend, tokens)
@@ -166,7 +168,7 @@ class Upsample2D(Layer):
         self.mode = mode
         self.conv = self.add("conv", Conv2d(channels, channels, 3, padding=1))
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         if self.mode == "nearest":
             return self.conv(backend, backend.upsample_nearest(x, 2))
         return backend.upsample_conv2d(x, self.conv.params["weight"], self.conv.params["bias"])
@@ -179,7 +181,7 @@ class Downsample2D(Layer):
         super().__init__()
         self.conv = self.add("conv", Conv2d(channels, channels, 3, stride=2, padding=((0, 1), (0, 1))))
 
-    def __call__(self, backend, x):
+    def __call__(self, backend: Backend, x):
         return self.conv(backend, x)
 
 

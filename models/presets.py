@@ -7,6 +7,8 @@ under a second on 2 CPU cores.
 """
 from __future__ import annotations
 
+from convkernels import Backend
+
 _SD_BLOCKS = {
     "down_block_types": ["DownEncoderBlock2D"] * 4,
     "up_block_types": ["UpDecoderBlock2D"] * 4,
@@ -45,7 +47,7 @@ DESCRIPTIONS = {
 }
 
 
-def build(name: str, preset: str, backend, weights: str | None = None, **overrides):
+def build(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides):
     from .autoencoder_kl import build as build_vae
     if preset not in PRESETS:
         raise KeyError(f"unknown image VAE preset {preset!r}; known: {sorted(PRESETS)}")

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from convkernels import Backend
+
 from .hub import resolve_weights
 
 log = logging.getLogger("convserve.models")
@@ -25,6 +27,8 @@ FAMILIES: dict[str, str] = {
 }
 
 TINY_PREFIX = "tiny-"
+#: kinds whose models decode in tiles and take the `tile_size` setting
+TILED_KINDS = ("image-decoder", "video-decoder")
 
 
 @dataclass(frozen=True)
@@ -97,19 +101,24 @@ def _family_module(family: str, unavailable: dict[str, str]):
 PRESETS = _Presets()
 
 
-def load_model(name: str, preset: str, backend, weights: str | None = None, **overrides: Any):
+def load_model(name: str, preset: str, backend: Backend, weights: str | None = None, *,
+               tile_size: int | None = None, **overrides: Any):
     """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
     diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
-    (models/hub.py; the model then has `weights_provenance`), None = seeded random init."""
+    (models/hub.py; the model then has `weights_provenance`), None = seeded random init.
+    tile_size: output pixels per tile side for the families that decode in tiles (decoders);
+    each converts it to its own tile settings, encoders ignore it."""
     if preset not in PRESETS:
         missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
         raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
                        + (f" (families unavailable: {missing})" if missing else ""))
     info = PRESETS[preset]
     mod = importlib.import_module(f"{__package__}.{info.family}")
+    if tile_size and info.kind in TILED_KINDS:
+        overrides["tile_size"] = tile_size
     local, hub = resolve_weights(weights)
     model = mod.build(name, preset, backend, local, **overrides) if overrides else mod.build(name, preset, backend, local)
+    model.weights_provenance = None if hub is None else hub.provenance
     if hub is not None:  # the card names the pinned Hub source, not a path inside the cache
         model.weights_source = hub.source
-        model.weights_provenance = hub.provenance
     return model

@@ -12,6 +12,7 @@ are the same because diffusers' blends read exactly those rows (its in-place upd
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +46,15 @@ class TileSettings:
             raise ValueError(f"tile_latent_size {self.tile_latent_size} with overlap {self.overlap_factor} tiles "
                              f"inconsistently (stride {plan.overlap_size} latents vs {plan.row_limit} pixels "
                              f"kept); use a multiple of {round(1 / self.overlap_factor) if self.overlap_factor else 1}")
+
+    def halved(self, spatial_factor: int) -> TileSettings | None:
+        """These settings with tiles about half the size (the largest consistent size at most half),
+        or None at the floor (MIN_TILE_LATENT): a decode that ran out of memory retries in them."""
+        size = self.tile_latent_size
+        if size // 2 < MIN_TILE_LATENT:
+            return None
+        new = _consistent_tile(size // 2, spatial_factor, self.overlap_factor)
+        return dataclasses.replace(self, tile_latent_size=new) if new < size else None
 
 
 @dataclass(frozen=True)

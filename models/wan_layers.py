@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from convkernels import Backend
+
 from .weights import conv_weight_to_channels_last
 
 Array = Any
@@ -78,14 +80,14 @@ class FeatureCache:
         self.pos += 1
 
 
-def _own_copy(backend, x):
+def _own_copy(backend: Backend, x):
     """A tensor that does not pin its parent alive: a slice (of a 4-frame chunk, or of the
     2C-channel norm output, see ChannelRMSNorm) would keep all of it in memory for as long as
     it sits in the cache."""
     return backend.concat([x], axis=1)
 
 
-def cache_tail(backend, x, prev):
+def cache_tail(backend: Backend, x, prev):
     """The frames a causal conv keeps for the next chunk: the last CACHE_T input frames,
     topped up with the previous chunk's last frame when this chunk is a single frame."""
     t = x.shape[1]
@@ -99,7 +101,7 @@ def cache_tail(backend, x, prev):
 class Conv(Layer):
     """A 2-D or 3-D conv with PyTorch-named `weight`/`bias`, stored channels-last."""
 
-    def __init__(self, backend, cin: int, cout: int, kernel: tuple[int, ...]):
+    def __init__(self, backend: Backend, cin: int, cout: int, kernel: tuple[int, ...]):
         self.backend = backend
         self.cin, self.cout, self.kernel = cin, cout, tuple(kernel)
         self.weight = None
@@ -118,7 +120,7 @@ class Conv(Layer):
 
 
 class Conv2d(Conv):
-    def __init__(self, backend, cin, cout, k: int, padding: int = 0):
+    def __init__(self, backend: Backend, cin, cout, k: int, padding: int = 0):
         super().__init__(backend, cin, cout, (k, k))
         self.padding = padding
 
@@ -131,7 +133,7 @@ class CausalConv3d(Conv):
     (diffusers pads with zeros, F.pad's default); cached frames of the previous chunk
     replace that many zero frames."""
 
-    def __init__(self, backend, cin, cout, kernel, padding=0):
+    def __init__(self, backend: Backend, cin, cout, kernel, padding=0):
         kernel = (kernel,) * 3 if isinstance(kernel, int) else tuple(kernel)
         padding = (padding,) * 3 if isinstance(padding, int) else tuple(padding)
         super().__init__(backend, cin, cout, kernel)
@@ -180,7 +182,7 @@ class ChannelRMSNorm(Layer):
     the backend's rms_norm with eps = 1e-24 / C (F.normalize's 1e-12 floor on ||x||). (A backend
     without an RMS kernel bounds its temporaries itself, Backend.RMS_BAND_BYTES.)"""
 
-    def __init__(self, backend, dim: int, images: bool):
+    def __init__(self, backend: Backend, dim: int, images: bool):
         self.backend = backend
         self.dim = dim
         self.shape = (dim, 1, 1) if images else (dim, 1, 1, 1)
@@ -202,7 +204,7 @@ class ChannelRMSNorm(Layer):
 class ResidualBlock(Layer):
     """WanResidualBlock: RMS norm, SiLU, causal 3x3x3 conv, twice, plus a (1x1x1) shortcut."""
 
-    def __init__(self, backend, cin: int, cout: int):
+    def __init__(self, backend: Backend, cin: int, cout: int):
         self.norm1 = ChannelRMSNorm(backend, cin, images=False)
         self.conv1 = CausalConv3d(backend, cin, cout, 3, padding=1)
         self.norm2 = ChannelRMSNorm(backend, cout, images=False)
@@ -224,7 +226,7 @@ class ResidualBlock(Layer):
 class AttentionBlock(Layer):
     """WanAttentionBlock: single-head self-attention within each frame (no time mixing)."""
 
-    def __init__(self, backend, dim: int):
+    def __init__(self, backend: Backend, dim: int):
         self.backend = backend
         self.dim = dim
         self.norm = ChannelRMSNorm(backend, dim, images=True)
@@ -249,7 +251,7 @@ class Resample(Layer):
     frame) and 'upsample3d' (first a causal (3,1,1) time conv to 2C channels that become two
     frames each, then the same spatial step)."""
 
-    def __init__(self, backend, dim: int, mode: str, out_dim: int | None = None):
+    def __init__(self, backend: Backend, dim: int, mode: str, out_dim: int | None = None):
         if mode not in ("upsample2d", "upsample3d"):
             raise ValueError(f"Resample: decoder modes are upsample2d/upsample3d, got {mode!r}")
         self.backend = backend
@@ -296,7 +298,7 @@ class Resample(Layer):
 class UpBlock(Layer):
     """WanUpBlock: num_res_blocks + 1 residual blocks, then an optional upsampler."""
 
-    def __init__(self, backend, cin: int, cout: int, num_res_blocks: int, upsample_mode: str | None):
+    def __init__(self, backend: Backend, cin: int, cout: int, num_res_blocks: int, upsample_mode: str | None):
         self.resnets = []
         for _ in range(num_res_blocks + 1):
             self.resnets.append(ResidualBlock(backend, cin, cout))
@@ -318,7 +320,7 @@ class UpBlock(Layer):
 class MidBlock(Layer):
     """WanMidBlock (num_layers=1): residual, attention, residual."""
 
-    def __init__(self, backend, dim: int):
+    def __init__(self, backend: Backend, dim: int):
         self.resnets = [ResidualBlock(backend, dim, dim), ResidualBlock(backend, dim, dim)]
         self.attention = AttentionBlock(backend, dim)
 
@@ -334,7 +336,7 @@ class Decoder3d(Layer):
     """WanDecoder3d (Wan 2.1): conv_in, mid block, up blocks, RMS norm + SiLU, conv_out.
     Called once per latent frame with the decode's FeatureCache."""
 
-    def __init__(self, backend, dim: int, z_dim: int, dim_mult, num_res_blocks: int,
+    def __init__(self, backend: Backend, dim: int, z_dim: int, dim_mult, num_res_blocks: int,
                  temperal_upsample, out_channels: int = 3):
         dims = [dim * u for u in [dim_mult[-1], *dim_mult[::-1]]]
         self.conv_in = CausalConv3d(backend, z_dim, dims[0], 3, padding=1)

@@ -8,6 +8,7 @@ leave as they finish. Tiles never see each other, so the result is the same. Pea
 then one tile's chunk activations plus every tile's cache (CACHE_T frames per conv)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,19 @@ class TileSettings:
     def __post_init__(self):
         if not 0 < self.stride <= self.min_size:
             raise ValueError(f"tile stride {self.stride} must be in (0, tile size {self.min_size}]")
+
+    @classmethod
+    def for_tile_size(cls, tile_size: int) -> TileSettings:
+        """Tiles of `tile_size` output pixels a side, overlapping by a quarter (diffusers' 256/192)."""
+        return cls(int(tile_size), max(8, int(tile_size) * 3 // 4))
+
+    def halved(self, spatial_factor: int) -> TileSettings | None:
+        """These settings with tile size and stride halved, or None below two latents a tile (one
+        a stride): a decode that ran out of memory retries in them."""
+        size, stride = self.min_size // 2, self.stride // 2
+        if size < 2 * spatial_factor or stride < spatial_factor:
+            return None
+        return dataclasses.replace(self, min_size=size, stride=stride)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from convkernels import Backend
+
 from .wan_checkpoint import normalize_keys
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache, Layer
 from .wan_tiling import TileSettings, plan_tiles, stitch
@@ -144,7 +146,7 @@ def random_state_dict(expected: Mapping[str, tuple[int, ...]], seed: int = RANDO
 class _VAEDecoderTree(Layer):
     """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
 
-    def __init__(self, backend, cfg: WanVAEConfig):
+    def __init__(self, backend: Backend, cfg: WanVAEConfig):
         z = cfg.z_dim
         self.post_quant_conv = CausalConv3d(backend, z, z, 1)
         self.decoder = Decoder3d(backend, cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
@@ -161,12 +163,15 @@ class WanVAEDecoder:
     kind = "video-decoder"
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
 
-    def __init__(self, name: str, preset: str, backend, cfg: WanVAEConfig,
+    def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  seed: int = RANDOM_SEED, tile_sample_min_size: int = 256, tile_sample_stride: int = 192,
-                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS):
+                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS, tile_size: int | None = None):
+        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE); when given it
+        replaces tile_sample_min_size/stride, the stride a quarter smaller."""
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        self.tiling = TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
+        self.tiling = TileSettings.for_tile_size(tile_size) if tile_size else \
+            TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
         self.max_untiled_pixels = int(max_untiled_pixels)
         self.latent_channels = cfg.z_dim
         self.spatial_factor = cfg.spatial_factor
@@ -255,6 +260,11 @@ class WanVAEDecoder:
         return np.concatenate(list(self.decode_frames(latents_ncthw, tiled)), axis=1)
 
     # ---- description -----------------------------------------------------------------------------
+    def smaller_tiling(self, current: TileSettings) -> TileSettings | None:
+        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
+        out of memory, or None when there is no smaller one."""
+        return current.halved(self.spatial_factor)
+
     def card(self) -> dict:
         b = self.backend
         return {
@@ -285,10 +295,10 @@ class WanVAEDecoder:
         }
 
 
-_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels")
+_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels", "tile_size")
 
 
-def build(name: str, preset: str, backend, weights: str | None = None, **overrides) -> WanVAEDecoder:
+def build(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides) -> WanVAEDecoder:
     """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
     config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
     architecture; or a single .safetensors in diffusers or original-Wan naming, read with the

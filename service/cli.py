@@ -159,7 +159,10 @@ def _load_local(preset: str, weights: Optional[str], backend: str):
     from convkernels import get_backend
     from models import WeightsError, load_model
 
-    be = get_backend(backend)
+    from .settings import Settings
+
+    # the backend knobs (unfold limit, plan cache, ...) are the server's CONVSERVE_* settings
+    be = get_backend(backend, **Settings().backend_options())
     try:
         return load_model(preset, preset, be, weights=weights)
     except WeightsError as exc:
@@ -329,7 +332,7 @@ def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False,
             if out.get("logits") is None:
                 typer.echo(f"{preset} has no classifier head: no labels", err=True)
                 raise typer.Exit(2)
-            ranks = rank(np.asarray(out["logits"], np.float64), top_k, getattr(m, "labels", None))
+            ranks = rank(np.asarray(out["logits"], np.float64), top_k, m.labels)
     if output:
         output.write_bytes(npy_bytes(emb))
     for i, p in enumerate(images):
@@ -349,19 +352,14 @@ def bench(preset: str = typer.Option("tiny-vae", help="model preset"),
           batch: str = typer.Option("1,4", help="comma list of batch sizes"),
           seconds: float = typer.Option(3.0, help="time per batch size")):
     """A quick local throughput number for one preset (no HTTP)."""
+    from models.contract import example_input, forward
+
     m = _load_local(preset, None, backend)
     rng = np.random.default_rng()
     typer.echo(f"{preset} ({m.kind}) on {m.card().get('backend', backend)}; machine: {_machine()}")
     for n in (int(b) for b in batch.split(",")):
-        if m.kind == "image-encoder":
-            x = rng.random((n, m.input_size, m.input_size, 3), dtype=np.float32)
-            run = lambda: m.encode(x)  # noqa: E731
-        elif m.kind == "video-decoder":
-            x = rng.standard_normal((n, m.latent_channels, frames, size, size)).astype(np.float32)
-            run = lambda: m.decode(x)  # noqa: E731
-        else:
-            x = rng.standard_normal((n, m.latent_channels, size, size)).astype(np.float32)
-            run = lambda: m.decode(x)  # noqa: E731
+        x = example_input(m, rng, n=n, latents=(size, size), frames=frames)
+        run = lambda: forward(m, x)  # noqa: E731
         run()  # warm-up: path choice and allocation
         calls, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds or calls == 0:

@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 
 from .codecs import to_uint8
-from .video import _av
+from .video import load_av
 
 #: top-level boxes kept from the first group's muxer output, then from every later one
 _FIRST_KEEP = {"ftyp", "moov", "moof", "mdat"}
@@ -49,7 +49,7 @@ class FragmentedMP4Writer:
     by edge copy (yuv420p), as in video.mp4_bytes. Not thread-safe: one group at a time."""
 
     def __init__(self, width: int, height: int, fps: float, quality: int = 90):
-        av = self._av = _av()
+        av = self._av = load_av()
         self.width, self.height = width, height
         self.coded_width, self.coded_height = width + width % 2, height + height % 2
         self.rate = Fraction(fps).limit_denominator(1001)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
+from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
 from .codecs import bf16_to_f32, check_source_image, preprocess
@@ -28,10 +29,6 @@ router = APIRouter(prefix="/v2", dependencies=[Depends(require_api_key)],
 _DT = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"), "UINT8": np.dtype("u1"),
        "BF16": np.dtype("<u2")}
 ERRORS = {c: PROBLEM_SCHEMA for c in (400, 401, 404, 409, 413, 415, 422, 429, 503, 504)}
-
-
-def service(request: Request) -> Service:
-    return request.app.state.service
 
 
 @health.get("/health/live", summary="KServe v2 liveness")

@@ -35,6 +35,11 @@ REJECTED = Counter("convserve_rejected_total",
 FAULTS = Counter("convserve_faults_total",
                  "Faults met: device_oom (retried, recovered, failed), worker_exception (failed), "
                  "load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)
+
+
+def count_fault(model: str, fault: str, outcome: str) -> None:
+    FAULTS.labels(model, fault, outcome).inc()
+
 MODEL_LOAD_SECONDS = Gauge("convserve_model_load_seconds", "Seconds to build/load the model",
                            ["model"], registry=REGISTRY, multiprocess_mode="max")
 MODEL_WARMUP_SECONDS = Gauge("convserve_model_warmup_seconds", "Seconds of the warm-up call",

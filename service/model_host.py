@@ -1,4 +1,5 @@
-"""Loading, warming up and describing the served models (through models.load_model only)."""
+"""Loading, warming up and describing the served models (through models.load_model and the typed
+model contract, models/contract.py, only)."""
 from __future__ import annotations
 
 import itertools
@@ -9,12 +10,14 @@ from typing import Any
 
 import numpy as np
 
+from models.contract import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, example_input, forward
+
 from . import metrics
 from .settings import ModelEntry
 
 log = logging.getLogger("convserve.models")
 
-IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
+__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "load_entry", "warm_up"]
 
 
 @dataclass
@@ -39,7 +42,7 @@ class HostedModel:
 
     @property
     def labels(self) -> list[str] | None:
-        return getattr(self.model, "labels", None)
+        return self.model.labels if self.kind == IMAGE_ENCODER else None
 
     def tensors(self) -> tuple[list[dict], list[dict]]:
         """KServe v2 input/output tensor metadata (-1 = any size)."""
@@ -72,38 +75,21 @@ class HostedModel:
         })
         if not self.entry.weights and "weights" not in card:
             card["weights"] = "random init"
-        provenance = getattr(self.model, "weights_provenance", None)
+        provenance = self.model.weights_provenance
         if provenance:  # Hub weights: repository, resolved commit and file hashes, to pin a deployment
             card["hub"] = provenance
         return card
-
-
-def tiling_overrides(preset: str, tile_size: int | None) -> dict:
-    """CONVSERVE_TILE_SIZE (output pixels per tile side) as the model family's own setting."""
-    if not tile_size:
-        return {}
-    from models import PRESETS
-
-    info = PRESETS.get(preset)
-    if info is None:
-        return {}
-    if info.kind == IMAGE_DECODER:
-        return {"tile_latent_size": max(1, tile_size // 8)}
-    if info.kind == VIDEO_DECODER:
-        return {"tile_sample_min_size": tile_size, "tile_sample_stride": max(8, tile_size * 3 // 4)}
-    return {}
 
 
 def load_entry(entry: ModelEntry, backend, tile_size: int | None = None) -> HostedModel:
     from models import load_model  # the models layer; imported late so settings errors come first
 
     t0 = time.perf_counter()
-    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
-                       **tiling_overrides(entry.preset, tile_size))
+    model = load_model(entry.name, entry.preset, backend, weights=entry.weights, tile_size=tile_size)
     secs = time.perf_counter() - t0
     metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
     log.info("loaded %s (preset %s, %s) in %.2fs", entry.name, entry.preset,
-             getattr(model, "weights_source", None) or entry.weights or "random init", secs)
+             model.weights_source or entry.weights or "random init", secs)
     return HostedModel(entry, model, secs)
 
 
@@ -116,25 +102,12 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: 
     m = hm.model
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    if hm.kind == IMAGE_DECODER:
-        m.decode(rng.standard_normal((1, m.latent_channels, 8, 8)).astype(np.float32))
-    elif hm.kind == VIDEO_DECODER:
-        m.decode(rng.standard_normal((1, m.latent_channels, 2, 8, 8)).astype(np.float32))
-    elif hm.kind == IMAGE_ENCODER:
-        s = int(m.input_size)
-        out = m.encode(rng.random((1, s, s, 3), dtype=np.float32))
+    out = forward(m, example_input(m, rng))
+    if hm.kind == IMAGE_ENCODER:
         hm.extra["has_logits"] = out.get("logits") is not None
-    else:
-        raise ValueError(f"model {hm.name}: unknown kind {hm.kind!r}")
     for (h, w), _ in itertools.product(sizes, range(calls_per_size)):
         t1 = time.perf_counter()
-        if hm.kind == IMAGE_ENCODER:
-            m.encode(rng.random((1, h, w, 3), dtype=np.float32))
-        else:
-            f = int(m.spatial_factor)
-            lat = (max(1, h // f), max(1, w // f))
-            frames = (2,) if hm.kind == VIDEO_DECODER else ()
-            m.decode(rng.standard_normal((1, m.latent_channels, *frames, *lat)).astype(np.float32))
+        forward(m, example_input(m, rng, pixels=(h, w)))
         log.info("warmed up %s at %dx%d in %.2fs", hm.name, h, w, time.perf_counter() - t1)
     hm.warmup_seconds = time.perf_counter() - t0
     metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import faults, metrics
+from . import fault_injection, metrics, oom_recovery
 from .batcher import Batcher, Closed, QueueFull
 from .model_host import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, HostedModel, load_entry, warm_up
 from .model_stats import ModelStats, ns
@@ -64,7 +64,7 @@ class Service:
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
-        self.faults: faults.FaultSettings | None = None
+        self.faults: fault_injection.FaultSettings | None = None
         #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats)
         self.stats = ModelStats()
         self._loader: threading.Thread | None = None
@@ -92,14 +92,15 @@ class Service:
                     hm = load_entry(entry, self.backend, s.tile_size)
                     warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm)
                 except Exception as exc:
-                    faults.count(entry.name, "load_error", "failed")
+                    metrics.count_fault(entry.name, "load_error", "failed")
                     if not entry.optional:
                         raise
                     self.failed[entry.name] = f"{exc.__class__.__name__}: {exc}"
                     log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
                     continue
                 self.models[entry.name] = hm
-            self.faults = faults.arm(self.backend)  # after warm-up: injected faults never stop a start
+            # after warm-up: injected faults never stop a start
+            self.faults = fault_injection.arm_if_configured(self.backend)
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    max_queue=s.max_queue, after_batch=self.backend.flush_timings,
                                    stats=self.stats)
@@ -209,7 +210,7 @@ class Service:
     async def _run(self, hm: HostedModel, key, inputs: np.ndarray, call, disconnected: DisconnectCheck | None,
                    *, continuation: bool = False, solo: bool = False):
         """continuation/solo: see Batcher.submit (the streaming adapter's later decode steps)."""
-        call = faults.with_call_faults(call, self.faults)
+        call = fault_injection.with_call_faults(call, self.faults)
         reservation = _RESERVATION.get()
         reserved = reservation is not None and not reservation.used and not continuation
         try:
@@ -248,13 +249,13 @@ class Service:
             raise
         except Closed:
             raise Problem(503, "shutting-down", "the server stopped before this request ran") from None
-        except faults.DeviceOutOfMemory as exc:
+        except oom_recovery.DeviceOutOfMemory as exc:
             raise Problem(503, "device-out-of-memory", str(exc), headers={"Retry-After": self.retry_after()}) from exc
         except ValueError as exc:
             raise Problem(422, "model-rejected-input", str(exc)) from exc
         except Exception as exc:
             error_id = getattr(exc, "error_id", None)
-            faults.count(hm.name, "worker_exception", "failed")
+            metrics.count_fault(hm.name, "worker_exception", "failed")
             raise Problem(500, "model-error", f"{exc.__class__.__name__}: {exc} (error id {error_id}; "
                           "the server log has the traceback)", error_id=error_id) from exc
 
@@ -301,14 +302,14 @@ class Service:
             run = lambda x, t: hm.model.decode(x, tiled=t, clamp=clamp)  # noqa: E731
         else:  # video decoders always clamp (as diffusers' AutoencoderKLWan does)
             run = lambda x, t: hm.model.decode(x, tiled=t)  # noqa: E731
-        call = lambda x: faults.decode_with_oom_retry(hm.name, hm.model, run, x, tiled)  # noqa: E731
+        call = lambda x: oom_recovery.decode_with_oom_retry(hm.name, hm.model, run, x, tiled)  # noqa: E731
         return await self._run(hm, ("decode", lat.shape[1:], tiled, clamp), lat, call, disconnected)
 
     async def vae_encode(self, name: str, images: np.ndarray, *,
                          disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder."""
         hm = self.model(name)
-        if hm.kind != IMAGE_DECODER or not getattr(hm.model, "has_encoder", False):
+        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
             raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) has no VAE encoder weights to encode with")
         s = self.settings
         if images.ndim != 4 or images.shape[-1] != 3 or min(images.shape) < 1:

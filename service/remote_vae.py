@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from PIL import Image
 
 from . import codecs
+from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
 from .model_host import IMAGE_DECODER, VIDEO_DECODER, HostedModel
@@ -195,10 +196,6 @@ def _video_rows(x: np.ndarray) -> np.ndarray:
     return x[0] if x.shape[0] == 1 else x
 
 
-def _service(request: Request) -> Service:
-    return request.app.state.service
-
-
 # ---- routes ----------------------------------------------------------------------------------------
 DECODE_DOC = """The request `diffusers.utils.remote_decode(endpoint=<this URL>, ...)` sends: the raw
 little-endian latents as the body, `shape` (repeated) and `dtype` (`float16`, `bfloat16`, `float32`) as
@@ -238,7 +235,7 @@ async def remote_decode(
         width: int | None = Query(None, ge=1, description="image width in pixels, for packed latents"),
         fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
         quality: int = Query(90, ge=1, le=100, description="JPEG quality; MP4 quality (CRF 51..0)")):
-    svc = _service(request)
+    svc = service(request)
     hm = svc.model(name)
     async with svc.track(name, "vae_decode"):
         if not hm.is_decoder:
@@ -336,10 +333,10 @@ async def remote_encode(
         dtype: str = Query("float32", description="tensor input: float32, float16, bfloat16 or uint8"),
         scaling_factor: float | None = Query(None), shift_factor: float | None = Query(None),
         do_scaling: bool | None = Query(None, description="deprecated: true alone = the model's own factors")):
-    svc = _service(request)
+    svc = service(request)
     hm = svc.model(name)
     async with svc.track(name, "vae_encode"):
-        if hm.kind != IMAGE_DECODER or not getattr(hm.model, "has_encoder", False):
+        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
             raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) serves no VAE encoder: its checkpoint "
                           "holds no encoder weights")
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)

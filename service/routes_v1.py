@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from . import codecs
 from .auth import require_api_key
+from .adapters import ERRORS, TENSOR_BODY, service
 from .bodies import read_body
 from .model_host import IMAGE_DECODER, VIDEO_DECODER
 from .pipeline import Service, top_k
@@ -18,19 +19,6 @@ from .video import encode_videos
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["v1"])
-
-ERRORS = {code: PROBLEM_SCHEMA for code in (400, 401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
-
-TENSOR_BODY = {"requestBody": {"required": True, "content": {
-    codecs.NPY_MEDIA: {"schema": {"type": "string", "format": "binary"},
-                       "description": "a .npy array (np.save), no pickles"},
-    codecs.SAFETENSORS_MEDIA: {"schema": {"type": "string", "format": "binary"},
-                               "description": "safetensors bytes: the tensor named 'latents' or the only one"},
-    "application/json": {"schema": {"type": "object", "required": ["data", "shape"], "properties": {
-        "data": {"type": "string", "format": "byte", "description": "base64 of the little-endian raw bytes"},
-        "shape": {"type": "array", "items": {"type": "integer"}},
-        "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16", "float64"], "default": "float32"}}}},
-}}}
 
 IMAGE_BODY = {"requestBody": {"required": True, "content": {
     "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
@@ -42,10 +30,6 @@ IMAGE_BODY = {"requestBody": {"required": True, "content": {
     codecs.NPY_MEDIA: {"schema": {"type": "string", "format": "binary"},
                        "description": "pixels N,H,W,3 (or H,W,3): uint8 0..255 or float in [0,1]"},
 }}}
-
-
-def service(request: Request) -> Service:
-    return request.app.state.service
 
 
 @router.get("/models", summary="Model cards of every served model")
@@ -124,8 +108,7 @@ async def decode(name: str, request: Request,
     return Response(data, media_type=media, headers={"X-Output-Shape": ",".join(map(str, out.shape))})
 
 
-async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size: int,
-                         crop_pct: float = 0.875) -> np.ndarray:
+async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size: int) -> np.ndarray:
     """Images (or pixel arrays) from the body -> float32 N,S,S,3 in [0,1] at the model's size."""
     mt = codecs.media_type(request.headers.get("content-type"))
     max_px, max_n, max_ar = svc.settings.max_pixels, svc.settings.max_batch, svc.settings.max_aspect_ratio
@@ -156,7 +139,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
         images = list(arr)
-    resized = [await svc.in_pool(codecs.preprocess, im, input_size, crop_pct) for im in images]
+    resized = [await svc.in_pool(codecs.preprocess, im, input_size) for im in images]
     return np.stack(resized)
 
 
@@ -181,8 +164,7 @@ async def encode(name: str, request: Request,
         if hm.kind != "image-encoder":
             raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; POST latents to /v1/models/{name}/decode")
         body = await read_body(request, svc.settings.max_body_bytes)
-        pixels = await _encode_inputs(svc, request, body, int(hm.model.input_size),
-                                      float(getattr(hm.model, "crop_pct", 0.875)))
+        pixels = await _encode_inputs(svc, request, body, int(hm.model.input_size))
         out = await svc.encode(name, pixels, disconnected=request.is_disconnected)
         emb = np.asarray(out["embedding"], dtype=np.float32)
         if top_k_ is not None and out.get("logits") is None:

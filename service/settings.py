@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     #: shape (convkernels/backends/cuda_graphs.py); graphs held at most, LRU over all models
     cuda_graphs: bool = True
     cuda_graph_capacity: int = Field(16, ge=1)
+    #: CUDA backend: time the first cuDNN plans of each new conv key instead of taking the
+    #: heuristic's first one (the winner persists in plan_cache_dir)
+    cuda_autotune: bool = False
     #: CUDA backend with autotune on (CONVSERVE_CUDA_AUTOTUNE): cuDNN plans timed per conv key,
     #: the heuristic's first ones; bounds a new shape's first call
     cuda_autotune_plans: int = Field(4, ge=1)
@@ -131,10 +134,15 @@ class Settings(BaseSettings):
         return parse_sizes(self.warmup_sizes)
 
     def backend_options(self) -> dict:
-        """Options passed to convkernels.get_backend: the dtype, and `cuda_options` that apply
-        only where the backend chosen is cuda. Other backend knobs (CONVSERVE_UNFOLD_LIMIT_BYTES,
-        CONVSERVE_PLAN_CACHE_*) are still read by the backends from the environment."""
+        """Constructor options for convkernels.get_backend: every backend knob comes from here
+        (no backend reads the environment). The dtype and unfold limit apply to every backend;
+        `numpy_options` / `cuda_options` only where that backend is the one chosen."""
         opts: dict = {"dtype": self.dtype} if self.dtype else {}
+        if self.unfold_limit_bytes:
+            opts["unfold_limit_bytes"] = self.unfold_limit_bytes
+        opts["numpy_options"] = {"plan_cache_dir": self.plan_cache_dir}
         opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity,
-                                "autotune_max_plans": self.cuda_autotune_plans}
+                                "autotune": self.cuda_autotune, "autotune_max_plans": self.cuda_autotune_plans,
+                                "plan_cache_dir": self.plan_cache_dir,
+                                "plan_cache_capacity": self.plan_cache_capacity}
         return opts

@@ -15,7 +15,7 @@ further step is submitted: decoding pauses and memory stays flat. A client that 
 (or stops reading for request_timeout_s) ends the stream: the pending step is dropped, and the
 decode generator is closed at the next frame boundary, which frees its causal feature cache.
 
-Out of memory mid-stream (faults.frames_with_oom_retry): the decode resumes in tiles (then smaller
+Out of memory mid-stream (oom_recovery.frames_with_oom_retry): the decode resumes in tiles (then smaller
 ones) from the group that failed, after decoding again and dropping the groups already sent; a
 stream that runs out of memory even in the smallest tiles is cut (before its first group: 503)."""
 from __future__ import annotations
@@ -33,14 +33,14 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from . import codecs, faults, metrics
+from . import codecs, metrics, oom_recovery
+from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
 from .fmp4 import FragmentedMP4Writer
 from .model_host import VIDEO_DECODER, HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
-from .routes_v1 import ERRORS, TENSOR_BODY, service
 
 log = logging.getLogger("convserve.streaming")
 
@@ -122,7 +122,7 @@ class FrameGroups:
     def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None):
         self.svc, self.hm, self.latents = svc, hm, latents
         self.total = int(latents.shape[2])
-        self.steps = GeneratorSteps(faults.frames_with_oom_retry(
+        self.steps = GeneratorSteps(oom_recovery.frames_with_oom_retry(
             hm.name, hm.model, lambda t: hm.model.decode_frames(latents, tiled=t), tiled))
         self._key = ("decode_stream", id(self))  # unique: never batched with other work
 

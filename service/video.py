@@ -11,7 +11,8 @@ from .codecs import ZIP_MEDIA, to_uint8, zip_bytes
 from .problems import Problem
 
 
-def _av():
+def load_av():
+    """PyAV, or a 501 problem naming the extra that installs it."""
     try:
         import av  # noqa: PLC0415 - optional dependency
     except ImportError as exc:
@@ -22,7 +23,7 @@ def _av():
 
 def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20) -> bytes:
     """F,H,W,3 in [0,1] -> H.264 MP4 (yuv420p, so odd sizes are padded to even by edge copy)."""
-    av = _av()
+    av = load_av()
     rgb = to_uint8(frames01)
     f, h, w, _ = rgb.shape
     ph, pw = h + (h % 2), w + (w % 2)
@@ -58,6 +59,6 @@ def encode_videos(videos01: np.ndarray, fps: float, quality: int) -> tuple[bytes
 
 def read_mp4_frames(data: bytes) -> np.ndarray:
     """Decode an MP4 back to uint8 F,H,W,3 (used by the CLI and tests)."""
-    av = _av()
+    av = load_av()
     with av.open(io.BytesIO(data)) as container:
         return np.stack([fr.to_ndarray(format="rgb24") for fr in container.decode(video=0)])

@@ -85,3 +85,19 @@ def test_fingerprint_names_the_hardware_and_build(tmp_path):
         assert key in a.fingerprint
     b = PathStore(tmp_path, {**a.fingerprint, "cpus": (a.fingerprint["cpus"] or 1) + 1})
     assert a.path != b.path
+
+
+def test_the_service_settings_reach_the_backend_and_the_environment_does_not(tmp_path, monkeypatch):
+    """CONVSERVE_PLAN_CACHE_DIR / CONVSERVE_UNFOLD_LIMIT_BYTES are service settings: they reach
+    the backend through Settings.backend_options(), never by the backend reading the environment."""
+    from service.settings import Settings
+
+    monkeypatch.setenv("CONVSERVE_PLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CONVSERVE_UNFOLD_LIMIT_BYTES", "12345")
+    served = get_backend("numpy", **Settings().backend_options())
+    assert served.path_store is not None and served.unfold_limit_bytes == 12345
+    rng, _ = fresh_rng()
+    conv_once(served, rng)
+    # a direct constructor call sees the same environment and ignores it
+    bare = get_backend("numpy")
+    assert bare.path_store is None and bare.unfold_limit_bytes != 12345

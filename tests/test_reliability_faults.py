@@ -1,4 +1,4 @@
-"""Faults injected through settings (service/faults.py), each survived and counted in
+"""Faults injected through settings (service/fault_injection.py), each survived and counted in
 `convserve_faults_total`: a device out-of-memory during decode is retried in smaller tiles and
 succeeds (checked against a decode in those tiles) or answers 503 + Retry-After; a model bug
 fails only its own batch (500 with an error id that is also in the log) while the worker keeps
@@ -268,15 +268,15 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
 
     from convkernels import get_backend
     from models import load_model
-    from service import faults
+    from service import fault_injection, oom_recovery
 
     be = get_backend("numpy")
     model = load_model("tiny-wan-vae", "tiny-wan-vae", be)
-    faults.arm(be, faults.FaultSettings(oom_above_bytes=1_500_000))  # 96x96 frames: 2.4 MB convs; 64-px tiles: 1 MB
+    fault_injection.arm(be, fault_injection.FaultSettings(oom_above_bytes=1_500_000))  # 96x96 frames: 2.4 MB convs; 64-px tiles: 1 MB
     x = np.random.default_rng().standard_normal((1, 4, 2, 12, 12)).astype(np.float32)
     with pytest.raises(MemoryError):
         model.decode(x, tiled=False)
-    out = faults.decode_with_oom_retry("tiny-wan-vae", model, lambda z, t: model.decode(z, tiled=t), x, None)
+    out = oom_recovery.decode_with_oom_retry("tiny-wan-vae", model, lambda z, t: model.decode(z, tiled=t), x, None)
     assert model.tiling.min_size == 256  # the model's own tiles are back after the retry
     ref_model = load_model("tiny-wan-vae", "tiny-wan-vae", get_backend("numpy"))
     ref_model.tiling = dataclasses.replace(ref_model.tiling, min_size=64, stride=48)

@@ -56,14 +56,10 @@ _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "f
 
 
 def _switch(name: str, default: bool) -> bool:
-    """An on/off environment switch of a fusion (A/B on the device without code changes)."""
+    """An on/off environment switch of a fusion, for A/B runs on the device without code changes
+    (benchmarks/convnext_fusion_ab.py). Not a service setting: the defaults are the measured best."""
     v = os.environ.get(name, "").strip().lower()
     return default if not v else v in ("1", "true", "yes", "on")
-
-
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v else None
 
 
 class CudaBackend(Backend):
@@ -87,10 +83,9 @@ class CudaBackend(Backend):
         name = props["name"]
         self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
         self.cudnn_version = str(cudnn.backend_version())
-        self.unfold_limit_bytes = int(unfold_limit_bytes or _env_int("CONVSERVE_UNFOLD_LIMIT_BYTES")
-                                      or DEFAULT_UNFOLD_LIMIT)
-        # serving turns autotune on by environment (the service passes only the dtype)
-        self.autotune = bool(autotune) or os.environ.get("CONVSERVE_CUDA_AUTOTUNE", "") in ("1", "true", "yes")
+        self.unfold_limit_bytes = int(unfold_limit_bytes or DEFAULT_UNFOLD_LIMIT)
+        # the service passes CONVSERVE_CUDA_AUTOTUNE (Settings.backend_options)
+        self.autotune = bool(autotune)
         self.allow_tf32 = bool(allow_tf32)
         # whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py); the
         # service passes CONVSERVE_CUDA_GRAPHS / CONVSERVE_CUDA_GRAPH_CAPACITY
@@ -104,9 +99,8 @@ class CudaBackend(Backend):
         self.handle = cudnn.create_handle()
         self.builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=self.allow_tf32, autotune=self.autotune,
                                         autotune_max_plans=autotune_max_plans)
-        cache_dir = plan_cache_dir or os.environ.get("CONVSERVE_PLAN_CACHE_DIR") or None
-        store = PlanStore(cache_dir, self.gpu_name, self.cudnn_version) if cache_dir else None
-        capacity = plan_cache_capacity or _env_int("CONVSERVE_PLAN_CACHE_CAPACITY") or DEFAULT_CAPACITY
+        store = PlanStore(plan_cache_dir, self.gpu_name, self.cudnn_version) if plan_cache_dir else None
+        capacity = plan_cache_capacity or DEFAULT_CAPACITY
         self.plan_cache = PlanCache(capacity, self.name, store=store, serializer=self.builder)
         self._ws = None
         self._pending: list = []
@@ -197,6 +191,8 @@ class CudaBackend(Backend):
     # ---- convolutions ---------------------------------------------------------------------------
     def conv(self, x, w, spec: ConvSpec, bias=None, *, residual=None, activation=None):
         """act(conv(x, w) + bias) + residual. Counts the path that actually ran."""
+        if self.before_conv is not None:
+            self.before_conv(x, w, spec)
         nd = spec.nd
         op = (CONV_T_OPS if spec.transpose else CONV_OPS).get(nd)
         if op is None:

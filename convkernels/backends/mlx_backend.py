@@ -18,7 +18,6 @@ predate the upstream fixes, and their guards/cost rules read the installed versi
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 
@@ -42,9 +41,6 @@ DEFAULT_UNFOLD_LIMIT = 1 << 31
 
 
 def _default_unfold_limit(env: mp.MlxEnv) -> int:
-    env_limit = os.environ.get("CONVSERVE_UNFOLD_LIMIT_BYTES")
-    if env_limit:
-        return int(env_limit)
     if env.metal:
         try:
             return int(mx.metal.device_info()["max_buffer_length"])
@@ -66,9 +62,9 @@ class MlxBackend(Backend):
         env: the MLX version / Metal facts the guards read (default: the installed ones).
         attention_chunk: query rows per attention block, so the score matrix stays bounded."""
         self.env = env or mp.MlxEnv.detect()
-        # a limit set by the caller (option or CONVSERVE_UNFOLD_LIMIT_BYTES) is a memory bound to
-        # honour; the default one only stands for Metal's maxBufferLength
-        self.unfold_limit_explicit = bool(unfold_limit_bytes or os.environ.get("CONVSERVE_UNFOLD_LIMIT_BYTES"))
+        # a limit set by the caller (the service passes CONVSERVE_UNFOLD_LIMIT_BYTES) is a memory
+        # bound to honour; the default one only stands for Metal's maxBufferLength
+        self.unfold_limit_explicit = bool(unfold_limit_bytes)
         self.unfold_limit_bytes = int(unfold_limit_bytes or _default_unfold_limit(self.env))
         self.autotune = self.env.metal if autotune is None else bool(autotune)
         self._timing = threading.local()

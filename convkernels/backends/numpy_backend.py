@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import weakref
 
@@ -129,16 +128,14 @@ class NumpyBackend(Backend):
     def __init__(self, dtype: str = "float32", unfold_limit_bytes: int | None = None,
                  timing_sample_rate: float = 1.0, attention_chunk: int = 2048,
                  autotune_min_macs: float = 5e7, plan_cache_dir: str | None = None):
-        env_limit = os.environ.get("CONVSERVE_UNFOLD_LIMIT_BYTES")
-        self.unfold_limit_bytes = int(unfold_limit_bytes or env_limit or DEFAULT_UNFOLD_LIMIT)
+        self.unfold_limit_bytes = int(unfold_limit_bytes or DEFAULT_UNFOLD_LIMIT)
         self.attention_chunk = attention_chunk
         # Convs above this size pick their path by timing every valid one once (Winograd vs
         # shift-gemm vs unfold flips with channels, size and BLAS build); smaller ones use the
         # static cost rule, where measuring would cost more than it saves. inf disables.
         self.autotune_min_macs = float(autotune_min_macs)
         # measured choices outlive the process when a directory is given (as CUDA's plans do)
-        cache_dir = plan_cache_dir or os.environ.get("CONVSERVE_PLAN_CACHE_DIR") or None
-        self.path_store = PathStore(cache_dir) if cache_dir else None
+        self.path_store = PathStore(plan_cache_dir) if plan_cache_dir else None
         self.blas_threads = _BlasThreads()
         self._wino_cache: dict = {}
         super().__init__(dtype, timing_sample_rate)

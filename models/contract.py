@@ -1,0 +1,87 @@
+"""What the service may ask a model: one typed Protocol per kind (docs/interfaces.md, "models").
+
+The service calls these members and nothing else; it never imports a model class or a private
+name. `kind` says which Protocol a model follows; a decoder's `tiling` is its current tile
+settings, opaque to the caller, which only passes it back to `smaller_tiling` or installs one
+that method returned (while it alone runs the model).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
+Kind = Literal["image-decoder", "video-decoder", "image-encoder"]
+
+
+@runtime_checkable
+class Model(Protocol):
+    name: str
+    kind: Kind
+    #: where the weights came from (a path, hf://org/name@commit, or "random init"); None = unnamed
+    weights_source: str | None
+    #: Hub weights only: repository, subfolder, revision, resolved commit, file sizes and hashes
+    weights_provenance: dict | None
+
+    def card(self) -> dict: ...
+
+
+@runtime_checkable
+class TiledDecoder(Model, Protocol):
+    latent_channels: int
+    spatial_factor: int
+    tiling: Any
+
+    def smaller_tiling(self, current: Any) -> Any | None:
+        """Retry smaller: the tile settings to try after a decode in `current` ran out of
+        memory, or None when there is no smaller one."""
+
+
+@runtime_checkable
+class ImageDecoder(TiledDecoder, Protocol):
+    has_encoder: bool
+
+    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray: ...
+
+    def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
+
+
+@runtime_checkable
+class VideoDecoder(TiledDecoder, Protocol):
+    temporal_factor: int
+
+    def decode(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
+
+    def decode_frames(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> Iterator[np.ndarray]: ...
+
+
+@runtime_checkable
+class ImageEncoder(Model, Protocol):
+    input_size: int
+    embed_dim: int
+    labels: list[str] | None
+
+    def encode(self, pixels_nhwc01: np.ndarray) -> dict: ...
+
+
+def example_input(model: Model, rng: np.random.Generator, *, n: int = 1, pixels: tuple[int, int] | None = None,
+                  latents: tuple[int, int] | None = None, frames: int = 2) -> np.ndarray:
+    """A random batch of `n` inputs `model` takes (warm-up, benchmarks). Decoders: latents of
+    `latents` (h, w), or the grid that decodes to about `pixels` (H, W), default 8x8; video
+    decoders with `frames` latent frames (2 covers the first-frame and later chunk shapes).
+    Encoders: images of `pixels`, default their input_size."""
+    if model.kind == IMAGE_ENCODER:
+        h, w = pixels or (int(model.input_size),) * 2
+        return rng.random((n, h, w, 3), dtype=np.float32)
+    if model.kind not in (IMAGE_DECODER, VIDEO_DECODER):
+        raise ValueError(f"model {model.name}: unknown kind {model.kind!r}")
+    f = int(model.spatial_factor)
+    hw = latents or ((max(1, pixels[0] // f), max(1, pixels[1] // f)) if pixels else (8, 8))
+    t = (frames,) if model.kind == VIDEO_DECODER else ()
+    return rng.standard_normal((n, model.latent_channels, *t, *hw)).astype(np.float32)
+
+
+def forward(model: Model, x: np.ndarray):
+    """The model's own call on an example_input: encode for encoders, decode (its defaults) for decoders."""
+    return model.encode(x) if model.kind == IMAGE_ENCODER else model.decode(x)

@@ -1,0 +1,116 @@
+"""Injected faults, for tests and chaos drills on any machine; used only when a CONVSERVE_FAULT_*
+variable is set, and armed only after warm-up, so a server always starts:
+
+  CONVSERVE_FAULT_OOM_ABOVE_BYTES=N   every backend conv whose input or output activation would
+                                      exceed N bytes raises MemoryError, as a device with little
+                                      free memory would (smaller tiles fit, larger ones do not);
+                                      installed at the backend's conv seam, `before_conv`
+  CONVSERVE_FAULT_POISON_VALUE=V      a model call whose inputs hold the exact float V raises
+                                      RuntimeError, as a bug inside a model would (the worker must
+                                      fail that batch only and keep serving)
+  CONVSERVE_FAULT_HOLD_VALUE=V        a model call whose inputs hold the exact float V creates
+  CONVSERVE_FAULT_HOLD_RELEASE_FILE=F F.holding, then keeps the worker busy until file F exists
+                                      (at most HOLD_MAX_S), so a test knows when a request occupies
+                                      the worker and decides how long, instead of guessing how long
+                                      a decode takes on a loaded machine
+
+The faults they cause are survived by the production paths (oom_recovery.py, the worker) and
+counted in `convserve_faults_total{model,fault,outcome}`."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from convkernels import Backend, ConvSpec
+
+log = logging.getLogger("convserve.faults")
+
+
+class FaultSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CONVSERVE_FAULT_", extra="ignore")
+
+    oom_above_bytes: int | None = None
+    poison_value: float | None = None
+    hold_value: float | None = None
+    hold_release_file: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.oom_above_bytes, self.poison_value, self.hold_value))
+
+
+def _nbytes(shape, itemsize: int = 4) -> int:
+    return int(np.prod([int(s) for s in shape], dtype=np.int64)) * itemsize
+
+
+def _conv_out_shape(x_shape, w_shape, spec: ConvSpec) -> tuple[int, ...]:
+    """Output shape of a channels-last conv (enough for a size check: stride and transpose only)."""
+    spatial = list(x_shape[1:-1])
+    stride = spec.stride
+    if spec.transpose:
+        spatial = [s * st for s, st in zip(spatial, stride)]
+    else:
+        spatial = [-(-s // st) for s, st in zip(spatial, stride)]
+    return (x_shape[0], *spatial, w_shape[0])
+
+
+def arm(backend: Backend, settings: FaultSettings) -> FaultSettings:
+    """Install the injection the settings name: the memory limit through the backend's conv seam
+    (`Backend.before_conv`), the model-call faults through with_call_faults."""
+    limit = settings.oom_above_bytes
+    if limit is not None:
+        def conv_memory_limit(x, w, spec) -> None:
+            need = max(_nbytes(x.shape), _nbytes(_conv_out_shape(tuple(x.shape), tuple(w.shape), spec)))
+            if need > limit:
+                raise MemoryError(f"injected device out of memory: conv activation of {need} bytes "
+                                  f"> CONVSERVE_FAULT_OOM_ABOVE_BYTES={limit}")
+
+        backend.before_conv = conv_memory_limit
+        log.warning("fault injection armed: conv activations above %d bytes raise MemoryError", limit)
+    if settings.poison_value is not None:
+        log.warning("fault injection armed: model calls on inputs holding %r raise", settings.poison_value)
+    if settings.hold_value is not None:
+        log.warning("fault injection armed: model calls on inputs holding %r wait for %s",
+                    settings.hold_value, settings.hold_release_file)
+    return settings
+
+
+def arm_if_configured(backend: Backend) -> FaultSettings | None:
+    """The CONVSERVE_FAULT_* settings armed on `backend`, or None (and nothing touched) when no
+    fault is configured: a production server never runs this module's code per request."""
+    settings = FaultSettings()
+    return arm(backend, settings) if settings.active else None
+
+
+#: the longest an injected hold keeps the worker, should a test never release it
+HOLD_MAX_S = 120.0
+
+
+def _holds(inputs: np.ndarray, value: float | None) -> bool:
+    return value is not None and inputs.dtype.kind == "f" and bool((inputs == np.float32(value)).any())
+
+
+def with_call_faults(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
+    """`call` with the model-call faults that are set: raise on the poison value; wait for the
+    release file on the hold value."""
+    if settings is None or (settings.poison_value is None and settings.hold_value is None):
+        return call
+
+    def run(inputs: np.ndarray):
+        if _holds(inputs, settings.poison_value):
+            raise RuntimeError(f"injected worker fault: inputs hold the poison value {settings.poison_value!r}")
+        if _holds(inputs, settings.hold_value):
+            release = Path(settings.hold_release_file or "")
+            if settings.hold_release_file:
+                release.with_name(release.name + ".holding").touch()
+            deadline = time.monotonic() + HOLD_MAX_S
+            while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return call(inputs)
+
+    return run

@@ -1,0 +1,150 @@
+"""Recovery from an out-of-memory decode (always on; production, not injection).
+
+A decode that raises MemoryError (CuPy's OutOfMemoryError is one; the NumPy backend raises it too)
+is retried on the worker thread, first row by row when the batch has several rows, then in tiles,
+each retry in the model's next smaller tiling (its `smaller_tiling` answer, models/contract.py),
+down to the model's floor. When every retry fails the
+request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
+(frames_with_oom_retry) resumes in tiles from the frame group that ran out, after decoding again
+(and dropping) the groups already sent. Every step is counted in
+`convserve_faults_total{model,fault="device_oom",outcome}`."""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import numpy as np
+
+from models.contract import TiledDecoder
+
+from .metrics import count_fault as count
+
+log = logging.getLogger("convserve.faults")
+
+#: retries in ever smaller tiles after the first tiled attempt
+MAX_SMALLER_TILES = 3
+
+
+class DeviceOutOfMemory(Exception):
+    """A decode ran out of device memory even in the smallest tiles tried."""
+
+
+@contextmanager
+def _tiling(model: TiledDecoder, tiling):
+    # the worker thread is the only one running this model, so a temporary swap is safe; a streamed
+    # decode already holds its own tile plan (made when it started)
+    old = model.tiling
+    model.tiling = tiling
+    try:
+        yield
+    finally:
+        model.tiling = old
+
+
+def decode_with_oom_retry(model_name: str, model: TiledDecoder, decode: Callable[[np.ndarray, bool | None], np.ndarray],
+                          x: np.ndarray, tiled: bool | None) -> np.ndarray:
+    """decode(x, tiled), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
+    try:
+        return decode(x, tiled)
+    except MemoryError as exc:
+        log.warning("%s: out of memory decoding %s (%s); retrying in tiles", model_name, x.shape, exc)
+        count(model_name, "device_oom", "retried")
+    if x.shape[0] > 1:
+        rows = [_retry_tiled(model_name, model, decode, x[i:i + 1]) for i in range(x.shape[0])]
+        out = np.concatenate(rows, axis=0)
+    else:
+        out = _retry_tiled(model_name, model, decode, x)
+    count(model_name, "device_oom", "recovered")
+    return out
+
+
+def _retry_tiled(model_name: str, model: TiledDecoder, decode, x: np.ndarray) -> np.ndarray:
+    last: BaseException | None = None
+    try:
+        return decode(x, True)
+    except MemoryError as exc:
+        last = exc
+    tiling = model.tiling
+    for _ in range(MAX_SMALLER_TILES):
+        tiling = model.smaller_tiling(tiling)
+        if tiling is None:
+            break
+        count(model_name, "device_oom", "retried")
+        try:
+            with _tiling(model, tiling):
+                return decode(x, True)
+        except MemoryError as exc:
+            last = exc
+    count(model_name, "device_oom", "failed")
+    raise DeviceOutOfMemory(f"out of device memory decoding {tuple(x.shape)} even in the smallest tiles "
+                            f"tried ({last})") from last
+
+
+def frames_with_oom_retry(model_name: str, model: TiledDecoder, make: Callable[[bool | None], Iterator[np.ndarray]],
+                          tiled: bool | None) -> Iterator[np.ndarray]:
+    """The frame groups of make(tiled) (a streamed video decode), retried on MemoryError: the
+    decode restarts tiled, then in smaller tiles, decodes again (and drops) the groups already
+    sent, so its causal caches hold what they held, and goes on from the group that failed. Groups
+    already sent stay as they were. make(tiled) runs now, so bad latents raise before any group."""
+    first = make(tiled)
+
+    def groups() -> Iterator[np.ndarray]:
+        gen, sent, recovering = first, 0, False
+        attempts = _tilings_to_try(model)
+        try:
+            while True:
+                try:
+                    group = next(gen)
+                except StopIteration:
+                    return
+                except MemoryError as exc:
+                    gen.close()
+                    log.warning("%s: out of memory at frame group %d of a streamed decode (%s); resuming in tiles",
+                                model_name, sent, exc)
+                    count(model_name, "device_oom", "retried")
+                    gen, recovering = _resumed_tiled(model_name, model, make, sent, attempts, exc), True
+                    continue
+                if recovering:
+                    count(model_name, "device_oom", "recovered")
+                    recovering = False
+                sent += 1
+                yield group
+        finally:
+            gen.close()
+
+    return groups()
+
+
+def _tilings_to_try(model: TiledDecoder) -> Iterator:
+    """The model's own tiling, then ever smaller ones (at most MAX_SMALLER_TILES)."""
+    tiling = model.tiling
+    yield tiling
+    for _ in range(MAX_SMALLER_TILES):
+        tiling = model.smaller_tiling(tiling)
+        if tiling is None:
+            return
+        yield tiling
+
+
+def _resumed_tiled(model_name: str, model: TiledDecoder, make, sent: int, attempts: Iterator, exc: BaseException):
+    """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
+    Its next group may still run out of memory: the caller then asks again with the next tiling."""
+    last = exc
+    for i, tiling in enumerate(attempts):
+        if i:
+            count(model_name, "device_oom", "retried")
+        gen = None
+        try:
+            with _tiling(model, tiling):
+                gen = make(True)  # the tile plan is made here, from the model's tiling now
+            for _ in range(sent):
+                next(gen)
+            return gen
+        except MemoryError as e:
+            last = e
+            if gen is not None:
+                gen.close()
+    count(model_name, "device_oom", "failed")
+    raise DeviceOutOfMemory(f"out of device memory in a streamed decode after {sent} frame groups, even in the "
+                            f"smallest tiles tried ({last})") from last

@@ -1,0 +1,79 @@
+"""The model contract the service is written against (models/contract.py): every preset family
+follows its kind's Protocol; a decoder's retry-smaller answers (smaller_tiling) shrink to a floor
+and each is a tiling the model decodes in (tests/test_tiled_decode.py checks accepted tilings
+against diffusers); `tile_size` reaches each decoder family as its own tile settings."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from convkernels import get_backend
+from models import load_model
+from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
+                             TiledDecoder, VideoDecoder, example_input, forward)
+
+PROTOCOLS = {IMAGE_DECODER: ImageDecoder, VIDEO_DECODER: VideoDecoder, IMAGE_ENCODER: ImageEncoder}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("numpy")
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux-vae", "tiny-wan-vae", "tiny-convnext"])
+def test_each_family_follows_its_kinds_protocol(backend, preset):
+    model = load_model(preset, preset, backend)
+    assert isinstance(model, PROTOCOLS[model.kind])
+    # only decoders answer retry-smaller
+    assert isinstance(model, TiledDecoder) == (model.kind != IMAGE_ENCODER)
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-wan-vae"])
+def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset):
+    model = load_model(preset, preset, backend, tile_size=256)
+    chain, t = [], model.tiling
+    while (t := model.smaller_tiling(t)) is not None:
+        chain.append(t)
+        assert len(chain) < 20
+    assert chain, "a 256-pixel tile has smaller ones"
+    sizes = [dataclasses.astuple(t)[0] for t in [model.tiling, *chain]]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    # every answer is a tiling the model accepts: a model built with it decodes to the right shape
+    rng = np.random.default_rng()
+    last = chain[-1]
+    model.tiling = last
+    if model.kind == IMAGE_DECODER:
+        model.tiling.validate(model.spatial_factor)
+        z = rng.standard_normal((1, model.latent_channels, 23, 19)).astype(np.float32)
+        assert model.decode(z, tiled=True).shape == (1, 23 * 8, 19 * 8, 3)
+    else:
+        z = rng.standard_normal((1, model.latent_channels, 2, 11, 9)).astype(np.float32)
+        assert model.decode(z, tiled=True).shape == (1, 5, 88, 72, 3)
+
+
+def test_tile_size_becomes_each_decoders_own_setting(backend):
+    vae = load_model("v", "tiny-vae", backend, tile_size=96)
+    assert vae.tiling.tile_latent_size == 96 // vae.spatial_factor
+    wan = load_model("w", "tiny-wan-vae", backend, tile_size=96)
+    assert (wan.tiling.min_size, wan.tiling.stride) == (96, 72)
+    enc = load_model("e", "tiny-convnext", backend, tile_size=96)  # encoders do not tile: ignored
+    assert enc.kind == IMAGE_ENCODER
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-wan-vae", "tiny-convnext"])
+def test_example_inputs_are_what_the_model_takes_at_the_asked_size(backend, preset):
+    """Warm-up and the CLI bench build their inputs with example_input: a decoder's latents decode
+    to the asked pixel size rounded down to its grid; an encoder takes images of that size."""
+    model = load_model(preset, preset, backend)
+    rng = np.random.default_rng()
+    h, w = 37, 50
+    out = forward(model, example_input(model, rng, n=2, pixels=(h, w)))
+    if model.kind == IMAGE_ENCODER:
+        assert out["embedding"].shape == (2, model.embed_dim)
+        return
+    f = model.spatial_factor
+    frames = (1 + model.temporal_factor,) if model.kind == VIDEO_DECODER else ()
+    assert out.shape == (2, *frames, h // f * f, w // f * f, 3)
+    assert forward(model, example_input(model, rng, latents=(3, 5))).shape[-3:-1] == (3 * f, 5 * f)
