@@ -52,6 +52,21 @@ def request(url: str, model: str, size: int) -> float:
     return time.perf_counter() - t0
 
 
+def plan_builds(url: str) -> str:
+    """How many conv keys were built (or loaded) since start and the seconds that took, from the
+    server's own convkernels_plan_build_seconds histogram: what a cold first request pays for."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count = total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+        for s in fam.samples:
+            if s.name == "convkernels_plan_build_seconds_count":
+                count += s.value
+            elif s.name == "convkernels_plan_build_seconds_sum":
+                total += s.value
+    return f"{int(count)} keys in {total:.1f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="numpy")
@@ -69,11 +84,13 @@ def main() -> None:
     rows = []
     for label, settings in (("no-dir", no_dir), ("cold", base), ("warm", base),
                             ("warm+", {**base, "warmup_sizes": str(args.size)})):
-        with ServerProcess(timeout=3600, log_path=args.log, **settings) as srv:
+        log = f"{args.log}.{label}" if args.log else None  # one log per start, at INFO
+        with ServerProcess(timeout=3600, log_path=log, log_level="info", **settings) as srv:
             times = [request(srv.url, args.model, args.size) for _ in range(3)]
+            built = plan_builds(srv.url)
         rows.append((label, srv.ready_s, *times))
         print(f"{label:6s} ready {srv.ready_s:8.2f} s   requests {times[0]:8.2f} s, {times[1]:8.3f} s, "
-              f"{times[2]:8.3f} s", flush=True)
+              f"{times[2]:8.3f} s   plan builds/loads {built}", flush=True)
     from machine import describe_machine
     print(f"machine: {describe_machine()}")
     print(f"{args.models} on {args.backend}, {args.size}x{args.size}, plan cache {cache}")
