@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--autotune", type=int, default=1)
     ap.add_argument("--autotune-plans", type=int, default=4, help="cuDNN plans timed per conv key")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (adds its compile time)")
+    ap.add_argument("--compile-limit", type=int, default=99,
+                    help="torch.compile only each model's first K shapes (each costs minutes of compiling)")
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--kernels", type=int, default=1, help="0: skip the GPU kernel time (profiler) columns")
     args = ap.parse_args()
@@ -146,7 +148,7 @@ def main():
                             up_block_types=("UpDecoderBlock2D",) * 4).to("cuda", torch.half)
         vae = vae.to(memory_format=torch.channels_last).eval()
         vae_c = compiled(lambda z: vae.decode(z).sample)
-        for n, s in ((1, 64), (4, 64), (1, 128)):
+        for shape_i, (n, s) in enumerate(((1, 64), (4, 64), (1, 128))):
             lat = rng.standard_normal((n, 4, s, s)).astype(np.float32)
             t1 = time.time()
             model.decode(lat, tiled=False)  # builds (and autotunes) the plans of this shape
@@ -167,7 +169,7 @@ def main():
                 torch.cuda.reset_peak_memory_stats()
                 vae.decode(z)
                 pgib = torch.cuda.max_memory_allocated() / 2**30
-                if vae_c is not None:
+                if vae_c is not None and shape_i < args.compile_limit:
                     t1 = time.time()
                     vae_c(z)
                     compile_s = time.time() - t1
@@ -197,7 +199,7 @@ def main():
             call = peer_model
         peer_model = peer_model.to("cuda", torch.half).to(memory_format=torch.channels_last).eval()
         call_c = compiled(call)
-        for n in (1, 32, 128):
+        for shape_i, n in enumerate((1, 32, 128)):
             px = rng.random((n, 224, 224, 3), dtype=np.float32)
             t1 = time.time()
             model.encode(px)
@@ -216,7 +218,7 @@ def main():
             with torch.inference_mode():
                 peer = wall(lambda: call(x), 3, args.reps, tsync)
                 kernels["torch"] = kern(lambda: call(x), tsync)
-                if call_c is not None:
+                if call_c is not None and shape_i < args.compile_limit:
                     t1 = time.time()
                     call_c(x)
                     compile_s = time.time() - t1
