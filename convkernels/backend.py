@@ -39,6 +39,9 @@ class Backend(ABC):
     #: the documented seam for wrapping convs (docs/interfaces.md): when set, called as
     #: before_conv(x, w, spec) ahead of every conv; whatever it raises is the conv's error
     before_conv: ConvHook | None = None
+    #: bytes of working memory one model call may take; models tile beyond it. 1 GiB suits a
+    #: CPU; the cuda backend sizes it from the device's memory
+    work_memory_budget: int = 1 << 30
 
     def __init__(self, dtype: str = "float32", timing_sample_rate: float = 1.0):
         if dtype not in self.supported_dtypes:

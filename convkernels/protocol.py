@@ -26,6 +26,8 @@ class Backend(Protocol):
     #: None, or a hook run ahead of every conv: the one seam for wrapping convs (the service's
     #: fault injection sets it; nothing replaces backend methods)
     before_conv: ConvHook | None
+    #: bytes of working memory one model call may take; models tile (or chunk) beyond it
+    work_memory_budget: int
 
     # ---- arrays and device ------------------------------------------------------------------
     def asarray(self, host: np.ndarray, dtype: str | None = None) -> Array: ...

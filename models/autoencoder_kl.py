@@ -262,7 +262,7 @@ class AutoencoderKLModel:
         self.tiling = tiling.TileSettings(
             tile_latent_size=int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
             overlap_factor=float(tile_overlap_factor),
-            memory_budget_bytes=int(memory_budget_bytes or tiling.DEFAULT_MEMORY_BUDGET))
+            memory_budget_bytes=int(memory_budget_bytes or backend.work_memory_budget))
         self.tiling.validate(cfg.spatial_factor)
 
         self.post_quant_conv = Conv2d(cfg.latent_channels, cfg.latent_channels, 1) \

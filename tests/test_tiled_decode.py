@@ -108,6 +108,22 @@ def test_auto_tiling_follows_the_budget(vae_and_model, backend):
     assert tiling.plan_decode(tight, (1, 8, 8, 4), True) is None
 
 
+def test_the_default_budget_is_the_backends_work_memory(vae_and_model):
+    """Without memory_budget_bytes a model takes its backend's work_memory_budget (the cuda
+    backend sizes it from the card), so one decode tiles on a small budget and not on a large."""
+    path = vae_and_model[1]
+    shape = (1, 20, 14, 4)
+    small, large = get_backend("numpy"), get_backend("numpy")
+    small.work_memory_budget = tiling.estimate_tiled_peak_bytes(
+        load_model("probe", "sd-vae", large, weights=path), 1, 20, 14, 8) + 1
+    large.work_memory_budget = 1 << 34
+    tiles = load_model("vae", "sd-vae", small, weights=path)
+    whole = load_model("vae", "sd-vae", large, weights=path)
+    assert tiles.tiling.memory_budget_bytes == small.work_memory_budget
+    assert tiling.plan_decode(tiles, shape, None) is not None
+    assert tiling.plan_decode(whole, shape, None) is None
+
+
 def test_estimate_covers_measured_peak(backend):
     """The untiled estimate that drives auto tiling must not undershoot numpy's real peak."""
     import tracemalloc
