@@ -256,7 +256,10 @@ def test_convnext_with_every_fusion_on_is_captured_and_matches_transformers(tmp_
         out = model.encode(pixels)
         emb, logits = convnext_ref(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std))
         errs = rel_l2(out["embedding"], emb), rel_l2(out["logits"], logits)
-        print(f"convnext {dtype} dw_ln on, call {i}: rel L2 {errs[0]:.2e} / {errs[1]:.2e}")
-        assert max(errs) < 1e-2, f"call {i}: {errs}"
+        floor = torch_lowp_error(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std), dtype)
+        print(f"convnext {dtype} dw_ln on, call {i}: rel L2 {errs[0]:.2e} / {errs[1]:.2e} "
+              f"(PyTorch in {dtype}: {floor[0]:.2e} / {floor[1]:.2e})")
+        tol = max(1e-2, 1.5 * max(floor)) if dtype == "bfloat16" else 1e-2  # see torch_lowp_error's users
+        assert max(errs) < tol, f"call {i}: {errs}, PyTorch {dtype}: {floor}"
     stats = model._encode_device.stats()
     assert stats["ungraphable"] == {} and stats["captures"] == 1 and stats["replays"] == 2, stats
