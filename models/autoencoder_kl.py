@@ -19,7 +19,7 @@ from convkernels import Backend
 from . import tiling
 from .layers import (Conv2d, Downsample2D, GroupNorm, Layer, ResnetBlock2D, SpatialAttention, Upsample2D,
                      random_state_dict)
-from .weights import check_state_dict, read_diffusers_checkpoint
+from .weights import check_state_dict, fold_output_affine, read_diffusers_checkpoint
 
 log = logging.getLogger("convserve.models")
 
@@ -284,7 +284,8 @@ class AutoencoderKLModel:
         has_encoder = any(k in tensors for k in encoder_shapes)
         expected = {**decoder_shapes, **(encoder_shapes if has_encoder else {})}
         check_state_dict(expected, tensors, f"AutoencoderKL preset {preset!r}")
-        self._load(tensors, has_encoder)
+        # diffusers' VaeImageProcessor maps x / 2 + 0.5 before its clip: done by conv_out itself
+        self._load(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), has_encoder)
         self.has_encoder = has_encoder
         # device latents -> device images; a backend may record and replay it (CUDA graphs)
         self._decode_device = backend.graphed(self._decoder_forward)
@@ -326,7 +327,8 @@ class AutoencoderKLModel:
         return self.decoder(b, z)
 
     def _decode_raw(self, z_nhwc: np.ndarray) -> np.ndarray:
-        """Unscaled latents (host NHWC) -> decoder output (host NHWC, about [-1, 1])."""
+        """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC, about
+        [0, 1], unclipped: x / 2 + 0.5 is folded into conv_out)."""
         b = self.backend
         return np.asarray(b.to_host(self._decode_device(b.asarray(z_nhwc))), dtype=np.float32)
 
@@ -347,9 +349,7 @@ class AutoencoderKLModel:
             out = self._decode_raw(z)
         else:
             out = tiling.tiled_decode(self._decode_raw, z, plan)
-        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1)
-        out *= 0.5
-        out += 0.5
+        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1); the affine part is in conv_out
         if clamp:
             np.clip(out, 0.0, 1.0, out=out)
         return out

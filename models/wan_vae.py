@@ -22,7 +22,7 @@ from convkernels import Backend
 from .wan_checkpoint import normalize_keys
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache, Layer
 from .wan_tiling import TileSettings, plan_tiles, stitch
-from .weights import check_state_dict, read_diffusers_checkpoint
+from .weights import check_state_dict, fold_output_affine, read_diffusers_checkpoint
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -191,7 +191,8 @@ class WanVAEDecoder:
             f", {self.weights_naming} names shown as diffusers names"
         check_state_dict(expected, tensors, f"AutoencoderKLWan decoder (preset {preset!r}{naming})",
                          ignore_unexpected=("encoder.", "quant_conv."))
-        self.tree.load(tensors)
+        # the video processor's x / 2 + 0.5 is done by conv_out itself
+        self.tree.load(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5))
 
     # ---- decode ----------------------------------------------------------------------------------
     def num_frames(self, latent_frames: int) -> int:
@@ -240,19 +241,17 @@ class WanVAEDecoder:
             yield self._to_pixels(stitch(plan, tiles))
 
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache) -> np.ndarray:
-        """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host,
-        unclamped, advancing `state`."""
+        """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host, mapped
+        to image space (x / 2 + 0.5 folded into conv_out) and unclipped, advancing `state`."""
         b = self.backend
         x = self.tree.post_quant_conv(b.asarray(np.ascontiguousarray(z_chunk)))
         return np.asarray(b.to_host(self.tree.decoder(x, state)), dtype=np.float32)
 
     @staticmethod
     def _to_pixels(x) -> np.ndarray:
-        # diffusers clamps the decode to [-1, 1]; the video processor then maps x / 2 + 0.5
+        # diffusers clamps the decode to [-1, 1], then maps x / 2 + 0.5 (already done by conv_out)
         out = np.asarray(x, dtype=np.float32)
-        np.clip(out, -1.0, 1.0, out=out)
-        out *= 0.5
-        out += 0.5
+        np.clip(out, 0.0, 1.0, out=out)
         return out
 
     def decode(self, latents_ncthw, tiled: bool | None = None) -> np.ndarray:
