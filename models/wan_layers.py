@@ -63,9 +63,14 @@ class FeatureCache:
     every chunk (diffusers' feat_cache/feat_idx). Holds at most CACHE_T frames per slot, so
     memory does not grow with clip length."""
 
-    def __init__(self) -> None:
-        self.slots: list[Any] = []
+    def __init__(self, slots=()) -> None:
+        self.slots: list[Any] = list(slots)
         self.pos = 0
+
+    def steady(self) -> bool:
+        """Every slot holds frames (no first-chunk marker, none missing): from the third chunk
+        on, when each chunk's inputs and cache have the same shapes as the last one's."""
+        return bool(self.slots) and all(s is not None and not isinstance(s, str) for s in self.slots)
 
     def start_chunk(self) -> None:
         self.pos = 0

@@ -193,6 +193,7 @@ class WanVAEDecoder:
                          ignore_unexpected=("encoder.", "quant_conv."))
         # the video processor's x / 2 + 0.5 is done by conv_out itself
         self.tree.load(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5))
+        self._steady_step = backend.graphed(self._step)
 
     # ---- decode ----------------------------------------------------------------------------------
     def num_frames(self, latent_frames: int) -> int:
@@ -242,10 +243,24 @@ class WanVAEDecoder:
 
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache) -> np.ndarray:
         """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host, mapped
-        to image space (x / 2 + 0.5 folded into conv_out) and unclipped, advancing `state`."""
+        to image space (x / 2 + 0.5 folded into conv_out) and unclipped, advancing `state`.
+        Steady chunks (the third on) go through the graphed step: their shapes repeat, so a
+        backend that records forwards replays them; the first two change the cache's layout."""
         b = self.backend
-        x = self.tree.post_quant_conv(b.asarray(np.ascontiguousarray(z_chunk)))
-        return np.asarray(b.to_host(self.tree.decoder(x, state)), dtype=np.float32)
+        x = b.asarray(np.ascontiguousarray(z_chunk))
+        if state.steady():
+            out, *slots = self._steady_step(x, *state.slots)
+            state.slots = slots
+        else:
+            out = self.tree.decoder(self.tree.post_quant_conv(x), state)
+        return np.asarray(b.to_host(out), dtype=np.float32)
+
+    def _step(self, x, *cache):
+        """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on
+        the device and nothing else read or kept: the shape of a recordable forward."""
+        state = FeatureCache(cache)
+        out = self.tree.decoder(self.tree.post_quant_conv(x), state)
+        return (out, *state.slots)
 
     @staticmethod
     def _to_pixels(x) -> np.ndarray:

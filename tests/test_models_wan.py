@@ -336,8 +336,8 @@ def test_feature_cache_stays_bounded(monkeypatch):
     seen: list[FeatureCache] = []
 
     class Recording(FeatureCache):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, slots=()):
+            super().__init__(slots)
             seen.append(self)
 
     monkeypatch.setattr(wan_vae, "FeatureCache", Recording)
@@ -345,7 +345,7 @@ def test_feature_cache_stays_bounded(monkeypatch):
     latents = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 6, 2, 3)).astype(np.float32)
     sizes = []
     for _ in model.decode_frames(latents):
-        (state,) = seen
+        state = seen[0]  # the decode's own; later ones are the steady step's views of it
         frames = [s.shape[1] for s in state.slots if not isinstance(s, str)]
         assert max(frames) <= CACHE_T
         sizes.append((len(state.slots), sum(frames)))
@@ -393,3 +393,32 @@ def test_backend_rms_norm_matches_torch(backend_name, activation):
         assert rel_l2(ours, ref.numpy()) < 1e-5
     with pytest.raises(ValueError, match="rms_norm: weight"):
         backend.rms_norm(backend.asarray(np.zeros((2, 3), np.float32)), backend.asarray(np.ones(4, np.float32)))
+
+
+def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_path):
+    """From the third latent frame on, each chunk runs through what `backend.graphed` returned
+    (a CUDA backend records and replays it), taking and giving device arrays only, with the
+    same shapes every chunk: otherwise every replay would be a new capture. The frames still
+    match diffusers'."""
+    be = get_backend("numpy")
+    calls = []
+
+    def recording_graphed(fn):
+        def step(*xs):
+            out = fn(*xs)
+            calls.append(([tuple(x.shape) for x in xs], [tuple(o.shape) for o in out]))
+            return out
+        return step
+
+    be.graphed = recording_graphed
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path, WAN_ODD, seed)
+    model = build("tiny", "tiny-wan-vae", be, str(folder))
+    latents = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 6, 3, 4)).astype(np.float32)
+    frames = model.decode(latents)
+    assert len(calls) == 6 - 2, calls
+    assert all(c == calls[0] for c in calls), "steady chunks changed their shapes"
+    ins, outs = calls[0]
+    assert ins[1:] == outs[1:], "the cache given back must fit the next call"
+    err = rel_l2(frames, reference_decode(vae, config, latents))
+    assert err < 1e-4, f"seed {seed}: relative L2 {err:.2e}"
