@@ -79,8 +79,9 @@ class Backend(ABC):
         """Harvest sampled conv timings into the metrics (after a batch completes)."""
 
     def graphed(self, fn):
-        """fn(x) -> array or tuple of arrays, a model's forward on device arrays that depends on
-        nothing but x and the (fixed) weights. A backend that can record a whole forward once and
+        """fn(*xs) -> array or tuple of arrays, a model's forward on device arrays that depends on
+        nothing but its inputs and the (fixed) weights; state carried between calls (a causal
+        cache) goes in and out as arrays. A backend that can record a whole forward once and
         replay it (CUDA graphs) returns a replaying wrapper; the others return fn itself."""
         return fn
 

@@ -119,9 +119,9 @@ class GraphCache:
 
 
 class _Captured:
-    def __init__(self, graph, pool, static_in, static_outs, multi: bool, calls: Counter, kept: list, done):
+    def __init__(self, graph, pool, static_ins: tuple, static_outs, multi: bool, calls: Counter, kept: list, done):
         self.graph, self.pool = graph, pool
-        self.static_in, self.static_outs, self.multi = static_in, static_outs, multi
+        self.static_ins, self.static_outs, self.multi = static_ins, static_outs, multi
         self.calls = calls
         self.kept = kept  # what the replays use from outside the pool (workspaces, cuDNN plans)
         self.done = done  # recorded after each replay's outputs are copied out
@@ -129,7 +129,7 @@ class _Captured:
 
     def release(self) -> None:
         self.graph = None
-        self.static_in = self.static_outs = None
+        self.static_ins = self.static_outs = None
         self.kept = []
         self.pool.free_all_blocks()
         self.nbytes = 0
@@ -139,7 +139,9 @@ _tokens = itertools.count()
 
 
 class GraphedForward:
-    """fn(x) -> array or tuple of arrays, replayed from a CUDA graph per (shape, dtype) of x."""
+    """fn(*xs) -> array or tuple of arrays, replayed from a CUDA graph per (shape, dtype) of the
+    inputs. Several inputs carry state between calls (a causal decoder's cache): each is copied
+    into its captured buffer, as a single input is."""
 
     def __init__(self, backend, fn, cache: GraphCache, lock=None):
         self.backend, self.fn, self.cache = backend, fn, cache
@@ -155,54 +157,59 @@ class GraphedForward:
         # a model that goes away frees its graphs; at interpreter exit the process frees everything
         weakref.finalize(self, cache.drop_owner, self.token).atexit = False
 
-    def __call__(self, x):
-        key = (tuple(x.shape), x.dtype.str)
+    def __call__(self, *xs):
+        key = tuple((tuple(x.shape), x.dtype.str) for x in xs)
+        key = key[0] if len(key) == 1 else key
         with self._lock:
             if key in self.ungraphable or key not in self._seen:
                 self._seen.add(key)
-                return self.fn(x)  # first sight: eager, builds plans and compiles kernels
+                return self.fn(*xs)  # first sight: eager, builds plans and compiles kernels
             entry = self.cache.get((self.token, key))
             if entry is None:
-                entry, failure = self._capture(key, x)
+                entry, failure = self._capture(key, xs)
                 if entry is None:
                     # if this raises too, the forward fails on this input (bad data, an injected
                     # fault): that says nothing about capturing it, so nothing is marked
-                    out = self.fn(x)
+                    out = self.fn(*xs)
                     if failure is not None:
                         self._give_up(key, failure)
                     return out
-            return self._replay(entry, x)
+            return self._replay(entry, xs)
 
     # ---- capture --------------------------------------------------------------------------------
-    def _capture(self, key, x):
+    def _capture(self, key, xs):
         """(entry, None) when captured; (None, None) when deferred (a cache miss under capture,
         out of memory with a second pool); (None, exception) when the forward cannot be captured."""
         cp = self.backend.cp
         self.backend.synchronize()  # the side stream must not overtake work queued for x
+        # the eager run just before left its activations cached in the shared pool; give them
+        # back so the capture's private pool reuses that memory instead of doubling the peak
+        cp.get_default_memory_pool().free_all_blocks()
         pool = cp.cuda.MemoryPool()
         caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)
         try:
-            return self._capture_on(key, x, pool, stream)
+            return self._capture_on(key, xs, pool, stream)
         finally:
             # the capture stream dies with this call: handles left pointing at it would hand
             # cuDNN a destroyed stream (its plan deserialisation captures a warm-up on the
             # handle's stream: "cuda_stream_is_capturing ... context is destroyed" on the H100)
             self.backend.bind_stream(caller)
 
-    def _capture_on(self, key, x, pool, stream):
+    def _capture_on(self, key, xs, pool, stream):
         cp = self.backend.cp
         graph = None
         try:
             with cp.cuda.using_allocator(pool.malloc), stream:
-                static_in = cp.empty_like(x)
-                static_in[...] = x
+                static_ins = tuple(cp.empty_like(x) for x in xs)
+                for static, x in zip(static_ins, xs):
+                    static[...] = x
                 stream.synchronize()
                 self.backend.bind_stream(stream)
                 with self.backend.recording_calls() as (calls, kept):
                     stream.begin_capture()
                     try:
-                        out = self.fn(static_in)
+                        out = self.fn(*static_ins)
                     finally:
                         graph = _end_capture(stream)
                 if graph is None:
@@ -219,7 +226,7 @@ class GraphedForward:
             return None, exc
         self._missed.pop(key, None)
         multi = isinstance(out, tuple)
-        entry = _Captured(graph, pool, static_in, out if multi else (out,), multi, Counter(calls), kept,
+        entry = _Captured(graph, pool, static_ins, out if multi else (out,), multi, Counter(calls), kept,
                           cp.cuda.Event(disable_timing=True))
         self.captures += 1
         CUDA_GRAPH_CAPTURES.labels(self.backend.name, "captured").inc()
@@ -235,11 +242,12 @@ class GraphedForward:
                     key, self.ungraphable[key])
 
     # ---- replay ---------------------------------------------------------------------------------
-    def _replay(self, entry: _Captured, x):
+    def _replay(self, entry: _Captured, xs):
         cp = self.backend.cp
         stream = cp.cuda.get_current_stream()
         stream.wait_event(entry.done)  # a replay on another stream may still be copying out
-        entry.static_in[...] = x
+        for static, x in zip(entry.static_ins, xs):
+            static[...] = x
         entry.graph.launch(stream)
         outs = tuple(None if o is None else o.copy() for o in entry.static_outs)
         entry.done.record(stream)
