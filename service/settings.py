@@ -114,6 +114,9 @@ class Settings(BaseSettings):
     #: shape (convkernels/backends/cuda_graphs.py); graphs held at most, LRU over all models
     cuda_graphs: bool = True
     cuda_graph_capacity: int = Field(16, ge=1)
+    #: CUDA backend: a graph whose memory pool would hold more bytes is dropped after capture and
+    #: its shape runs eagerly (large forwards gain nothing from a replay and would double memory)
+    cuda_graph_max_bytes: int = Field(4 << 30, ge=0)
     #: CUDA backend: time the first cuDNN plans of each new conv key instead of taking the
     #: heuristic's first one (the winner persists in plan_cache_dir)
     cuda_autotune: bool = False
@@ -142,6 +145,7 @@ class Settings(BaseSettings):
             opts["unfold_limit_bytes"] = self.unfold_limit_bytes
         opts["numpy_options"] = {"plan_cache_dir": self.plan_cache_dir}
         opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity,
+                                "graph_max_bytes": self.cuda_graph_max_bytes,
                                 "autotune": self.cuda_autotune, "autotune_max_plans": self.cuda_autotune_plans,
                                 "plan_cache_dir": self.plan_cache_dir,
                                 "plan_cache_capacity": self.plan_cache_capacity}

@@ -39,6 +39,7 @@ from .cuda_blas import Cublas
 from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
 from .cuda_cudnn import CudnnConvBuilder
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
+from .cuda_graphs import DEFAULT_MAX_GRAPH_BYTES
 from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
 from .cuda_kernels import Kernels, dw_ln_applies
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
@@ -70,7 +71,7 @@ class CudaBackend(Backend):
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
                  force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 4,
                  allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool = True,
-                 graph_capacity: int = GRAPH_CAPACITY):
+                 graph_capacity: int = GRAPH_CAPACITY, graph_max_bytes: int = DEFAULT_MAX_GRAPH_BYTES):
         import cupy as cp
         import cudnn
 
@@ -94,7 +95,7 @@ class CudaBackend(Backend):
         # service passes CONVSERVE_CUDA_GRAPHS / CONVSERVE_CUDA_GRAPH_CAPACITY
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_capacity = int(graph_capacity)
-        self.graphs = GraphCache(self.graph_capacity, self.name)
+        self.graphs = GraphCache(self.graph_capacity, self.name, graph_max_bytes)
         self._graph_lock = threading.RLock()
         self._tls = threading.local()
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (cuda_blas.py)

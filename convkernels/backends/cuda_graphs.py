@@ -46,6 +46,10 @@ from ..metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REP
 log = logging.getLogger("convkernels.cuda.graphs")
 
 DEFAULT_CAPACITY = 16
+#: a graph whose pool would hold more is dropped after its capture and its key runs eagerly: at
+#: that size the kernels dwarf the launches a replay saves, and the pool doubles the memory peak
+#: (Wan 2.1 at 480x832: a 5.9 GB pool per chunk step, no faster than eager on the H100)
+DEFAULT_MAX_GRAPH_BYTES = 4 << 30
 #: a capture that met a plan cache miss this many times in a row is given up on
 MAX_MISSED_CAPTURES = 3
 
@@ -60,12 +64,18 @@ class GraphCache:
     `release()` and `nbytes`; keys are (owner token, input key). Holds no device state itself,
     so the bookkeeping is tested on the CPU."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, backend_name: str = "cuda"):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, backend_name: str = "cuda",
+                 max_graph_bytes: int = DEFAULT_MAX_GRAPH_BYTES):
         self.capacity = max(1, int(capacity))
+        self.max_graph_bytes = int(max_graph_bytes)
         self.backend_name = backend_name
         self._entries: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.evictions = 0
+
+    def admits(self, nbytes: int) -> bool:
+        """Whether a captured graph whose pool holds `nbytes` is worth keeping."""
+        return nbytes <= self.max_graph_bytes
 
     def get(self, key):
         with self._lock:
@@ -149,6 +159,7 @@ class GraphedForward:
         self._seen: set = set()
         self._missed: Counter = Counter()
         self.ungraphable: dict = {}
+        self.too_large: dict = {}  # key -> pool bytes of the capture that was dropped
         self.captures = 0
         self.replays = 0
         # one lock for all of a backend's forwards: a capture may evict (and free) another
@@ -161,7 +172,7 @@ class GraphedForward:
         key = tuple((tuple(x.shape), x.dtype.str) for x in xs)
         key = key[0] if len(key) == 1 else key
         with self._lock:
-            if key in self.ungraphable or key not in self._seen:
+            if key in self.ungraphable or key in self.too_large or key not in self._seen:
                 self._seen.add(key)
                 return self.fn(*xs)  # first sight: eager, builds plans and compiles kernels
             entry = self.cache.get((self.token, key))
@@ -225,6 +236,14 @@ class GraphedForward:
             pool.free_all_blocks()
             return None, exc
         self._missed.pop(key, None)
+        if not self.cache.admits(int(pool.total_bytes())):
+            self.too_large[key] = int(pool.total_bytes())
+            graph = out = None
+            pool.free_all_blocks()
+            CUDA_GRAPH_CAPTURES.labels(self.backend.name, "too_large").inc()
+            log.info("graph for input %s dropped: its pool holds %d bytes, over the %d-byte bound; "
+                     "running it eagerly", key, self.too_large[key], self.cache.max_graph_bytes)
+            return None, None
         multi = isinstance(out, tuple)
         entry = _Captured(graph, pool, static_ins, out if multi else (out,), multi, Counter(calls), kept,
                           cp.cuda.Event(disable_timing=True))
@@ -263,7 +282,8 @@ class GraphedForward:
     def stats(self) -> dict:
         keys = self.cache.keys_of(self.token)
         return {"graphs": len(keys), "captures": self.captures, "replays": self.replays,
-                "pool_bytes": self.cache.held_bytes(self.token), "ungraphable": dict(self.ungraphable)}
+                "pool_bytes": self.cache.held_bytes(self.token), "ungraphable": dict(self.ungraphable),
+                "too_large": dict(self.too_large)}
 
 
 def _end_capture(stream):

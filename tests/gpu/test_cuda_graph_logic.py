@@ -88,6 +88,12 @@ def test_capacity_below_one_is_one():
     assert a.released and len(cache) == 1
 
 
+def test_a_graph_over_the_byte_bound_is_not_admitted():
+    cache = GraphCache(capacity=4, backend_name="graph-test-bytes", max_graph_bytes=1000)
+    assert cache.admits(1000) and not cache.admits(1001)
+    assert GraphCache(backend_name="graph-test-default").admits(4 << 30)
+
+
 def test_service_settings_pass_graph_options_to_the_cuda_backend_only(monkeypatch):
     from convkernels import get_backend
     from service.settings import Settings
@@ -95,9 +101,11 @@ def test_service_settings_pass_graph_options_to_the_cuda_backend_only(monkeypatc
     monkeypatch.setenv("CONVSERVE_CUDA_GRAPHS", "0")
     monkeypatch.setenv("CONVSERVE_CUDA_GRAPH_CAPACITY", "5")
     monkeypatch.setenv("CONVSERVE_CUDA_AUTOTUNE_PLANS", "3")
+    monkeypatch.setenv("CONVSERVE_CUDA_GRAPH_MAX_BYTES", "1000")
     opts = Settings().backend_options()
     cuda = opts["cuda_options"]
-    assert (cuda["cuda_graphs"], cuda["graph_capacity"], cuda["autotune_max_plans"]) == (False, 5, 3)
+    assert (cuda["cuda_graphs"], cuda["graph_capacity"], cuda["autotune_max_plans"], cuda["graph_max_bytes"]) \
+        == (False, 5, 3, 1000)
     monkeypatch.delenv("CONVSERVE_CUDA_GRAPHS")
     assert Settings().backend_options()["cuda_options"]["cuda_graphs"] is True  # on by default
     # a backend other than cuda ignores the cuda-only options

@@ -160,6 +160,20 @@ def test_lru_bound_evicts_and_recaptures_correctly(saved):
     assert stats["graphs"] == 1 and stats["captures"] >= 3, stats
 
 
+def test_a_graph_over_the_byte_bound_is_dropped_and_its_shape_runs_eagerly(saved):
+    from models import load_model
+
+    model = load_model("vae", "tiny-vae", graphed_backend(graph_max_bytes=1), weights=str(saved.root / "vae"))
+    rng = np.random.default_rng(fresh_seed())
+    for i in range(4):  # eager, capture (dropped: over the bound) and eager, then eager twice
+        lat = rng.standard_normal((1, 4, 9, 11)).astype(np.float32)
+        err = rel_l2(model.decode(lat, tiled=False), vae_decode_ref(saved.vae, lat))
+        assert err < TOL, f"call {i}: {err:.3e}"
+    stats = model._decode_device.stats()
+    assert stats["captures"] == 0 and stats["replays"] == 0 and stats["graphs"] == 0, stats
+    assert list(stats["too_large"].values())[0] > 1 and stats["ungraphable"] == {}, stats
+
+
 def test_convnext_replays_match_transformers(saved):
     from models import load_model
 
