@@ -273,22 +273,27 @@ def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help
                f"{', '.join(map(str, written[:4]))}{' ...' if len(written) > 4 else ''}")
 
 
-def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) -> None:
+def _post(url: str, api_key: Optional[str], headers: dict | None = None, **kwargs):
+    """A request to a running server; an error answer ends the command."""
     import httpx
 
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(url, headers={**(headers or {}), **auth}, timeout=600, **kwargs)
+    if r.status_code != 200:
+        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
+        raise typer.Exit(1)
+    return r
+
+
+def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) -> None:
     from .codecs import npy_bytes
     suffix = output.suffix.lower()
     if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
         raise typer.BadParameter("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")
     fmt = "npy" if suffix == ".npy" else "mp4" if suffix == ".mp4" else IMAGE_SUFFIXES[suffix]
-    headers = {"content-type": "application/x-npy"}
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
-    r = httpx.post(f"{url.rstrip('/')}/v1/models/{model}/decode", content=npy_bytes(np.asarray(lat, np.float32)),
-                   params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps}, headers=headers, timeout=600)
-    if r.status_code != 200:
-        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
-        raise typer.Exit(1)
+    r = _post(f"{url.rstrip('/')}/v1/models/{model}/decode", api_key, {"content-type": "application/x-npy"},
+              content=npy_bytes(np.asarray(lat, np.float32)),
+              params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps})
     shape = r.headers.get("x-output-shape")
     if r.headers.get("content-type") == "application/zip":  # several: out_000.png, out_001.png, ...
         import io
@@ -321,16 +326,9 @@ def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False,
     from .codecs import top_k as rank
 
     if url:
-        import httpx
         files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in images]
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        params = {"top_k": top_k} if top_k else {}
-        r = httpx.post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", files=files, params=params,
-                       headers=headers, timeout=600)
-        if r.status_code != 200:
-            typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
-            raise typer.Exit(1)
-        doc = r.json()
+        doc = _post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", api_key, files=files,
+                    params={"top_k": top_k} if top_k else {}).json()
         emb = np.asarray(doc["embeddings"], np.float32)
         ranks = doc.get("top_k")
     else:

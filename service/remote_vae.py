@@ -271,15 +271,14 @@ def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: st
         rgb = codecs.open_image(body, svc.settings.max_pixels, "image")
         return (rgb.astype(np.float32) / np.float32(255.0))[None], "float32"
     x = read_wire_tensor(body, shape, dtype)
+    x = x[None] if x.ndim == 3 else x
     # the pixel limit before the float copy, which is 4x the body for uint8 pixels
-    if x.ndim >= 3:
+    if x.ndim >= 4:
         validation.pixel_limit(*(x.shape[-3:-1] if x.dtype == np.uint8 else x.shape[-2:]), svc.settings)
     if x.dtype == np.uint8:
-        x = x[None] if x.ndim == 3 else x
         if x.ndim != 4 or x.shape[-1] != 3:
             raise Problem(422, "bad-shape", f"uint8 pixels must be N,H,W,3 or H,W,3, got {list(x.shape)}")
         return x.astype(np.float32) / np.float32(255.0), "float32"
-    x = x[None] if x.ndim == 3 else x
     if x.ndim != 4 or x.shape[1] != 3:
         raise Problem(422, "bad-shape", f"float pixels must be N,3,H,W or 3,H,W in [-1, 1], got {list(x.shape)}")
     images01 = (x.astype(np.float32).transpose(0, 2, 3, 1) + np.float32(1.0)) * np.float32(0.5)

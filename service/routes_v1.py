@@ -122,8 +122,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
     else:
         arr, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "pixels")
         images = list(await svc.in_pool(validation.source_pixels, arr, svc.settings))
-    resized = [await svc.in_pool(codecs.preprocess, im, input_size) for im in images]
-    return np.stack(resized)
+    return np.stack([await svc.in_pool(codecs.preprocess, im, input_size) for im in images])
 
 
 @router.post(
