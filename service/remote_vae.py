@@ -220,7 +220,7 @@ async def remote_decode(
                           "tensor; pass processor=VideoProcessor(), or use output_type mp4 or pt")
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
         body = await read_body(request, svc.settings.max_body_bytes)
-        lat = validation.float_latents(read_wire_tensor(body, shape, dtype))
+        lat = validation.float_latents(read_wire_tensor(body, shape, dtype), "float32, float16 or bfloat16")
         if lat.ndim == 3 and not video:
             if height is None or width is None:
                 raise Problem(422, "missing-height-width", "packed (3-D) latents need height and width")

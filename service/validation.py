@@ -41,10 +41,9 @@ def pixel_limit(height: int, width: int, limits: Settings) -> None:
         raise Problem(413, "image-too-large", f"{width}x{height} pixels exceed the limit of {limits.max_pixels}")
 
 
-def float_latents(lat: np.ndarray) -> np.ndarray:
+def float_latents(lat: np.ndarray, offered: str = "float32, float16, bfloat16 or float64") -> np.ndarray:
     if lat.dtype.kind != "f":
-        raise Problem(415, "unsupported-dtype",
-                      f"latents dtype {lat.dtype} not accepted; send float32, float16, bfloat16 or float64")
+        raise Problem(415, "unsupported-dtype", f"latents dtype {lat.dtype} not accepted; send {offered}")
     return lat
 
 
