@@ -80,11 +80,14 @@ def batch_sizes(max_batch: int) -> list[int]:
 class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
-                 stats: ModelStats | None = None):
+                 stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None):
+        """before_call(inputs) runs before every model call, and what it raises is the call's error
+        (the seam of the injected model-call faults, service/fault_injection.py)."""
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
         self.max_queue = max_queue
         self.after_batch = after_batch
+        self.before_call = before_call
         self.stats = stats
         self._pending: deque[WorkItem] = deque()
         self._cond = threading.Condition()
@@ -139,10 +142,6 @@ class Batcher:
         with self._cond:
             rows = sum(it.rows for it in self._pending)
         return rows * self.row_seconds
-
-    def depth(self) -> int:
-        with self._cond:
-            return len(self._pending)
 
     def busy(self) -> bool:
         with self._cond:
@@ -235,6 +234,8 @@ class Batcher:
         stacked = time.perf_counter()
         metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
         try:
+            if self.before_call is not None:
+                self.before_call(inputs)
             out = batch[0].call(inputs)
             called = time.perf_counter()
         except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch

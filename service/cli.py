@@ -157,16 +157,27 @@ def pull(models: Optional[list[str]] = typer.Argument(
 
 def _load_local(preset: str, weights: Optional[str], backend: str):
     from convkernels import get_backend
-    from models import WeightsError, load_model
+    from models import WeightsError
 
-    from .settings import Settings
+    from .model_host import load_entry
+    from .settings import ModelEntry, Settings
 
     # the backend knobs (unfold limit, plan cache, ...) are the server's CONVSERVE_* settings
     be = get_backend(backend, **Settings().backend_options())
     try:
-        return load_model(preset, preset, be, weights=weights)
+        return load_entry(ModelEntry(preset, preset, weights), be)
     except WeightsError as exc:
         _fail(str(exc))
+
+
+def _validated(check, *args) -> np.ndarray:
+    """The server's validation of a local input; what it rejects is a one-line error."""
+    from .problems import Problem
+
+    try:
+        return check(*args)
+    except Problem as p:
+        _fail(p.detail)
 
 
 def _read_tensor(path: Path, prefer: str) -> np.ndarray:
@@ -237,46 +248,52 @@ def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help
     """Decode latents to images, an MP4, .npy or a folder of frames."""
     from tqdm import tqdm
 
+    from . import validation
+
     lat = _read_tensor(latents, "latents")
     video = lat.ndim == 5
     if url:
         _remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
                        tiled, quality, fps, api_key)
         return
-    m = _load_local(preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend)
-    lat = lat[None] if lat.ndim in (3,) else lat
+    hm = _load_local(preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend)
+    lat = _validated(validation.latents, hm, lat)
     t0 = time.perf_counter()
-    if video:
+    if hm.is_video:
         # the causal decoder yields frames in order: 1 for the first latent frame, 4 per later one
-        chunks = list(tqdm(m.decode_frames(np.asarray(lat, np.float32)), total=lat.shape[2],
-                           desc="decode", unit="latent frame"))
+        chunks = list(tqdm(hm.model.decode_frames(lat), total=lat.shape[2], desc="decode", unit="latent frame"))
         out = np.concatenate(chunks, axis=1)
     else:
         t = {"on": True, "off": False}.get(tiled)
-        out = np.concatenate([m.decode(np.asarray(lat[i:i + 1], np.float32), tiled=t)
+        out = np.concatenate([hm.model.decode(lat[i:i + 1], tiled=t)
                               for i in tqdm(range(lat.shape[0]), desc="decode", unit="img", disable=lat.shape[0] < 2)])
     secs = time.perf_counter() - t0
-    written = _write_decoded(out, output, video, quality, fps)
+    written = _write_decoded(out, output, hm.is_video, quality, fps)
     typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} in {secs:.2f}s; wrote {len(written)} file(s): "
                f"{', '.join(map(str, written[:4]))}{' ...' if len(written) > 4 else ''}")
 
 
-def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) -> None:
+def _post(url: str, api_key: Optional[str], headers: dict | None = None, **kwargs):
+    """A request to a running server; an error answer ends the command."""
     import httpx
 
+    auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(url, headers={**(headers or {}), **auth}, timeout=600, **kwargs)
+    if r.status_code != 200:
+        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
+        raise typer.Exit(1)
+    return r
+
+
+def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) -> None:
     from .codecs import npy_bytes
     suffix = output.suffix.lower()
     if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
         raise typer.BadParameter("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")
     fmt = "npy" if suffix == ".npy" else "mp4" if suffix == ".mp4" else IMAGE_SUFFIXES[suffix]
-    headers = {"content-type": "application/x-npy"}
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
-    r = httpx.post(f"{url.rstrip('/')}/v1/models/{model}/decode", content=npy_bytes(np.asarray(lat, np.float32)),
-                   params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps}, headers=headers, timeout=600)
-    if r.status_code != 200:
-        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
-        raise typer.Exit(1)
+    r = _post(f"{url.rstrip('/')}/v1/models/{model}/decode", api_key, {"content-type": "application/x-npy"},
+              content=npy_bytes(np.asarray(lat, np.float32)),
+              params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps})
     shape = r.headers.get("x-output-shape")
     if r.headers.get("content-type") == "application/zip":  # several: out_000.png, out_001.png, ...
         import io
@@ -304,35 +321,29 @@ def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False,
     """Encode images to embeddings (and top-k labels when the checkpoint has a head)."""
     from tqdm import tqdm
 
+    from . import validation
     from .codecs import npy_bytes, open_image, preprocess
-    from .pipeline import top_k as rank
+    from .codecs import top_k as rank
 
     if url:
-        import httpx
         files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in images]
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        params = {"top_k": top_k} if top_k else {}
-        r = httpx.post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", files=files, params=params,
-                       headers=headers, timeout=600)
-        if r.status_code != 200:
-            typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
-            raise typer.Exit(1)
-        doc = r.json()
+        doc = _post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", api_key, files=files,
+                    params={"top_k": top_k} if top_k else {}).json()
         emb = np.asarray(doc["embeddings"], np.float32)
         ranks = doc.get("top_k")
     else:
-        m = _load_local(preset, weights, backend)
-        size = int(m.input_size)
+        hm = _load_local(preset, weights, backend)
+        size = int(hm.model.input_size)
         px = np.stack([preprocess(open_image(p.read_bytes(), 1 << 62, str(p)), size)
                        for p in tqdm(images, desc="load", unit="img", disable=len(images) < 2)])
-        out = m.encode(px)
+        out = hm.model.encode(_validated(validation.encoder_pixels, hm, px))
         emb = np.asarray(out["embedding"], np.float32)
         ranks = None
         if top_k:
             if out.get("logits") is None:
                 typer.echo(f"{preset} has no classifier head: no labels", err=True)
                 raise typer.Exit(2)
-            ranks = rank(np.asarray(out["logits"], np.float64), top_k, m.labels)
+            ranks = rank(np.asarray(out["logits"], np.float64), top_k, hm.labels)
     if output:
         output.write_bytes(npy_bytes(emb))
     for i, p in enumerate(images):
@@ -354,7 +365,7 @@ def bench(preset: str = typer.Option("tiny-vae", help="model preset"),
     """A quick local throughput number for one preset (no HTTP)."""
     from models.contract import example_input, forward
 
-    m = _load_local(preset, None, backend)
+    m = _load_local(preset, None, backend).model
     rng = np.random.default_rng()
     typer.echo(f"{preset} ({m.kind}) on {m.card().get('backend', backend)}; machine: {_machine()}")
     for n in (int(b) for b in batch.split(",")):

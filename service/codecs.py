@@ -1,6 +1,7 @@
 """Payload codecs: tensors in (.npy, safetensors, JSON+base64), images in (JPEG/PNG/WebP),
-images out (PNG/JPEG/WebP, zip for several), tensors out (.npy). Video lives in video.py.
-Everything here raises Problem with a 4xx on bad input; CPU-heavy parts run in the codec pool."""
+images out (PNG/JPEG/WebP, zip for several), tensors out (.npy), ranked labels out (`top_k`).
+Video lives in video.py. Everything here raises Problem with a 4xx on bad input; CPU-heavy parts
+run in the codec pool."""
 from __future__ import annotations
 
 import base64
@@ -259,3 +260,18 @@ def encode_images(images01: np.ndarray, fmt: str, quality: int) -> tuple[bytes, 
     ext = "jpg" if fmt == "jpeg" else fmt
     return zip_bytes([(f"image_{i:03d}.{ext}", image_bytes(im, fmt, quality))
                       for i, im in enumerate(rgb)]), ZIP_MEDIA
+
+
+def top_k(logits: np.ndarray, k: int, labels: list[str] | None) -> list[list[dict]]:
+    """Per row, the k largest softmax probabilities with their class index and label."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    k = min(k, p.shape[1])
+    out = []
+    for row in p:
+        idx = np.argsort(-row, kind="stable")[:k]
+        out.append([{"index": int(i), "label": labels[i] if labels and i < len(labels) else None,
+                     "score": float(row[i])} for i in idx])
+    return out
+

@@ -1,27 +1,16 @@
-"""Injected faults, for tests and chaos drills on any machine; used only when a CONVSERVE_FAULT_*
-variable is set, and armed only after warm-up, so a server always starts:
-
-  CONVSERVE_FAULT_OOM_ABOVE_BYTES=N   every backend conv whose input or output activation would
-                                      exceed N bytes raises MemoryError, as a device with little
-                                      free memory would (smaller tiles fit, larger ones do not);
-                                      installed at the backend's conv seam, `before_conv`
-  CONVSERVE_FAULT_POISON_VALUE=V      a model call whose inputs hold the exact float V raises
-                                      RuntimeError, as a bug inside a model would (the worker must
-                                      fail that batch only and keep serving)
-  CONVSERVE_FAULT_HOLD_VALUE=V        a model call whose inputs hold the exact float V creates
-  CONVSERVE_FAULT_HOLD_RELEASE_FILE=F F.holding, then keeps the worker busy until file F exists
-                                      (at most HOLD_MAX_S), so a test knows when a request occupies
-                                      the worker and decides how long, instead of guessing how long
-                                      a decode takes on a loaded machine
-
-The faults they cause are survived by the production paths (oom_recovery.py, the worker) and
-counted in `convserve_faults_total{model,fault,outcome}`."""
+"""Injected faults (the CONVSERVE_FAULT_* settings, docs/interfaces.md), for tests and chaos drills
+on any machine; used only when one is set, and armed only after warm-up, so a server always starts.
+The memory limit acts as a device with little free memory would (smaller tiles fit, larger ones do
+not), the poison value as a bug inside a model (the worker must fail that batch only and keep
+serving); the hold lets a test know when a request occupies the worker and decide for how long,
+instead of guessing how long a decode takes on a loaded machine. The faults are survived by the
+production paths (oom_recovery.py, the worker) and counted in `convserve_faults_total`."""
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,9 +48,13 @@ def _conv_out_shape(x_shape, w_shape, spec: ConvSpec) -> tuple[int, ...]:
     return (x_shape[0], *spatial, w_shape[0])
 
 
-def arm(backend: Backend, settings: FaultSettings) -> FaultSettings:
+#: a check run on a model call's inputs before the call (Batcher's `before_call`)
+CallCheck = Callable[[np.ndarray], None]
+
+
+def arm(backend: Backend, settings: FaultSettings) -> CallCheck | None:
     """Install the injection the settings name: the memory limit through the backend's conv seam
-    (`Backend.before_conv`), the model-call faults through with_call_faults."""
+    (`Backend.before_conv`); the model-call faults are the check returned, or None without them."""
     limit = settings.oom_above_bytes
     if limit is not None:
         def conv_memory_limit(x, w, spec) -> None:
@@ -72,17 +65,19 @@ def arm(backend: Backend, settings: FaultSettings) -> FaultSettings:
 
         backend.before_conv = conv_memory_limit
         log.warning("fault injection armed: conv activations above %d bytes raise MemoryError", limit)
+    if settings.poison_value is None and settings.hold_value is None:
+        return None
     if settings.poison_value is not None:
         log.warning("fault injection armed: model calls on inputs holding %r raise", settings.poison_value)
     if settings.hold_value is not None:
         log.warning("fault injection armed: model calls on inputs holding %r wait for %s",
                     settings.hold_value, settings.hold_release_file)
-    return settings
+    return lambda inputs: _call_faults(inputs, settings)
 
 
-def arm_if_configured(backend: Backend) -> FaultSettings | None:
-    """The CONVSERVE_FAULT_* settings armed on `backend`, or None (and nothing touched) when no
-    fault is configured: a production server never runs this module's code per request."""
+def arm_if_configured(backend: Backend) -> CallCheck | None:
+    """arm() with the CONVSERVE_FAULT_* settings; with none set nothing is touched and no check is
+    returned: a production server never runs this module's code per request."""
     settings = FaultSettings()
     return arm(backend, settings) if settings.active else None
 
@@ -95,22 +90,14 @@ def _holds(inputs: np.ndarray, value: float | None) -> bool:
     return value is not None and inputs.dtype.kind == "f" and bool((inputs == np.float32(value)).any())
 
 
-def with_call_faults(call: Callable[[np.ndarray], Any], settings: FaultSettings | None) -> Callable[[np.ndarray], Any]:
-    """`call` with the model-call faults that are set: raise on the poison value; wait for the
-    release file on the hold value."""
-    if settings is None or (settings.poison_value is None and settings.hold_value is None):
-        return call
-
-    def run(inputs: np.ndarray):
-        if _holds(inputs, settings.poison_value):
-            raise RuntimeError(f"injected worker fault: inputs hold the poison value {settings.poison_value!r}")
-        if _holds(inputs, settings.hold_value):
-            release = Path(settings.hold_release_file or "")
-            if settings.hold_release_file:
-                release.with_name(release.name + ".holding").touch()
-            deadline = time.monotonic() + HOLD_MAX_S
-            while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        return call(inputs)
-
-    return run
+def _call_faults(inputs: np.ndarray, settings: FaultSettings) -> None:
+    """Raise on the poison value; wait for the release file on the hold value."""
+    if _holds(inputs, settings.poison_value):
+        raise RuntimeError(f"injected worker fault: inputs hold the poison value {settings.poison_value!r}")
+    if _holds(inputs, settings.hold_value):
+        release = Path(settings.hold_release_file or "")
+        if settings.hold_release_file:
+            release.with_name(release.name + ".holding").touch()
+        deadline = time.monotonic() + HOLD_MAX_S
+        while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
+            time.sleep(0.005)

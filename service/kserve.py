@@ -1,8 +1,5 @@
 """KServe v2 / Triton HTTP adapter (JSON tensors and the binary tensor data extension), over the
-same request path as /v1. Tensor names: decoders take "latents" (FP32/FP16/BF16/FP64, NCHW or
-NCTHW) and give "images" (FP32 NHWC) or "frames" (FP32 NFHWC); encoders take "pixels" (FP32/FP16
-in [0,1] or UINT8, NHWC, resized to the model's size) and give "embedding" and, with a classifier
-head, "logits"."""
+same request path as /v1; its tensors are in docs/interfaces.md and `HostedModel.tensors`."""
 from __future__ import annotations
 
 import json
@@ -11,11 +8,12 @@ import math
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
+from . import validation
 from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
-from .codecs import bf16_to_f32, check_source_image, preprocess
-from .model_host import IMAGE_DECODER, VIDEO_DECODER, HostedModel
+from .codecs import bf16_to_f32, preprocess
+from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
 
@@ -187,25 +185,18 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
 @router.post("/models/{name}/versions/{version}/infer", include_in_schema=False)
 async def infer(name: str, request: Request, version: str | None = None):
     svc = service(request)
-    hm = svc.model(name)
-    async with svc.track(name, "infer"):
+    async with svc.admit(name, "infer") as hm:
         body = await read_body(request, svc.settings.max_body_bytes)
         doc, tensors = await svc.in_pool(_parse, body, request.headers.get(HEADER_LENGTH))
-        if hm.kind in (IMAGE_DECODER, VIDEO_DECODER):
-            out = await svc.decode(name, _only_input(tensors, "latents"), disconnected=request.is_disconnected)
-            results = {"images" if hm.kind == IMAGE_DECODER else "frames": out}
+        if hm.is_decoder:
+            out = await svc.decode(hm, _only_input(tensors, "latents"), disconnected=request.is_disconnected)
+            results = {hm.output_name: out}
         else:
-            px = _only_input(tensors, "pixels")
-            if px.ndim == 3:
-                px = px[None]
-            if px.ndim != 4 or px.shape[-1] != 3 or min(px.shape) < 1:
-                raise Problem(422, "bad-shape", f"pixels must be N,H,W,3, got {list(px.shape)}")
+            px = await svc.in_pool(validation.source_pixels, _only_input(tensors, "pixels"), svc.settings)
             size = int(hm.model.input_size)
             if px.shape[1:3] != (size, size) or px.dtype == np.uint8:
-                check_source_image(px.shape[1], px.shape[2], svc.settings.max_pixels, svc.settings.max_aspect_ratio,
-                                   "pixels")
                 px = np.stack([await svc.in_pool(preprocess, im, size) for im in px])
-            enc = await svc.encode(name, px, disconnected=request.is_disconnected)
+            enc = await svc.encode(hm, px, disconnected=request.is_disconnected)
             results = {k: v for k, v in (("embedding", enc["embedding"]), ("logits", enc.get("logits")))
                        if v is not None}
         payload = await svc.in_pool(_response, name, doc, results)

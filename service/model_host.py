@@ -41,22 +41,63 @@ class HostedModel:
         return self.kind in (IMAGE_DECODER, VIDEO_DECODER)
 
     @property
+    def is_video(self) -> bool:
+        return self.kind == VIDEO_DECODER
+
+    @property
+    def can_encode(self) -> bool:
+        """Images -> latents: an image VAE whose checkpoint holds the encoder."""
+        return self.kind == IMAGE_DECODER and bool(self.model.has_encoder)
+
+    @property
     def labels(self) -> list[str] | None:
         return self.model.labels if self.kind == IMAGE_ENCODER else None
+
+    @property
+    def latent_ndim(self) -> int:
+        return 5 if self.is_video else 4
+
+    @property
+    def latent_layout(self) -> str:
+        return "N,C,T,H,W" if self.is_video else "N,C,H,W"
+
+    @property
+    def output_name(self) -> str:
+        """The KServe tensor a decoder answers."""
+        return "frames" if self.is_video else "images"
+
+    def output_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """What decoding latents of this shape gives: N,H,W,3 or N,F,H,W,3."""
+        m, n, hw = self.model, latent_shape[0], latent_shape[-2:]
+        frames = (1 + m.temporal_factor * (latent_shape[2] - 1),) if self.is_video else ()
+        return (n, *frames, hw[0] * m.spatial_factor, hw[1] * m.spatial_factor, 3)
+
+    def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool) -> np.ndarray:
+        # video decoders always clamp, as diffusers' AutoencoderKLWan does
+        if self.is_video:
+            return self.model.decode(latents, tiled=tiled)
+        return self.model.decode(latents, tiled=tiled, clamp=clamp)
+
+    def latent_scaling(self) -> tuple[np.ndarray | float, np.ndarray | float]:
+        """(scale, shift) of the model's input normalisation, per channel where it has one: its
+        decode() sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan: the
+        pipeline's latents * std + mean, i.e. scale = 1/std, shift = mean (shaped 1,C,1,1,1)."""
+        card = self.model.card()
+        if self.is_video:
+            cfg = card["config"]
+            std = np.asarray(cfg["latents_std"], np.float64).reshape(1, -1, 1, 1, 1)
+            return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(1, -1, 1, 1, 1)
+        return float(card["scaling_factor"]), float(card.get("shift_factor") or 0.0)
 
     def tensors(self) -> tuple[list[dict], list[dict]]:
         """KServe v2 input/output tensor metadata (-1 = any size)."""
         m = self.model
-        if self.kind == IMAGE_DECODER:
-            return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, -1, -1],
-                      "layout": "NCHW", "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
-                    [{"name": "images", "datatype": "FP32", "shape": [-1, -1, -1, 3], "layout": "NHWC",
-                      "range": [0, 1]}])
-        if self.kind == VIDEO_DECODER:
-            return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, -1, -1, -1],
-                      "layout": "NCTHW", "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
-                    [{"name": "frames", "datatype": "FP32", "shape": [-1, -1, -1, -1, 3], "layout": "NFHWC",
-                      "range": [0, 1]}])
+        if self.is_decoder:
+            video = self.is_video
+            return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, *[-1] * (2 + video)],
+                      "layout": self.latent_layout.replace(",", ""), "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
+                    [{"name": self.output_name, "datatype": "FP32", "shape": [-1] * (3 + video) + [3],
+                      "layout": "NFHWC" if video else "NHWC", "range": [0, 1]}])
         outs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, m.embed_dim]}]
         if self.labels is not None or self.extra.get("has_logits"):
             outs.append({"name": "logits", "datatype": "FP32", "shape": [-1, -1]})

@@ -5,20 +5,21 @@ is retried on the worker thread, first row by row when the batch has several row
 each retry in the model's next smaller tiling (its `smaller_tiling` answer, models/contract.py),
 down to the model's floor. When every retry fails the
 request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
-(frames_with_oom_retry) resumes in tiles from the frame group that ran out, after decoding again
+(`frames`) resumes in tiles from the frame group that ran out, after decoding again
 (and dropping) the groups already sent. Every step is counted in
 `convserve_faults_total{model,fault="device_oom",outcome}`."""
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from models.contract import TiledDecoder
 
 from .metrics import count_fault as count
+from .model_host import HostedModel
 
 log = logging.getLogger("convserve.faults")
 
@@ -42,56 +43,46 @@ def _tiling(model: TiledDecoder, tiling):
         model.tiling = old
 
 
-def decode_with_oom_retry(model_name: str, model: TiledDecoder, decode: Callable[[np.ndarray, bool | None], np.ndarray],
-                          x: np.ndarray, tiled: bool | None) -> np.ndarray:
-    """decode(x, tiled), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
+def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool) -> np.ndarray:
+    """hm.decode(x), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
     try:
-        return decode(x, tiled)
+        return hm.decode(x, tiled, clamp)
     except MemoryError as exc:
-        log.warning("%s: out of memory decoding %s (%s); retrying in tiles", model_name, x.shape, exc)
-        count(model_name, "device_oom", "retried")
+        log.warning("%s: out of memory decoding %s (%s); retrying in tiles", hm.name, x.shape, exc)
+        count(hm.name, "device_oom", "retried")
     if x.shape[0] > 1:
-        rows = [_retry_tiled(model_name, model, decode, x[i:i + 1]) for i in range(x.shape[0])]
-        out = np.concatenate(rows, axis=0)
+        out = np.concatenate([_retry_tiled(hm, x[i:i + 1], clamp) for i in range(x.shape[0])], axis=0)
     else:
-        out = _retry_tiled(model_name, model, decode, x)
-    count(model_name, "device_oom", "recovered")
+        out = _retry_tiled(hm, x, clamp)
+    count(hm.name, "device_oom", "recovered")
     return out
 
 
-def _retry_tiled(model_name: str, model: TiledDecoder, decode, x: np.ndarray) -> np.ndarray:
+def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool) -> np.ndarray:
     last: BaseException | None = None
-    try:
-        return decode(x, True)
-    except MemoryError as exc:
-        last = exc
-    tiling = model.tiling
-    for _ in range(MAX_SMALLER_TILES):
-        tiling = model.smaller_tiling(tiling)
-        if tiling is None:
-            break
-        count(model_name, "device_oom", "retried")
+    for i, tiling in enumerate(_tilings_to_try(hm.model)):
+        if i:
+            count(hm.name, "device_oom", "retried")
         try:
-            with _tiling(model, tiling):
-                return decode(x, True)
+            with _tiling(hm.model, tiling):
+                return hm.decode(x, True, clamp)
         except MemoryError as exc:
             last = exc
-    count(model_name, "device_oom", "failed")
+    count(hm.name, "device_oom", "failed")
     raise DeviceOutOfMemory(f"out of device memory decoding {tuple(x.shape)} even in the smallest tiles "
                             f"tried ({last})") from last
 
 
-def frames_with_oom_retry(model_name: str, model: TiledDecoder, make: Callable[[bool | None], Iterator[np.ndarray]],
-                          tiled: bool | None) -> Iterator[np.ndarray]:
-    """The frame groups of make(tiled) (a streamed video decode), retried on MemoryError: the
-    decode restarts tiled, then in smaller tiles, decodes again (and drops) the groups already
-    sent, so its causal caches hold what they held, and goes on from the group that failed. Groups
-    already sent stay as they were. make(tiled) runs now, so bad latents raise before any group."""
-    first = make(tiled)
+def frames(hm: HostedModel, latents: np.ndarray, tiled: bool | None) -> Iterator[np.ndarray]:
+    """The frame groups of a streamed video decode, retried on MemoryError: the decode restarts
+    tiled, then in smaller tiles, decodes again (and drops) the groups already sent, so its causal
+    caches hold what they held, and goes on from the group that failed. Groups already sent stay
+    as they were. The decode starts now, so bad latents raise before any group."""
+    first = hm.model.decode_frames(latents, tiled=tiled)
 
     def groups() -> Iterator[np.ndarray]:
         gen, sent, recovering = first, 0, False
-        attempts = _tilings_to_try(model)
+        attempts = _tilings_to_try(hm.model)
         try:
             while True:
                 try:
@@ -101,12 +92,12 @@ def frames_with_oom_retry(model_name: str, model: TiledDecoder, make: Callable[[
                 except MemoryError as exc:
                     gen.close()
                     log.warning("%s: out of memory at frame group %d of a streamed decode (%s); resuming in tiles",
-                                model_name, sent, exc)
-                    count(model_name, "device_oom", "retried")
-                    gen, recovering = _resumed_tiled(model_name, model, make, sent, attempts, exc), True
+                                hm.name, sent, exc)
+                    count(hm.name, "device_oom", "retried")
+                    gen, recovering = _resumed_tiled(hm, latents, sent, attempts, exc), True
                     continue
                 if recovering:
-                    count(model_name, "device_oom", "recovered")
+                    count(hm.name, "device_oom", "recovered")
                     recovering = False
                 sent += 1
                 yield group
@@ -127,17 +118,17 @@ def _tilings_to_try(model: TiledDecoder) -> Iterator:
         yield tiling
 
 
-def _resumed_tiled(model_name: str, model: TiledDecoder, make, sent: int, attempts: Iterator, exc: BaseException):
+def _resumed_tiled(hm: HostedModel, latents: np.ndarray, sent: int, attempts: Iterator, exc: BaseException):
     """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
     Its next group may still run out of memory: the caller then asks again with the next tiling."""
     last = exc
     for i, tiling in enumerate(attempts):
         if i:
-            count(model_name, "device_oom", "retried")
+            count(hm.name, "device_oom", "retried")
         gen = None
         try:
-            with _tiling(model, tiling):
-                gen = make(True)  # the tile plan is made here, from the model's tiling now
+            with _tiling(hm.model, tiling):
+                gen = hm.model.decode_frames(latents, tiled=True)  # its tile plan is made here, from this tiling
             for _ in range(sent):
                 next(gen)
             return gen
@@ -145,6 +136,6 @@ def _resumed_tiled(model_name: str, model: TiledDecoder, make, sent: int, attemp
             last = e
             if gen is not None:
                 gen.close()
-    count(model_name, "device_oom", "failed")
+    count(hm.name, "device_oom", "failed")
     raise DeviceOutOfMemory(f"out of device memory in a streamed decode after {sent} frame groups, even in the "
                             f"smallest tiles tried ({last})") from last

@@ -1,12 +1,12 @@
-"""The one request path every protocol adapter goes through:
-validated tensor -> batcher -> model (worker thread) -> result rows; plus the admission rules
-(ready, draining, queue full, timeout, client gone) and the request metrics around it.
-Adapters (v1 REST, KServe v2, and later diffusers remote_decode, streaming video) only parse
-their wire format into tensors and format the rows that come back."""
+"""The one request path every protocol adapter goes through: admission (ready, draining, queue
+full; the request metrics around it), then validated tensor -> batcher -> model (worker thread) ->
+result rows, waited for with the timeout and the client's presence. Adapters only parse their wire
+format into tensors and format the rows that come back."""
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import math
 import threading
@@ -17,9 +17,9 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import fault_injection, metrics, oom_recovery
+from . import fault_injection, metrics, oom_recovery, validation
 from .batcher import Batcher, Closed, QueueFull
-from .model_host import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, HostedModel, load_entry, warm_up
+from .model_host import HostedModel, load_entry, warm_up
 from .model_stats import ModelStats, ns
 from .problems import Problem
 from .settings import Settings
@@ -33,7 +33,7 @@ DISCONNECT_POLL_S = 0.05
 
 
 class _Reservation:
-    """The queue place a request was admitted with (Service.track), until its first model call."""
+    """The queue place a request was admitted with (Service.admit), until its first model call."""
     used = False
 
 
@@ -64,20 +64,14 @@ class Service:
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
-        self.faults: fault_injection.FaultSettings | None = None
         #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats)
         self.stats = ModelStats()
-        self._loader: threading.Thread | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def start(self, background: bool = True) -> None:
-        """Load and warm up the models; /readyz turns true when done. In the background by
-        default so /healthz answers while a large model loads."""
-        if background:
-            self._loader = threading.Thread(target=self._load, name="convserve-loader", daemon=True)
-            self._loader.start()
-        else:
-            self._load()
+    def start(self) -> None:
+        """Load and warm up the models; /readyz turns true when done. In the background, so
+        /healthz answers while a large model loads."""
+        threading.Thread(target=self._load, name="convserve-loader", daemon=True).start()
 
     def _load(self) -> None:
         try:
@@ -99,20 +93,16 @@ class Service:
                     log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
                     continue
                 self.models[entry.name] = hm
-            # after warm-up: injected faults never stop a start
-            self.faults = fault_injection.arm_if_configured(self.backend)
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    max_queue=s.max_queue, after_batch=self.backend.flush_timings,
-                                   stats=self.stats)
+                                   stats=self.stats,
+                                   # after warm-up: injected faults never stop a start
+                                   before_call=fault_injection.arm_if_configured(self.backend))
             self.ready = True
             log.info("ready: %s", ", ".join(self.models))
         except Exception as exc:  # the server stays up (live, not ready) and says why
             self.load_error = f"{exc.__class__.__name__}: {exc}"
             log.exception("model loading failed")
-
-    def wait_loaded(self, timeout: float | None = None) -> None:
-        if self._loader is not None:
-            self._loader.join(timeout)
 
     def begin_drain(self) -> None:
         """SIGTERM: stop admitting (readyz false, new requests 503); queued work still runs."""
@@ -149,29 +139,34 @@ class Service:
         queue counts the places of admitted requests still reading their bodies), so a full
         queue costs a rejected client no body upload, parsing or NaN scan on the server."""
         if self.draining:
-            metrics.REJECTED.labels(model, "shutting_down").inc()
-            raise Problem(503, "shutting-down", "the server is shutting down",
-                          headers={"Retry-After": self.retry_after(), "Connection": "close"})
+            raise self._refused(model, Closed(), close=True)
         if not self.ready or self.batcher is None:
             raise Problem(503, "not-ready", "models are still loading", headers={"Retry-After": "2"})
         try:
             self.batcher.reserve()
-        except QueueFull:
-            raise self._queue_full(model) from None
-        except Closed:
-            metrics.REJECTED.labels(model, "shutting_down").inc()
-            raise Problem(503, "shutting-down", "the server is shutting down",
-                          headers={"Retry-After": self.retry_after(), "Connection": "close"}) from None
+        except (QueueFull, Closed) as exc:
+            raise self._refused(model, exc, close=True) from None
         return _Reservation()
 
-    def _queue_full(self, model: str) -> Problem:
-        metrics.REJECTED.labels(model, "queue_full").inc()
-        return Problem(429, "queue-full", f"the queue holds {self.settings.max_queue} requests; retry later",
-                       headers={"Retry-After": self.retry_after()})
+    def _refused(self, model: str, why: QueueFull | Closed, *, close: bool = False) -> Problem:
+        """A request the queue did not take: full (429) or closed by a drain (503)."""
+        full = isinstance(why, QueueFull)
+        metrics.REJECTED.labels(model, "queue_full" if full else "shutting_down").inc()
+        headers = {"Retry-After": self.retry_after()}
+        if full:
+            return Problem(429, "queue-full", f"the queue holds {self.settings.max_queue} requests; retry later",
+                           headers=headers)
+        if close:  # refused before its body was read
+            headers["Connection"] = "close"
+        return Problem(503, "shutting-down", "the server is shutting down", headers=headers)
 
     @asynccontextmanager
-    async def track(self, model: str, endpoint: str):
-        """Count the request (status), time it and hold it in flight (the drain waits for it)."""
+    async def admit(self, model: str, endpoint: str):
+        """What every adapter's route starts with: the hosted model (404 and not-ready are not
+        counted: an unknown name is no metric label), a queue place (`_admit`) and whether
+        `endpoint` runs that model (409). The request is counted (status), timed and held in
+        flight (the drain waits for it) until the block ends."""
+        hm = self.model(model)
         t0 = time.perf_counter()
         self.inflight += 1
         metrics.INFLIGHT.labels(model).inc()
@@ -180,7 +175,7 @@ class Service:
         try:
             reservation = self._admit(model)
             _RESERVATION.set(reservation)
-            yield
+            yield validation.model_for(hm, endpoint)
         except Problem as p:
             status = p.status
             raise
@@ -207,10 +202,11 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.codec_pool, fn, *args)
 
     # ---- the request path ------------------------------------------------------------------------
-    async def _run(self, hm: HostedModel, key, inputs: np.ndarray, call, disconnected: DisconnectCheck | None,
-                   *, continuation: bool = False, solo: bool = False):
-        """continuation/solo: see Batcher.submit (the streaming adapter's later decode steps)."""
-        call = fault_injection.with_call_faults(call, self.faults)
+    async def run(self, hm: HostedModel, key, inputs: np.ndarray, call, disconnected: DisconnectCheck | None,
+                  *, continuation: bool = False, solo: bool = False):
+        """`call(inputs)` on the device worker, batched with work of an equal `key`; waits with the
+        request's timeout and drops the work when the client goes. continuation/solo: see
+        Batcher.submit (the streaming adapter's later decode steps)."""
         reservation = _RESERVATION.get()
         reserved = reservation is not None and not reservation.used and not continuation
         try:
@@ -218,12 +214,8 @@ class Service:
                                        reserved=reserved)
             if reserved:
                 reservation.used = True
-        except QueueFull:
-            raise self._queue_full(hm.name) from None
-        except Closed:
-            metrics.REJECTED.labels(hm.name, "shutting_down").inc()
-            raise Problem(503, "shutting-down", "the server is shutting down",
-                          headers={"Retry-After": self.retry_after()}) from None
+        except (QueueFull, Closed) as exc:
+            raise self._refused(hm.name, exc) from None
         deadline = time.perf_counter() + self.settings.request_timeout_s
         try:
             while True:
@@ -259,109 +251,22 @@ class Service:
             raise Problem(500, "model-error", f"{exc.__class__.__name__}: {exc} (error id {error_id}; "
                           "the server log has the traceback)", error_id=error_id) from exc
 
-    def check_latents(self, hm: HostedModel, lat: np.ndarray) -> np.ndarray:
-        s, m = self.settings, hm.model
-        want = 4 if hm.kind == IMAGE_DECODER else 5
-        layout = "N,C,H,W" if want == 4 else "N,C,T,H,W"
-        if lat.dtype.kind != "f":
-            raise Problem(415, "unsupported-dtype", f"latents dtype {lat.dtype} not accepted; send float32, float16, bfloat16 or float64")
-        if lat.ndim == want - 1:
-            lat = lat[None]
-        if lat.ndim != want:
-            raise Problem(422, "bad-shape", f"{hm.name} wants latents {layout}, got shape {list(lat.shape)}")
-        if lat.shape[1] != m.latent_channels:
-            raise Problem(422, "wrong-channels",
-                          f"{hm.name} wants {m.latent_channels} latent channels, got {lat.shape[1]} (shape {list(lat.shape)})")
-        if min(lat.shape) < 1:
-            raise Problem(422, "bad-shape", f"empty latents: shape {list(lat.shape)}")
-        if lat.shape[0] > s.max_batch:
-            raise Problem(422, "batch-too-large", f"{lat.shape[0]} latents in one request; the limit is {s.max_batch}")
-        f = m.spatial_factor
-        out_px = lat.shape[-2] * f * lat.shape[-1] * f
-        if out_px > s.max_pixels:
-            raise Problem(422, "too-many-pixels",
-                          f"output {lat.shape[-2] * f}x{lat.shape[-1] * f} = {out_px} pixels exceeds the limit of {s.max_pixels}")
-        if hm.kind == VIDEO_DECODER:
-            frames = 1 + m.temporal_factor * (lat.shape[2] - 1)
-            if frames > s.max_frames:
-                raise Problem(422, "too-many-frames", f"{frames} output frames exceed the limit of {s.max_frames}")
-        lat = np.ascontiguousarray(lat, dtype=np.float32)
-        if not np.isfinite(lat).all():
-            raise Problem(422, "non-finite-latents", "latents contain NaN or Inf")
-        return lat
-
-    async def decode(self, name: str, latents: np.ndarray, *, tiled: bool | None = None,
+    async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
                      clamp: bool = True, disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Latents -> float32 images N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1].
         clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`)."""
-        hm = self.model(name)
-        if not hm.is_decoder:
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; decode needs a decoder")
-        lat = await self.in_pool(self.check_latents, hm, latents)  # NaN scan of a large body: off the loop
-        if hm.kind == IMAGE_DECODER:
-            run = lambda x, t: hm.model.decode(x, tiled=t, clamp=clamp)  # noqa: E731
-        else:  # video decoders always clamp (as diffusers' AutoencoderKLWan does)
-            run = lambda x, t: hm.model.decode(x, tiled=t)  # noqa: E731
-        call = lambda x: oom_recovery.decode_with_oom_retry(hm.name, hm.model, run, x, tiled)  # noqa: E731
-        return await self._run(hm, ("decode", lat.shape[1:], tiled, clamp), lat, call, disconnected)
+        lat = await self.in_pool(validation.latents, hm, latents, self.settings)  # NaN scan: off the loop
+        call = functools.partial(oom_recovery.decode, hm, tiled=tiled, clamp=clamp)
+        return await self.run(hm, ("decode", lat.shape[1:], tiled, clamp), lat, call, disconnected)
 
-    async def vae_encode(self, name: str, images: np.ndarray, *,
+    async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
                          disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder."""
-        hm = self.model(name)
-        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
-            raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) has no VAE encoder weights to encode with")
-        s = self.settings
-        if images.ndim != 4 or images.shape[-1] != 3 or min(images.shape) < 1:
-            raise Problem(422, "bad-shape", f"images must be N,H,W,3, got {list(images.shape)}")
-        if images.shape[0] > s.max_batch:
-            raise Problem(422, "batch-too-large", f"{images.shape[0]} images in one request; the limit is {s.max_batch}")
-        if images.shape[1] * images.shape[2] > s.max_pixels:
-            raise Problem(413, "image-too-large",
-                          f"{images.shape[2]}x{images.shape[1]} pixels exceed the limit of {s.max_pixels}")
-        px = np.ascontiguousarray(images, dtype=np.float32)
-        if not np.isfinite(px).all():
-            raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
-        return await self._run(hm, ("vae_encode", px.shape[1:]), px, hm.model.encode, disconnected)
+        px = validation.vae_images(images, self.settings)
+        return await self.run(hm, ("vae_encode", px.shape[1:]), px, hm.model.encode, disconnected)
 
-    def check_pixels(self, hm: HostedModel, px: np.ndarray) -> np.ndarray:
-        if px.ndim == 3:
-            px = px[None]
-        size = int(hm.model.input_size)
-        if px.ndim != 4 or px.shape[1:] != (size, size, 3):
-            raise Problem(422, "bad-shape", f"{hm.name} wants pixels N,{size},{size},3, got {list(px.shape)}")
-        if px.shape[0] > self.settings.max_batch:
-            raise Problem(422, "batch-too-large",
-                          f"{px.shape[0]} images in one request; the limit is {self.settings.max_batch}")
-        px = np.ascontiguousarray(px, dtype=np.float32)
-        if not np.isfinite(px).all():
-            raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
-        return px
-
-    async def encode(self, name: str, pixels: np.ndarray, *,
+    async def encode(self, hm: HostedModel, pixels: np.ndarray, *,
                      disconnected: DisconnectCheck | None = None) -> dict[str, Any]:
         """Pixels N,S,S,3 in [0,1] at the model's input size -> {embedding (N,D), logits (N,K)|None}."""
-        hm = self.encoder(name)
-        px = await self.in_pool(self.check_pixels, hm, pixels)
-        return await self._run(hm, ("encode", px.shape[1:]), px, hm.model.encode, disconnected)
-
-    def encoder(self, name: str) -> HostedModel:
-        hm = self.model(name)
-        if hm.kind != IMAGE_ENCODER:
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; encode needs an image encoder")
-        return hm
-
-
-def top_k(logits: np.ndarray, k: int, labels: list[str] | None) -> list[list[dict]]:
-    """Per row, the k largest softmax probabilities with their class index and label."""
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    k = min(k, p.shape[1])
-    out = []
-    for row in p:
-        idx = np.argsort(-row, kind="stable")[:k]
-        out.append([{"index": int(i), "label": labels[i] if labels and i < len(labels) else None,
-                     "score": float(row[i])} for i in idx])
-    return out
-
+        px = await self.in_pool(validation.encoder_pixels, hm, pixels, self.settings)
+        return await self.run(hm, ("encode", px.shape[1:]), px, hm.model.encode, disconnected)

@@ -14,8 +14,6 @@ models apply their configured factors themselves, so this module undoes them (`t
 """
 from __future__ import annotations
 
-import importlib.util
-import io
 import json
 import math
 from dataclasses import dataclass
@@ -23,21 +21,19 @@ from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
-from PIL import Image
 
-from . import codecs
-from .adapters import service
+from . import codecs, validation
+from .adapters import ERRORS, service
 from .auth import require_api_key
 from .bodies import read_body
-from .model_host import IMAGE_DECODER, VIDEO_DECODER, HostedModel
+from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
-from .video import encode_videos
+from .video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["diffusers remote VAE"])
 
-ERRORS = {code: PROBLEM_SCHEMA for code in (400, 401, 404, 409, 413, 415, 422, 429, 501, 503, 504)}
 TENSOR_MEDIA = "tensor/binary"
 
 #: wire dtype -> little-endian numpy storage dtype (bfloat16 travels as its uint16 bit pattern)
@@ -116,30 +112,15 @@ class ClientScaling:
         return out * self.scale if self.scale is not None else out
 
 
-def _model_norm(hm: HostedModel) -> tuple[np.ndarray | float, np.ndarray | float]:
-    """The model's input normalisation (scale, shift), per channel where it has one: its decode()
-    sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan: the pipeline's
-    latents * std + mean, i.e. scale = 1/std, shift = mean (shaped 1,C,1,1,1)."""
-    card = hm.model.card()
-    if hm.kind == VIDEO_DECODER:
-        cfg = card["config"]
-        std = np.asarray(cfg["latents_std"], np.float64).reshape(1, -1, 1, 1, 1)
-        return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(1, -1, 1, 1, 1)
-    return float(card["scaling_factor"]), float(card.get("shift_factor") or 0.0)
-
-
 def _same_as_model(hm: HostedModel, s: ClientScaling) -> bool:
-    if hm.kind != IMAGE_DECODER or s.scale is None:
-        return False
-    card = hm.model.card()
-    return s.scale == float(card["scaling_factor"]) and (s.shift or 0.0) == float(card.get("shift_factor") or 0.0)
+    return not hm.is_video and s.scale is not None and (s.scale, s.shift or 0.0) == hm.latent_scaling()
 
 
 def to_model_latents(hm: HostedModel, lat: np.ndarray, s: ClientScaling) -> np.ndarray:
     """Client latents -> the latents the model's decode() expects (it applies its own factors)."""
     if s.model_default or _same_as_model(hm, s):
         return lat
-    scale, shift = _model_norm(hm)
+    scale, shift = hm.latent_scaling()
     return ((s.to_raw(lat) - shift) * scale).astype(np.float32)
 
 
@@ -147,7 +128,7 @@ def from_model_latents(hm: HostedModel, lat: np.ndarray, s: ClientScaling) -> np
     """The model's encode() output (its own factors applied) -> latents scaled as the client asked."""
     if s.model_default or _same_as_model(hm, s):
         return lat
-    scale, shift = _model_norm(hm)
+    scale, shift = hm.latent_scaling()
     return s.from_raw(lat.astype(np.float64) / scale + shift).astype(np.float32)
 
 
@@ -169,15 +150,6 @@ def unpack_flux_latents(packed: np.ndarray, height: int, width: int, spatial_fac
 def to_uint8_round(x01: np.ndarray) -> np.ndarray:
     """[0,1] -> uint8 as diffusers' numpy_to_pil: (x * 255).round()."""
     return np.round(np.clip(x01, 0.0, 1.0) * 255.0).astype(np.uint8)
-
-
-def image_file(rgb: np.ndarray, fmt: Literal["jpg", "png"], quality: int) -> bytes:
-    buf = io.BytesIO()
-    if fmt == "png":
-        Image.fromarray(rgb, mode="RGB").save(buf, format="PNG", compress_level=1)
-    else:
-        Image.fromarray(rgb, mode="RGB").save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
 
 
 def _image_file_format(request: Request, image_format: str) -> str | None:
@@ -236,45 +208,40 @@ async def remote_decode(
         fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
         quality: int = Query(90, ge=1, le=100, description="JPEG quality; MP4 quality (CRF 51..0)")):
     svc = service(request)
-    hm = svc.model(name)
-    async with svc.track(name, "vae_decode"):
-        if not hm.is_decoder:
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; remote_decode needs a VAE decoder")
-        video = hm.kind == VIDEO_DECODER
+    async with svc.admit(name, "vae_decode") as hm:
+        video = hm.is_video
         image_file_fmt = _image_file_format(request, image_format) if output_type == "pil" else None
         if output_type == "mp4" and not video:
             raise Problem(422, "bad-output-type", f"{name} is an image VAE: output_type mp4 is for video VAEs")
-        if output_type == "mp4" and importlib.util.find_spec("av") is None:
-            raise Problem(501, "video-extra-missing", "MP4 output needs PyAV: pip install 'convserve[video]'")
+        if output_type == "mp4":
+            require_av("")
         if video and image_file_fmt:
             raise Problem(422, "bad-output-type", f"{name} is a video VAE: output_type pil answers a frames "
                           "tensor; pass processor=VideoProcessor(), or use output_type mp4 or pt")
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
         body = await read_body(request, svc.settings.max_body_bytes)
-        lat = read_wire_tensor(body, shape, dtype)
-        if lat.dtype.kind != "f":
-            raise Problem(415, "unsupported-dtype", f"latents dtype {dtype} not accepted; send float32, float16 or bfloat16")
+        lat = validation.float_latents(read_wire_tensor(body, shape, dtype), "float32, float16 or bfloat16")
         if lat.ndim == 3 and not video:
             if height is None or width is None:
                 raise Problem(422, "missing-height-width", "packed (3-D) latents need height and width")
             lat = unpack_flux_latents(lat, height, width, hm.model.spatial_factor)
-        if lat.ndim != (5 if video else 4):
-            raise Problem(422, "bad-shape", f"{name} wants latents {'N,C,T,h,w' if video else 'N,C,h,w'}"
-                          f"{'' if video else ' or packed B,h/2*w/2,4C'}, got shape {list(lat.shape)}")
+        if lat.ndim != hm.latent_ndim:  # no implicit batch axis: 3-D image latents are packed ones
+            raise Problem(422, "bad-shape", f"{name} wants latents "
+                          f"{'N,C,T,h,w' if video else 'N,C,h,w or packed B,h/2*w/2,4C'}, got shape {list(lat.shape)}")
         if image_file_fmt and lat.shape[0] != 1:
             raise Problem(422, "one-image-only", f"an image file holds one image, got {lat.shape[0]} latents; "
                           "use output_type=pt for batches")
         lat = to_model_latents(hm, np.asarray(lat), scaling)
         # raw decoder output (`pt`, not post-processed) must not be clipped; everything else is
         raw = output_type == "pt" and not partial_postprocess
-        out01 = await svc.decode(name, lat, clamp=not raw, disconnected=request.is_disconnected)
+        out01 = await svc.decode(hm, lat, clamp=not raw, disconnected=request.is_disconnected)
         reply = float_reply_dtype(dtype)
 
         if output_type == "mp4":
             data, media = await svc.in_pool(encode_videos, out01, fps, quality)
             return Response(data, media_type=media)
         if image_file_fmt:
-            data = await svc.in_pool(lambda: image_file(to_uint8_round(out01[0]), image_file_fmt, quality))
+            data = await svc.in_pool(lambda: codecs.image_bytes(to_uint8_round(out01[0]), image_file_fmt, quality))
             return Response(data, media_type="image/png" if image_file_fmt == "png" else "image/jpeg")
         if output_type == "pt" and partial_postprocess:
             rgb = to_uint8_round(out01)  # N,H,W,3 / N,F,H,W,3
@@ -304,17 +271,14 @@ def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: st
         rgb = codecs.open_image(body, svc.settings.max_pixels, "image")
         return (rgb.astype(np.float32) / np.float32(255.0))[None], "float32"
     x = read_wire_tensor(body, shape, dtype)
+    x = x[None] if x.ndim == 3 else x
     # the pixel limit before the float copy, which is 4x the body for uint8 pixels
-    if x.ndim >= 3:
-        h, w = x.shape[-3:-1] if x.dtype == np.uint8 else x.shape[-2:]
-        if h * w > svc.settings.max_pixels:
-            raise Problem(413, "image-too-large", f"{w}x{h} pixels exceed the limit of {svc.settings.max_pixels}")
+    if x.ndim >= 4:
+        validation.pixel_limit(*(x.shape[-3:-1] if x.dtype == np.uint8 else x.shape[-2:]), svc.settings)
     if x.dtype == np.uint8:
-        x = x[None] if x.ndim == 3 else x
         if x.ndim != 4 or x.shape[-1] != 3:
             raise Problem(422, "bad-shape", f"uint8 pixels must be N,H,W,3 or H,W,3, got {list(x.shape)}")
         return x.astype(np.float32) / np.float32(255.0), "float32"
-    x = x[None] if x.ndim == 3 else x
     if x.ndim != 4 or x.shape[1] != 3:
         raise Problem(422, "bad-shape", f"float pixels must be N,3,H,W or 3,H,W in [-1, 1], got {list(x.shape)}")
     images01 = (x.astype(np.float32).transpose(0, 2, 3, 1) + np.float32(1.0)) * np.float32(0.5)
@@ -334,13 +298,9 @@ async def remote_encode(
         scaling_factor: float | None = Query(None), shift_factor: float | None = Query(None),
         do_scaling: bool | None = Query(None, description="deprecated: true alone = the model's own factors")):
     svc = service(request)
-    hm = svc.model(name)
-    async with svc.track(name, "vae_encode"):
-        if hm.kind != IMAGE_DECODER or not hm.model.has_encoder:
-            raise Problem(409, "no-vae-encoder", f"{name} ({hm.kind}) serves no VAE encoder: its checkpoint "
-                          "holds no encoder weights")
+    async with svc.admit(name, "vae_encode") as hm:
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
         body = await read_body(request, svc.settings.max_body_bytes)
         images01, reply = await svc.in_pool(_encode_pixels, svc, body, shape, dtype)
-        lat = await svc.vae_encode(name, images01, disconnected=request.is_disconnected)
+        lat = await svc.vae_encode(hm, images01, disconnected=request.is_disconnected)
         return tensor_response(from_model_latents(hm, np.asarray(lat), scaling), reply)

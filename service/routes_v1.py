@@ -1,21 +1,20 @@
 """The /v1 REST adapter: wire formats <-> tensors around Service.decode / Service.encode."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import codecs
+from . import codecs, validation
 from .auth import require_api_key
 from .adapters import ERRORS, TENSOR_BODY, service
 from .bodies import read_body
-from .model_host import IMAGE_DECODER, VIDEO_DECODER
-from .pipeline import Service, top_k
+from .model_host import HostedModel
+from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
-from .video import encode_videos
+from .video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["v1"])
@@ -55,8 +54,8 @@ async def kernels(request: Request):
 DecodeFormat = Literal["png", "jpeg", "webp", "npy", "mp4"]
 
 
-def _decode_format(kind: str, fmt: str | None) -> str:
-    if kind == IMAGE_DECODER:
+def _decode_format(hm: HostedModel, fmt: str | None) -> str:
+    if not hm.is_video:
         fmt = fmt or "png"
         if fmt == "mp4":
             raise Problem(422, "bad-format", "mp4 is for video decoders; image decoders give png, jpeg, webp or npy")
@@ -64,9 +63,8 @@ def _decode_format(kind: str, fmt: str | None) -> str:
         fmt = fmt or "mp4"
         if fmt not in ("mp4", "npy"):
             raise Problem(422, "bad-format", f"video decoders give mp4 or npy frames, not {fmt}")
-        if fmt == "mp4" and importlib.util.find_spec("av") is None:
-            raise Problem(501, "video-extra-missing",
-                          "MP4 output needs PyAV: pip install 'convserve[video]' (or ask for format=npy)")
+        if fmt == "mp4":
+            require_av()
     return fmt
 
 
@@ -90,18 +88,15 @@ async def decode(name: str, request: Request,
                  tiled: Literal["on", "off", "auto"] = Query("auto", description="tiled decode (bounded memory); auto = the model's rule"),
                  fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate")):
     svc = service(request)
-    hm = svc.model(name)
-    async with svc.track(name, "decode"):
-        if not hm.is_decoder:
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; POST to /v1/models/{name}/encode")
-        fmt = _decode_format(hm.kind, format)
+    async with svc.admit(name, "decode") as hm:
+        fmt = _decode_format(hm, format)
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "latents")
-        out = await svc.decode(name, latents, tiled={"on": True, "off": False}.get(tiled),
+        out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled),
                                disconnected=request.is_disconnected)
         if fmt == "npy":
             data, media = await svc.in_pool(codecs.npy_bytes, out), codecs.NPY_MEDIA
-        elif hm.kind == VIDEO_DECODER:
+        elif hm.is_video:
             data, media = await svc.in_pool(encode_videos, out, fps, quality)
         else:
             data, media = await svc.in_pool(codecs.encode_images, out, fmt, quality)
@@ -119,28 +114,15 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         parts = [v for _, v in form.multi_items() if hasattr(v, "read")]
         if not parts:
             raise Problem(400, "no-images", "multipart body has no file parts")
-        if len(parts) > max_n:
-            raise Problem(422, "batch-too-large", f"{len(parts)} images in one request; the limit is {max_n}")
+        validation.batch(len(parts), "images", svc.settings)
         images = []
         for i, part in enumerate(parts):
             data = await part.read()
             images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}", max_ar))
     else:
         arr, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "pixels")
-        if arr.ndim == 3:
-            arr = arr[None]
-        if arr.ndim != 4 or arr.shape[-1] != 3 or min(arr.shape) < 1:
-            raise Problem(422, "bad-shape", f"pixels must be N,H,W,3 (or H,W,3), got {list(arr.shape)}")
-        if arr.dtype != np.uint8 and arr.dtype.kind != "f":
-            raise Problem(415, "unsupported-dtype", f"pixels dtype {arr.dtype}: send uint8 or float in [0,1]")
-        if arr.shape[0] > max_n:
-            raise Problem(422, "batch-too-large", f"{arr.shape[0]} images in one request; the limit is {max_n}")
-        codecs.check_source_image(arr.shape[1], arr.shape[2], max_px, max_ar, "pixels")
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise Problem(422, "non-finite-pixels", "pixels contain NaN or Inf")
-        images = list(arr)
-    resized = [await svc.in_pool(codecs.preprocess, im, input_size) for im in images]
-    return np.stack(resized)
+        images = list(await svc.in_pool(validation.source_pixels, arr, svc.settings))
+    return np.stack([await svc.in_pool(codecs.preprocess, im, input_size) for im in images])
 
 
 @router.post(
@@ -159,13 +141,10 @@ async def encode(name: str, request: Request,
                  top_k_: int | None = Query(None, alias="top_k", ge=1, le=1000,
                                             description="also return the k most likely labels")):
     svc = service(request)
-    hm = svc.model(name)
-    async with svc.track(name, "encode"):
-        if hm.kind != "image-encoder":
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; POST latents to /v1/models/{name}/decode")
+    async with svc.admit(name, "encode") as hm:
         body = await read_body(request, svc.settings.max_body_bytes)
         pixels = await _encode_inputs(svc, request, body, int(hm.model.input_size))
-        out = await svc.encode(name, pixels, disconnected=request.is_disconnected)
+        out = await svc.encode(hm, pixels, disconnected=request.is_disconnected)
         emb = np.asarray(out["embedding"], dtype=np.float32)
         if top_k_ is not None and out.get("logits") is None:
             raise Problem(422, "no-classifier-head", f"{name} has no classifier head; top_k is unavailable")
@@ -174,8 +153,5 @@ async def encode(name: str, request: Request,
                             headers={"X-Output-Shape": ",".join(map(str, emb.shape))})
         doc = {"model": name, "embedding_dim": int(emb.shape[1]), "embeddings": emb.tolist()}
         if top_k_ is not None:
-            doc["top_k"] = top_k(np.asarray(out["logits"], dtype=np.float64), top_k_, hm.labels)
+            doc["top_k"] = codecs.top_k(np.asarray(out["logits"], dtype=np.float64), top_k_, hm.labels)
     return JSONResponse(doc)
-
-
-

@@ -1,9 +1,9 @@
 """Streamed video decode (issue 13): frame groups leave the server as the causal decoder finishes
 them, as fragmented MP4 for players or length-prefixed .npy records for programs.
 
-One request path: the route is counted and admitted by Service.track, the latents pass
-Service.check_latents, and every decode step (one latent frame -> 1 or 4 frames) is a batcher
-work item run by Service._run on the device worker. The first step runs before the response
+One request path: the route is counted and admitted by Service.admit, the latents pass
+validation.latents, and every decode step (one latent frame -> 1 or 4 frames) is a batcher
+work item run by Service.run on the device worker. The first step runs before the response
 starts, so a full queue (429 + Retry-After), a drain (503), a timeout (504) or bad latents (422)
 answer problem+json like /decode does. Later steps are `continuation` items: the stream was
 admitted once, so a full queue or a drain does not cut it. Steps are `solo` (a generator's next
@@ -15,13 +15,12 @@ further step is submitted: decoding pauses and memory stays flat. A client that 
 (or stops reading for request_timeout_s) ends the stream: the pending step is dropped, and the
 decode generator is closed at the next frame boundary, which frees its causal feature cache.
 
-Out of memory mid-stream (oom_recovery.frames_with_oom_retry): the decode resumes in tiles (then smaller
+Out of memory mid-stream (oom_recovery.frames): the decode resumes in tiles (then smaller
 ones) from the group that failed, after decoding again and dropping the groups already sent; a
 stream that runs out of memory even in the smallest tiles is cut (before its first group: 503)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import struct
 import sys
@@ -33,14 +32,15 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from . import codecs, metrics, oom_recovery
+from . import codecs, metrics, oom_recovery, validation
 from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
 from .fmp4 import FragmentedMP4Writer
-from .model_host import VIDEO_DECODER, HostedModel
+from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
+from .video import require_av
 
 log = logging.getLogger("convserve.streaming")
 
@@ -117,18 +117,17 @@ class GeneratorSteps:
 
 
 class FrameGroups:
-    """The frame groups of one streamed decode, each computed through Service._run."""
+    """The frame groups of one streamed decode, each computed through Service.run."""
 
     def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None):
         self.svc, self.hm, self.latents = svc, hm, latents
         self.total = int(latents.shape[2])
-        self.steps = GeneratorSteps(oom_recovery.frames_with_oom_retry(
-            hm.name, hm.model, lambda t: hm.model.decode_frames(latents, tiled=t), tiled))
+        self.steps = GeneratorSteps(oom_recovery.frames(hm, latents, tiled))
         self._key = ("decode_stream", id(self))  # unique: never batched with other work
 
     async def next(self, disconnected=None, *, continuation: bool = True) -> np.ndarray:
-        return await self.svc._run(self.hm, self._key, self.latents, self.steps.step, disconnected,  # noqa: SLF001
-                                   continuation=continuation, solo=True)
+        return await self.svc.run(self.hm, self._key, self.latents, self.steps.step, disconnected,
+                                  continuation=continuation, solo=True)
 
     async def pump(self, buffer: asyncio.Queue, start: int) -> None:
         """Groups start.. into the bounded buffer; put() waits while it is full (back-pressure)."""
@@ -150,7 +149,7 @@ def npy_record(group: np.ndarray) -> bytes:
 
 
 class FrameStreamResponse(Response):
-    """Chunked response of encoded frame groups; ends the Service.track it was handed."""
+    """Chunked response of encoded frame groups; ends the Service.admit it was handed."""
 
     def __init__(self, groups: FrameGroups, first: np.ndarray, encode, *, media_type: str,
                  headers: dict, tracking, started: float, trailer: bytes = b""):
@@ -273,22 +272,17 @@ async def decode_stream(name: str, request: Request,
                         fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate")):
     started = time.perf_counter()
     svc = service(request)
-    hm = svc.model(name)
-    tracking = svc.track(name, ENDPOINT)
-    await tracking.__aenter__()
+    tracking = svc.admit(name, ENDPOINT)
+    hm = await tracking.__aenter__()
     groups = None
     try:
-        if hm.kind != VIDEO_DECODER:
-            raise Problem(409, "wrong-model-kind", f"{name} is an {hm.kind}; streaming decode is for video decoders")
-        if format == "mp4" and importlib.util.find_spec("av") is None:
-            raise Problem(501, "video-extra-missing",
-                          "MP4 output needs PyAV: pip install 'convserve[video]' (or ask for format=npy)")
+        if format == "mp4":
+            require_av()
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = codecs.read_tensor_body(body, request.headers.get("content-type"), "latents")
-        lat = await svc.in_pool(svc.check_latents, hm, latents)  # NaN scan of a large body: off the loop
-        n, _, t, h, w = lat.shape
-        sf = hm.model.spatial_factor
-        shape = (n, 1 + hm.model.temporal_factor * (t - 1), h * sf, w * sf, 3)
+        lat = await svc.in_pool(validation.latents, hm, latents, svc.settings)  # NaN scan: off the loop
+        shape = hm.output_shape(lat.shape)
+        n, t = shape[0], lat.shape[2]
         if format == "mp4":
             if n != 1:
                 raise Problem(422, "batch-not-streamable",

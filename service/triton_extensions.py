@@ -35,16 +35,12 @@ def _versioned_model(request: Request, name: str, version: str | None) -> tuple[
     return svc, hm
 
 
-def _without_batch_axis(shape: list[int]) -> list[int]:
-    # with max_batch_size > 0 Triton's config dims leave out the batch axis that metadata shows
-    return list(shape[1:])
-
-
 def model_config(svc: Service, hm: HostedModel) -> dict:
     """Triton's ModelConfig (JSON) for one model: tensors from the KServe metadata, batching from
     the settings the batcher runs with."""
     meta = model_metadata_doc(svc, hm)
     s = svc.settings
+    # with max_batch_size > 0 Triton's config dims leave out the batch axis that metadata shows
     gpu = svc.backend.name == "cuda"
     return {
         "name": hm.name,
@@ -53,10 +49,10 @@ def model_config(svc: Service, hm: HostedModel) -> dict:
         "version_policy": {"latest": {"num_versions": 1}},
         "max_batch_size": s.max_batch,
         "input": [{"name": t["name"], "data_type": f"TYPE_{t['datatype']}", "format": "FORMAT_NONE",
-                   "dims": _without_batch_axis(t["shape"]), "is_shape_tensor": False,
+                   "dims": t["shape"][1:], "is_shape_tensor": False,
                    "allow_ragged_batch": False, "optional": False} for t in meta["inputs"]],
         "output": [{"name": t["name"], "data_type": f"TYPE_{t['datatype']}",
-                    "dims": _without_batch_axis(t["shape"]), "label_filename": "", "is_shape_tensor": False}
+                    "dims": t["shape"][1:], "label_filename": "", "is_shape_tensor": False}
                    for t in meta["outputs"]],
         "dynamic_batching": {
             "preferred_batch_size": batch_sizes(s.max_batch),

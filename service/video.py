@@ -1,6 +1,7 @@
 """MP4 (H.264) encoding with PyAV, imported lazily: `av` is the optional `video` extra."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import tempfile
@@ -11,13 +12,23 @@ from .codecs import ZIP_MEDIA, to_uint8, zip_bytes
 from .problems import Problem
 
 
+def _missing_av(alternative: str) -> Problem:
+    return Problem(501, "video-extra-missing", f"MP4 output needs PyAV: pip install 'convserve[video]'{alternative}")
+
+
+def require_av(alternative: str = " (or ask for format=npy)") -> None:
+    """The 501 of a request for MP4 output without the `video` extra, before any work (PyAV is
+    looked for, not imported)."""
+    if importlib.util.find_spec("av") is None:
+        raise _missing_av(alternative)
+
+
 def load_av():
-    """PyAV, or a 501 problem naming the extra that installs it."""
+    """PyAV, or the 501 problem naming the extra that installs it."""
     try:
         import av  # noqa: PLC0415 - optional dependency
     except ImportError as exc:
-        raise Problem(501, "video-extra-missing",
-                      "MP4 output needs PyAV: pip install 'convserve[video]' (or ask for format=npy)") from exc
+        raise _missing_av(" (or ask for format=npy)") from exc
     return av
 
 

@@ -269,6 +269,8 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
     from convkernels import get_backend
     from models import load_model
     from service import fault_injection, oom_recovery
+    from service.model_host import HostedModel
+    from service.settings import ModelEntry
 
     be = get_backend("numpy")
     model = load_model("tiny-wan-vae", "tiny-wan-vae", be)
@@ -276,7 +278,8 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
     x = np.random.default_rng().standard_normal((1, 4, 2, 12, 12)).astype(np.float32)
     with pytest.raises(MemoryError):
         model.decode(x, tiled=False)
-    out = oom_recovery.decode_with_oom_retry("tiny-wan-vae", model, lambda z, t: model.decode(z, tiled=t), x, None)
+    hm = HostedModel(ModelEntry("tiny-wan-vae", "tiny-wan-vae"), model, load_seconds=0.0)
+    out = oom_recovery.decode(hm, x, tiled=None, clamp=True)
     assert model.tiling.min_size == 256  # the model's own tiles are back after the retry
     ref_model = load_model("tiny-wan-vae", "tiny-wan-vae", get_backend("numpy"))
     ref_model.tiling = dataclasses.replace(ref_model.tiling, min_size=64, stride=48)
