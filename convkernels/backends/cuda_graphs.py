@@ -282,8 +282,9 @@ class GraphedForward:
     def stats(self) -> dict:
         keys = self.cache.keys_of(self.token)
         return {"graphs": len(keys), "captures": self.captures, "replays": self.replays,
-                "pool_bytes": self.cache.held_bytes(self.token), "ungraphable": dict(self.ungraphable),
-                "too_large": dict(self.too_large)}
+                "pool_bytes": self.cache.held_bytes(self.token),
+                "ungraphable": {str(k): v for k, v in self.ungraphable.items()},
+                "too_large": {str(k): v for k, v in self.too_large.items()}}
 
 
 def _end_capture(stream):
