@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -119,6 +120,22 @@ def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str
         if bad_values:
             parts.append(f"non-finite values in: {', '.join(bad_values)}")
         raise WeightsError(f"{what}: checkpoint does not fit the model — " + " | ".join(parts))
+
+
+#: (pattern, replacement) as re.sub takes them; patterns anchor themselves (^, $)
+RenameRules = Sequence[tuple[str, "str | Callable[[re.Match], str]"]]
+
+
+def rename(key: str, *tables: RenameRules) -> str:
+    """`key` rewritten by the first rule of each table that matches it, table after table; a
+    key no rule fits is kept, so the state-dict check reports it instead of it vanishing."""
+    for rules in tables:
+        for pattern, replacement in rules:
+            new, hits = re.subn(pattern, replacement, key, count=1)
+            if hits:
+                key = new
+                break
+    return key
 
 
 def conv_weight_to_channels_last(w: np.ndarray) -> np.ndarray:
