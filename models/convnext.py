@@ -73,7 +73,7 @@ class ConvNeXtConfig:
         return self.patch_size * 2 ** (len(self.depths) - 1)
 
 
-# random init as published: truncated-normal(0.02) weights, zero biases, unit norms, layer scale 1e-6
+#: random init as published: truncated-normal(0.02) weights, zero biases, unit norms, layer scale 1e-6
 INIT_RULES = ((r"gamma$", "layer_scale"), (r"bias$", "zeros"), (r"(norm|stem\.1|downsample\.0)\.weight$", "ones"),
               ("", "trunc_normal"))
 
@@ -151,6 +151,8 @@ class ConvNeXtBlock(Module):
 
 
 class ConvNeXtNet(Module):
+    """stem, stages of [downsample,] blocks, head: pooled LayerNorm embedding and optional classifier."""
+
     def __init__(self, cfg: ConvNeXtConfig):
         super().__init__()
         self.stem = self.add("stem", Stem(cfg))

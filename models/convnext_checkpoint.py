@@ -16,7 +16,7 @@ from .weights import RenameRules, WeightsError, check_state_dict, read_checkpoin
 if TYPE_CHECKING:
     from .convnext import ConvNeXtConfig
 
-_HF_RULES = [  # (timm pattern, HF replacement); applied to timm names, first match wins
+_HF_RULES = [  # (timm pattern, HF replacement; {p}: the HF prefix) for weights.rename, timm -> HF
     (r"^stem\.0\.", "{p}embeddings.patch_embeddings."),
     (r"^stem\.1\.", "{p}embeddings.layernorm."),
     (r"^stages\.(\d+)\.downsample\.(\d)\.", r"{p}encoder.stages.\1.downsampling_layer.\2."),
@@ -28,10 +28,6 @@ _HF_RULES = [  # (timm pattern, HF replacement); applied to timm names, first ma
     (r"^head\.norm\.", "{p}layernorm."),
     (r"^head\.fc\.", "classifier."),  # the classifier sits beside the `convnext.` sub-model
 ]
-
-
-def hf_rules(prefix: str = "") -> RenameRules:
-    return [(pattern, replacement.replace("{p}", prefix)) for pattern, replacement in _HF_RULES]
 
 
 @dataclass
@@ -107,10 +103,11 @@ def labels_from_config(config: Mapping[str, Any] | None, num_classes: int) -> li
 
 
 def load_checkpoint(weights: str | os.PathLike, cfg: ConvNeXtConfig, overrides: Mapping[str, Any] | None,
-                    shapes: Callable[[ConvNeXtConfig], dict[str, tuple[int, ...]]]) -> tuple[Checkpoint, ConvNeXtConfig]:
+                    shapes: Callable[[ConvNeXtConfig], Mapping[str, tuple[int, ...]]]
+                    ) -> tuple[Checkpoint, ConvNeXtConfig]:
     """Read, detect naming, settle the config (preset < checkpoint config.json < explicit
-    overrides), check every tensor (one WeightsError listing all problems, in the checkpoint's
-    own names), and rename to timm names."""
+    overrides), check every tensor against `shapes(config)` (one WeightsError listing all
+    problems, in the checkpoint's own names), and rename to timm names."""
     tensors, config = read_checkpoint(weights)
     naming, prefix = detect_naming(tensors)
     if config is not None:
@@ -129,7 +126,7 @@ def load_checkpoint(weights: str | os.PathLike, cfg: ConvNeXtConfig, overrides: 
     cfg = dataclasses.replace(cfg, num_classes=num_classes, layer_scale=layer_scale)
 
     expected = shapes(cfg)
-    rules = hf_rules(prefix) if naming == "hf" else ()
+    rules: RenameRules = [(p, r.replace("{p}", prefix)) for p, r in _HF_RULES] if naming == "hf" else []
     theirs = {rename(k, rules): k for k in expected}
     check_state_dict({ck: expected[tk] for ck, tk in theirs.items()}, tensors,
                      f"ConvNeXt ({naming} naming) from {weights}")

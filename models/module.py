@@ -22,8 +22,9 @@ class Module:
     named children; a child's name may be dotted ("to_out.0") to follow the checkpoint's
     nesting without empty container nodes."""
 
-    #: the backend the parameters live on, set by load(); the Wan layers run on it, the others
-    #: are handed theirs per call (the models' forward methods fix each family's convention)
+    #: the backend the parameters live on, set by load(). The Wan layers run on it; the image-VAE
+    #: and ConvNeXt layers take the model's backend as their first call argument instead (each
+    #: convention is fixed by its model's decode path, which the GPU work tunes)
     backend: Backend
 
     def __init__(self) -> None:
