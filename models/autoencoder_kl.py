@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -17,14 +16,18 @@ import numpy as np
 from convkernels import Backend
 
 from . import tiling
-from .layers import (Conv2d, Downsample2D, GroupNorm, Layer, ResnetBlock2D, SpatialAttention, Upsample2D,
-                     random_state_dict)
-from .weights import check_state_dict, fold_output_affine, read_diffusers_checkpoint
+from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
+from .module import Module, random_state_dict
+from .vae_checkpoint import normalize_keys
+from .weights import fold_output_affine, read_diffusers_checkpoint
 
 log = logging.getLogger("convserve.models")
 
 #: diffusers' VAE blocks use this eps for every GroupNorm (resnets, attention, conv_norm_out)
 VAE_NORM_EPS = 1e-6
+
+#: random init: U(+-1/sqrt(fan_in)) as PyTorch's default, norms identity
+INIT_RULES = ((r"norm[^.]*\.weight$", "ones"), (r"norm[^.]*\.bias$", "zeros"), ("", "uniform"))
 
 
 @dataclass(frozen=True)
@@ -86,18 +89,16 @@ class AutoencoderKLConfig:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-class MidBlock(Layer):
+class MidBlock(Module):
     """UNetMidBlock2D as the VAE uses it: resnet, [attention, resnet]."""
 
     def __init__(self, channels: int, groups: int, add_attention: bool):
         super().__init__()
-        resnets = self.add("resnets", Layer())
-        self.resnets = [resnets.add(str(i), ResnetBlock2D(channels, channels, groups, VAE_NORM_EPS))
+        self.resnets = [self.add(f"resnets.{i}", ResnetBlock2D(channels, channels, groups, VAE_NORM_EPS))
                         for i in range(2)]
         self.attention = None
         if add_attention:
-            self.attention = self.add("attentions", Layer()).add(
-                "0", SpatialAttention(channels, groups, VAE_NORM_EPS))
+            self.attention = self.add("attentions.0", SpatialAttention(channels, groups, VAE_NORM_EPS))
 
     def __call__(self, backend: Backend, x):
         x = self.resnets[0](backend, x)
@@ -106,24 +107,22 @@ class MidBlock(Layer):
         return self.resnets[1](backend, x)
 
 
-class Decoder(Layer):
+class Decoder(Module):
     def __init__(self, cfg: AutoencoderKLConfig, upsample_mode: str = "subpixel"):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.latent_channels, boc[-1], 3, padding=1))
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
-        ups = self.add("up_blocks", Layer())
         self.stages: list[tuple[list[ResnetBlock2D], Upsample2D | None]] = []
         rev = list(reversed(boc))
         prev = rev[0]
         for i, ch in enumerate(rev):
-            block = ups.add(str(i), Layer())
-            res = block.add("resnets", Layer())
-            resnets = [res.add(str(j), ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
+            resnets = [self.add(f"up_blocks.{i}.resnets.{j}",
+                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
                        for j in range(cfg.layers_per_block + 1)]
             up = None
             if i < len(rev) - 1:
-                up = block.add("upsamplers", Layer()).add("0", Upsample2D(ch, upsample_mode))
+                up = self.add(f"up_blocks.{i}.upsamplers.0", Upsample2D(ch, upsample_mode))
             self.stages.append((resnets, up))
             prev = ch
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
@@ -141,22 +140,20 @@ class Decoder(Layer):
         return self.conv_out(backend, x)
 
 
-class Encoder(Layer):
+class Encoder(Module):
     def __init__(self, cfg: AutoencoderKLConfig):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.in_channels, boc[0], 3, padding=1))
-        downs = self.add("down_blocks", Layer())
         self.stages: list[tuple[list[ResnetBlock2D], Downsample2D | None]] = []
         prev = boc[0]
         for i, ch in enumerate(boc):
-            block = downs.add(str(i), Layer())
-            res = block.add("resnets", Layer())
-            resnets = [res.add(str(j), ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
+            resnets = [self.add(f"down_blocks.{i}.resnets.{j}",
+                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
                        for j in range(cfg.layers_per_block)]
             down = None
             if i < len(boc) - 1:
-                down = block.add("downsamplers", Layer()).add("0", Downsample2D(ch))
+                down = self.add(f"down_blocks.{i}.downsamplers.0", Downsample2D(ch))
             self.stages.append((resnets, down))
             prev = ch
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
@@ -175,68 +172,15 @@ class Encoder(Layer):
         return self.conv_out(backend, x)
 
 
-# ---- checkpoint key conversion ---------------------------------------------------------------
-_LEGACY_ATTN = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
-_LEGACY_ATTN_RE = re.compile(r"^(.*\.attentions\.\d+)\.(query|key|value|proj_attn)\.(weight|bias)$")
-_CHECKPOINT_PREFIXES = ("vae.", "first_stage_model.")
-_LDM_RE = re.compile(r"^(encoder|decoder)\.(down|up|mid|norm_out)")
-_LDM_ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+class _MeanConv(Conv2d):
+    """quant_conv (1x1, moments -> moments) keeping only the mean half of its outputs: encode
+    uses the posterior mean alone."""
 
+    def __init__(self, moments: int):
+        super().__init__(moments, moments, 1)
 
-def _ldm_key(key: str, n_blocks: int) -> str:
-    """One original-LDM / CompVis VAE name (the single-file SD VAEs) -> its diffusers name."""
-    part, rest = key.split(".", 1)
-    m = re.match(r"^down\.(\d+)\.block\.(\d+)\.(.*)$", rest)
-    if m:
-        return f"{part}.down_blocks.{m[1]}.resnets.{m[2]}.{m[3].replace('nin_shortcut', 'conv_shortcut')}"
-    m = re.match(r"^down\.(\d+)\.downsample\.(.*)$", rest)
-    if m:
-        return f"{part}.down_blocks.{m[1]}.downsamplers.0.{m[2]}"
-    # the decoder's LDM up.{i} runs from the highest resolution: diffusers' up_blocks reverse it
-    m = re.match(r"^up\.(\d+)\.block\.(\d+)\.(.*)$", rest)
-    if m:
-        i = n_blocks - 1 - int(m[1])
-        return f"{part}.up_blocks.{i}.resnets.{m[2]}.{m[3].replace('nin_shortcut', 'conv_shortcut')}"
-    m = re.match(r"^up\.(\d+)\.upsample\.(.*)$", rest)
-    if m:
-        return f"{part}.up_blocks.{n_blocks - 1 - int(m[1])}.upsamplers.0.{m[2]}"
-    m = re.match(r"^mid\.block_(\d)\.(.*)$", rest)
-    if m:
-        return f"{part}.mid_block.resnets.{int(m[1]) - 1}.{m[2].replace('nin_shortcut', 'conv_shortcut')}"
-    m = re.match(r"^mid\.attn_1\.(norm|q|k|v|proj_out)\.(weight|bias)$", rest)
-    if m:
-        return f"{part}.mid_block.attentions.0.{_LDM_ATTN[m[1]]}.{m[2]}"
-    if rest.startswith("norm_out."):
-        return f"{part}.conv_norm_out.{rest[len('norm_out.'):]}"
-    return key
-
-
-def normalize_keys(tensors: Mapping[str, np.ndarray], n_blocks: int) -> dict[str, np.ndarray]:
-    """diffusers names from other exports: original LDM/CompVis names (single-file SD VAEs, also
-    inside a whole SD checkpoint under `first_stage_model.`, whose other parts are dropped),
-    legacy diffusers attention names (query/key/value/proj_attn), 1x1-conv attention
-    projections (C, C, 1, 1) and a whole-pipeline `vae.` prefix."""
-    keys = list(tensors)
-    strip = next((p for p in _CHECKPOINT_PREFIXES if any(k.startswith(p) for k in keys)), "")
-    if strip == "vae." and not all(k.startswith(strip) for k in keys):
-        strip = ""  # only a wholesale prefix; a stray "vae." key is reported as unexpected
-    out: dict[str, np.ndarray] = {}
-    is_ldm = any(_LDM_RE.match(k[len(strip):]) for k in keys if k.startswith(strip))
-    for key, value in tensors.items():
-        if strip:
-            if not key.startswith(strip):
-                continue
-            key = key[len(strip):]
-        if is_ldm:
-            key = _ldm_key(key, n_blocks)
-        m = _LEGACY_ATTN_RE.match(key)
-        if m:
-            key = f"{m.group(1)}.{_LEGACY_ATTN[m.group(2)]}.{m.group(3)}"
-        if re.search(r"\.attentions\.\d+\.(to_q|to_k|to_v|to_out\.0)\.weight$", key) and value.ndim in (3, 4) \
-                and all(d == 1 for d in value.shape[2:]):
-            value = value.reshape(value.shape[:2])
-        out[key] = value
-    return out
+    def convert(self, name, host):
+        return super().convert(name, host[:self.cout // 2])
 
 
 class AutoencoderKLModel:
@@ -265,59 +209,35 @@ class AutoencoderKLModel:
             memory_budget_bytes=int(memory_budget_bytes or backend.work_memory_budget))
         self.tiling.validate(cfg.spatial_factor)
 
-        self.post_quant_conv = Conv2d(cfg.latent_channels, cfg.latent_channels, 1) \
+        lc = cfg.latent_channels
+        self.tree = Module()  # what the checkpoint holds, by its names
+        self.post_quant_conv = self.tree.add("post_quant_conv", Conv2d(lc, lc, 1)) \
             if cfg.use_post_quant_conv else None
-        self.decoder = Decoder(cfg, upsample_mode)
+        self.decoder = self.tree.add("decoder", Decoder(cfg, upsample_mode))
         self.upsample_mode = upsample_mode
-        self.quant_conv = self.encoder = None
-
-        decoder_shapes = self._shapes(decoder_only=True)
-        encoder_shapes = {k: v for k, v in self._shapes(decoder_only=False).items() if k not in decoder_shapes}
+        encoder_side = Module()
+        self.encoder = encoder_side.add("encoder", Encoder(cfg))
+        self.quant_conv = encoder_side.add("quant_conv", _MeanConv(2 * lc)) if cfg.use_quant_conv else None
+        encoder_shapes = encoder_side.expected_shapes()
         if tensors is None:
             self.weights_source = "random init"
-            wanted = {**decoder_shapes, **(encoder_shapes if with_encoder else {})}
-            tensors = random_state_dict(wanted, seed)
+            wanted = {**self.tree.expected_shapes(), **(encoder_shapes if with_encoder else {})}
+            tensors = random_state_dict(wanted, seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
             tensors = normalize_keys(tensors, len(cfg.block_out_channels))
         # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
-        has_encoder = any(k in tensors for k in encoder_shapes)
-        expected = {**decoder_shapes, **(encoder_shapes if has_encoder else {})}
-        check_state_dict(expected, tensors, f"AutoencoderKL preset {preset!r}")
+        self.has_encoder = any(k in tensors for k in encoder_shapes)
+        if self.has_encoder:
+            for part, child in encoder_side.children.items():
+                self.tree.add(part, child)
+        else:
+            self.encoder = self.quant_conv = None
         # diffusers' VaeImageProcessor maps x / 2 + 0.5 before its clip: done by conv_out itself
-        self._load(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), has_encoder)
-        self.has_encoder = has_encoder
+        self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), backend,
+                               f"AutoencoderKL preset {preset!r}")
         # device latents -> device images; a backend may record and replay it (CUDA graphs)
         self._decode_device = backend.graphed(self._decoder_forward)
-
-    # ---- construction ----------------------------------------------------------------------------
-    def _shapes(self, decoder_only: bool) -> dict[str, tuple[int, ...]]:
-        cfg = self.config
-        shapes = self.decoder.expected_shapes("decoder.")
-        if self.post_quant_conv is not None:
-            shapes.update(self.post_quant_conv.expected_shapes("post_quant_conv."))
-        if not decoder_only:
-            shapes.update(Encoder(cfg).expected_shapes("encoder."))
-            if cfg.use_quant_conv:
-                shapes.update(Conv2d(2 * cfg.latent_channels, 2 * cfg.latent_channels, 1)
-                              .expected_shapes("quant_conv."))
-        return shapes
-
-    def _load(self, tensors, has_encoder: bool) -> None:
-        b = self.backend
-        self.decoder.load(tensors, b, "decoder.")
-        if self.post_quant_conv is not None:
-            self.post_quant_conv.load(tensors, b, "post_quant_conv.")
-        if has_encoder:
-            cfg = self.config
-            self.encoder = Encoder(cfg)
-            self.encoder.load(tensors, b, "encoder.")
-            if cfg.use_quant_conv:
-                # only the mean half of the moments is used: keep just those output channels
-                lc = cfg.latent_channels
-                self.quant_conv = Conv2d(2 * lc, lc, 1)
-                self.quant_conv.load({"weight": tensors["quant_conv.weight"][:lc],
-                                      "bias": tensors["quant_conv.bias"][:lc]}, b)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decoder_forward(self, z):

@@ -14,18 +14,21 @@ from typing import Mapping
 
 import numpy as np
 
+from .weights import RenameRules, rename
+
 #: a key only the original Wan naming has (diffusers detects the format by the same key)
 ORIGINAL_MARKER = "decoder.middle.0.residual.0.gamma"
 
-_RESNET_PARTS = {"residual.0.gamma": "norm1.gamma", "residual.2.weight": "conv1.weight",
-                 "residual.2.bias": "conv1.bias", "residual.3.gamma": "norm2.gamma",
-                 "residual.6.weight": "conv2.weight", "residual.6.bias": "conv2.bias",
-                 "shortcut.weight": "conv_shortcut.weight", "shortcut.bias": "conv_shortcut.bias"}
-_TOP = {"conv1.weight": "quant_conv.weight", "conv1.bias": "quant_conv.bias",
-        "conv2.weight": "post_quant_conv.weight", "conv2.bias": "post_quant_conv.bias",
-        "decoder.conv1.weight": "decoder.conv_in.weight", "decoder.conv1.bias": "decoder.conv_in.bias",
-        "decoder.head.0.gamma": "decoder.norm_out.gamma", "decoder.head.2.weight": "decoder.conv_out.weight",
-        "decoder.head.2.bias": "decoder.conv_out.bias"}
+# the parts of one original module, relative to it: (pattern, diffusers replacement)
+_RESNET: RenameRules = [(r"residual\.0\.gamma$", "norm1.gamma"), (r"residual\.2\.(weight|bias)$", r"conv1.\1"),
+                        (r"residual\.3\.gamma$", "norm2.gamma"), (r"residual\.6\.(weight|bias)$", r"conv2.\1"),
+                        (r"shortcut\.(weight|bias)$", r"conv_shortcut.\1")]
+_ATTENTION: RenameRules = [(r"(norm\.gamma|(to_qkv|proj)\.(weight|bias))$", r"\1")]
+_RESAMPLE: RenameRules = [(r"((resample\.1|time_conv)\.(weight|bias))$", r"\1")]
+_TOP: RenameRules = [(r"^conv1\.(weight|bias)$", r"quant_conv.\1"), (r"^conv2\.(weight|bias)$", r"post_quant_conv.\1"),
+                     (r"^decoder\.conv1\.(weight|bias)$", r"decoder.conv_in.\1"),
+                     (r"^decoder\.head\.0\.gamma$", "decoder.norm_out.gamma"),
+                     (r"^decoder\.head\.2\.(weight|bias)$", r"decoder.conv_out.\1")]
 
 
 def upsample_index_map(num_up_blocks: int, num_res_blocks: int) -> dict[int, str]:
@@ -41,35 +44,21 @@ def upsample_index_map(num_up_blocks: int, num_res_blocks: int) -> dict[int, str
     return out
 
 
-def original_to_diffusers(tensors: Mapping[str, np.ndarray], num_up_blocks: int,
-                          num_res_blocks: int) -> dict[str, np.ndarray]:
-    """Rename an original-Wan state dict to diffusers names. Encoder tensors keep their
+def _within(original: str, diffusers: str, parts: RenameRules) -> RenameRules:
+    """`parts` anchored under the original module path, renamed to the diffusers one."""
+    return [(f"^{re.escape(original)}\\.{pattern}", f"{diffusers}.{replacement}") for pattern, replacement in parts]
+
+
+def original_rules(num_up_blocks: int, num_res_blocks: int) -> RenameRules:
+    """Every original-Wan decoder-side name -> its diffusers name. Encoder tensors keep their
     names (the decoder ignores them); a name that fits no rule is kept as is, so the state
     dict check reports it as unexpected instead of it vanishing."""
-    ups = upsample_index_map(num_up_blocks, num_res_blocks)
-    out: dict[str, np.ndarray] = {}
-    for key, value in tensors.items():
-        out[_rename(key, ups)] = value
-    return out
-
-
-def _rename(key: str, ups: dict[int, str]) -> str:
-    if key in _TOP:
-        return _TOP[key]
-    m = re.fullmatch(r"decoder\.middle\.([02])\.(.+)", key)
-    if m and m.group(2) in _RESNET_PARTS:
-        return f"decoder.mid_block.resnets.{int(m.group(1)) // 2}.{_RESNET_PARTS[m.group(2)]}"
-    m = re.fullmatch(r"decoder\.middle\.1\.(norm\.gamma|to_qkv\.weight|to_qkv\.bias|proj\.weight|proj\.bias)", key)
-    if m:
-        return f"decoder.mid_block.attentions.0.{m.group(1)}"
-    m = re.fullmatch(r"decoder\.upsamples\.(\d+)\.(.+)", key)
-    if m and int(m.group(1)) in ups:
-        base, part = ups[int(m.group(1))], m.group(2)
-        if ".resnets." in base and part in _RESNET_PARTS:
-            return f"{base}.{_RESNET_PARTS[part]}"
-        if ".upsamplers." in base and re.fullmatch(r"(resample\.1|time_conv)\.(weight|bias)", part):
-            return f"{base}.{part}"
-    return key
+    rules = [*_TOP, *_within("decoder.middle.0", "decoder.mid_block.resnets.0", _RESNET),
+             *_within("decoder.middle.1", "decoder.mid_block.attentions.0", _ATTENTION),
+             *_within("decoder.middle.2", "decoder.mid_block.resnets.1", _RESNET)]
+    for k, base in upsample_index_map(num_up_blocks, num_res_blocks).items():
+        rules += _within(f"decoder.upsamples.{k}", base, _RESNET if ".resnets." in base else _RESAMPLE)
+    return rules
 
 
 def normalize_keys(tensors: Mapping[str, np.ndarray], num_up_blocks: int,
@@ -80,5 +69,6 @@ def normalize_keys(tensors: Mapping[str, np.ndarray], num_up_blocks: int,
     if tensors and all(k.startswith("vae.") for k in tensors):
         tensors = {k[len("vae."):]: v for k, v in tensors.items()}
     if ORIGINAL_MARKER in tensors:
-        return original_to_diffusers(tensors, num_up_blocks, num_res_blocks), "original-wan"
+        rules = original_rules(num_up_blocks, num_res_blocks)
+        return {rename(k, rules): v for k, v in tensors.items()}, "original-wan"
     return tensors, "diffusers"

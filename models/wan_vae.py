@@ -20,9 +20,10 @@ import numpy as np
 from convkernels import Backend
 
 from .wan_checkpoint import normalize_keys
-from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache, Layer
+from .module import Module, random_state_dict
+from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .wan_tiling import TileSettings, plan_tiles, stitch
-from .weights import check_state_dict, fold_output_affine, read_diffusers_checkpoint
+from .weights import fold_output_affine, read_diffusers_checkpoint
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -51,6 +52,8 @@ DESCRIPTIONS = {
 }
 
 RANDOM_SEED = 0
+#: random init: U(+-1/sqrt(fan_in)) as PyTorch's default, RMS-norm gammas one
+INIT_RULES = ((r"\.gamma$", "ones"), ("", "uniform"))
 
 #: frames up to 720p (1280x720, the largest Wan 2.1 output) decode untiled unless asked, as in diffusers
 DEFAULT_MAX_UNTILED_PIXELS = 1280 * 720
@@ -121,39 +124,15 @@ class WanVAEConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def random_state_dict(expected: Mapping[str, tuple[int, ...]], seed: int = RANDOM_SEED) -> dict[str, np.ndarray]:
-    """Seeded init in PyTorch's default style: U(+-1/sqrt(fan_in)) weights and biases, unit
-    RMS-norm gammas. Biases use their layer's fan-in, so they are drawn after its weight."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
-    fan_in: dict[str, int] = {}
-    for name in sorted(expected):
-        shape = expected[name]
-        layer = name.rsplit(".", 1)[0]
-        if name.endswith(".gamma"):
-            out[name] = np.ones(shape, np.float32)
-        elif name.endswith(".weight"):
-            fan_in[layer] = int(np.prod(shape[1:]))
-            bound = 1.0 / np.sqrt(fan_in[layer])
-            out[name] = rng.uniform(-bound, bound, shape).astype(np.float32)
-    for name in sorted(expected):
-        if name.endswith(".bias"):
-            bound = 1.0 / np.sqrt(fan_in.get(name.rsplit(".", 1)[0], 1))
-            out[name] = rng.uniform(-bound, bound, expected[name]).astype(np.float32)
-    return out
-
-
-class _VAEDecoderTree(Layer):
+class _VAEDecoderTree(Module):
     """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
 
-    def __init__(self, backend: Backend, cfg: WanVAEConfig):
+    def __init__(self, cfg: WanVAEConfig):
+        super().__init__()
         z = cfg.z_dim
-        self.post_quant_conv = CausalConv3d(backend, z, z, 1)
-        self.decoder = Decoder3d(backend, cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
-                                 cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels)
-
-    def children(self):
-        return {"post_quant_conv": self.post_quant_conv, "decoder": self.decoder}
+        self.post_quant_conv = self.add("post_quant_conv", CausalConv3d(z, z, 1))
+        self.decoder = self.add("decoder", Decoder3d(cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
+                                                     cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels))
 
 
 class WanVAEDecoder:
@@ -178,21 +157,20 @@ class WanVAEDecoder:
         self.temporal_factor = cfg.temporal_factor
         self._mean = np.asarray(cfg.latents_mean, np.float32).reshape(1, -1, 1, 1, 1)
         self._std = np.asarray(cfg.latents_std, np.float32).reshape(1, -1, 1, 1, 1)
-        self.tree = _VAEDecoderTree(backend, cfg)
-        expected = self.tree.expected()
+        self.tree = _VAEDecoderTree(cfg)
         if tensors is None:
             self.weights_source, self.weights_naming = "random init", None
-            tensors = random_state_dict(expected, seed)
+            tensors = random_state_dict(self.tree.expected_shapes(), seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
             tensors, self.weights_naming = normalize_keys(tensors, len(cfg.dim_mult), cfg.num_res_blocks)
         # the encoder half of a full VAE checkpoint is fine to carry; the decoder must be exact
         naming = "" if self.weights_naming in (None, "diffusers") else \
             f", {self.weights_naming} names shown as diffusers names"
-        check_state_dict(expected, tensors, f"AutoencoderKLWan decoder (preset {preset!r}{naming})",
-                         ignore_unexpected=("encoder.", "quant_conv."))
         # the video processor's x / 2 + 0.5 is done by conv_out itself
-        self.tree.load(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5))
+        self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), backend,
+                               f"AutoencoderKLWan decoder (preset {preset!r}{naming})",
+                               ignore_unexpected=("encoder.", "quant_conv."))
         self._steady_step = backend.graphed(self._step)
 
     # ---- decode ----------------------------------------------------------------------------------

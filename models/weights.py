@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -121,6 +122,22 @@ def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str
         raise WeightsError(f"{what}: checkpoint does not fit the model — " + " | ".join(parts))
 
 
+#: (pattern, replacement) as re.sub takes them; patterns anchor themselves (^, $)
+RenameRules = Sequence[tuple[str, "str | Callable[[re.Match], str]"]]
+
+
+def rename(key: str, *tables: RenameRules) -> str:
+    """`key` rewritten by the first rule of each table that matches it, table after table; a
+    key no rule fits is kept, so the state-dict check reports it instead of it vanishing."""
+    for rules in tables:
+        for pattern, replacement in rules:
+            new, hits = re.subn(pattern, replacement, key, count=1)
+            if hits:
+                key = new
+                break
+    return key
+
+
 def conv_weight_to_channels_last(w: np.ndarray) -> np.ndarray:
     """PyTorch conv weight O,I/g,*k -> ours O,*k,I/g."""
     return np.ascontiguousarray(np.moveaxis(w, 1, -1))
@@ -143,6 +160,8 @@ def fold_output_affine(tensors: Mapping[str, np.ndarray], conv: str, scale: floa
     the H100). Exact in any float format: scale is a power of two. Tiled decodes blend tiles with
     weights that sum to one, which commutes with the affine map."""
     out = dict(tensors)
+    if f"{conv}.weight" not in out or f"{conv}.bias" not in out:
+        return out  # a checkpoint that does not fit: check_state_dict names what is missing
     out[f"{conv}.weight"] = np.asarray(tensors[f"{conv}.weight"], np.float32) * np.float32(scale)
     out[f"{conv}.bias"] = np.asarray(tensors[f"{conv}.bias"], np.float32) * np.float32(scale) + np.float32(shift)
     return out
