@@ -548,7 +548,7 @@ class CudaBackend(Backend):
                     lt = CublasLt(self.cp, allow_tf32=self.allow_tf32)
                 except (OSError, AttributeError, CublasLtError) as exc:  # no library, an old one
                     log.warning("cuBLASLt unavailable (%s): linear layers run gemm + epilogue kernel", exc)
-            # the tanh GELU for erf-GELU layers in float16 / bfloat16 (cuda_blas_lt.py says why);
+            # the tanh GELU for erf-GELU layers in float16 (cuda_blas_lt.py says why);
             # CONVSERVE_CUDA_LT_GELU_APPROX=0 keeps those layers on the exact erf epilogue kernel
             approx = _switch("CONVSERVE_CUDA_LT_GELU_APPROX", True)
             state = self._lt_state = (lt, approx)
@@ -566,7 +566,7 @@ class CudaBackend(Backend):
             return None
         if dt == "float32" and activation in ("gelu", "gelu_tanh"):
             return None  # float32 answers to 1e-5: cuBLASLt's GELU is not promised that close
-        epilogue = lt_epilogue(bias is not None, activation, residual is not None, approx)
+        epilogue = lt_epilogue(bias is not None, activation, residual is not None, approx and dt == "float16")
         if epilogue is None:
             return None
         x2 = self._c(self._as(x, dt).reshape(-1, x.shape[-1]))

@@ -150,7 +150,9 @@ def test_fused_linears_are_captured_and_replay_correctly():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dtype):
     """The parity cost of cuBLASLt's tanh GELU for ConvNeXt's erf GELU, measured: the same
-    model with the approximation (the default) and without, against transformers in fp32."""
+    model with the approximation (the default) and without, against transformers in fp32.
+    bfloat16 never takes the approximation (it crossed 1e-2 on the logits), so both runs of
+    bfloat16 are the exact GELU and must both pass."""
     from models import load_model
 
     saved = save_models(tmp_path)
