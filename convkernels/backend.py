@@ -82,7 +82,8 @@ class Backend(ABC):
         """fn(*xs) -> array or tuple of arrays, a model's forward on device arrays that depends on
         nothing but its inputs and the (fixed) weights; state carried between calls (a causal
         cache) goes in and out as arrays. A backend that can record a whole forward once and
-        replay it (CUDA graphs) returns a replaying wrapper; the others return fn itself."""
+        replay it (CUDA graphs) returns a replaying wrapper, whose `records(*xs)` is False once
+        inputs like these run eagerly for good; the others return fn itself."""
         return fn
 
     @property

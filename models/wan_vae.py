@@ -222,11 +222,14 @@ class WanVAEDecoder:
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache) -> np.ndarray:
         """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host, mapped
         to image space (x / 2 + 0.5 folded into conv_out) and unclipped, advancing `state`.
-        Steady chunks (the third on) go through the graphed step: their shapes repeat, so a
-        backend that records forwards replays them; the first two change the cache's layout."""
+        Steady chunks (the third on) go through the graphed step where the backend records it:
+        their shapes repeat, so it replays them; the first two change the cache's layout."""
         b = self.backend
         x = b.asarray(np.ascontiguousarray(z_chunk))
-        if state.steady():
+        # eagerly, the in-place route frees each old cache slot as its new one is made; the
+        # functional step would hold the whole old cache (2.3 GB at 480x832) until it returns
+        records = getattr(self._steady_step, "records", None)
+        if state.steady() and records is not None and records(x, *state.slots):
             out, *slots = self._steady_step(x, *state.slots)
             state.slots = slots
         else:

@@ -408,6 +408,7 @@ def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_
             out = fn(*xs)
             calls.append(([tuple(x.shape) for x in xs], [tuple(o.shape) for o in out]))
             return out
+        step.records = lambda *xs: True  # as a CUDA backend's wrapper until a shape runs eagerly for good
         return step
 
     be.graphed = recording_graphed
@@ -422,3 +423,26 @@ def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_
     assert ins[1:] == outs[1:], "the cache given back must fit the next call"
     err = rel_l2(frames, reference_decode(vae, config, latents))
     assert err < 1e-4, f"seed {seed}: relative L2 {err:.2e}"
+
+
+def test_a_step_that_runs_eagerly_for_good_takes_the_in_place_route(tmp_path):
+    """Where the recording backend says a step shape will only ever run eagerly (its graph was
+    over the byte bound), the decode uses its own eager route, which frees each old cache slot as
+    the new one is made, instead of holding the whole old cache through the functional step."""
+    be = get_backend("numpy")
+    calls = []
+
+    def eager_for_good(fn):
+        def step(*xs):
+            calls.append(1)
+            return fn(*xs)
+        step.records = lambda *xs: False
+        return step
+
+    be.graphed = eager_for_good
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path, WAN_ODD, seed)
+    model = build("tiny", "tiny-wan-vae", be, str(folder))
+    latents = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 5, 3, 4)).astype(np.float32)
+    err = rel_l2(model.decode(latents), reference_decode(vae, config, latents))
+    assert calls == [] and err < 1e-4, f"seed {seed}: relative L2 {err:.2e}, step calls {len(calls)}"

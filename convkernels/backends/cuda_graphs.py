@@ -168,9 +168,20 @@ class GraphedForward:
         # a model that goes away frees its graphs; at interpreter exit the process frees everything
         weakref.finalize(self, cache.drop_owner, self.token).atexit = False
 
-    def __call__(self, *xs):
+    @staticmethod
+    def _key(xs):
         key = tuple((tuple(x.shape), x.dtype.str) for x in xs)
-        key = key[0] if len(key) == 1 else key
+        return key[0] if len(key) == 1 else key
+
+    def records(self, *xs) -> bool:
+        """False once inputs like these are known to run eagerly for good (ungraphable, or a graph
+        over the byte bound); until then a call may be the one that captures. A caller whose own
+        eager route frees state as it goes (Wan's cache) takes that route when False."""
+        key = self._key(xs)
+        return key not in self.ungraphable and key not in self.too_large
+
+    def __call__(self, *xs):
+        key = self._key(xs)
         with self._lock:
             if key in self.ungraphable or key in self.too_large or key not in self._seen:
                 self._seen.add(key)
