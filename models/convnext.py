@@ -223,10 +223,6 @@ class ConvNeXtEncoder:
                              f"{self.config.patch_size} stem)")
         return x.astype(np.float32, copy=False)
 
-    def features(self, x):
-        """Last-stage feature map (N, h, w, embed_dim) on the backend."""
-        return self.tree.features(self.backend, x)
-
     def _forward(self, x):
         return self.tree(self.backend, x)
 

@@ -174,9 +174,6 @@ class WanVAEDecoder:
         self._steady_step = backend.graphed(self._step)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def num_frames(self, latent_frames: int) -> int:
-        return 1 + self.temporal_factor * (latent_frames - 1)
-
     def _prepare(self, latents_ncthw) -> np.ndarray:
         """Validate, de-normalise (latents * std + mean) and go channels-last N,T,h,w,C."""
         lat = np.asarray(latents_ncthw)

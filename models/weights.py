@@ -143,16 +143,6 @@ def conv_weight_to_channels_last(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(w, 1, -1))
 
 
-def conv_transpose_weight_to_channels_last(w: np.ndarray, groups: int = 1) -> np.ndarray:
-    """PyTorch transposed-conv weight I,O/g,*k -> ours O,*k,I/g."""
-    i, og, *k = w.shape
-    g = groups
-    w = w.reshape(g, i // g, og, *k)
-    nd = len(k)
-    w = np.transpose(w, (0, 2, *range(3, 3 + nd), 1))  # g, O/g, *k, I/g
-    return np.ascontiguousarray(w.reshape(g * og, *k, i // g))
-
-
 def fold_output_affine(tensors: Mapping[str, np.ndarray], conv: str, scale: float, shift: float) -> dict[str, np.ndarray]:
     """The checkpoint with `scale * conv(x) + shift` folded into the final conv named `conv`, so a
     decoder writes image space ([0, 1] after a clip) directly: the host then clips in place
