@@ -76,32 +76,35 @@ class TilePlan:
         return self.tile_sample - self.blend_extent
 
 
+def _itemsize(model) -> int:
+    return 2 if model.backend.dtype in ("float16", "bfloat16") else 4
+
+
+def _stage_bytes(model, px: int, ch: int) -> int:
+    """One stage's live activations plus its conv scratch: unfold (9 values per pixel and channel)
+    or Winograd transforms (about 12), each row-tiled by the backend under its limit, a few such
+    buffers alive at once."""
+    scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
+    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
+    if unfold_cap:
+        scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
+    return LIVE_TENSORS * px * ch * _itemsize(model) + scratch
+
+
 def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
     """Working memory of one untiled decode of (n, h, w) latents: the widest stage's live
     activations, the conv unfold buffer (capped by the backend's limit), the mid-block attention
     scores (row-chunked) and the host output. Deliberately on the high side."""
     cfg = model.config
-    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
     boc = list(reversed(cfg.block_out_channels))
-    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
-    peak = 0
-    for level, ch in enumerate(boc):
-        scale = 2 ** level
-        px = n * h * w * scale * scale
-        # the upsample conv and first resnet of a level still carry the previous level's width
-        ch = max(ch, boc[level - 1]) if level else ch
-        act = LIVE_TENSORS * px * ch * itemsize
-        # conv scratch: unfold (9 values per pixel and channel) or Winograd transforms (about 12),
-        # each row-tiled by the backend under its limit, a few such buffers alive at once
-        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
-        if unfold_cap:
-            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
-        peak = max(peak, act + scratch)
+    # the upsample conv and first resnet of a level still carry the previous level's width
+    peak = max(_stage_bytes(model, n * h * w * 4 ** level, max(ch, boc[level - 1]) if level else ch)
+               for level, ch in enumerate(boc))
     if cfg.mid_block_add_attention:
         tokens = h * w
         chunk = min(tokens, getattr(model.backend, "attention_chunk", tokens))
         scores = 3 * n * chunk * tokens * 4  # scores, exp, probabilities
-        peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * itemsize)
+        peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * _itemsize(model))
     f = cfg.spatial_factor
     output = 2 * n * h * f * w * f * cfg.out_channels * 4  # decoder output + host copy
     return int(peak + output)
@@ -109,19 +112,11 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
 
 def estimate_encode_peak_bytes(model, n: int, h: int, w: int) -> int:
     """Working memory of one untiled encode of (n, h, w) images, on the decode estimate's terms."""
-    cfg = model.config
-    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
-    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
-    peak = 0
-    boc = list(cfg.block_out_channels)
-    for level, ch in enumerate(boc):
-        px = n * -(-h // 2 ** level) * -(-w // 2 ** level)
-        ch = max(ch, boc[level - 1]) if level else ch
-        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
-        if unfold_cap:
-            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
-        peak = max(peak, LIVE_TENSORS * px * ch * itemsize + scratch)
-    return int(peak + 2 * n * h * w * cfg.in_channels * 4)
+    boc = list(model.config.block_out_channels)
+    peak = max(_stage_bytes(model, n * -(-h // 2 ** level) * -(-w // 2 ** level),
+                            max(ch, boc[level - 1]) if level else ch)
+               for level, ch in enumerate(boc))
+    return int(peak + 2 * n * h * w * model.config.in_channels * 4)
 
 
 def plan_encode(model, x_shape: tuple[int, ...], tiled: bool | None) -> TilePlan | None:
@@ -191,21 +186,20 @@ def _consistent_tile(tile: int, f: int, overlap: float) -> int:
     return tile
 
 
-def _blend_v(a: np.ndarray, b: np.ndarray, extent: int) -> None:
-    """diffusers blend_v on NHWC, in place on b; `a` holds (at least) the bottom rows above."""
-    extent = min(a.shape[1], b.shape[1], extent)
+def blend_lines(a: np.ndarray, b: np.ndarray, extent: int, axis: int) -> None:
+    """diffusers' blend_v / blend_h along `axis`, in place on b: its first `extent` lines fade in
+    from the last lines of a (which holds at least those)."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
     if extent <= 0:
         return
-    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, :, None, None]
-    b[:, :extent] = a[:, a.shape[1] - extent:] * (1 - t) + b[:, :extent] * t
-
-
-def _blend_h(a: np.ndarray, b: np.ndarray, extent: int) -> None:
-    extent = min(a.shape[2], b.shape[2], extent)
-    if extent <= 0:
-        return
-    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, None, :, None]
-    b[:, :, :extent] = a[:, :, a.shape[2] - extent:] * (1 - t) + b[:, :, :extent] * t
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    wb = (np.arange(extent, dtype=np.float32) / np.float32(extent)).reshape(shape)
+    head = [slice(None)] * b.ndim
+    head[axis] = slice(0, extent)
+    tail = [slice(None)] * a.ndim
+    tail[axis] = slice(a.shape[axis] - extent, a.shape[axis])
+    b[tuple(head)] = a[tuple(tail)] * (1 - wb) + b[tuple(head)] * wb
 
 
 def tiled_decode(decode_tile: Callable[[np.ndarray], np.ndarray], z: np.ndarray, plan: TilePlan) -> np.ndarray:
@@ -253,9 +247,9 @@ def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, 
             if out is None:
                 out = np.empty((n, sum(crop_h), sum(crop_w), t.shape[-1]), np.float32)
             if prev_strips is not None:
-                _blend_v(prev_strips[j], t, blend)
+                blend_lines(prev_strips[j], t, blend, axis=1)
             if left is not None:
-                _blend_h(left, t, blend)
+                blend_lines(left, t, blend, axis=2)
             out[:, y0:y0 + crop_h[i], x0:x0 + crop_w[j]] = t[:, :crop_h[i], :crop_w[j]]
             x0 += crop_w[j]
             strips.append(t[:, max(0, t.shape[1] - blend):].copy())
