@@ -107,35 +107,41 @@ class MidBlock(Module):
         return self.resnets[1](backend, x)
 
 
+def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int, sampler: str, make_sampler):
+    """diffusers' Up/DownEncoderBlock2D list under `blocks`: per width, `n_resnets` resnets, then a
+    resampler (`sampler`) on every stage but the last. -> [(resnets, resampler or None)]."""
+    stages, prev = [], widths[0]
+    for i, ch in enumerate(widths):
+        resnets = [parent.add(f"{blocks}.{i}.resnets.{j}",
+                              ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS)) for j in range(n_resnets)]
+        resample = parent.add(f"{blocks}.{i}.{sampler}", make_sampler(ch)) if i < len(widths) - 1 else None
+        stages.append((resnets, resample))
+        prev = ch
+    return stages
+
+
+def _run_stages(backend: Backend, stages, x):
+    for resnets, resample in stages:
+        for r in resnets:
+            x = r(backend, x)
+        if resample is not None:
+            x = resample(backend, x)
+    return x
+
+
 class Decoder(Module):
     def __init__(self, cfg: AutoencoderKLConfig, upsample_mode: str = "subpixel"):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.latent_channels, boc[-1], 3, padding=1))
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
-        self.stages: list[tuple[list[ResnetBlock2D], Upsample2D | None]] = []
-        rev = list(reversed(boc))
-        prev = rev[0]
-        for i, ch in enumerate(rev):
-            resnets = [self.add(f"up_blocks.{i}.resnets.{j}",
-                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
-                       for j in range(cfg.layers_per_block + 1)]
-            up = None
-            if i < len(rev) - 1:
-                up = self.add(f"up_blocks.{i}.upsamplers.0", Upsample2D(ch, upsample_mode))
-            self.stages.append((resnets, up))
-            prev = ch
+        self.stages = _add_stages(self, "up_blocks", list(reversed(boc)), cfg.layers_per_block + 1, groups,
+                                  "upsamplers.0", lambda ch: Upsample2D(ch, upsample_mode))
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
 
     def __call__(self, backend: Backend, z):
-        x = self.conv_in(backend, z)
-        x = self.mid_block(backend, x)
-        for resnets, up in self.stages:
-            for r in resnets:
-                x = r(backend, x)
-            if up is not None:
-                x = up(backend, x)
+        x = _run_stages(backend, self.stages, self.mid_block(backend, self.conv_in(backend, z)))
         x = self.conv_norm_out(backend, x, activation="silu")
         return self.conv_out(backend, x)
 
@@ -145,29 +151,14 @@ class Encoder(Module):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.in_channels, boc[0], 3, padding=1))
-        self.stages: list[tuple[list[ResnetBlock2D], Downsample2D | None]] = []
-        prev = boc[0]
-        for i, ch in enumerate(boc):
-            resnets = [self.add(f"down_blocks.{i}.resnets.{j}",
-                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
-                       for j in range(cfg.layers_per_block)]
-            down = None
-            if i < len(boc) - 1:
-                down = self.add(f"down_blocks.{i}.downsamplers.0", Downsample2D(ch))
-            self.stages.append((resnets, down))
-            prev = ch
+        self.stages = _add_stages(self, "down_blocks", list(boc), cfg.layers_per_block, groups, "downsamplers.0",
+                                  Downsample2D)
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
 
     def __call__(self, backend: Backend, x):
-        x = self.conv_in(backend, x)
-        for resnets, down in self.stages:
-            for r in resnets:
-                x = r(backend, x)
-            if down is not None:
-                x = down(backend, x)
-        x = self.mid_block(backend, x)
+        x = self.mid_block(backend, _run_stages(backend, self.stages, self.conv_in(backend, x)))
         x = self.conv_norm_out(backend, x, activation="silu")
         return self.conv_out(backend, x)
 
