@@ -17,9 +17,10 @@ from convkernels import Backend
 
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
+from .contract import card_fields
 from .module import Module, random_state_dict
 from .vae_checkpoint import normalize_keys
-from .weights import fold_output_affine, read_diffusers_checkpoint
+from .weights import fold_output_affine, diffusers_config
 
 log = logging.getLogger("convserve.models")
 
@@ -112,8 +113,8 @@ def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int
     resampler (`sampler`) on every stage but the last. -> [(resnets, resampler or None)]."""
     stages, prev = [], widths[0]
     for i, ch in enumerate(widths):
-        resnets = [parent.add(f"{blocks}.{i}.resnets.{j}",
-                              ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS)) for j in range(n_resnets)]
+        resnets = [parent.add(f"{blocks}.{i}.resnets.{j}", ResnetBlock2D(prev if j == 0 else ch, ch, groups,
+                                                                           VAE_NORM_EPS)) for j in range(n_resnets)]
         resample = parent.add(f"{blocks}.{i}.{sampler}", make_sampler(ch)) if i < len(widths) - 1 else None
         stages.append((resnets, resample))
         prev = ch
@@ -296,34 +297,17 @@ class AutoencoderKLModel:
         return np.asarray(b.to_host(mean), dtype=np.float32)
 
     # ---- description -----------------------------------------------------------------------------
-    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:
-        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
-        out of memory, or None when there is no smaller one."""
+    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:  # models/contract.py
         return current.halved(self.spatial_factor)
 
     def card(self) -> dict:
-        b = self.backend
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "architecture": "diffusers AutoencoderKL (image VAE)",
-            "preset": self.preset,
-            "weights": self.weights_source,
-            "backend": b.name,
-            "dtype": b.dtype,
-            "has_encoder": self.has_encoder,
-            "latent_channels": self.latent_channels,
-            "spatial_factor": self.spatial_factor,
-            "scaling_factor": self.scaling_factor,
-            "shift_factor": self.shift_factor,
-            "limits": {
-                "tile_latent_size": self.tiling.tile_latent_size,
-                "tile_overlap_factor": self.tiling.overlap_factor,
-                "memory_budget_bytes": self.tiling.memory_budget_bytes,
-            },
-            "upsample_mode": self.upsample_mode,
-            "config": self.config.as_dict(),
-        }
+        t = self.tiling
+        return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
+                           latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
+                           scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
+                           limits={"tile_latent_size": t.tile_latent_size, "tile_overlap_factor": t.overlap_factor,
+                                   "memory_budget_bytes": t.memory_budget_bytes},
+                           upsample_mode=self.upsample_mode, config=self.config.as_dict())
 
 
 _SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
@@ -335,14 +319,6 @@ def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Bac
     """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
     config.json, when present, replaces the preset's architecture, and overrides (config fields
     or the settings in _SETTINGS)."""
-    settings = {k: overrides.pop(k) for k in list(overrides) if k in _SETTINGS}
-    cfg_fields = {f.name for f in dataclasses.fields(AutoencoderKLConfig)}
-    unknown = sorted(k for k in overrides if k not in cfg_fields)
-    if unknown:
-        raise ValueError(f"unknown AutoencoderKL overrides {unknown}; config fields: {sorted(cfg_fields)}, "
-                         f"settings: {list(_SETTINGS)}")
-    cfg_dict = dict(preset_config)
-    tensors = read_diffusers_checkpoint(weights, "AutoencoderKL", cfg_fields, cfg_dict)
-    cfg_dict.update(overrides)
-    cfg = AutoencoderKLConfig.from_dict(cfg_dict)
+    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, preset_config,
+                                              overrides, _SETTINGS)
     return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

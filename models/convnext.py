@@ -15,6 +15,7 @@ import numpy as np
 
 from convkernels import Backend
 
+from .contract import card_fields
 from .convnext_checkpoint import labels_from_config, load_checkpoint
 from .layers import Conv2d, LayerNorm, Linear
 from .module import Module, random_state_dict
@@ -236,23 +237,15 @@ class ConvNeXtEncoder:
 
     def card(self) -> dict:
         cfg = self.config
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "architecture": "ConvNeXt",
-            "preset": self.preset,
-            "weights": self.weights_source or "random init",
-            "checkpoint_naming": self.naming,
-            "backend": self.backend.name,
-            "dtype": self.backend.dtype,
-            "limits": {"min_input_size": cfg.min_input_size, "input_channels": cfg.in_chans,
-                       "input_size": cfg.input_size, "any_input_size": True},
-            "config": {"depths": list(cfg.depths), "dims": list(cfg.dims), "patch_size": cfg.patch_size,
-                       "embed_dim": self.embed_dim, "num_classes": cfg.num_classes,
-                       "has_labels": self.labels is not None, "layer_scale": cfg.layer_scale,
-                       "activation": cfg.activation, "head_norm_eps": cfg.head_norm_eps,
-                       "mean": list(cfg.mean), "std": list(cfg.std)},
-        }
+        return card_fields(
+            self, "ConvNeXt", weights=self.weights_source or "random init", checkpoint_naming=self.naming,
+            limits={"min_input_size": cfg.min_input_size, "input_channels": cfg.in_chans,
+                    "input_size": cfg.input_size, "any_input_size": True},
+            config={"depths": list(cfg.depths), "dims": list(cfg.dims), "patch_size": cfg.patch_size,
+                    "embed_dim": self.embed_dim, "num_classes": cfg.num_classes,
+                    "has_labels": self.labels is not None, "layer_scale": cfg.layer_scale,
+                    "activation": cfg.activation, "head_norm_eps": cfg.head_norm_eps,
+                    "mean": list(cfg.mean), "std": list(cfg.std)})
 
 
 def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
