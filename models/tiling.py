@@ -119,23 +119,28 @@ def estimate_encode_peak_bytes(model, n: int, h: int, w: int) -> int:
     return int(peak + 2 * n * h * w * model.config.in_channels * 4)
 
 
+def _auto_tile(model, tiled: bool | None, whole_bytes: Callable[[], int],
+               tile_bytes: Callable[[int], int]) -> int | None:
+    """The tile size, or None = run in one piece (tiled False, or auto (None) and the whole run fits the
+    budget). Auto mode shrinks the tile until one tile's working set, tile_bytes(tile), fits too."""
+    s = model.tiling
+    if tiled is False or (tiled is None and whole_bytes() <= s.memory_budget_bytes):
+        return None
+    tile = s.tile_latent_size
+    while tiled is None and tile > MIN_TILE_LATENT and tile_bytes(tile) > s.memory_budget_bytes:
+        tile = _consistent_tile(tile // 2, model.config.spatial_factor, s.overlap_factor)
+    return tile
+
+
 def plan_encode(model, x_shape: tuple[int, ...], tiled: bool | None) -> TilePlan | None:
     """None = encode in one piece; else diffusers' tiling rule (images larger than one tile)."""
     n, h, w = x_shape[0], x_shape[1], x_shape[2]
-    s = model.tiling
     f = model.config.spatial_factor
-    tile = s.tile_latent_size
-    if tiled is False:
+    tile = _auto_tile(model, tiled, lambda: estimate_encode_peak_bytes(model, n, h, w),
+                      lambda t: estimate_encode_peak_bytes(model, n, min(h, t * f), min(w, t * f)))
+    if tile is None or (h <= tile * f and w <= tile * f):
         return None
-    if tiled is None:
-        if estimate_encode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
-            return None
-        while tile > MIN_TILE_LATENT and \
-                estimate_encode_peak_bytes(model, n, min(h, tile * f), min(w, tile * f)) > s.memory_budget_bytes:
-            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
-    if h <= tile * f and w <= tile * f:
-        return None
-    return TilePlan(tile, tile * f, s.overlap_factor)
+    return TilePlan(tile, tile * f, model.tiling.overlap_factor)
 
 
 def estimate_tiled_peak_bytes(model, n: int, h: int, w: int, tile_latent: int) -> int:
@@ -151,23 +156,16 @@ def plan_decode(model, z_shape: tuple[int, ...], tiled: bool | None) -> TilePlan
     """None = decode in one piece. diffusers tiles only when the latents exceed one tile."""
     n, h, w = z_shape[0], z_shape[1], z_shape[2]
     s = model.tiling
-    f = model.config.spatial_factor
-    tile = s.tile_latent_size
-    if tiled is False:
-        return None
-    if tiled is None:
-        if estimate_decode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
-            return None
-        # auto mode may shrink the tile until one tile's working set fits the budget
-        while tile > MIN_TILE_LATENT and estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
-            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
+    tile = _auto_tile(model, tiled, lambda: estimate_decode_peak_bytes(model, n, h, w),
+                      lambda t: estimate_tiled_peak_bytes(model, n, h, w, t))
+    if tile is not None and tiled is None:
         tile = max(tile, MIN_TILE_LATENT)
         if estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
             log.warning("%s: decode of %s latents may exceed the memory budget %d B even in %d-latent tiles",
                         model.name, z_shape, s.memory_budget_bytes, tile)
-    if h <= tile and w <= tile:
+    if tile is None or (h <= tile and w <= tile):
         return None
-    return TilePlan(tile, tile * f, s.overlap_factor)
+    return TilePlan(tile, tile * model.config.spatial_factor, s.overlap_factor)
 
 
 def _tiles_consistently(tile: int, f: int, overlap: float) -> bool:
