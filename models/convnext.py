@@ -191,18 +191,10 @@ class ConvNeXtEncoder:
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):
-        self.name = name
-        self.preset = preset
-        self.backend = backend
-        self.config = cfg
-        self.weights_source = weights_source
-        self.naming = naming
-        self.input_size = cfg.input_size
-        self.mean = tuple(cfg.mean)
-        self.std = tuple(cfg.std)
-        self.embed_dim = cfg.dims[-1]
-        self.num_classes = cfg.num_classes
-        self.labels = labels
+        self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        self.weights_source, self.naming, self.labels = weights_source, naming, labels
+        self.input_size, self.embed_dim, self.num_classes = cfg.input_size, cfg.dims[-1], cfg.num_classes
+        self.mean, self.std = tuple(cfg.mean), tuple(cfg.std)
         self.tree = ConvNeXtNet(cfg)
         self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
