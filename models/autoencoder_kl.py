@@ -6,7 +6,6 @@ the checkpoint holds it, `encoder.*` + `quant_conv`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -20,7 +19,7 @@ from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAtten
 from .contract import card_fields
 from .module import Module, random_state_dict
 from .vae_checkpoint import normalize_keys
-from .weights import fold_output_affine, diffusers_config
+from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 log = logging.getLogger("convserve.models")
 
@@ -32,7 +31,7 @@ INIT_RULES = ((r"norm[^.]*\.weight$", "ones"), (r"norm[^.]*\.bias$", "zeros"), (
 
 
 @dataclass(frozen=True)
-class AutoencoderKLConfig:
+class AutoencoderKLConfig(DiffusersConfig):
     """The fields of diffusers' AutoencoderKL config.json that shape the computation."""
 
     in_channels: int = 3
@@ -53,16 +52,9 @@ class AutoencoderKLConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AutoencoderKLConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        for k in ("down_block_types", "up_block_types", "block_out_channels"):
-            if k in kw:
-                kw[k] = tuple(kw[k])
-        if isinstance(kw.get("sample_size"), (list, tuple)):
-            kw["sample_size"] = int(kw["sample_size"][0])  # diffusers tiles with the first entry
-        cfg = cls(**kw)
-        cfg.validate()
-        return cfg
+        if isinstance(d.get("sample_size"), (list, tuple)):
+            d = {**d, "sample_size": int(d["sample_size"][0])}  # diffusers tiles with the first entry
+        return super().from_dict(d)
 
     def validate(self) -> None:
         problems = []
@@ -84,10 +76,6 @@ class AutoencoderKLConfig:
     @property
     def spatial_factor(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 class MidBlock(Module):

@@ -11,9 +11,8 @@ so does `decode()` here (`latents * std + mean`, per channel, from the config).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -24,7 +23,7 @@ from .contract import card_fields
 from .module import Module, random_state_dict
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .wan_tiling import TileSettings, plan_tiles, stitch
-from .weights import fold_output_affine, diffusers_config
+from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -61,7 +60,7 @@ DEFAULT_MAX_UNTILED_PIXELS = 1280 * 720
 
 
 @dataclass(frozen=True)
-class WanVAEConfig:
+class WanVAEConfig(DiffusersConfig):
     """The fields of diffusers' AutoencoderKLWan config.json that shape the decoder."""
 
     base_dim: int = 96
@@ -81,14 +80,6 @@ class WanVAEConfig:
     in_channels: int = 3
     scale_factor_temporal: int | None = 4
     scale_factor_spatial: int | None = 8
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "WanVAEConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
-        cfg = cls(**kw)
-        cfg.validate()
-        return cfg
 
     def validate(self) -> None:
         problems = []
@@ -120,9 +111,6 @@ class WanVAEConfig:
     @property
     def temporal_factor(self) -> int:
         return 2 ** sum(bool(t) for t in self.temperal_downsample)
-
-    def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
 class _VAEDecoderTree(Module):
@@ -189,13 +177,9 @@ class WanVAEDecoder:
         return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
 
     def decode_frames(self, latents_ncthw, tiled: bool | None = None) -> Iterator[np.ndarray]:
-        """Yield float32 (N, f, 8h, 8w, 3) frame groups in [0, 1] as they finish: f = 1 for the
-        first latent frame, `temporal_factor` for each later one. Each group is computed only
-        when asked for, so a slow reader holds back the decode (back-pressure). Bad latents
-        raise here, before the first group is asked for.
-
-        tiled: True = diffusers' spatial tiling (when the frame is larger than one tile),
-        False = never, None = only for frames over `max_untiled_pixels`."""
+        """Frame groups as docs/interfaces.md describes them. Each group is computed only when asked
+        for, so a slow reader holds back the decode (back-pressure); bad latents raise here, before
+        the first group is asked for."""
         z = self._prepare(latents_ncthw)
         _, _, h, w, _ = z.shape
         sf = self.spatial_factor

@@ -7,7 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -84,6 +84,21 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
             tensors.update(read_safetensors(f))
         return tensors, config
     return read_safetensors(path), None
+
+
+class DiffusersConfig:
+    """from_dict / as_dict of a frozen dataclass of config.json fields (lists there, tuples here);
+    from_dict keeps only the fields and runs the subclass's validate()."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+        cfg.validate()
+        return cfg
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
 def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls, preset_cfg: Mapping,
