@@ -3,11 +3,10 @@
 A decode that raises MemoryError (CuPy's OutOfMemoryError is one; the NumPy backend raises it too)
 is retried on the worker thread, first row by row when the batch has several rows, then in tiles,
 each retry in the model's next smaller tiling (its `smaller_tiling` answer, models/contract.py),
-down to the model's floor. When every retry fails the
-request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
-(`frames`) resumes in tiles from the frame group that ran out, after decoding again
-(and dropping) the groups already sent. Every step is counted in
-`convserve_faults_total{model,fault="device_oom",outcome}`."""
+down to the model's floor. When every retry fails the request gets DeviceOutOfMemory (503 +
+Retry-After), never a crash. A streamed video decode (`frames`) resumes in tiles from the frame
+group that ran out, after decoding again (and dropping) the groups already sent. Every step is
+counted in `convserve_faults_total{model,fault="device_oom",outcome}`."""
 from __future__ import annotations
 
 import logging
