@@ -6,7 +6,6 @@ the checkpoint holds it, `encoder.*` + `quant_conv`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -17,9 +16,10 @@ from convkernels import Backend
 
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
+from .contract import card_fields
 from .module import Module, random_state_dict
 from .vae_checkpoint import normalize_keys
-from .weights import fold_output_affine, read_diffusers_checkpoint
+from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 log = logging.getLogger("convserve.models")
 
@@ -31,7 +31,7 @@ INIT_RULES = ((r"norm[^.]*\.weight$", "ones"), (r"norm[^.]*\.bias$", "zeros"), (
 
 
 @dataclass(frozen=True)
-class AutoencoderKLConfig:
+class AutoencoderKLConfig(DiffusersConfig):
     """The fields of diffusers' AutoencoderKL config.json that shape the computation."""
 
     in_channels: int = 3
@@ -52,16 +52,9 @@ class AutoencoderKLConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AutoencoderKLConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        for k in ("down_block_types", "up_block_types", "block_out_channels"):
-            if k in kw:
-                kw[k] = tuple(kw[k])
-        if isinstance(kw.get("sample_size"), (list, tuple)):
-            kw["sample_size"] = int(kw["sample_size"][0])  # diffusers tiles with the first entry
-        cfg = cls(**kw)
-        cfg.validate()
-        return cfg
+        if isinstance(d.get("sample_size"), (list, tuple)):
+            d = {**d, "sample_size": int(d["sample_size"][0])}  # diffusers tiles with the first entry
+        return super().from_dict(d)
 
     def validate(self) -> None:
         problems = []
@@ -84,10 +77,6 @@ class AutoencoderKLConfig:
     def spatial_factor(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
 
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-
 
 class MidBlock(Module):
     """UNetMidBlock2D as the VAE uses it: resnet, [attention, resnet]."""
@@ -107,35 +96,41 @@ class MidBlock(Module):
         return self.resnets[1](backend, x)
 
 
+def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int, sampler: str, make_sampler):
+    """diffusers' Up/DownEncoderBlock2D list under `blocks`: per width, `n_resnets` resnets, then a
+    resampler (`sampler`) on every stage but the last. -> [(resnets, resampler or None)]."""
+    stages, prev = [], widths[0]
+    for i, ch in enumerate(widths):
+        resnets = [parent.add(f"{blocks}.{i}.resnets.{j}", ResnetBlock2D(prev if j == 0 else ch, ch, groups,
+                                                                           VAE_NORM_EPS)) for j in range(n_resnets)]
+        resample = parent.add(f"{blocks}.{i}.{sampler}", make_sampler(ch)) if i < len(widths) - 1 else None
+        stages.append((resnets, resample))
+        prev = ch
+    return stages
+
+
+def _run_stages(backend: Backend, stages, x):
+    for resnets, resample in stages:
+        for r in resnets:
+            x = r(backend, x)
+        if resample is not None:
+            x = resample(backend, x)
+    return x
+
+
 class Decoder(Module):
     def __init__(self, cfg: AutoencoderKLConfig, upsample_mode: str = "subpixel"):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.latent_channels, boc[-1], 3, padding=1))
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
-        self.stages: list[tuple[list[ResnetBlock2D], Upsample2D | None]] = []
-        rev = list(reversed(boc))
-        prev = rev[0]
-        for i, ch in enumerate(rev):
-            resnets = [self.add(f"up_blocks.{i}.resnets.{j}",
-                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
-                       for j in range(cfg.layers_per_block + 1)]
-            up = None
-            if i < len(rev) - 1:
-                up = self.add(f"up_blocks.{i}.upsamplers.0", Upsample2D(ch, upsample_mode))
-            self.stages.append((resnets, up))
-            prev = ch
+        self.stages = _add_stages(self, "up_blocks", list(reversed(boc)), cfg.layers_per_block + 1, groups,
+                                  "upsamplers.0", lambda ch: Upsample2D(ch, upsample_mode))
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
 
     def __call__(self, backend: Backend, z):
-        x = self.conv_in(backend, z)
-        x = self.mid_block(backend, x)
-        for resnets, up in self.stages:
-            for r in resnets:
-                x = r(backend, x)
-            if up is not None:
-                x = up(backend, x)
+        x = _run_stages(backend, self.stages, self.mid_block(backend, self.conv_in(backend, z)))
         x = self.conv_norm_out(backend, x, activation="silu")
         return self.conv_out(backend, x)
 
@@ -145,29 +140,14 @@ class Encoder(Module):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.in_channels, boc[0], 3, padding=1))
-        self.stages: list[tuple[list[ResnetBlock2D], Downsample2D | None]] = []
-        prev = boc[0]
-        for i, ch in enumerate(boc):
-            resnets = [self.add(f"down_blocks.{i}.resnets.{j}",
-                                ResnetBlock2D(prev if j == 0 else ch, ch, groups, VAE_NORM_EPS))
-                       for j in range(cfg.layers_per_block)]
-            down = None
-            if i < len(boc) - 1:
-                down = self.add(f"down_blocks.{i}.downsamplers.0", Downsample2D(ch))
-            self.stages.append((resnets, down))
-            prev = ch
+        self.stages = _add_stages(self, "down_blocks", list(boc), cfg.layers_per_block, groups, "downsamplers.0",
+                                  Downsample2D)
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
 
     def __call__(self, backend: Backend, x):
-        x = self.conv_in(backend, x)
-        for resnets, down in self.stages:
-            for r in resnets:
-                x = r(backend, x)
-            if down is not None:
-                x = down(backend, x)
-        x = self.mid_block(backend, x)
+        x = self.mid_block(backend, _run_stages(backend, self.stages, self.conv_in(backend, x)))
         x = self.conv_norm_out(backend, x, activation="silu")
         return self.conv_out(backend, x)
 
@@ -305,34 +285,17 @@ class AutoencoderKLModel:
         return np.asarray(b.to_host(mean), dtype=np.float32)
 
     # ---- description -----------------------------------------------------------------------------
-    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:
-        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
-        out of memory, or None when there is no smaller one."""
+    def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:  # models/contract.py
         return current.halved(self.spatial_factor)
 
     def card(self) -> dict:
-        b = self.backend
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "architecture": "diffusers AutoencoderKL (image VAE)",
-            "preset": self.preset,
-            "weights": self.weights_source,
-            "backend": b.name,
-            "dtype": b.dtype,
-            "has_encoder": self.has_encoder,
-            "latent_channels": self.latent_channels,
-            "spatial_factor": self.spatial_factor,
-            "scaling_factor": self.scaling_factor,
-            "shift_factor": self.shift_factor,
-            "limits": {
-                "tile_latent_size": self.tiling.tile_latent_size,
-                "tile_overlap_factor": self.tiling.overlap_factor,
-                "memory_budget_bytes": self.tiling.memory_budget_bytes,
-            },
-            "upsample_mode": self.upsample_mode,
-            "config": self.config.as_dict(),
-        }
+        t = self.tiling
+        return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
+                           latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
+                           scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
+                           limits={"tile_latent_size": t.tile_latent_size, "tile_overlap_factor": t.overlap_factor,
+                                   "memory_budget_bytes": t.memory_budget_bytes},
+                           upsample_mode=self.upsample_mode, config=self.config.as_dict())
 
 
 _SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
@@ -344,14 +307,6 @@ def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Bac
     """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
     config.json, when present, replaces the preset's architecture, and overrides (config fields
     or the settings in _SETTINGS)."""
-    settings = {k: overrides.pop(k) for k in list(overrides) if k in _SETTINGS}
-    cfg_fields = {f.name for f in dataclasses.fields(AutoencoderKLConfig)}
-    unknown = sorted(k for k in overrides if k not in cfg_fields)
-    if unknown:
-        raise ValueError(f"unknown AutoencoderKL overrides {unknown}; config fields: {sorted(cfg_fields)}, "
-                         f"settings: {list(_SETTINGS)}")
-    cfg_dict = dict(preset_config)
-    tensors = read_diffusers_checkpoint(weights, "AutoencoderKL", cfg_fields, cfg_dict)
-    cfg_dict.update(overrides)
-    cfg = AutoencoderKLConfig.from_dict(cfg_dict)
+    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, preset_config,
+                                              overrides, _SETTINGS)
     return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

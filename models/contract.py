@@ -65,6 +65,14 @@ class ImageEncoder(Model, Protocol):
     def encode(self, pixels_nhwc01: np.ndarray) -> dict: ...
 
 
+def card_fields(model, architecture: str, **fields) -> dict:
+    """The card entries every model has (name, kind, architecture, preset, weights, backend, dtype),
+    then `fields`, which may replace one of them in place."""
+    b = model.backend
+    return {"name": model.name, "kind": model.kind, "architecture": architecture, "preset": model.preset,
+            "weights": model.weights_source, "backend": b.name, "dtype": b.dtype, **fields}
+
+
 def example_input(model: Model, rng: np.random.Generator, *, n: int = 1, pixels: tuple[int, int] | None = None,
                   latents: tuple[int, int] | None = None, frames: int = 2) -> np.ndarray:
     """A random batch of `n` inputs `model` takes (warm-up, benchmarks). Decoders: latents of

@@ -15,6 +15,7 @@ import numpy as np
 
 from convkernels import Backend
 
+from .contract import card_fields
 from .convnext_checkpoint import labels_from_config, load_checkpoint
 from .layers import Conv2d, LayerNorm, Linear
 from .module import Module, random_state_dict
@@ -190,18 +191,10 @@ class ConvNeXtEncoder:
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):
-        self.name = name
-        self.preset = preset
-        self.backend = backend
-        self.config = cfg
-        self.weights_source = weights_source
-        self.naming = naming
-        self.input_size = cfg.input_size
-        self.mean = tuple(cfg.mean)
-        self.std = tuple(cfg.std)
-        self.embed_dim = cfg.dims[-1]
-        self.num_classes = cfg.num_classes
-        self.labels = labels
+        self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
+        self.weights_source, self.naming, self.labels = weights_source, naming, labels
+        self.input_size, self.embed_dim, self.num_classes = cfg.input_size, cfg.dims[-1], cfg.num_classes
+        self.mean, self.std = tuple(cfg.mean), tuple(cfg.std)
         self.tree = ConvNeXtNet(cfg)
         self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
@@ -223,10 +216,6 @@ class ConvNeXtEncoder:
                              f"{self.config.patch_size} stem)")
         return x.astype(np.float32, copy=False)
 
-    def features(self, x):
-        """Last-stage feature map (N, h, w, embed_dim) on the backend."""
-        return self.tree.features(self.backend, x)
-
     def _forward(self, x):
         return self.tree(self.backend, x)
 
@@ -240,23 +229,15 @@ class ConvNeXtEncoder:
 
     def card(self) -> dict:
         cfg = self.config
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "architecture": "ConvNeXt",
-            "preset": self.preset,
-            "weights": self.weights_source or "random init",
-            "checkpoint_naming": self.naming,
-            "backend": self.backend.name,
-            "dtype": self.backend.dtype,
-            "limits": {"min_input_size": cfg.min_input_size, "input_channels": cfg.in_chans,
-                       "input_size": cfg.input_size, "any_input_size": True},
-            "config": {"depths": list(cfg.depths), "dims": list(cfg.dims), "patch_size": cfg.patch_size,
-                       "embed_dim": self.embed_dim, "num_classes": cfg.num_classes,
-                       "has_labels": self.labels is not None, "layer_scale": cfg.layer_scale,
-                       "activation": cfg.activation, "head_norm_eps": cfg.head_norm_eps,
-                       "mean": list(cfg.mean), "std": list(cfg.std)},
-        }
+        return card_fields(
+            self, "ConvNeXt", weights=self.weights_source or "random init", checkpoint_naming=self.naming,
+            limits={"min_input_size": cfg.min_input_size, "input_channels": cfg.in_chans,
+                    "input_size": cfg.input_size, "any_input_size": True},
+            config={"depths": list(cfg.depths), "dims": list(cfg.dims), "patch_size": cfg.patch_size,
+                    "embed_dim": self.embed_dim, "num_classes": cfg.num_classes,
+                    "has_labels": self.labels is not None, "layer_scale": cfg.layer_scale,
+                    "activation": cfg.activation, "head_norm_eps": cfg.head_norm_eps,
+                    "mean": list(cfg.mean), "std": list(cfg.std)})
 
 
 def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:

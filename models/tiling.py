@@ -76,32 +76,35 @@ class TilePlan:
         return self.tile_sample - self.blend_extent
 
 
+def _itemsize(model) -> int:
+    return 2 if model.backend.dtype in ("float16", "bfloat16") else 4
+
+
+def _stage_bytes(model, px: int, ch: int) -> int:
+    """One stage's live activations plus its conv scratch: unfold (9 values per pixel and channel)
+    or Winograd transforms (about 12), each row-tiled by the backend under its limit, a few such
+    buffers alive at once."""
+    scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
+    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
+    if unfold_cap:
+        scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
+    return LIVE_TENSORS * px * ch * _itemsize(model) + scratch
+
+
 def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
     """Working memory of one untiled decode of (n, h, w) latents: the widest stage's live
     activations, the conv unfold buffer (capped by the backend's limit), the mid-block attention
     scores (row-chunked) and the host output. Deliberately on the high side."""
     cfg = model.config
-    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
     boc = list(reversed(cfg.block_out_channels))
-    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
-    peak = 0
-    for level, ch in enumerate(boc):
-        scale = 2 ** level
-        px = n * h * w * scale * scale
-        # the upsample conv and first resnet of a level still carry the previous level's width
-        ch = max(ch, boc[level - 1]) if level else ch
-        act = LIVE_TENSORS * px * ch * itemsize
-        # conv scratch: unfold (9 values per pixel and channel) or Winograd transforms (about 12),
-        # each row-tiled by the backend under its limit, a few such buffers alive at once
-        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
-        if unfold_cap:
-            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
-        peak = max(peak, act + scratch)
+    # the upsample conv and first resnet of a level still carry the previous level's width
+    peak = max(_stage_bytes(model, n * h * w * 4 ** level, max(ch, boc[level - 1]) if level else ch)
+               for level, ch in enumerate(boc))
     if cfg.mid_block_add_attention:
         tokens = h * w
         chunk = min(tokens, getattr(model.backend, "attention_chunk", tokens))
         scores = 3 * n * chunk * tokens * 4  # scores, exp, probabilities
-        peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * itemsize)
+        peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * _itemsize(model))
     f = cfg.spatial_factor
     output = 2 * n * h * f * w * f * cfg.out_channels * 4  # decoder output + host copy
     return int(peak + output)
@@ -109,38 +112,35 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
 
 def estimate_encode_peak_bytes(model, n: int, h: int, w: int) -> int:
     """Working memory of one untiled encode of (n, h, w) images, on the decode estimate's terms."""
-    cfg = model.config
-    itemsize = 2 if model.backend.dtype in ("float16", "bfloat16") else 4
-    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
-    peak = 0
-    boc = list(cfg.block_out_channels)
-    for level, ch in enumerate(boc):
-        px = n * -(-h // 2 ** level) * -(-w // 2 ** level)
-        ch = max(ch, boc[level - 1]) if level else ch
-        scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
-        if unfold_cap:
-            scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
-        peak = max(peak, LIVE_TENSORS * px * ch * itemsize + scratch)
-    return int(peak + 2 * n * h * w * cfg.in_channels * 4)
+    boc = list(model.config.block_out_channels)
+    peak = max(_stage_bytes(model, n * -(-h // 2 ** level) * -(-w // 2 ** level),
+                            max(ch, boc[level - 1]) if level else ch)
+               for level, ch in enumerate(boc))
+    return int(peak + 2 * n * h * w * model.config.in_channels * 4)
+
+
+def _auto_tile(model, tiled: bool | None, whole_bytes: Callable[[], int],
+               tile_bytes: Callable[[int], int]) -> int | None:
+    """The tile size, or None = run in one piece (tiled False, or auto (None) and the whole run fits the
+    budget). Auto mode shrinks the tile until one tile's working set, tile_bytes(tile), fits too."""
+    s = model.tiling
+    if tiled is False or (tiled is None and whole_bytes() <= s.memory_budget_bytes):
+        return None
+    tile = s.tile_latent_size
+    while tiled is None and tile > MIN_TILE_LATENT and tile_bytes(tile) > s.memory_budget_bytes:
+        tile = _consistent_tile(tile // 2, model.config.spatial_factor, s.overlap_factor)
+    return tile
 
 
 def plan_encode(model, x_shape: tuple[int, ...], tiled: bool | None) -> TilePlan | None:
     """None = encode in one piece; else diffusers' tiling rule (images larger than one tile)."""
     n, h, w = x_shape[0], x_shape[1], x_shape[2]
-    s = model.tiling
     f = model.config.spatial_factor
-    tile = s.tile_latent_size
-    if tiled is False:
+    tile = _auto_tile(model, tiled, lambda: estimate_encode_peak_bytes(model, n, h, w),
+                      lambda t: estimate_encode_peak_bytes(model, n, min(h, t * f), min(w, t * f)))
+    if tile is None or (h <= tile * f and w <= tile * f):
         return None
-    if tiled is None:
-        if estimate_encode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
-            return None
-        while tile > MIN_TILE_LATENT and \
-                estimate_encode_peak_bytes(model, n, min(h, tile * f), min(w, tile * f)) > s.memory_budget_bytes:
-            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
-    if h <= tile * f and w <= tile * f:
-        return None
-    return TilePlan(tile, tile * f, s.overlap_factor)
+    return TilePlan(tile, tile * f, model.tiling.overlap_factor)
 
 
 def estimate_tiled_peak_bytes(model, n: int, h: int, w: int, tile_latent: int) -> int:
@@ -156,23 +156,16 @@ def plan_decode(model, z_shape: tuple[int, ...], tiled: bool | None) -> TilePlan
     """None = decode in one piece. diffusers tiles only when the latents exceed one tile."""
     n, h, w = z_shape[0], z_shape[1], z_shape[2]
     s = model.tiling
-    f = model.config.spatial_factor
-    tile = s.tile_latent_size
-    if tiled is False:
-        return None
-    if tiled is None:
-        if estimate_decode_peak_bytes(model, n, h, w) <= s.memory_budget_bytes:
-            return None
-        # auto mode may shrink the tile until one tile's working set fits the budget
-        while tile > MIN_TILE_LATENT and estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
-            tile = _consistent_tile(tile // 2, f, s.overlap_factor)
+    tile = _auto_tile(model, tiled, lambda: estimate_decode_peak_bytes(model, n, h, w),
+                      lambda t: estimate_tiled_peak_bytes(model, n, h, w, t))
+    if tile is not None and tiled is None:
         tile = max(tile, MIN_TILE_LATENT)
         if estimate_tiled_peak_bytes(model, n, h, w, tile) > s.memory_budget_bytes:
             log.warning("%s: decode of %s latents may exceed the memory budget %d B even in %d-latent tiles",
                         model.name, z_shape, s.memory_budget_bytes, tile)
-    if h <= tile and w <= tile:
+    if tile is None or (h <= tile and w <= tile):
         return None
-    return TilePlan(tile, tile * f, s.overlap_factor)
+    return TilePlan(tile, tile * model.config.spatial_factor, s.overlap_factor)
 
 
 def _tiles_consistently(tile: int, f: int, overlap: float) -> bool:
@@ -191,21 +184,20 @@ def _consistent_tile(tile: int, f: int, overlap: float) -> int:
     return tile
 
 
-def _blend_v(a: np.ndarray, b: np.ndarray, extent: int) -> None:
-    """diffusers blend_v on NHWC, in place on b; `a` holds (at least) the bottom rows above."""
-    extent = min(a.shape[1], b.shape[1], extent)
+def blend_lines(a: np.ndarray, b: np.ndarray, extent: int, axis: int) -> None:
+    """diffusers' blend_v / blend_h along `axis`, in place on b: its first `extent` lines fade in
+    from the last lines of a (which holds at least those)."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
     if extent <= 0:
         return
-    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, :, None, None]
-    b[:, :extent] = a[:, a.shape[1] - extent:] * (1 - t) + b[:, :extent] * t
-
-
-def _blend_h(a: np.ndarray, b: np.ndarray, extent: int) -> None:
-    extent = min(a.shape[2], b.shape[2], extent)
-    if extent <= 0:
-        return
-    t = (np.arange(extent, dtype=np.float32) / np.float32(extent))[None, None, :, None]
-    b[:, :, :extent] = a[:, :, a.shape[2] - extent:] * (1 - t) + b[:, :, :extent] * t
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    wb = (np.arange(extent, dtype=np.float32) / np.float32(extent)).reshape(shape)
+    head = [slice(None)] * b.ndim
+    head[axis] = slice(0, extent)
+    tail = [slice(None)] * a.ndim
+    tail[axis] = slice(a.shape[axis] - extent, a.shape[axis])
+    b[tuple(head)] = a[tuple(tail)] * (1 - wb) + b[tuple(head)] * wb
 
 
 def tiled_decode(decode_tile: Callable[[np.ndarray], np.ndarray], z: np.ndarray, plan: TilePlan) -> np.ndarray:
@@ -253,9 +245,9 @@ def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, 
             if out is None:
                 out = np.empty((n, sum(crop_h), sum(crop_w), t.shape[-1]), np.float32)
             if prev_strips is not None:
-                _blend_v(prev_strips[j], t, blend)
+                blend_lines(prev_strips[j], t, blend, axis=1)
             if left is not None:
-                _blend_h(left, t, blend)
+                blend_lines(left, t, blend, axis=2)
             out[:, y0:y0 + crop_h[i], x0:x0 + crop_w[j]] = t[:, :crop_h[i], :crop_w[j]]
             x0 += crop_w[j]
             strips.append(t[:, max(0, t.shape[1] - blend):].copy())

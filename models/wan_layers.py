@@ -270,10 +270,7 @@ class Decoder3d(Module):
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:])):
             if i > 0:
                 cin //= 2  # the previous upsampler halved the channels (Wan 2.1)
-            up_flag = i != len(dim_mult) - 1
-            mode = None
-            if up_flag:
-                mode = "upsample3d" if temperal_upsample[i] else "upsample2d"
+            mode = None if i == len(dim_mult) - 1 else "upsample3d" if temperal_upsample[i] else "upsample2d"
             self.up_blocks.append(self.add(f"up_blocks.{i}", UpBlock(cin, cout, num_res_blocks, mode)))
         self.norm_out = self.add("norm_out", ChannelRMSNorm(dims[-1], images=False))
         self.conv_out = self.add("conv_out", CausalConv3d(dims[-1], out_channels, 3, padding=1))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .tiling import blend_lines
+
 
 @dataclass(frozen=True)
 class TileSettings:
@@ -70,21 +72,6 @@ def plan_tiles(latent_h: int, latent_w: int, spatial_factor: int, settings: Tile
                     out_h=latent_h * spatial_factor, out_w=latent_w * spatial_factor)
 
 
-def _blend(a: np.ndarray, b: np.ndarray, extent: int, axis: int) -> None:
-    """In place: the first `extent` lines of b along `axis` fade in from the last lines of a."""
-    extent = min(a.shape[axis], b.shape[axis], extent)
-    if extent <= 0:
-        return
-    shape = [1] * b.ndim
-    shape[axis] = extent
-    wb = (np.arange(extent, dtype=np.float32) / np.float32(extent)).reshape(shape)
-    head = [slice(None)] * b.ndim
-    head[axis] = slice(0, extent)
-    tail = [slice(None)] * a.ndim
-    tail[axis] = slice(a.shape[axis] - extent, a.shape[axis])
-    b[tuple(head)] = a[tuple(tail)] * (1 - wb) + b[tuple(head)] * wb
-
-
 def stitch(plan: TilePlan, tiles: list[list[np.ndarray]]) -> np.ndarray:
     """Blend and crop one chunk's decoded tiles (N, f, th, tw, 3 each, row-major grid) into
     (N, f, H, W, 3). Blends in place in diffusers' order, so each tile blends with its
@@ -94,9 +81,9 @@ def stitch(plan: TilePlan, tiles: list[list[np.ndarray]]) -> np.ndarray:
         pieces = []
         for j, tile in enumerate(row):
             if i > 0:
-                _blend(tiles[i - 1][j], tile, plan.blend_px, axis=2)
+                blend_lines(tiles[i - 1][j], tile, plan.blend_px, axis=2)
             if j > 0:
-                _blend(row[j - 1], tile, plan.blend_px, axis=3)
+                blend_lines(row[j - 1], tile, plan.blend_px, axis=3)
             pieces.append(tile[:, :, :plan.stride_px, :plan.stride_px])
         out_rows.append(np.concatenate(pieces, axis=3))
     return np.ascontiguousarray(np.concatenate(out_rows, axis=2)[:, :, :plan.out_h, :plan.out_w])

@@ -11,19 +11,19 @@ so does `decode()` here (`latents * std + mean`, per channel, from the config).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
 from convkernels import Backend
 
 from .wan_checkpoint import normalize_keys
+from .contract import card_fields
 from .module import Module, random_state_dict
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .wan_tiling import TileSettings, plan_tiles, stitch
-from .weights import fold_output_affine, read_diffusers_checkpoint
+from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -60,7 +60,7 @@ DEFAULT_MAX_UNTILED_PIXELS = 1280 * 720
 
 
 @dataclass(frozen=True)
-class WanVAEConfig:
+class WanVAEConfig(DiffusersConfig):
     """The fields of diffusers' AutoencoderKLWan config.json that shape the decoder."""
 
     base_dim: int = 96
@@ -80,14 +80,6 @@ class WanVAEConfig:
     in_channels: int = 3
     scale_factor_temporal: int | None = 4
     scale_factor_spatial: int | None = 8
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "WanVAEConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names}
-        cfg = cls(**kw)
-        cfg.validate()
-        return cfg
 
     def validate(self) -> None:
         problems = []
@@ -119,9 +111,6 @@ class WanVAEConfig:
     @property
     def temporal_factor(self) -> int:
         return 2 ** sum(bool(t) for t in self.temperal_downsample)
-
-    def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
 class _VAEDecoderTree(Module):
@@ -174,9 +163,6 @@ class WanVAEDecoder:
         self._steady_step = backend.graphed(self._step)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def num_frames(self, latent_frames: int) -> int:
-        return 1 + self.temporal_factor * (latent_frames - 1)
-
     def _prepare(self, latents_ncthw) -> np.ndarray:
         """Validate, de-normalise (latents * std + mean) and go channels-last N,T,h,w,C."""
         lat = np.asarray(latents_ncthw)
@@ -191,13 +177,9 @@ class WanVAEDecoder:
         return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
 
     def decode_frames(self, latents_ncthw, tiled: bool | None = None) -> Iterator[np.ndarray]:
-        """Yield float32 (N, f, 8h, 8w, 3) frame groups in [0, 1] as they finish: f = 1 for the
-        first latent frame, `temporal_factor` for each later one. Each group is computed only
-        when asked for, so a slow reader holds back the decode (back-pressure). Bad latents
-        raise here, before the first group is asked for.
-
-        tiled: True = diffusers' spatial tiling (when the frame is larger than one tile),
-        False = never, None = only for frames over `max_untiled_pixels`."""
+        """Frame groups as docs/interfaces.md describes them. Each group is computed only when asked
+        for, so a slow reader holds back the decode (back-pressure); bad latents raise here, before
+        the first group is asked for."""
         z = self._prepare(latents_ncthw)
         _, _, h, w, _ = z.shape
         sf = self.spatial_factor
@@ -255,39 +237,24 @@ class WanVAEDecoder:
         return np.concatenate(list(self.decode_frames(latents_ncthw, tiled)), axis=1)
 
     # ---- description -----------------------------------------------------------------------------
-    def smaller_tiling(self, current: TileSettings) -> TileSettings | None:
-        """Retry smaller (models/contract.py): the tiling after `current` when a decode in it ran
-        out of memory, or None when there is no smaller one."""
+    def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py
         return current.halved(self.spatial_factor)
 
     def card(self) -> dict:
-        b = self.backend
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "architecture": self.architecture,
-            "preset": self.preset,
-            "weights": self.weights_source,
-            "weights_naming": self.weights_naming,
-            "backend": b.name,
-            "dtype": b.dtype,
-            "latent_channels": self.latent_channels,
-            "spatial_factor": self.spatial_factor,
-            "temporal_factor": self.temporal_factor,
-            "input": "normalised latents (N, C, T, h, w); decode applies latents * latents_std + latents_mean",
-            "output": f"float32 (N, 1 + {self.temporal_factor}*(T-1), {self.spatial_factor}h, "
-                      f"{self.spatial_factor}w, 3) in [0, 1]",
-            "limits": {
-                "streaming": True,
-                "frames_per_chunk": [1, self.temporal_factor],
-                "cache_frames_per_conv": CACHE_T,
-                "memory": "bounded by one latent frame's activations, not by clip length",
-                "tile_sample_min_size": self.tiling.min_size,
-                "tile_sample_stride": self.tiling.stride,
-                "max_untiled_pixels": self.max_untiled_pixels,
-            },
-            "config": self.config.as_dict(),
-        }
+        return card_fields(self, self.architecture, weights_naming=self.weights_naming,
+                           latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
+                           temporal_factor=self.temporal_factor,
+                           input="normalised latents (N, C, T, h, w); decode applies latents * latents_std "
+                                 "+ latents_mean",
+                           output=f"float32 (N, 1 + {self.temporal_factor}*(T-1), {self.spatial_factor}h, "
+                                  f"{self.spatial_factor}w, 3) in [0, 1]",
+                           limits={"streaming": True, "frames_per_chunk": [1, self.temporal_factor],
+                                   "cache_frames_per_conv": CACHE_T,
+                                   "memory": "bounded by one latent frame's activations, not by clip length",
+                                   "tile_sample_min_size": self.tiling.min_size,
+                                   "tile_sample_stride": self.tiling.stride,
+                                   "max_untiled_pixels": self.max_untiled_pixels},
+                           config=self.config.as_dict())
 
 
 _SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels", "tile_size")
@@ -297,18 +264,9 @@ def build(name: str, preset: str, backend: Backend, weights: str | None = None, 
     """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
     config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
     architecture; or a single .safetensors in diffusers or original-Wan naming, read with the
-    preset's config)
-    and overrides (config fields, or the settings in _SETTINGS)."""
+    preset's config) and overrides (config fields, or the settings in _SETTINGS)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown Wan VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    settings = {k: overrides.pop(k) for k in list(overrides) if k in _SETTINGS}
-    fields = {f.name for f in dataclasses.fields(WanVAEConfig)}
-    unknown = sorted(k for k in overrides if k not in fields)
-    if unknown:
-        raise ValueError(f"unknown AutoencoderKLWan overrides {unknown}; config fields: {sorted(fields)}, "
-                         f"settings: {list(_SETTINGS)}")
-    cfg_dict = {k: v for k, v in PRESETS[preset].items() if k in fields}
-    tensors = read_diffusers_checkpoint(weights, "AutoencoderKLWan", fields, cfg_dict)
-    cfg_dict.update(overrides)
-    cfg = WanVAEConfig.from_dict(cfg_dict)
+    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset],
+                                              overrides, _SETTINGS)
     return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)

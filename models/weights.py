@@ -2,11 +2,12 @@
 missing, unexpected or mis-shaped tensor."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,19 +86,43 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
     return read_safetensors(path), None
 
 
-def read_diffusers_checkpoint(path: str | os.PathLike | None, class_name: str, fields,
-                              cfg_dict: dict) -> dict[str, np.ndarray] | None:
-    """Tensors of a diffusers checkpoint for `class_name` (None without a path). Its config.json,
-    when present, must name that class; its values for `fields` replace those in `cfg_dict`."""
-    if path is None:
-        return None
-    tensors, file_cfg = read_checkpoint(path)
-    if file_cfg is not None:
-        cls = file_cfg.get("_class_name")
-        if cls not in (None, class_name):
-            raise WeightsError(f"{path}: config.json is for {cls}, not {class_name}")
-        cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
-    return tensors
+class DiffusersConfig:
+    """from_dict / as_dict of a frozen dataclass of config.json fields (lists there, tuples here);
+    from_dict keeps only the fields and runs the subclass's validate()."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+        cfg.validate()
+        return cfg
+
+    def as_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls, preset_cfg: Mapping,
+                     overrides: dict, settings: tuple[str, ...]):
+    """-> (config, tensors or None, settings) for a diffusers model class: `overrides` split into the
+    model settings named in `settings` and config fields (anything else is refused); the config is
+    the preset's, replaced by the checkpoint's config.json (which must name `class_name`), then
+    by the overrides."""
+    picked = {k: overrides.pop(k) for k in list(overrides) if k in settings}
+    fields = {f.name for f in dataclasses.fields(cfg_cls)}
+    unknown = sorted(k for k in overrides if k not in fields)
+    if unknown:
+        raise ValueError(f"unknown {class_name} overrides {unknown}; config fields: {sorted(fields)}, "
+                         f"settings: {list(settings)}")
+    cfg_dict, tensors = dict(preset_cfg), None
+    if weights is not None:
+        tensors, file_cfg = read_checkpoint(weights)
+        if file_cfg is not None:
+            cls = file_cfg.get("_class_name")
+            if cls not in (None, class_name):
+                raise WeightsError(f"{weights}: config.json is for {cls}, not {class_name}")
+            cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
+    cfg_dict.update(overrides)
+    return cfg_cls.from_dict(cfg_dict), tensors, picked
 
 
 def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, np.ndarray],
@@ -141,16 +166,6 @@ def rename(key: str, *tables: RenameRules) -> str:
 def conv_weight_to_channels_last(w: np.ndarray) -> np.ndarray:
     """PyTorch conv weight O,I/g,*k -> ours O,*k,I/g."""
     return np.ascontiguousarray(np.moveaxis(w, 1, -1))
-
-
-def conv_transpose_weight_to_channels_last(w: np.ndarray, groups: int = 1) -> np.ndarray:
-    """PyTorch transposed-conv weight I,O/g,*k -> ours O,*k,I/g."""
-    i, og, *k = w.shape
-    g = groups
-    w = w.reshape(g, i // g, og, *k)
-    nd = len(k)
-    w = np.transpose(w, (0, 2, *range(3, 3 + nd), 1))  # g, O/g, *k, I/g
-    return np.ascontiguousarray(w.reshape(g * og, *k, i // g))
 
 
 def fold_output_affine(tensors: Mapping[str, np.ndarray], conv: str, scale: float, shift: float) -> dict[str, np.ndarray]:

@@ -192,7 +192,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
     from tqdm import tqdm
 
     from .codecs import image_bytes, npy_bytes, to_uint8
-    from .video import mp4_bytes
+    from .video import crf_for_quality, mp4_bytes
 
     suffix = output.suffix.lower()
     written: list[Path] = []
@@ -208,7 +208,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
             raise typer.BadParameter("an image decoder gives images: use .png/.jpg/.webp/.npy or a folder")
         for i, v in enumerate(tqdm(out, desc="mp4", unit="video", disable=out.shape[0] < 2)):
             p = name(i, ".mp4")
-            p.write_bytes(mp4_bytes(v, fps, int(round(51 - 51 * quality / 100))))
+            p.write_bytes(mp4_bytes(v, fps, crf_for_quality(quality)))
             written.append(p)
         return written
     if suffix in IMAGE_SUFFIXES and not video:

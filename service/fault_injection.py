@@ -39,12 +39,7 @@ def _nbytes(shape, itemsize: int = 4) -> int:
 
 def _conv_out_shape(x_shape, w_shape, spec: ConvSpec) -> tuple[int, ...]:
     """Output shape of a channels-last conv (enough for a size check: stride and transpose only)."""
-    spatial = list(x_shape[1:-1])
-    stride = spec.stride
-    if spec.transpose:
-        spatial = [s * st for s, st in zip(spatial, stride)]
-    else:
-        spatial = [-(-s // st) for s, st in zip(spatial, stride)]
+    spatial = [s * st if spec.transpose else -(-s // st) for s, st in zip(x_shape[1:-1], spec.stride)]
     return (x_shape[0], *spatial, w_shape[0])
 
 

@@ -17,16 +17,11 @@ from fractions import Fraction
 import numpy as np
 
 from .codecs import to_uint8
-from .video import load_av
+from .video import crf_for_quality, load_av
 
 #: top-level boxes kept from the first group's muxer output, then from every later one
 _FIRST_KEEP = {"ftyp", "moov", "moof", "mdat"}
 _LATER_KEEP = {"moof", "mdat"}
-
-
-def crf_for_quality(quality: int) -> int:
-    """1..100 -> x264 CRF 51..0 (the mapping of video.encode_videos)."""
-    return int(round(51 - 51 * (max(1, min(100, quality)) / 100.0)))
 
 
 def top_level_boxes(data: bytes) -> list[tuple[str, bytes]]:

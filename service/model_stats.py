@@ -10,6 +10,7 @@ It is written by the worker thread and the event loop, hence the lock."""
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 import time
 from dataclasses import dataclass, field
 
@@ -59,25 +60,19 @@ def ns(seconds: float) -> int:
 class ModelStats:
     def __init__(self):
         self._lock = threading.Lock()
-        self._models: dict[str, _ModelRecord] = {}
-
-    def _record(self, model: str) -> _ModelRecord:
-        rec = self._models.get(model)
-        if rec is None:
-            rec = self._models[model] = _ModelRecord()
-        return rec
+        self._models: defaultdict[str, _ModelRecord] = defaultdict(_ModelRecord)
 
     def request_done(self, model: str, ok: bool, duration_ns: int) -> None:
         """A request for `model` was answered: 2xx counts as success, anything else as fail."""
         with self._lock:
-            self._record(model).durations["success" if ok else "fail"].add(duration_ns)
+            self._models[model].durations["success" if ok else "fail"].add(duration_ns)
 
     def batch_done(self, model: str, t: BatchTimes) -> None:
         """A model call succeeded. Like Triton, each request of the batch is charged the whole
         call's compute times; inference_count counts rows, execution_count calls."""
         items = len(t.queue_ns)
         with self._lock:
-            rec = self._record(model)
+            rec = self._models[model]
             rec.durations["queue"].add(sum(t.queue_ns), items)
             per_batch = rec.batches.setdefault(t.rows, {k: Duration() for k in _COMPUTE})
             for key, spent in zip(_COMPUTE, (t.input_ns, t.infer_ns, t.output_ns)):

@@ -3,11 +3,10 @@
 A decode that raises MemoryError (CuPy's OutOfMemoryError is one; the NumPy backend raises it too)
 is retried on the worker thread, first row by row when the batch has several rows, then in tiles,
 each retry in the model's next smaller tiling (its `smaller_tiling` answer, models/contract.py),
-down to the model's floor. When every retry fails the
-request gets DeviceOutOfMemory (503 + Retry-After), never a crash. A streamed video decode
-(`frames`) resumes in tiles from the frame group that ran out, after decoding again
-(and dropping) the groups already sent. Every step is counted in
-`convserve_faults_total{model,fault="device_oom",outcome}`."""
+down to the model's floor. When every retry fails the request gets DeviceOutOfMemory (503 +
+Retry-After), never a crash. A streamed video decode (`frames`) resumes in tiles from the frame
+group that ran out, after decoding again (and dropping) the groups already sent. Every step is
+counted in `convserve_faults_total{model,fault="device_oom",outcome}`."""
 from __future__ import annotations
 
 import logging
@@ -59,18 +58,8 @@ def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool) -
 
 
 def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool) -> np.ndarray:
-    last: BaseException | None = None
-    for i, tiling in enumerate(_tilings_to_try(hm.model)):
-        if i:
-            count(hm.name, "device_oom", "retried")
-        try:
-            with _tiling(hm.model, tiling):
-                return hm.decode(x, True, clamp)
-        except MemoryError as exc:
-            last = exc
-    count(hm.name, "device_oom", "failed")
-    raise DeviceOutOfMemory(f"out of device memory decoding {tuple(x.shape)} even in the smallest tiles "
-                            f"tried ({last})") from last
+    return _in_smaller_tiles(hm, _tilings_to_try(hm.model), lambda: hm.decode(x, True, clamp), None,
+                             f"decoding {tuple(x.shape)}")
 
 
 def frames(hm: HostedModel, latents: np.ndarray, tiled: bool | None) -> Iterator[np.ndarray]:
@@ -121,21 +110,28 @@ def _tilings_to_try(model: TiledDecoder) -> Iterator:
 def _resumed_tiled(hm: HostedModel, latents: np.ndarray, sent: int, attempts: Iterator, exc: BaseException):
     """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
     Its next group may still run out of memory: the caller then asks again with the next tiling."""
-    last = exc
+    def advanced():
+        gen = hm.model.decode_frames(latents, tiled=True)  # its tile plan is made here, from this tiling
+        try:
+            for _ in range(sent):
+                next(gen)
+        except MemoryError:
+            gen.close()
+            raise
+        return gen
+
+    return _in_smaller_tiles(hm, attempts, advanced, exc, f"in a streamed decode after {sent} frame groups,")
+
+
+def _in_smaller_tiles(hm: HostedModel, attempts: Iterator, run, last: BaseException | None, what: str):
+    """run() in the first tiling of `attempts` that does not run out of memory."""
     for i, tiling in enumerate(attempts):
         if i:
             count(hm.name, "device_oom", "retried")
-        gen = None
         try:
             with _tiling(hm.model, tiling):
-                gen = hm.model.decode_frames(latents, tiled=True)  # its tile plan is made here, from this tiling
-            for _ in range(sent):
-                next(gen)
-            return gen
-        except MemoryError as e:
-            last = e
-            if gen is not None:
-                gen.close()
+                return run()
+        except MemoryError as exc:
+            last = exc
     count(hm.name, "device_oom", "failed")
-    raise DeviceOutOfMemory(f"out of device memory in a streamed decode after {sent} frame groups, even in the "
-                            f"smallest tiles tried ({last})") from last
+    raise DeviceOutOfMemory(f"out of device memory {what} even in the smallest tiles tried ({last})") from last

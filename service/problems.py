@@ -56,10 +56,7 @@ async def _http_handler(request: Request, exc: StarletteHTTPException):
 
 
 async def _validation_handler(request: Request, exc: RequestValidationError):
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}")
+    parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
     return problem_response(Problem(422, "invalid-parameters", "; ".join(parts) or "invalid request"))
 
 

@@ -60,9 +60,14 @@ def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20) -> bytes:
         os.unlink(path)
 
 
+def crf_for_quality(quality: int) -> int:
+    """1..100 -> x264 CRF 51..0."""
+    return int(round(51 - 51 * (max(1, min(100, quality)) / 100.0)))
+
+
 def encode_videos(videos01: np.ndarray, fps: float, quality: int) -> tuple[bytes, str]:
     """N,F,H,W,3 -> one MP4, or a zip of video_000.mp4, ... ; quality 1..100 maps to x264 CRF 51..0."""
-    crf = int(round(51 - 51 * (max(1, min(100, quality)) / 100.0)))
+    crf = crf_for_quality(quality)
     if videos01.shape[0] == 1:
         return mp4_bytes(videos01[0], fps, crf), "video/mp4"
     return zip_bytes([(f"video_{i:03d}.mp4", mp4_bytes(v, fps, crf)) for i, v in enumerate(videos01)]), ZIP_MEDIA
