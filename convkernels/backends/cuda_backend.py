@@ -23,7 +23,6 @@ as CUDA graphs (cuda_graphs.py; on unless cuda_graphs=False).
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import threading
 from collections import Counter, OrderedDict
@@ -56,13 +55,6 @@ _DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16"
 _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
-def _switch(name: str, default: bool) -> bool:
-    """An on/off environment switch of a fusion, for A/B runs on the device without code changes
-    (benchmarks/convnext_fusion_ab.py). Not a service setting: the defaults are the measured best."""
-    v = os.environ.get(name, "").strip().lower()
-    return default if not v else v in ("1", "true", "yes", "on")
-
-
 class CudaBackend(Backend):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
@@ -71,7 +63,9 @@ class CudaBackend(Backend):
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
                  force_fallback: bool = False, autotune: bool = False, autotune_max_plans: int = 4,
                  allow_tf32: bool = False, timing_sample_rate: float = 0.1, cuda_graphs: bool = True,
-                 graph_capacity: int = GRAPH_CAPACITY, graph_max_bytes: int = DEFAULT_MAX_GRAPH_BYTES):
+                 graph_capacity: int = GRAPH_CAPACITY, graph_max_bytes: int = DEFAULT_MAX_GRAPH_BYTES,
+                 dw_ln: bool = False, dw_bias_in_ln: bool = True, lt_epilogues: bool = True,
+                 lt_gelu_approx: bool = True, ln_vec: bool = True):
         import cupy as cp
         import cudnn
 
@@ -97,6 +91,15 @@ class CudaBackend(Backend):
         self.graph_capacity = int(graph_capacity)
         self.graphs = GraphCache(self.graph_capacity, self.name, graph_max_bytes)
         self._graph_lock = threading.RLock()
+        # ConvNeXt block fusions, on/off for A/B runs (benchmarks/convnext_fusion_ab.py); the
+        # defaults are the measured best. The service passes CONVSERVE_CUDA_DW_LN,
+        # CONVSERVE_CUDA_DW_BIAS_IN_LN, CONVSERVE_CUDA_LT_EPILOGUES, CONVSERVE_CUDA_LT_GELU_APPROX
+        # and CONVSERVE_CUDA_LN_VEC (Settings.backend_options)
+        self.dw_ln = bool(dw_ln)                    # depthwise conv + bias + LayerNorm as one kernel
+        self.dw_bias_in_ln = bool(dw_bias_in_ln)    # else the LayerNorm adds the depthwise conv's bias
+        self.lt_epilogues = bool(lt_epilogues)      # linear bias / GELU / residual inside cuBLASLt
+        self.lt_gelu_approx = bool(lt_gelu_approx)  # cuBLASLt's tanh GELU for erf GELU, float16 only
+        self.ln_vec = bool(ln_vec)                  # ln_rows_vec (row in registers) where it applies
         self._tls = threading.local()
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (cuda_blas.py)
         self.blas = Cublas(cp, allow_tf32=self.allow_tf32)
@@ -473,18 +476,19 @@ class CudaBackend(Backend):
 
     def _layer_norm(self, x, weight, bias, eps, activation):
         dt = self.dtype_of(x)
-        return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation)
+        return self._k(dt).layer_norm(self._c(x), self._as(weight, dt), self._as(bias, dt), eps, activation,
+                                      vectorised=self.ln_vec)
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' stride-1 conv2d(x, w) + bias) over channels (ConvNeXt's
         block), or None where this does not apply (the caller runs conv2d then layer_norm):
-        - CONVSERVE_CUDA_DW_LN=1: one kernel (dw_ln; the conv output never goes to memory). Off by
+        - dw_ln=True: one kernel (dw_ln; the conv output never goes to memory). Off by
           default: our depthwise kernel against cuDNN's is a measured choice
           (benchmarks/convnext_fusion_ab.py).
         - else: cuDNN's conv without the bias, which the LayerNorm kernel adds as it reads the
           conv output. A depthwise conv + bias graph may build only unfused (then the bias costs a
           pass of its own) or on a slower fusion engine; the bare depthwise conv is the one
-          measured equal to PyTorch's (PEERS.md). CONVSERVE_CUDA_DW_BIAS_IN_LN=0 turns it off."""
+          measured equal to PyTorch's (PEERS.md). dw_bias_in_ln=False turns it off."""
         dt = self.dtype_of(x)
         if dt not in _STORAGE or x.ndim != 4 or w.ndim != 4 or norm_w is None or norm_b is None:
             return None
@@ -497,7 +501,7 @@ class CudaBackend(Backend):
         if nw.shape != (c,) or nb.shape != (c,) or (b is not None and b.shape != (c,)):
             return None
         pad = (kernel[0] // 2, kernel[1] // 2)
-        if _switch("CONVSERVE_CUDA_DW_LN", False):
+        if self.dw_ln:
             ptrs = [v.data.ptr for v in (x, w, nw, nb, b) if v is not None]
             wt = self._dw_weights(w) if dw_ln_applies(c, x.itemsize, kernel, tuple(w.shape), ptrs) else None
             if wt is not None and wt.data.ptr % 16 == 0:
@@ -507,10 +511,10 @@ class CudaBackend(Backend):
                 else:
                     self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
                 return self._k(dt).depthwise_layer_norm(x, wt, b, nw, nb, float(eps), pad)
-        if b is None or not _switch("CONVSERVE_CUDA_DW_BIAS_IN_LN", True):
+        if b is None or not self.dw_bias_in_ln:
             return None
         h = self.conv2d(x, w, None, padding=pad, groups=c)
-        return self._k(dt).layer_norm(self._c(h), nw, nb, float(eps), None, input_bias=b)
+        return self._k(dt).layer_norm(self._c(h), nw, nb, float(eps), None, input_bias=b, vectorised=self.ln_vec)
 
     def _rms_norm(self, x, weight, eps, activation):
         # one kernel: the base class's layer_norm route concatenates [x, -x] (copies) and
@@ -537,20 +541,20 @@ class CudaBackend(Backend):
     def _blas_lt(self):
         """The cuBLASLt fused-linear handle, made on first use outside a capture (its workspace
         must not come from a graph's pool); None where fused linears are off or unavailable.
-        CONVSERVE_CUDA_LT_EPILOGUES=0 turns them off (A/B against gemm + epilogue kernel)."""
+        lt_epilogues=False turns them off (A/B against gemm + epilogue kernel)."""
         state = getattr(self, "_lt_state", None)
         if state is None:
             if self.capturing():
                 raise CaptureMissed("cuBLASLt handle not made yet")
             lt = None
-            if _switch("CONVSERVE_CUDA_LT_EPILOGUES", True):
+            if self.lt_epilogues:
                 try:
                     lt = CublasLt(self.cp, allow_tf32=self.allow_tf32)
                 except (OSError, AttributeError, CublasLtError) as exc:  # no library, an old one
                     log.warning("cuBLASLt unavailable (%s): linear layers run gemm + epilogue kernel", exc)
             # the tanh GELU for erf-GELU layers in float16 (cuda_blas_lt.py says why);
-            # CONVSERVE_CUDA_LT_GELU_APPROX=0 keeps those layers on the exact erf epilogue kernel
-            approx = _switch("CONVSERVE_CUDA_LT_GELU_APPROX", True)
+            # lt_gelu_approx=False keeps those layers on the exact erf epilogue kernel
+            approx = self.lt_gelu_approx
             state = self._lt_state = (lt, approx)
         return state
 
@@ -692,4 +696,7 @@ class CudaBackend(Backend):
                 "allow_tf32": self.allow_tf32, "cuda_graphs": self.cuda_graphs,
                 "force_fallback": self.paths.forced == "gemm_fallback",
                 "unfold_limit_bytes": self.unfold_limit_bytes, "plan_cache_capacity": self.plan_cache.capacity,
-                "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir}
+                "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir,
+                "fusions": {"dw_ln": self.dw_ln, "dw_bias_in_ln": self.dw_bias_in_ln,
+                            "lt_epilogues": self.lt_epilogues, "lt_gelu_approx": self.lt_gelu_approx,
+                            "ln_vec": self.ln_vec}}

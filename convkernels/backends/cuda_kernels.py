@@ -9,7 +9,6 @@ NVRTC may not find). All arithmetic is float32; GroupNorm statistics are combine
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -568,10 +567,10 @@ def row_in_registers(channels: int, itemsize: int, ptrs) -> bool:
 LN_VEC_MAX_ROWS = 16384
 
 
-def ln_vectorised(channels: int, itemsize: int, ptrs, rows: int = 0) -> bool:
-    """Whether ln_rows_vec takes a LayerNorm (CONVSERVE_CUDA_LN_VEC=0 keeps ln_rows, for A/B)."""
-    return (os.environ.get("CONVSERVE_CUDA_LN_VEC", "1") not in ("0", "false", "no")
-            and rows <= LN_VEC_MAX_ROWS and row_in_registers(channels, itemsize, ptrs))
+def ln_vectorised(channels: int, itemsize: int, ptrs, rows: int = 0, enabled: bool = True) -> bool:
+    """Whether ln_rows_vec takes a LayerNorm; enabled=False keeps ln_rows (the backend's ln_vec
+    option, for A/B)."""
+    return enabled and rows <= LN_VEC_MAX_ROWS and row_in_registers(channels, itemsize, ptrs)
 
 
 def dw_ln_applies(channels: int, itemsize: int, kernel: tuple, w_shape: tuple, ptrs) -> bool:
@@ -664,15 +663,17 @@ class Kernels:
             np.int32(weight is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
         return y
 
-    def layer_norm(self, x, weight, bias, eps, activation, input_bias=None):
+    def layer_norm(self, x, weight, bias, eps, activation, input_bias=None, vectorised=True):
         """act(LayerNorm(x + input_bias) * weight + bias) over the last axis; `input_bias` is a
-        per-channel bias of the op before the norm, added here instead of in its own pass."""
+        per-channel bias of the op before the norm, added here instead of in its own pass;
+        vectorised=False never takes ln_rows_vec."""
         c = x.shape[-1]
         rows = x.size // c
         y = self.cp.empty_like(x)
         per_block = BLOCK // 32
         operands = [x, y] + [v for v in (weight, bias, input_bias) if v is not None]
-        name = "ln_rows_vec" if ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands], rows) else "ln_rows"
+        vec = ln_vectorised(c, x.itemsize, [v.data.ptr for v in operands], rows, enabled=vectorised)
+        name = "ln_rows_vec" if vec else "ln_rows"
         self.fn(name)(((rows + per_block - 1) // per_block,), (BLOCK,), (
             x, y, weight if weight is not None else x, bias if bias is not None else x,
             input_bias if input_bias is not None else x,
