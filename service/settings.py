@@ -123,6 +123,16 @@ class Settings(BaseSettings):
     #: CUDA backend with autotune on (CONVSERVE_CUDA_AUTOTUNE): cuDNN plans timed per conv key,
     #: the heuristic's first ones; bounds a new shape's first call
     cuda_autotune_plans: int = Field(4, ge=1)
+    #: CUDA backend, ConvNeXt block fusions (A/B switches; the defaults are the measured best,
+    #: benchmarks/convnext_fusion_ab.py): the depthwise conv + bias + LayerNorm as one kernel;
+    #: else the depthwise conv's bias added by the LayerNorm; linear bias / GELU / residual in
+    #: cuBLASLt's GEMM; cuBLASLt's tanh GELU for erf-GELU layers (float16 only); LayerNorm with
+    #: the row in registers where it fits
+    cuda_dw_ln: bool = False
+    cuda_dw_bias_in_ln: bool = True
+    cuda_lt_epilogues: bool = True
+    cuda_lt_gelu_approx: bool = True
+    cuda_ln_vec: bool = True
 
     @field_validator("warmup_sizes")
     @classmethod
@@ -148,5 +158,8 @@ class Settings(BaseSettings):
                                 "graph_max_bytes": self.cuda_graph_max_bytes,
                                 "autotune": self.cuda_autotune, "autotune_max_plans": self.cuda_autotune_plans,
                                 "plan_cache_dir": self.plan_cache_dir,
-                                "plan_cache_capacity": self.plan_cache_capacity}
+                                "plan_cache_capacity": self.plan_cache_capacity,
+                                "dw_ln": self.cuda_dw_ln, "dw_bias_in_ln": self.cuda_dw_bias_in_ln,
+                                "lt_epilogues": self.cuda_lt_epilogues, "lt_gelu_approx": self.cuda_lt_gelu_approx,
+                                "ln_vec": self.cuda_ln_vec}
         return opts

@@ -112,6 +112,32 @@ def test_service_settings_pass_graph_options_to_the_cuda_backend_only(monkeypatc
     assert get_backend("numpy", **opts).name == "numpy"
 
 
+FUSIONS = {"dw_ln": False, "dw_bias_in_ln": True, "lt_epilogues": True, "lt_gelu_approx": True, "ln_vec": True}
+
+
+def test_service_settings_pass_the_fusion_switches_to_the_cuda_backend(monkeypatch):
+    """CONVSERVE_CUDA_DW_LN & co. are read by the service's settings only and reach the cuda
+    backend's constructor; unset, they are the backend's own defaults."""
+    import inspect
+
+    from service.settings import Settings
+
+    for key in FUSIONS:
+        monkeypatch.delenv(f"CONVSERVE_CUDA_{key.upper()}", raising=False)
+    cuda = Settings().backend_options()["cuda_options"]
+    assert {k: cuda[k] for k in FUSIONS} == FUSIONS
+    for key, default in FUSIONS.items():
+        monkeypatch.setenv(f"CONVSERVE_CUDA_{key.upper()}", "1" if not default else "0")
+    cuda = Settings().backend_options()["cuda_options"]
+    assert {k: cuda[k] for k in FUSIONS} == {k: not v for k, v in FUSIONS.items()}
+    # the constructor takes every cuda option, with the same fusion defaults (it imports cupy
+    # only when called)
+    from convkernels.backends.cuda_backend import CudaBackend
+    params = inspect.signature(CudaBackend.__init__).parameters
+    assert {k: params[k].default for k in FUSIONS} == FUSIONS
+    assert set(cuda) <= set(params)
+
+
 def test_bad_graph_capacity_fails_settings(monkeypatch):
     from pydantic import ValidationError
 
