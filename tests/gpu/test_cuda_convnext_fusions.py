@@ -1,10 +1,10 @@
 """ConvNeXt block fusions on CUDA. Linear layers with bias / activation / residual fused into
 the GEMM through cuBLASLt (convkernels/backends/cuda_blas_lt.py) against torch.nn.functional: odd sizes (M odd, K and N
 not multiples of 8, leading batch axes), every dtype; the fused path actually taken where it
-can be; CONVSERVE_CUDA_LT_EPILOGUES=0 and CONVSERVE_CUDA_LT_GELU_APPROX=0 as A/B switches; fused
+can be; the backend options lt_epilogues=False and lt_gelu_approx=False as A/B switches; fused
 linears inside a captured CUDA graph; and ConvNeXt against transformers with cuBLASLt's tanh
 GELU standing in for the erf GELU, and without. Depthwise conv + LayerNorm both ways (dw_ln, off
-unless CONVSERVE_CUDA_DW_LN=1; the conv's bias added by the norm, the default) against torch, and
+unless dw_ln=True; the conv's bias added by the norm, the default) against torch, and
 dw_ln inside a captured ConvNeXt. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def needs_cuda():
 
 
 def fresh_backend(dtype="float16", **options):
-    """A backend of its own: the cuBLASLt switches are read at its first linear."""
+    """A backend of its own, with its own options (the fusion switches: dw_ln, dw_bias_in_ln,
+    lt_epilogues, lt_gelu_approx, ln_vec; cuda_graphs, ...)."""
     from convkernels.backends.cuda_backend import CudaBackend
     return CudaBackend(dtype=dtype, **options)
 
@@ -98,20 +99,18 @@ def test_the_fused_path_is_taken_for_the_convnext_mlp():
     assert got == {(EPILOGUE_GELU_BIAS, False), (EPILOGUE_BIAS, True)}, got
 
 
-def test_switches_turn_the_fusion_off(monkeypatch):
+def test_switches_turn_the_fusion_off():
     from convkernels.backends.cuda_blas_lt import EPILOGUE_BIAS
 
     rng, seed = fresh_rng()
     xh = rng.standard_normal((9, 40))
     wh = rng.standard_normal((24, 40)) / 6
     bh = rng.standard_normal(24)
-    monkeypatch.setenv("CONVSERVE_CUDA_LT_EPILOGUES", "0")
-    off = fresh_backend("float16")
+    off = fresh_backend("float16", lt_epilogues=False)
     y = off.to_host(off.linear(off.asarray(xh), off.asarray(wh), off.asarray(bh), activation="gelu"))
     assert off._lt_state[0] is None and fused_algorithms(off) == []
-    monkeypatch.setenv("CONVSERVE_CUDA_LT_EPILOGUES", "1")
-    monkeypatch.setenv("CONVSERVE_CUDA_LT_GELU_APPROX", "0")
-    exact = fresh_backend("float16")
+    assert off.describe()["fusions"]["lt_epilogues"] is False
+    exact = fresh_backend("float16", lt_gelu_approx=False)
     y2 = exact.to_host(exact.linear(exact.asarray(xh), exact.asarray(wh), exact.asarray(bh), activation="gelu"))
     y3 = exact.to_host(exact.linear(exact.asarray(xh), exact.asarray(wh), exact.asarray(bh)))
     assert [k.epilogue for k in fused_algorithms(exact)] == [EPILOGUE_BIAS]  # the erf GELU layer was not fused
@@ -148,7 +147,7 @@ def test_fused_linears_are_captured_and_replay_correctly():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dtype):
+def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, dtype):
     """The parity cost of cuBLASLt's tanh GELU for ConvNeXt's erf GELU, measured: the same
     model with the approximation (the default) and without, against transformers in fp32.
     bfloat16 never takes the approximation (it crossed 1e-2 on the logits), so both runs of
@@ -160,8 +159,8 @@ def test_convnext_with_tanh_gelu_matches_transformers(tmp_path, monkeypatch, dty
     pixels = rng.random((2, 64, 64, 3), dtype=np.float32)
     errs = {}
     for approx in ("1", "0"):
-        monkeypatch.setenv("CONVSERVE_CUDA_LT_GELU_APPROX", approx)
-        model = load_model("enc", "tiny-convnext", fresh_backend(dtype), weights=str(saved.root / "enc"))
+        be = fresh_backend(dtype, lt_gelu_approx=approx == "1")
+        model = load_model("enc", "tiny-convnext", be, weights=str(saved.root / "enc"))
         out = model.encode(pixels)
         emb, logits = convnext_ref(saved.convnext, pixels, np.float32(model.mean), np.float32(model.std))
         errs[approx] = (rel_l2(out["embedding"], emb), rel_l2(out["logits"], logits))
@@ -195,19 +194,18 @@ def torch_lowp_error(ref_model, pixels, mean, std, dtype) -> tuple[float, float]
     return rel_l2(out[0], emb), rel_l2(out[1], logits)
 
 
-# ---- depthwise conv + LayerNorm: dw_ln (CONVSERVE_CUDA_DW_LN=1) or the conv's bias in the norm ------
+# ---- depthwise conv + LayerNorm: dw_ln (dw_ln=True) or the conv's bias in the norm (the default) ----
 @pytest.mark.parametrize("mode", ["dw_ln", "bias_in_ln"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,h,w,c", [(2, 9, 13, 96), (1, 7, 7, 768), (3, 5, 4, 40), (1, 14, 14, 1024), (2, 6, 5, 36)])
-def test_depthwise_layer_norm_matches_torch(monkeypatch, mode, dtype, n, h, w, c):
+def test_depthwise_layer_norm_matches_torch(mode, dtype, n, h, w, c):
     """LayerNorm(depthwise 7x7 conv + bias) against torch: odd, non-square images, batch > 1,
     C = 40 (5 vectors of fp16, 10 of fp32), C = 36 (no whole fp16 vectors: dw_ln declines, ln_rows
     takes the bias), 768 and 1024 (fp32 rows do not fit dw_ln's registers: the other route)."""
     from convkernels.backends.cuda_kernels import LN_MAXV
     from torch_reference import ref_conv
 
-    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1" if mode == "dw_ln" else "0")
-    be = fresh_backend(dtype)
+    be = fresh_backend(dtype, dw_ln=mode == "dw_ln")
     rng, seed = fresh_rng()
     x, xh = put(be, rng.standard_normal((n, h, w, c)))
     wd, wdh = put(be, rng.standard_normal((c, 7, 7, 1)) / 7)
@@ -233,10 +231,8 @@ def conv_total(path: str) -> float:
                and s.labels.get("path") == path)
 
 
-def test_both_depthwise_layer_norm_routes_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "0")
-    monkeypatch.setenv("CONVSERVE_CUDA_DW_BIAS_IN_LN", "0")
-    be = fresh_backend("float16")
+def test_both_depthwise_layer_norm_routes_can_be_switched_off():
+    be = fresh_backend("float16", dw_ln=False, dw_bias_in_ln=False)
     x = be.asarray(np.ones((1, 7, 7, 96), np.float32))
     wd = be.asarray(np.ones((96, 7, 7, 1), np.float32))
     ones = be.asarray(np.ones(96, np.float32))
@@ -244,14 +240,14 @@ def test_both_depthwise_layer_norm_routes_can_be_switched_off(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_convnext_with_every_fusion_on_is_captured_and_matches_transformers(tmp_path, monkeypatch, dtype):
+def test_convnext_with_every_fusion_on_is_captured_and_matches_transformers(tmp_path, dtype):
     """dw_ln switched on as well as the cuBLASLt epilogues: eager, capture + replay, replay (the
     default route, the conv's bias in the norm, is what test_models_gpu / test_cuda_graphs run)."""
     from models import load_model
 
-    monkeypatch.setenv("CONVSERVE_CUDA_DW_LN", "1")
     saved = save_models(tmp_path)
-    model = load_model("enc", "tiny-convnext", fresh_backend(dtype, cuda_graphs=True), weights=str(saved.root / "enc"))
+    be = fresh_backend(dtype, cuda_graphs=True, dw_ln=True)
+    model = load_model("enc", "tiny-convnext", be, weights=str(saved.root / "enc"))
     rng = np.random.default_rng(fresh_seed())
     for i in range(3):
         pixels = rng.random((2, 64, 64, 3), dtype=np.float32)
