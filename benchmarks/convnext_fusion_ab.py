@@ -4,15 +4,15 @@ run, against PyTorch eager (timm convnext_tiny, else transformers ConvNextModel;
 channels-last) on the same GPU. Prints median ms, images/s, ratio ours / PyTorch (below 1 = we are
 faster), summed GPU kernel time (CUPTI) and the kernel launches per forward.
 
-Switches (read when a backend runs its first linear / LayerNorm, so every configuration gets a
-fresh backend and model):
-- CONVSERVE_CUDA_LT_EPILOGUES: fc1 bias + GELU and fc2 bias + residual inside cuBLASLt's GEMM
+Switches (CudaBackend constructor options; every configuration gets a fresh backend and model;
+a server takes them as CONVSERVE_CUDA_<NAME> settings):
+- lt_epilogues: fc1 bias + GELU and fc2 bias + residual inside cuBLASLt's GEMM
   (cuda_blas_lt.py) instead of cuBLAS + the `epilogue` kernel
-- CONVSERVE_CUDA_LT_GELU_APPROX: cuBLASLt's tanh GELU for ConvNeXt's erf GELU (off: fc1 unfused)
-- CONVSERVE_CUDA_LN_VEC: LayerNorm with the row in registers (ln_rows_vec) instead of ln_rows
-- CONVSERVE_CUDA_DW_BIAS_IN_LN: the depthwise conv runs without its bias, which the LayerNorm
+- lt_gelu_approx: cuBLASLt's tanh GELU for ConvNeXt's erf GELU (off: fc1 unfused)
+- ln_vec: LayerNorm with the row in registers (ln_rows_vec) instead of ln_rows
+- dw_bias_in_ln: the depthwise conv runs without its bias, which the LayerNorm
   kernel adds as it reads the conv output (instead of cuDNN fusing it, or not)
-- CONVSERVE_CUDA_DW_LN (off by default): the block's depthwise conv + bias and its LayerNorm as
+- dw_ln (off by default): the block's depthwise conv + bias and its LayerNorm as
   one kernel (dw_ln, a warp per pixel) instead of cuDNN's conv + ln_rows_vec
 
 Run: PYTHONPATH=. python3 benchmarks/convnext_fusion_ab.py [--reps 20] [--batches 1,32,128]
@@ -29,18 +29,15 @@ import time
 
 import numpy as np
 
-CONFIGS = [  # name, environment
+CONFIGS = [  # name, CudaBackend options (the rest at their defaults)
     ("all fusions (default)", {}),
-    ("exact GELU (fc1 unfused)", {"CONVSERVE_CUDA_LT_GELU_APPROX": "0"}),
-    ("no cuBLASLt epilogues", {"CONVSERVE_CUDA_LT_EPILOGUES": "0"}),
-    ("no vectorised LayerNorm", {"CONVSERVE_CUDA_LN_VEC": "0"}),
-    ("dw bias in the conv, not the norm", {"CONVSERVE_CUDA_DW_BIAS_IN_LN": "0"}),
-    ("+ dw conv + LayerNorm fused", {"CONVSERVE_CUDA_DW_LN": "1"}),
-    ("none (main before #20)", {"CONVSERVE_CUDA_LT_EPILOGUES": "0", "CONVSERVE_CUDA_LN_VEC": "0",
-                                "CONVSERVE_CUDA_DW_BIAS_IN_LN": "0"}),
+    ("exact GELU (fc1 unfused)", {"lt_gelu_approx": False}),
+    ("no cuBLASLt epilogues", {"lt_epilogues": False}),
+    ("no vectorised LayerNorm", {"ln_vec": False}),
+    ("dw bias in the conv, not the norm", {"dw_bias_in_ln": False}),
+    ("+ dw conv + LayerNorm fused", {"dw_ln": True}),
+    ("none (main before #20)", {"lt_epilogues": False, "ln_vec": False, "dw_bias_in_ln": False}),
 ]
-SWITCHES = ("CONVSERVE_CUDA_LT_EPILOGUES", "CONVSERVE_CUDA_LT_GELU_APPROX", "CONVSERVE_CUDA_LN_VEC",
-            "CONVSERVE_CUDA_DW_BIAS_IN_LN", "CONVSERVE_CUDA_DW_LN")
 
 
 def device_ms(fn, reps, cp):
@@ -120,11 +117,8 @@ def main():
     torch.cuda.empty_cache()
 
     rows = []
-    for name, env in CONFIGS:
-        for k in SWITCHES:
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        be = CudaBackend(dtype="float16", cuda_graphs=True)
+    for name, options in CONFIGS:
+        be = CudaBackend(dtype="float16", cuda_graphs=True, **options)
         model = load_model("cnx", "convnext-tiny", be)
         for n in batches:
             xd = be.asarray(pixels[n])
@@ -140,8 +134,6 @@ def main():
         model = be = None
         gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
-    for k in SWITCHES:
-        os.environ.pop(k, None)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "convnext_fusion_ab.json"), "w") as f:
