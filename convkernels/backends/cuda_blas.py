@@ -182,6 +182,8 @@ def load_cuda_library(stem: str, cuda_major: int, declare):
         names.append(load_nvidia_dynamic_lib(stem).abs_path)
     except Exception:
         pass
+    # CUDA_PATH: the toolkit's own convention for where it lives (library discovery, not a
+    # convserve setting; docs/interfaces.md lists it as such)
     for root in filter(None, (os.environ.get("CUDA_PATH"), "/usr/local/cuda")):
         names += sorted(glob.glob(os.path.join(root, "lib64", f"lib{stem}.so.{cuda_major}*")))
     errors = []
