@@ -59,6 +59,11 @@ class FeatureCache:
         self.slots[self.pos] = value
         self.pos += 1
 
+    def release(self) -> None:
+        """Drop the current slot's frames (already read with peek) before its new ones are
+        made, so the old and the new do not sit in memory together; put() follows."""
+        self.slots[self.pos] = None
+
 
 def _own_copy(backend: Backend, x):
     """A tensor that does not pin its parent alive: a slice (of a 4-frame chunk, or of the
@@ -95,11 +100,16 @@ class CausalConv3d(Conv):
         self._last_tap = None  # sliced from the weight this load replaced
 
     def __call__(self, x, cache=None, residual=None):
-        b = self.backend
         lo = self.time_pad
         if cache is not None and lo > 0:
-            x = b.concat([cache, x], axis=1)
+            x = self.backend.concat([cache, x], axis=1)
             lo -= cache.shape[1]
+        return self.padded(x, lo, residual)
+
+    def padded(self, x, lo: int, residual=None):
+        """The conv on input that already carries its cached frames, `lo` zero frames still to
+        pad on the left (with_cache's pair)."""
+        b = self.backend
         kt = self.kernel[0]
         if kt > 1 and lo == kt - 1 and x.shape[1] == 1:
             # A lone frame with no cache (every conv of the first chunk): all taps but the
@@ -115,15 +125,31 @@ class CausalConv3d(Conv):
             self._last_tap = b.concat([b.slice(self.weight, 1, kt - 1, kt)], axis=1)
         return self._last_tap
 
+    def with_cache(self, x, state: FeatureCache):
+        """(x with this conv's cached frames in front, zero frames still to pad on the left),
+        refreshing the slot with the last CACHE_T of them (cache_tail's frames: with a cache in
+        front they are the tail of the joined input). The old slot is freed as soon as it is
+        joined, before the new one is copied out; a caller that drops x once this returns holds
+        only the joined input through the conv (`h, lo = conv.with_cache(h, state)`, then
+        `conv.padded(h, lo)`), not x and the joined copy of it together."""
+        b = self.backend
+        prev = state.peek()
+        if prev is None or isinstance(prev, str) or self.time_pad == 0:
+            state.put(cache_tail(b, x, prev))
+            return x, self.time_pad
+        state.release()
+        x = b.concat([prev, x], axis=1)
+        lo = self.time_pad - prev.shape[1]
+        del prev
+        t = x.shape[1]
+        state.put(_own_copy(b, b.slice(x, 1, t - CACHE_T, t)))
+        return x, lo
+
     def cached(self, x, state: FeatureCache | None, residual=None):
         """Run on one chunk, reading and refreshing this conv's slot of the feature cache."""
         if state is None:
             return self(x, residual=residual)
-        prev = state.peek()
-        keep = cache_tail(self.backend, x, prev)
-        out = self(x, prev, residual=residual)
-        state.put(keep)
-        return out
+        return self.padded(*self.with_cache(x, state), residual=residual)
 
 
 class ChannelRMSNorm(Module):
@@ -160,9 +186,19 @@ class ResidualBlock(Module):
         self.conv_shortcut = self.add("conv_shortcut", CausalConv3d(cin, cout, 1)) if cin != cout else None
 
     def __call__(self, x, state):
+        # each step rebinds h, so every intermediate dies as soon as the next one exists (a
+        # nested call would keep its argument alive until it returned): at most the skip, the
+        # cache-joined conv input and the conv output are alive at once
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        h = self.conv1.cached(self.norm1(x, "silu"), state)
-        return self.conv2.cached(self.norm2(h, "silu"), state, residual=skip)
+        h = self.norm1(x, "silu")
+        if state is None:
+            h = self.conv1(h)
+            return self.conv2(self.norm2(h, "silu"), residual=skip)
+        h, lo = self.conv1.with_cache(h, state)
+        h = self.conv1.padded(h, lo)
+        h = self.norm2(h, "silu")
+        h, lo = self.conv2.with_cache(h, state)
+        return self.conv2.padded(h, lo, residual=skip)
 
 
 class AttentionBlock(Module):
@@ -237,10 +273,14 @@ class UpBlock(Module):
                         for i in range(num_res_blocks + 1)]
         self.upsampler = self.add("upsamplers.0", Resample(cout, upsample_mode)) if upsample_mode else None
 
+    def steps(self) -> list:
+        """The layers in order, each called as step(x, state)."""
+        return [*self.resnets, *([self.upsampler] if self.upsampler is not None else [])]
+
     def __call__(self, x, state):
-        for r in self.resnets:
-            x = r(x, state)
-        return x if self.upsampler is None else self.upsampler(x, state)
+        for step in self.steps():
+            x = step(x, state)
+        return x
 
 
 class MidBlock(Module):
@@ -251,9 +291,14 @@ class MidBlock(Module):
         self.resnets = [self.add(f"resnets.{i}", ResidualBlock(dim, dim)) for i in range(2)]
         self.attention = self.add("attentions.0", AttentionBlock(dim))
 
+    def steps(self) -> list:
+        """The layers in order, each called as step(x, state)."""
+        return [self.resnets[0], lambda x, state: self.attention(x), self.resnets[1]]
+
     def __call__(self, x, state):
-        x = self.resnets[0](x, state)
-        return self.resnets[1](self.attention(x), state)
+        for step in self.steps():
+            x = step(x, state)
+        return x
 
 
 class Decoder3d(Module):
@@ -276,9 +321,12 @@ class Decoder3d(Module):
         self.conv_out = self.add("conv_out", CausalConv3d(dims[-1], out_channels, 3, padding=1))
 
     def __call__(self, x, state: FeatureCache):
+        # one flat loop over the blocks' layers: a block called as a whole would keep its
+        # input alive (its caller's argument) until its last layer returned
         state.start_chunk()
         x = self.conv_in.cached(x, state)
-        x = self.mid_block(x, state)
-        for up in self.up_blocks:
-            x = up(x, state)
-        return self.conv_out.cached(self.norm_out(x, "silu"), state)
+        for step in self.mid_block.steps() + [s for up in self.up_blocks for s in up.steps()]:
+            x = step(x, state)
+        x = self.norm_out(x, "silu")
+        x, lo = self.conv_out.with_cache(x, state)
+        return self.conv_out.padded(x, lo)
