@@ -15,8 +15,11 @@ timed end to end through model.decode / model.encode: latents in host memory, im
 host memory (PyTorch's time excludes those copies; at 512x512 they are ~0.3 ms). "kernel ms" is
 the summed duration of the GPU kernels of one call (CUPTI through torch.profiler, which sees
 CuPy's and cuDNN's kernels and a graph's replayed ones alike; copies excluded): wall minus kernel
-time is what the host costs. Peak GPU memory: ours = the CuPy memory pool's high-water mark plus
-the graph pools, peer = torch.cuda.max_memory_allocated.
+time is what the host costs. Peak GPU memory: ours = the bytes the CuPy memory pool holds after a
+call from an emptied pool (blocks in use and blocks cached for reuse) plus the graph pools; peer =
+torch.cuda.max_memory_allocated (in use only; until 2026-11-25 the only peer column, not like for
+like) and, in the JSON, peer_reserved_gib = torch.cuda.max_memory_reserved from an emptied cache,
+the comparable figure.
 
 Run: PYTHONPATH=. python3 benchmarks/gpu_models.py [--only sd,convnext,wan] [--reps N] [--compile]
 `--only sd,convnext` takes ~2-3 min on an H100 without --compile; torch.compile adds its compile
@@ -167,9 +170,11 @@ def main():
             with torch.inference_mode():
                 peer = wall(lambda: vae.decode(z).sample, 2, args.reps, tsync)
                 kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync)
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 vae.decode(z)
                 pgib = torch.cuda.max_memory_allocated() / 2**30
+                preserved = torch.cuda.max_memory_reserved() / 2**30
                 if vae_c is not None and shape_i < args.compile_limit:
                     t1 = time.time()
                     vae_c(z)
@@ -178,7 +183,8 @@ def main():
                     kernels["compiled"] = kern(lambda: vae_c(z), tsync)
                     print(f"torch.compile({args.compile_mode}) first call {compile_s:.1f} s", flush=True)
             record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, ours_e, peer, comp, kernels, gib, pgib,
-                   dict(first_call_s=first_s, capture_call_s=capture_s, graph=model._decode_device.stats()),
+                   dict(first_call_s=first_s, capture_call_s=capture_s, graph=model._decode_device.stats(),
+                        peer_reserved_gib=preserved),
                    tflop=SD_VAE_512_TFLOP * n * (s / 64) ** 2)
         be.flush_timings()
         details["sd"] = dict(plan_cache=be.plan_cache_stats(), setup_s=time.time() - t0)
@@ -256,11 +262,13 @@ def main():
         z = torch.from_numpy(lat).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             peer = wall(lambda: vae.decode(z).sample, 1, max(1, args.reps // 2), tsync)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             vae.decode(z)
             pgib = torch.cuda.max_memory_allocated() / 2**30
+            preserved = torch.cuda.max_memory_reserved() / 2**30
         record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours_e, peer, ours_gib=gib, peer_gib=pgib,
-               extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(),
+               extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
                           note="chunks 3-5 of 5 go through the graphed steady step"))
         details["wan"] = dict(plan_cache=be.plan_cache_stats(),
                               small_kd={str(k.x_shape): v for k, v in be.measurements.items()})
