@@ -4,6 +4,7 @@ the per-backend LRU over every model's graphs, releasing what it evicts, the exp
 backend constructor. Runs everywhere; test_cuda_graphs.py checks the same on a GPU."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
@@ -146,3 +147,19 @@ def test_bad_graph_capacity_fails_settings(monkeypatch):
     monkeypatch.setenv("CONVSERVE_CUDA_GRAPH_CAPACITY", "0")
     with pytest.raises(ValidationError):
         Settings()
+
+
+def test_records_until_a_shape_runs_eagerly_for_good():
+    """GraphedForward.records (what Wan's decode asks before taking its functional step): True
+    for shapes never seen and ones still capturable; False once a shape is ungraphable or its
+    graph was over the byte bound. Several inputs make one key, in order."""
+    from convkernels.backends.cuda_graphs import GraphedForward
+
+    graphed = GraphedForward(object(), lambda *xs: xs, GraphCache(backend_name="graph-test-records"))
+    x, cache = np.zeros((1, 2, 3, 4), np.float16), np.zeros((1, 2, 5, 4), np.float16)
+    assert graphed.records(x) and graphed.records(x, cache)
+    graphed.too_large[GraphedForward._key((x, cache))] = 5 << 30
+    assert not graphed.records(x, cache) and graphed.records(cache, x) and graphed.records(x)
+    graphed.ungraphable[GraphedForward._key((x,))] = "RuntimeError: a host sync"
+    assert not graphed.records(x)
+    assert graphed.stats()["too_large"] and graphed.stats()["ungraphable"]  # keys as strings, for JSON
