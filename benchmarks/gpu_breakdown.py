@@ -67,7 +67,7 @@ def main() -> None:
         enc.encode(px)
         enc.encode(px)
         stages = [
-            ("host pre", lambda _: enc._check_pixels(px)),
+            ("host pre", lambda _: enc._host_input(px)),
             ("to device", lambda x: be.asarray(x)),
             ("graph replay", lambda x: enc._encode_device(x)),
             ("to host", lambda out: [be.to_host(o) for o in out if o is not None]),

@@ -81,17 +81,30 @@ INIT_RULES = ((r"gamma$", "layer_scale"), (r"bias$", "zeros"), (r"(norm|stem\.1|
 
 # ---- layers (timm's module tree: its parameter names are ours) ---------------------------------
 
+def folds_input_norm(dtype: str) -> bool:
+    """Whether the stem takes (x - mean) / std into its conv. Not in bfloat16: raw pixels carry
+    the mean, so the folded conv adds and cancels terms ~20x its unfolded bias, each rounded to
+    8 bits. PyTorch's own bf16 ConvNeXt with the fold had 1.27x (embedding) and 1.35x (logits)
+    its unfolded error, up to 1.6x, over 8 random-weight seeds (2026-11-25); ours was 1.5-1.7x
+    PyTorch's on the H100. There the host normalises in float32 first, as PyTorch users do."""
+    return dtype != "bfloat16"
+
+
 class Stem(Module):
     """4x4 stride-4 patchify conv + LayerNorm. Input normalisation (x - mean) / std is folded
-    into the conv: the conv is unpadded, so the fold is exact and saves a pass over the input."""
+    into the conv (folds_input_norm): the conv is unpadded, so the fold is exact and saves a pass
+    over the input."""
 
-    def __init__(self, cfg: ConvNeXtConfig):
+    def __init__(self, cfg: ConvNeXtConfig, fold_input: bool = True):
         super().__init__()
         self.conv = self.add("0", Conv2d(cfg.in_chans, cfg.dims[0], cfg.patch_size, stride=cfg.patch_size))
         self.norm = self.add("1", LayerNorm(cfg.dims[0], cfg.norm_eps))
         self.mean, self.std = cfg.mean, cfg.std
+        self.fold_input = fold_input
 
     def derive(self, tensors, prefix):
+        if not self.fold_input:
+            return
         w = tensors[prefix + "0.weight"].astype(np.float64)  # O, I, p, p
         mean = np.asarray(self.mean, np.float64)
         std = np.asarray(self.std, np.float64)
@@ -154,9 +167,9 @@ class ConvNeXtBlock(Module):
 class ConvNeXtNet(Module):
     """stem, stages of [downsample,] blocks, head: pooled LayerNorm embedding and optional classifier."""
 
-    def __init__(self, cfg: ConvNeXtConfig):
+    def __init__(self, cfg: ConvNeXtConfig, fold_input: bool = True):
         super().__init__()
-        self.stem = self.add("stem", Stem(cfg))
+        self.stem = self.add("stem", Stem(cfg, fold_input))
         self.stages: list[list[Module]] = []
         for i, (depth, dim) in enumerate(zip(cfg.depths, cfg.dims)):
             layers = [self.add(f"stages.{i}.downsample", Downsample(cfg.dims[i - 1], dim, cfg.norm_eps))] if i else []
@@ -195,7 +208,7 @@ class ConvNeXtEncoder:
         self.weights_source, self.naming, self.labels = weights_source, naming, labels
         self.input_size, self.embed_dim, self.num_classes = cfg.input_size, cfg.dims[-1], cfg.num_classes
         self.mean, self.std = tuple(cfg.mean), tuple(cfg.std)
-        self.tree = ConvNeXtNet(cfg)
+        self.tree = ConvNeXtNet(cfg, fold_input=folds_input_norm(backend.dtype))
         self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
         self._encode_device = backend.graphed(self._forward)
@@ -216,12 +229,17 @@ class ConvNeXtEncoder:
                              f"{self.config.patch_size} stem)")
         return x.astype(np.float32, copy=False)
 
+    def _host_input(self, pixels) -> np.ndarray:
+        """Checked pixels, normalised here in float32 where the stem does not fold it."""
+        x = self._check_pixels(pixels)
+        return x if self.tree.stem.fold_input else (x - np.float32(self.mean)) / np.float32(self.std)
+
     def _forward(self, x):
         return self.tree(self.backend, x)
 
     def encode(self, pixels_nhwc01: np.ndarray) -> dict:
         bk = self.backend
-        pooled, logits = self._encode_device(bk.asarray(self._check_pixels(pixels_nhwc01)))
+        pooled, logits = self._encode_device(bk.asarray(self._host_input(pixels_nhwc01)))
         bk.synchronize()
         bk.flush_timings()
         return {"embedding": bk.to_host(pooled).astype(np.float32, copy=False),

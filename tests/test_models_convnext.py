@@ -141,6 +141,29 @@ def test_hf_parity_on_mlx_backend(small_cls):
     check_parity(model, ref_model, (97, 66))
 
 
+def test_bfloat16_normalises_on_the_host_instead_of_folding_into_the_stem(small_cls):
+    """In bfloat16 the stem keeps the checkpoint's conv and the host normalises the pixels in
+    float32 (benchmarks/convnext_bf16_stem_fold.py says why); the output still matches
+    transformers within bf16's precision (MLX computing in bfloat16, on its CPU device here)."""
+    pytest.importorskip("mlx.core")
+    try:
+        bf16 = get_backend("mlx", dtype="bfloat16")
+    except Exception as exc:  # mlx installed but unusable here
+        pytest.skip(f"mlx backend unavailable: {exc}")
+    from models.convnext import folds_input_norm
+
+    assert not folds_input_norm("bfloat16") and folds_input_norm("float16") and folds_input_norm("float32")
+    ref_model, folder = small_cls
+    model = build("enc", "tiny-convnext", bf16, str(folder))
+    assert not model.tree.stem.fold_input
+    pixels = np.random.default_rng().random((2, 64, 64, 3), dtype=np.float32)
+    emb_ref, logits_ref = reference(ref_model, pixels, MEAN, STD)
+    out = model.encode(pixels)
+    for name, ours, ref in (("embedding", out["embedding"], emb_ref), ("logits", out["logits"], logits_ref)):
+        err = rel_l2(ours, ref)
+        assert err < 3e-2, f"{name} rel L2 {err:.2e} in bfloat16"
+
+
 def test_hf_single_file_without_config(backend, small_cls):
     """A bare model.safetensors: architecture from preset + overrides, head from the tensors;
     the reference's head eps (1e-5) has to come in as an override without config.json."""
