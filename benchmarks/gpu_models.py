@@ -112,6 +112,21 @@ def main():
         csync()
         return pool.total_bytes() / 2**30
 
+    def peer_peak(fn):
+        """PyTorch's peak GiB of one call from an emptied cache: (allocated, reserved)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+
+    def compiled_call(fn_c, kernels):
+        """torch.compile'd fn_c: its first call (the compile) reported, then timed; kernel ms into `kernels`."""
+        t1 = time.time()
+        fn_c()
+        print(f"torch.compile({args.compile_mode}) first call {time.time() - t1:.1f} s", flush=True)
+        kernels["compiled"] = kern(fn_c, tsync)
+        return wall(fn_c, 3, args.reps, tsync)
+
     def kern(fn, sync):
         return kernel_ms(fn, sync) if args.kernels else None
 
@@ -170,18 +185,9 @@ def main():
             with torch.inference_mode():
                 peer = wall(lambda: vae.decode(z).sample, 2, args.reps, tsync)
                 kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync)
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                vae.decode(z)
-                pgib = torch.cuda.max_memory_allocated() / 2**30
-                preserved = torch.cuda.max_memory_reserved() / 2**30
+                pgib, preserved = peer_peak(lambda: vae.decode(z))
                 if vae_c is not None and shape_i < args.compile_limit:
-                    t1 = time.time()
-                    vae_c(z)
-                    compile_s = time.time() - t1
-                    comp = wall(lambda: vae_c(z), 3, args.reps, tsync)
-                    kernels["compiled"] = kern(lambda: vae_c(z), tsync)
-                    print(f"torch.compile({args.compile_mode}) first call {compile_s:.1f} s", flush=True)
+                    comp = compiled_call(lambda: vae_c(z), kernels)
             record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, ours_e, peer, comp, kernels, gib, pgib,
                    dict(first_call_s=first_s, capture_call_s=capture_s, graph=model._decode_device.stats(),
                         peer_reserved_gib=preserved),
@@ -226,12 +232,7 @@ def main():
                 peer = wall(lambda: call(x), 3, args.reps, tsync)
                 kernels["torch"] = kern(lambda: call(x), tsync)
                 if call_c is not None and shape_i < args.compile_limit:
-                    t1 = time.time()
-                    call_c(x)
-                    compile_s = time.time() - t1
-                    comp = wall(lambda: call_c(x), 3, args.reps, tsync)
-                    kernels["compiled"] = kern(lambda: call_c(x), tsync)
-                    print(f"torch.compile({args.compile_mode}) first call {compile_s:.1f} s", flush=True)
+                    comp = compiled_call(lambda: call_c(x), kernels)
             record(f"convnext-tiny 224 n{n} fp16", ours, ours_e, peer, comp, kernels, tflop=CONVNEXT_T_224_TFLOP * n,
                    extra=dict(peer=peer_name, ours_img_s=n / ours * 1e3, first_call_s=first_s,
                               graph=model._encode_device.stats()))
@@ -262,11 +263,7 @@ def main():
         z = torch.from_numpy(lat).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             peer = wall(lambda: vae.decode(z).sample, 1, max(1, args.reps // 2), tsync)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            vae.decode(z)
-            pgib = torch.cuda.max_memory_allocated() / 2**30
-            preserved = torch.cuda.max_memory_reserved() / 2**30
+            pgib, preserved = peer_peak(lambda: vae.decode(z))
         record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours_e, peer, ours_gib=gib, peer_gib=pgib,
                extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
                           note="chunks 3-5 of 5 go through the graphed steady step"))
