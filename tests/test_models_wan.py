@@ -395,11 +395,10 @@ def test_backend_rms_norm_matches_torch(backend_name, activation):
         backend.rms_norm(backend.asarray(np.zeros((2, 3), np.float32)), backend.asarray(np.ones(4, np.float32)))
 
 
-def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_path):
-    """From the third latent frame on, each chunk runs through what `backend.graphed` returned
-    (a CUDA backend records and replays it), taking and giving device arrays only, with the
-    same shapes every chunk: otherwise every replay would be a new capture. The frames still
-    match diffusers'."""
+def decode_through_recording_backend(tmp_path, latent_frames: int, records: bool):
+    """A numpy backend whose `graphed` wrapper logs each call's input and output shapes and
+    answers `records` as given (a CUDA backend's wrapper answers True until a shape runs eagerly
+    for good); the decode of fresh latents and diffusers' error against it."""
     be = get_backend("numpy")
     calls = []
 
@@ -408,20 +407,29 @@ def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_
             out = fn(*xs)
             calls.append(([tuple(x.shape) for x in xs], [tuple(o.shape) for o in out]))
             return out
-        step.records = lambda *xs: True  # as a CUDA backend's wrapper until a shape runs eagerly for good
+        step.records = lambda *xs: records
         return step
 
     be.graphed = recording_graphed
     seed = fresh_seed()
     vae, folder, config = make_reference(tmp_path, WAN_ODD, seed)
     model = build("tiny", "tiny-wan-vae", be, str(folder))
-    latents = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 6, 3, 4)).astype(np.float32)
-    frames = model.decode(latents)
+    latents = np.random.default_rng(seed).standard_normal((1, config["z_dim"], latent_frames, 3, 4))
+    latents = latents.astype(np.float32)
+    err = rel_l2(model.decode(latents), reference_decode(vae, config, latents))
+    return calls, err, seed
+
+
+def test_steady_chunks_go_through_the_recordable_step_with_repeating_shapes(tmp_path):
+    """From the third latent frame on, each chunk runs through what `backend.graphed` returned
+    (a CUDA backend records and replays it), taking and giving device arrays only, with the
+    same shapes every chunk: otherwise every replay would be a new capture. The frames still
+    match diffusers'."""
+    calls, err, seed = decode_through_recording_backend(tmp_path, 6, records=True)
     assert len(calls) == 6 - 2, calls
     assert all(c == calls[0] for c in calls), "steady chunks changed their shapes"
     ins, outs = calls[0]
     assert ins[1:] == outs[1:], "the cache given back must fit the next call"
-    err = rel_l2(frames, reference_decode(vae, config, latents))
     assert err < 1e-4, f"seed {seed}: relative L2 {err:.2e}"
 
 
@@ -429,20 +437,5 @@ def test_a_step_that_runs_eagerly_for_good_takes_the_in_place_route(tmp_path):
     """Where the recording backend says a step shape will only ever run eagerly (its graph was
     over the byte bound), the decode uses its own eager route, which frees each old cache slot as
     the new one is made, instead of holding the whole old cache through the functional step."""
-    be = get_backend("numpy")
-    calls = []
-
-    def eager_for_good(fn):
-        def step(*xs):
-            calls.append(1)
-            return fn(*xs)
-        step.records = lambda *xs: False
-        return step
-
-    be.graphed = eager_for_good
-    seed = fresh_seed()
-    vae, folder, config = make_reference(tmp_path, WAN_ODD, seed)
-    model = build("tiny", "tiny-wan-vae", be, str(folder))
-    latents = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 5, 3, 4)).astype(np.float32)
-    err = rel_l2(model.decode(latents), reference_decode(vae, config, latents))
+    calls, err, seed = decode_through_recording_backend(tmp_path, 5, records=False)
     assert calls == [] and err < 1e-4, f"seed {seed}: relative L2 {err:.2e}, step calls {len(calls)}"
