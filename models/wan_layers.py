@@ -277,11 +277,6 @@ class UpBlock(Module):
         """The layers in order, each called as step(x, state)."""
         return [*self.resnets, *([self.upsampler] if self.upsampler is not None else [])]
 
-    def __call__(self, x, state):
-        for step in self.steps():
-            x = step(x, state)
-        return x
-
 
 class MidBlock(Module):
     """WanMidBlock (num_layers=1): residual, attention, residual."""
@@ -294,11 +289,6 @@ class MidBlock(Module):
     def steps(self) -> list:
         """The layers in order, each called as step(x, state)."""
         return [self.resnets[0], lambda x, state: self.attention(x), self.resnets[1]]
-
-    def __call__(self, x, state):
-        for step in self.steps():
-            x = step(x, state)
-        return x
 
 
 class Decoder3d(Module):
