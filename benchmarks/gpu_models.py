@@ -56,8 +56,9 @@ def wall(fn, warm, reps, sync):
     return statistics.median(ts)
 
 
-def kernel_ms(fn, sync, reps=3):
-    """Summed GPU kernel time of one call of fn (median call count: reps), from CUPTI."""
+def kernel_ms(fn, sync, reps=3, top=None):
+    """Summed GPU kernel time of one call of fn (mean of reps calls), from CUPTI. `top`: a list that
+    receives the 30 costliest kernels as (name, launches per call, us per call), to explain a missed target."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -66,11 +67,15 @@ def kernel_ms(fn, sync, reps=3):
         for _ in range(reps):
             fn()
         sync()
-    total_us = 0.0
+    total_us, rows = 0.0, []
     for ev in prof.key_averages():
         if ev.key.startswith(("Memcpy", "Memset")) or "memcpy" in ev.key.lower():
             continue
-        total_us += getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+        total_us += us
+        rows.append((ev.key[:120], ev.count / reps, us / reps))
+    if top is not None:
+        top.extend(sorted(rows, key=lambda r: -r[2])[:30])
     return total_us / 1e3 / reps
 
 
@@ -119,16 +124,20 @@ def main():
         fn()
         return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
 
-    def compiled_call(fn_c, kernels):
+    def compiled_call(fn_c, kernels, top_key=None):
         """torch.compile'd fn_c: its first call (the compile) reported, then timed; kernel ms into `kernels`."""
         t1 = time.time()
         fn_c()
         print(f"torch.compile({args.compile_mode}) first call {time.time() - t1:.1f} s", flush=True)
-        kernels["compiled"] = kern(fn_c, tsync)
+        kernels["compiled"] = kern(fn_c, tsync, top_key)
         return wall(fn_c, 3, args.reps, tsync)
 
-    def kern(fn, sync):
-        return kernel_ms(fn, sync) if args.kernels else None
+    def kern(fn, sync, top_key=None):
+        """Kernel ms of fn; with top_key, its costliest kernels go to details["kernels_top"][top_key]."""
+        if not args.kernels:
+            return None
+        top = details.setdefault("kernels_top", {}).setdefault(top_key, []) if top_key else None
+        return kernel_ms(fn, sync, top=top)
 
     def record(name, graphs_ms, eager_ms, peer_ms, compiled_ms=None, kernels=None, ours_gib=None, peer_gib=None,
                extra=None, tflop=None):
@@ -179,15 +188,15 @@ def main():
             ours_e = wall(lambda: model_eager.decode(lat, tiled=False), 1, args.reps, csync)
             gib = ours_peak(lambda: model.decode(lat, tiled=False)) + model._decode_device.stats()["pool_bytes"] / 2**30
             latd = be.asarray(lat.transpose(0, 2, 3, 1))
-            kernels = dict(ours=kern(lambda: model._decode_device(latd), csync))
+            kernels = dict(ours=kern(lambda: model._decode_device(latd), csync, f"sd n{n} {s} ours"))
             z = torch.from_numpy(lat).to("cuda", torch.half).to(memory_format=torch.channels_last)
             comp = None
             with torch.inference_mode():
                 peer = wall(lambda: vae.decode(z).sample, 2, args.reps, tsync)
-                kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync)
+                kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync, f"sd n{n} {s} torch")
                 pgib, preserved = peer_peak(lambda: vae.decode(z))
                 if vae_c is not None and shape_i < args.compile_limit:
-                    comp = compiled_call(lambda: vae_c(z), kernels)
+                    comp = compiled_call(lambda: vae_c(z), kernels, f"sd n{n} {s} compiled")
             record(f"sd-vae decode n{n} {s}x{s}->{8 * s}x{8 * s} fp16", ours, ours_e, peer, comp, kernels, gib, pgib,
                    dict(first_call_s=first_s, capture_call_s=capture_s, graph=model._decode_device.stats(),
                         peer_reserved_gib=preserved),
@@ -260,11 +269,13 @@ def main():
         ours = wall(lambda: model.decode(lat), 1, max(1, args.reps // 2), csync)
         ours_e = wall(lambda: model_eager.decode(lat), 1, max(1, args.reps // 2), csync)
         gib = ours_peak(lambda: model.decode(lat)) + model._steady_step.stats()["pool_bytes"] / 2**30
+        wan_kernels = dict(ours=kern(lambda: model.decode(lat), csync, "wan ours"))
         z = torch.from_numpy(lat).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             peer = wall(lambda: vae.decode(z).sample, 1, max(1, args.reps // 2), tsync)
+            wan_kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync, "wan torch")
             pgib, preserved = peer_peak(lambda: vae.decode(z))
-        record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours_e, peer, ours_gib=gib, peer_gib=pgib,
+        record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours_e, peer, kernels=wan_kernels, ours_gib=gib, peer_gib=pgib,
                extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
                           note="chunks 3-5 of 5 go through the graphed steady step"))
         details["wan"] = dict(plan_cache=be.plan_cache_stats(),
@@ -302,6 +313,10 @@ def main():
         print(f"| {k} | {f(v['ours_ms'])} | {f(v['ours_eager_ms'])} | {f(v['peer_ms'])} | {f(v['compiled_ms'])} | "
               f"{f(v['ratio'])} | {f(v['ratio_compiled'])} | {kern_s} | {f(v['ours_peak_gib'])} | "
               f"{f(v['peer_peak_gib'])} | {roof} |")
+    for key, rows in details.get("kernels_top", {}).items():
+        print(f"\n## costliest kernels, {key} (launches per call, us per call)")
+        for name, count, us in rows[:12]:
+            print(f"{us:10.1f} us {count:7.1f}x  {name}")
 
 
 if __name__ == "__main__":
