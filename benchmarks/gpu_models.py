@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--compile-limit", type=int, default=99,
                     help="torch.compile only each model's first K shapes (each costs minutes of compiling)")
     ap.add_argument("--compile-mode", default="reduce-overhead")
+    ap.add_argument("--wan-autotune", action="store_true", help="also time Wan with autotuned cuDNN plans")
     ap.add_argument("--kernels", type=int, default=1, help="0: skip the GPU kernel time (profiler) columns")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -116,6 +117,27 @@ def main():
         fn()
         csync()
         return pool.total_bytes() / 2**30
+
+    def ours_in_use_peak(fn):
+        """The most bytes the CuPy pool had handed out at once during fn (torch's max_memory_allocated
+        counterpart; the pool's total also counts cached free blocks)."""
+        from cupy.cuda import memory_hook
+
+        class Peak(memory_hook.MemoryHook):
+            name = "in_use_peak"
+
+            def __init__(self):
+                self.peak = pool.used_bytes()
+
+            def malloc_postprocess(self, **kw):
+                self.peak = max(self.peak, pool.used_bytes())
+
+        csync()
+        hook = Peak()
+        with hook:
+            fn()
+            csync()
+        return hook.peak / 2**30
 
     def peer_peak(fn):
         """PyTorch's peak GiB of one call from an emptied cache: (allocated, reserved)."""
@@ -254,32 +276,46 @@ def main():
 
     if "wan" in only:
         from diffusers import AutoencoderKLWan
-        # heuristic plans: the chunked causal decode meets dozens of conv shapes, and autotuning
-        # each (all plans + the small_kd_2d measurement) costs minutes of warm-up
-        be = backend("bfloat16", autotune=False)
-        model, model_eager = pair("wan", lambda n: load_model(n, "wan2.1-vae", be), be)
         vae = AutoencoderKLWan().to("cuda", torch.bfloat16).eval()
         lat = rng.standard_normal((1, 16, 5, 60, 104)).astype(np.float32)
-        t1 = time.time()
-        model.decode(lat)  # chunks 3-5 repeat their shapes: the 4th is captured, the 5th replays
-        warm_s = time.time() - t1
-        print(f"wan first decode (plan builds included) {warm_s:.1f} s", flush=True)
-        # one more untimed decode: a capture gives the shared pool's blocks back, and the call after
-        # it allocates them again (2026-11-25: 358 ms timed without it, 340 ms eager, same route)
-        ours = wall(lambda: model.decode(lat), 1, max(1, args.reps // 2), csync)
-        ours_e = wall(lambda: model_eager.decode(lat), 1, max(1, args.reps // 2), csync)
-        gib = ours_peak(lambda: model.decode(lat)) + model._steady_step.stats()["pool_bytes"] / 2**30
-        wan_kernels = dict(ours=kern(lambda: model.decode(lat), csync, "wan ours"))
         z = torch.from_numpy(lat).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             peer = wall(lambda: vae.decode(z).sample, 1, max(1, args.reps // 2), tsync)
-            wan_kernels["torch"] = kern(lambda: vae.decode(z).sample, tsync, "wan torch")
+            peer_kernels = kern(lambda: vae.decode(z).sample, tsync, "wan torch")
             pgib, preserved = peer_peak(lambda: vae.decode(z))
-        record("wan2.1-vae decode 16x5x60x104 bf16", ours, ours_e, peer, kernels=wan_kernels, ours_gib=gib, peer_gib=pgib,
-               extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
-                          note="chunks 3-5 of 5 go through the graphed steady step"))
-        details["wan"] = dict(plan_cache=be.plan_cache_stats(),
-                              small_kd={str(k.x_shape): v for k, v in be.measurements.items()})
+        del vae
+        torch.cuda.empty_cache()
+        # heuristic plans are the service's default (CONVSERVE_CUDA_AUTOTUNE off); --wan-autotune
+        # adds a row with autotuned plans (its first decode times every key's candidates)
+        for tuned in (False, True) if args.wan_autotune else (False,):
+            be = backend("bfloat16", autotune=tuned)
+            model, model_eager = pair("wan", lambda n: load_model(n, "wan2.1-vae", be), be)
+            t1 = time.time()
+            model.decode(lat)  # chunks 3-5 repeat their shapes: the 4th is captured, the 5th replays
+            warm_s = time.time() - t1
+            print(f"wan first decode (plan builds included, autotune {tuned}) {warm_s:.1f} s", flush=True)
+            # one more untimed decode: a capture gives the shared pool's blocks back, and the call after
+            # it allocates them again (2026-11-25: 358 ms timed without it, 340 ms eager, same route)
+            ours = wall(lambda: model.decode(lat), 1, max(1, args.reps // 2), csync)
+            ours_e = wall(lambda: model_eager.decode(lat), 1, max(1, args.reps // 2), csync)
+            held = model._steady_step.stats()["pool_bytes"] / 2**30
+            gib = ours_peak(lambda: model.decode(lat)) + held
+            in_use = ours_in_use_peak(lambda: model.decode(lat)) + held
+            wan_kernels = dict(ours=kern(lambda: model.decode(lat), csync, f"wan ours{' autotuned' if tuned else ''}"),
+                               torch=peer_kernels)
+            record(f"wan2.1-vae decode 16x5x60x104 bf16{', autotuned plans' if tuned else ''}", ours, ours_e, peer,
+                   kernels=wan_kernels, ours_gib=gib, peer_gib=pgib,
+                   extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
+                              ours_in_use_gib=in_use,
+                              note="ours GiB: the CuPy pool's bytes (reserved); ours_in_use_gib: its peak in "
+                                   "use, as torch's max_memory_allocated (peer GiB)"))
+            details[f"wan{' autotuned' if tuned else ''}"] = dict(
+                plan_cache=be.plan_cache_stats(), small_kd={str(k.x_shape): v for k, v in be.measurements.items()})
+            print(f"wan peak GiB: ours pool {gib:.2f}, in use {in_use:.2f}; torch allocated {pgib:.2f}, "
+                  f"reserved {preserved:.2f}", flush=True)
+            del model, model_eager
+            csync()
+            pool.free_all_blocks()
 
     import cudnn
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=torch.cuda.get_device_name(),

@@ -29,6 +29,16 @@ CONV_OPS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
 CONV_T_OPS = {2: "conv_transpose2d", 3: "conv_transpose3d"}
 
 
+class HostReady:
+    """A to_host_async whose copy is already done."""
+
+    def __init__(self, host: np.ndarray):
+        self._host = host
+
+    def result(self) -> np.ndarray:
+        return self._host
+
+
 class Backend(ABC):
     """Base of the numpy, mlx and cuda backends."""
 
@@ -42,6 +52,9 @@ class Backend(ABC):
     #: bytes of working memory one model call may take; models tile beyond it. 1 GiB suits a
     #: CPU; the cuda backend sizes it from the device's memory
     work_memory_budget: int = 1 << 30
+    #: ops return before the device has run them, and to_host_async overlaps its copy with the
+    #: next work: a model may queue one more piece before it waits (Wan's frame groups)
+    runs_ahead: bool = False
 
     def __init__(self, dtype: str = "float32", timing_sample_rate: float = 1.0):
         if dtype not in self.supported_dtypes:
@@ -67,6 +80,12 @@ class Backend(ABC):
 
     @abstractmethod
     def to_host(self, x: Array) -> np.ndarray: ...
+
+    def to_host_async(self, x: Array):
+        """Start moving x to the host: an object whose result() is to_host(x). A backend whose
+        device runs ahead of the host (cuda) copies on a side stream, so the caller can queue its
+        next work before it waits; the others copy at once."""
+        return HostReady(self.to_host(x))
 
     @abstractmethod
     def dtype_of(self, x: Array) -> str:
@@ -229,15 +248,29 @@ class Backend(ABC):
         self._check_activation(activation, "layer_norm")
         return self._layer_norm(x, weight, bias, float(eps), activation)
 
-    def rms_norm(self, x, weight=None, eps: float = 1e-6, activation: str | None = None):
+    def rms_norm(self, x, weight=None, eps: float = 1e-6, activation: str | None = None, prefix=None):
         """RMSNorm over the last (channel) axis: x / sqrt(mean(x^2) + eps) * weight, optional
         fused activation. (Wan's WanRMS_norm, F.normalize * sqrt(C) * gamma, is this with
-        eps = 1e-24 / C.)"""
+        eps = 1e-24 / C.) prefix: frames to put in front along axis 1, as concat([prefix,
+        rms_norm(x)], axis=1) but without copying the norm's output (a causal conv's cache)."""
         c = x.shape[-1]
         if weight is not None and tuple(weight.shape) != (c,):
             raise ValueError(f"rms_norm: weight must have shape ({c},), got {tuple(weight.shape)}")
         self._check_activation(activation, "rms_norm")
-        return self._rms_norm(x, weight, float(eps), activation)
+        if prefix is None:
+            return self._rms_norm(x, weight, float(eps), activation)
+        if x.ndim < 3 or prefix.ndim != x.ndim or tuple(prefix.shape[:1]) != tuple(x.shape[:1]) \
+                or tuple(prefix.shape[2:]) != tuple(x.shape[2:]):
+            raise ValueError(f"rms_norm: prefix must match x {tuple(x.shape)} on every axis but 1, "
+                             f"got {tuple(prefix.shape)}")
+        if self.dtype_of(prefix) != self.dtype_of(x):
+            raise ValueError(f"rms_norm: prefix dtype {self.dtype_of(prefix)} differs from x's {self.dtype_of(x)}")
+        return self._rms_norm_after(prefix, x, weight, float(eps), activation)
+
+    def _rms_norm_after(self, prefix, x, weight, eps, activation):
+        """concat([prefix, rms_norm(x)], axis=1); a backend that can write the norm into part
+        of a buffer overrides it."""
+        return self.concat([prefix, self._rms_norm(x, weight, eps, activation)], axis=1)
 
     #: the generic _rms_norm's temporaries are several times its input: inputs above this many
     #: bytes (as float32) go through it in bands of rows (axis -3) and only the output is full size

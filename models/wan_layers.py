@@ -125,20 +125,24 @@ class CausalConv3d(Conv):
             self._last_tap = b.concat([b.slice(self.weight, 1, kt - 1, kt)], axis=1)
         return self._last_tap
 
-    def with_cache(self, x, state: FeatureCache):
+    def with_cache(self, x, state: FeatureCache, norm: "ChannelRMSNorm | None" = None):
         """(x with this conv's cached frames in front, zero frames still to pad on the left),
         refreshing the slot with the last CACHE_T of them (cache_tail's frames: with a cache in
         front they are the tail of the joined input). The old slot is freed as soon as it is
         joined, before the new one is copied out; a caller that drops x once this returns holds
         only the joined input through the conv (`h, lo = conv.with_cache(h, state)`, then
-        `conv.padded(h, lo)`), not x and the joined copy of it together."""
+        `conv.padded(h, lo)`), not x and the joined copy of it together.
+        norm: the RMS norm + SiLU that feeds this conv, applied to x here so that it writes its
+        output behind the cached frames (no joined copy of a full chunk)."""
         b = self.backend
         prev = state.peek()
         if prev is None or isinstance(prev, str) or self.time_pad == 0:
+            if norm is not None:
+                x = norm(x, "silu")
             state.put(cache_tail(b, x, prev))
             return x, self.time_pad
         state.release()
-        x = b.concat([prev, x], axis=1)
+        x = b.concat([prev, x], axis=1) if norm is None else norm(x, "silu", prefix=prev)
         lo = self.time_pad - prev.shape[1]
         del prev
         t = x.shape[1]
@@ -170,8 +174,8 @@ class ChannelRMSNorm(Module):
     def convert(self, name, host):
         return np.ascontiguousarray(host.reshape(self.dim))
 
-    def __call__(self, x, activation=None):
-        return self.backend.rms_norm(x, self.gamma, self.eps, activation)
+    def __call__(self, x, activation=None, prefix=None):
+        return self.backend.rms_norm(x, self.gamma, self.eps, activation, prefix=prefix)
 
 
 class ResidualBlock(Module):
@@ -190,14 +194,12 @@ class ResidualBlock(Module):
         # nested call would keep its argument alive until it returned): at most the skip, the
         # cache-joined conv input and the conv output are alive at once
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        h = self.norm1(x, "silu")
         if state is None:
-            h = self.conv1(h)
+            h = self.conv1(self.norm1(x, "silu"))
             return self.conv2(self.norm2(h, "silu"), residual=skip)
-        h, lo = self.conv1.with_cache(h, state)
+        h, lo = self.conv1.with_cache(x, state, self.norm1)
         h = self.conv1.padded(h, lo)
-        h = self.norm2(h, "silu")
-        h, lo = self.conv2.with_cache(h, state)
+        h, lo = self.conv2.with_cache(h, state, self.norm2)
         return self.conv2.padded(h, lo, residual=skip)
 
 
@@ -317,6 +319,5 @@ class Decoder3d(Module):
         x = self.conv_in.cached(x, state)
         for step in self.mid_block.steps() + [s for up in self.up_blocks for s in up.steps()]:
             x = step(x, state)
-        x = self.norm_out(x, "silu")
-        x, lo = self.conv_out.with_cache(x, state)
+        x, lo = self.conv_out.with_cache(x, state, self.norm_out)
         return self.conv_out.padded(x, lo)

@@ -189,21 +189,36 @@ class WanVAEDecoder:
         return self._untiled_groups(z) if plan is None else self._tiled_groups(z, plan)
 
     def _untiled_groups(self, z: np.ndarray) -> Iterator[np.ndarray]:
+        # on a backend that runs ahead, group k+1 is queued on the device before group k is
+        # waited for (from the second group on), so k's copy and host work overlap k+1's kernels:
+        # one group of look-ahead, a slow reader still holds the decode back; the first group
+        # leaves as soon as it is done. Elsewhere each group is computed when asked for.
+        ahead = self.backend.runs_ahead
         state = FeatureCache()
+        pending = None
         for k in range(z.shape[1]):
-            yield self._to_pixels(self._decode_chunk(z[:, k:k + 1], state))
+            started = self._decode_chunk(z[:, k:k + 1], state)
+            if pending is not None:
+                yield self._to_pixels(pending.result())
+            pending = started
+            if k == 0 or not ahead:
+                yield self._to_pixels(pending.result())
+                pending = None
+        if pending is not None:
+            yield self._to_pixels(pending.result())
 
     def _tiled_groups(self, z: np.ndarray, plan) -> Iterator[np.ndarray]:
         size = plan.tile_latent
         states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
         for k in range(z.shape[1]):
-            tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b])
+            tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
             yield self._to_pixels(stitch(plan, tiles))
 
-    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache) -> np.ndarray:
-        """One latent frame (host N,1,h,w,C, de-normalised) -> decoder output on the host, mapped
-        to image space (x / 2 + 0.5 folded into conv_out) and unclipped, advancing `state`.
+    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache):
+        """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
+        host (`.result()`: float32, mapped to image space by conv_out's folded x / 2 + 0.5,
+        unclipped), advancing `state`; the device may still be working when this returns.
         Steady chunks (the third on) go through the graphed step where the backend records it:
         their shapes repeat, so it replays them; the first two change the cache's layout."""
         b = self.backend
@@ -216,7 +231,7 @@ class WanVAEDecoder:
             state.slots = slots
         else:
             out = self.tree.decoder(self.tree.post_quant_conv(x), state)
-        return np.asarray(b.to_host(out), dtype=np.float32)
+        return b.to_host_async(out)
 
     def _step(self, x, *cache):
         """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on
@@ -234,7 +249,15 @@ class WanVAEDecoder:
 
     def decode(self, latents_ncthw, tiled: bool | None = None) -> np.ndarray:
         """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
-        return np.concatenate(list(self.decode_frames(latents_ncthw, tiled)), axis=1)
+        groups = self.decode_frames(latents_ncthw, tiled)
+        frames = 1 + self.temporal_factor * (np.shape(latents_ncthw)[2] - 1)
+        out, at = None, 0
+        for g in groups:  # each group lands while the device works on the next (no final join)
+            if out is None:
+                out = np.empty((g.shape[0], frames, *g.shape[2:]), np.float32)
+            out[:, at:at + g.shape[1]] = g
+            at += g.shape[1]
+        return out
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py

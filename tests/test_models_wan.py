@@ -368,6 +368,44 @@ def test_real_wan21_config_matches_diffusers():
     assert err < 1e-4, f"seed {seed}: relative L2 {err:.2e}"
 
 
+def test_a_backend_that_runs_ahead_gets_one_frame_group_of_look_ahead():
+    """On a backend whose copies to the host overlap later work (cuda), frame group k+1 is queued
+    before group k is waited for, from the second group on; the first group leaves before any
+    later work is queued (its latency is the stream's start). The frames are the same."""
+    from convkernels.backend import HostReady
+    from convkernels.backends.numpy_backend import NumpyBackend
+
+    events = []
+
+    class RunsAhead(NumpyBackend):
+        runs_ahead = True
+
+        def conv3d(self, *a, **k):
+            events.append("conv")
+            return super().conv3d(*a, **k)
+
+        def to_host_async(self, x):
+            chunk = events.count("send")
+            events.append("send")
+            host = HostReady(self.to_host(x))
+
+            class Waited:
+                def result(self_inner):
+                    events.append(f"wait {chunk}")
+                    return host.result()
+            return Waited()
+
+    latents = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 4, 3, 5)).astype(np.float32)
+    ahead = build("tiny", "tiny-wan-vae", RunsAhead())
+    frames = ahead.decode(latents)
+    order = [e for e in events if e != "conv"]
+    assert order == ["send", "wait 0", "send", "send", "wait 1", "send", "wait 2", "wait 3"]
+    # the chunk queued before "wait 1" did its convs before it: look-ahead, not just bookkeeping
+    second_send = [i for i, e in enumerate(events) if e == "send"][2]
+    assert events[second_send - 1] == "conv" and events.index("wait 1") > second_send
+    np.testing.assert_array_equal(frames, build("tiny", "tiny-wan-vae", get_backend("numpy")).decode(latents))
+
+
 @pytest.mark.parametrize("backend_name", ["numpy", "mlx"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_backend_rms_norm_matches_torch(backend_name, activation):
@@ -393,6 +431,34 @@ def test_backend_rms_norm_matches_torch(backend_name, activation):
         assert rel_l2(ours, ref.numpy()) < 1e-5
     with pytest.raises(ValueError, match="rms_norm: weight"):
         backend.rms_norm(backend.asarray(np.zeros((2, 3), np.float32)), backend.asarray(np.ones(4, np.float32)))
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "mlx"])
+def test_backend_rms_norm_behind_a_prefix_matches_torch_cat(backend_name):
+    """rms_norm(x, prefix=frames) == torch.cat([frames, silu(rms_norm(x))], 1): the causal conv's
+    cached frames in front of the norm's output; odd channels, one and two videos; a prefix
+    that does not fit is refused with the shapes named."""
+    if backend_name == "mlx":
+        pytest.importorskip("mlx.core")
+    try:
+        backend = get_backend(backend_name)
+    except Exception as exc:
+        pytest.skip(f"{backend_name} backend unavailable: {exc}")
+    rng = np.random.default_rng(fresh_seed())
+    F = torch.nn.functional
+    for n, t, t0 in ((1, 3, 2), (2, 1, 2), (1, 4, 1)):
+        x = rng.standard_normal((n, t, 5, 7, 13)).astype(np.float32)
+        pre = rng.standard_normal((n, t0, 5, 7, 13)).astype(np.float32)
+        w = rng.uniform(0.5, 1.5, 13).astype(np.float32)
+        ours = backend.to_host(backend.rms_norm(backend.asarray(x), backend.asarray(w), 1e-6, "silu",
+                                                prefix=backend.asarray(pre)))
+        normed = F.silu(F.rms_norm(torch.from_numpy(x).double(), (13,), torch.from_numpy(w).double(), 1e-6))
+        ref = torch.cat([torch.from_numpy(pre).double(), normed], dim=1).numpy()
+        assert ours.shape == ref.shape
+        assert rel_l2(ours, ref) < 1e-5
+    x = backend.asarray(np.zeros((1, 2, 3, 4, 5), np.float32))
+    with pytest.raises(ValueError, match=r"prefix must match x \(1, 2, 3, 4, 5\).*\(1, 2, 3, 4, 6\)"):
+        backend.rms_norm(x, prefix=backend.asarray(np.zeros((1, 2, 3, 4, 6), np.float32)))
 
 
 def decode_through_recording_backend(tmp_path, latent_frames: int, records: bool):

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..backend import CONV_OPS, CONV_T_OPS, Backend
+from ..backend import CONV_OPS, CONV_T_OPS, Backend, HostReady
 from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose, validate_conv
 from . import cuda_gemm
@@ -42,6 +42,7 @@ from .cuda_graphs import DEFAULT_MAX_GRAPH_BYTES
 from .cuda_graphs import CaptureMissed, GraphCache, GraphedForward
 from .cuda_kernels import Kernels, dw_ln_applies
 from .cuda_plan_cache import DEFAULT_CAPACITY, Fallback, PlanCache, PlanKey, PlanStore
+from .cuda_transfer import axis_blocks, copy_into, start_to_host
 
 log = logging.getLogger("convkernels.cuda")
 
@@ -58,6 +59,7 @@ _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "f
 class CudaBackend(Backend):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
+    runs_ahead = True
 
     def __init__(self, dtype: str = "float16", device: int = 0, plan_cache_capacity: int | None = None,
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
@@ -110,6 +112,7 @@ class CudaBackend(Backend):
         capacity = plan_cache_capacity or DEFAULT_CAPACITY
         self.plan_cache = PlanCache(capacity, self.name, store=store, serializer=self.builder)
         self._ws = None
+        self._copy_stream = None  # device -> host copies of to_host_async
         self._pending: list = []
         self._event_pool: list = []
         self._timing_lock = threading.Lock()
@@ -138,13 +141,28 @@ class CudaBackend(Backend):
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, np.ndarray):
             return x
+        return self.cp.asnumpy(self._widened(x, fresh=False))
+
+    def to_host_async(self, x):
+        """The copy runs on a side stream into pinned memory, after the work queued so far: the
+        caller queues its next chunk before it waits (Wan's decode overlaps each frame group's
+        copy and host work with the next group's kernels)."""
+        if isinstance(x, np.ndarray):
+            return HostReady(x)
+        if self._copy_stream is None:
+            self._copy_stream = self.cp.cuda.Stream(non_blocking=True)
+        return start_to_host(self.cp, self._copy_stream, self._widened(x, fresh=True))
+
+    def _widened(self, x, fresh: bool):
+        """x as contiguous float32 for the host; fresh: never x itself (its buffer may be reused
+        while an async copy still reads the result)."""
         if x.dtype == np.uint16:  # bfloat16 bits: widen on the device, exact
-            x = self._k("bfloat16").to_f32(self._c(x))
-        elif x.dtype == np.float16:
+            return self._k("bfloat16").to_f32(self._c(x))
+        if x.dtype == np.float16:
             # widen on the device: NumPy's float16 -> float32 cast has no SIMD path and cost 4 ms
             # of a 9 ms SD-VAE 512 decode on the H100's host; the copy of twice the bytes costs less
-            x = x.astype(np.float32)
-        return self.cp.asnumpy(x)
+            return x.astype(np.float32)
+        return x.astype(np.float32, order="C", copy=True) if fresh else self._c(x)
 
     def dtype_of(self, x) -> str:
         name = _DTYPE_NAMES.get(x.dtype)
@@ -522,6 +540,17 @@ class CudaBackend(Backend):
         dt = self.dtype_of(x)
         return self._k(dt).rms_norm(self._c(x), self._as(weight, dt), eps, activation)
 
+    def _rms_norm_after(self, prefix, x, weight, eps, activation):
+        # the kernel writes behind the prefix frames: no joined copy of the norm's output
+        if not axis_blocks(x.shape, 1):
+            return super()._rms_norm_after(prefix, x, weight, eps, activation)
+        cp, dt = self.cp, self.dtype_of(x)
+        t0 = prefix.shape[1]
+        out = cp.empty((x.shape[0], t0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
+        copy_into(cp, out[:, :t0], prefix)
+        self._k(dt).rms_norm(self._c(x), self._as(weight, dt), eps, activation, out=out[:, t0:])
+        return out
+
     def _activation(self, x, activation):
         return self._k(self.dtype_of(x)).epilogue(self._c(x), None, None, activation)
 
@@ -677,7 +706,8 @@ class CudaBackend(Backend):
         out = cp.empty(shape, dtype=cp.result_type(*xs))
         at = 0
         for x in xs:
-            out[(slice(None),) * axis + (slice(at, at + x.shape[axis]),)] = x
+            part = out[(slice(None),) * axis + (slice(at, at + x.shape[axis]),)]
+            copy_into(cp, part, x)  # one memcpy where the part is a block (axis_blocks)
             at += x.shape[axis]
         return out
 

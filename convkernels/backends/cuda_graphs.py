@@ -42,6 +42,7 @@ import weakref
 from collections import Counter, OrderedDict
 
 from ..metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REPLAYS, CUDA_GRAPHS_HELD
+from .cuda_transfer import copy_into
 
 log = logging.getLogger("convkernels.cuda.graphs")
 
@@ -126,6 +127,13 @@ class GraphCache:
     def _export(self) -> None:
         CUDA_GRAPHS_HELD.labels(self.backend_name).set(len(self._entries))
         CUDA_GRAPH_POOL_BYTES.labels(self.backend_name).set(self.held_bytes())
+
+
+def _copied(cp, o):
+    """A fresh copy of a graph's output buffer (the next replay overwrites it)."""
+    out = cp.empty(o.shape, dtype=o.dtype)
+    copy_into(cp, out, o)
+    return out
 
 
 class _Captured:
@@ -277,9 +285,9 @@ class GraphedForward:
         stream = cp.cuda.get_current_stream()
         stream.wait_event(entry.done)  # a replay on another stream may still be copying out
         for static, x in zip(entry.static_ins, xs):
-            static[...] = x
+            copy_into(cp, static, x)
         entry.graph.launch(stream)
-        outs = tuple(None if o is None else o.copy() for o in entry.static_outs)
+        outs = tuple(None if o is None else _copied(cp, o) for o in entry.static_outs)
         entry.done.record(stream)
         self.backend.count_calls(entry.calls)
         self.replays += 1

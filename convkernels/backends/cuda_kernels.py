@@ -252,6 +252,44 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
     }
 }
 
+// The same RMS norm when C % VEC == 0, C / VEC <= blockDim and the buffers are 16-byte aligned:
+// one 16-byte vector per thread, a row on C / VEC consecutive threads (rows may straddle warps, so
+// the row's sum goes through shared memory), x read once. Wan's C = 96 fills 12 of a warp's lanes
+// in rms_rows' layout; here every thread of a block but a few carries a vector.
+extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long rows, int C, int has_w,
+                                        float eps, int a) {
+    extern __shared__ float part[];  // one partial sum of squares per thread
+    int nv = C / VEC;
+    int per_block = blockDim.x / nv;
+    int local = threadIdx.x / nv;
+    int cv = threadIdx.x - local * nv;
+    long long row = (long long)blockIdx.x * per_block + local;
+    bool live = local < per_block && row < rows;
+    float v[VEC];
+    float q = 0.0f;
+    if (live) {
+        load_vec(x + row * C + cv * VEC, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) q += v[j] * v[j];
+    }
+    part[threadIdx.x] = q;
+    __syncthreads();
+    if (!live) return;
+    const float* pr = part + local * nv;
+    float s = 0.0f;
+    for (int i = 0; i < nv; ++i) s += pr[i];
+    float r = rsqrtf(s / C + eps);
+    float wv[VEC];
+    if (has_w) load_vec(w + cv * VEC, wv);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        float o = v[j] * r;
+        if (has_w) o *= wv[j];
+        v[j] = act(o, a);
+    }
+    store_vec(y + row * C + cv * VEC, v);
+}
+
 // LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
 // xb (has_xb): a per-channel bias added to x before the norm (the bias of the conv before it).
 extern "C" __global__ void ln_rows(const T* x, T* y, const T* w, const T* b, const T* xb, long long rows, int C,
@@ -561,6 +599,13 @@ def row_in_registers(channels: int, itemsize: int, ptrs) -> bool:
     return channels % vec == 0 and channels // vec <= 32 * LN_MAXV and all(p % 16 == 0 for p in ptrs)
 
 
+def rms_vectorised(channels: int, itemsize: int, ptrs) -> bool:
+    """Whether rms_rows_vec takes an RMS norm: whole 16-byte vectors per row, a row on at most
+    one block's threads, every buffer 16-byte aligned."""
+    vec = 16 // itemsize
+    return channels % vec == 0 and channels // vec <= BLOCK and all(p % 16 == 0 for p in ptrs)
+
+
 #: ln_rows_vec (a row in one warp's registers) won at few rows and lost at many on the H100
 #: (benchmarks/convnext_fusion_ab.py, 2026-11-24, ConvNeXt-T: b1 0.617 vs 0.722 ms with it,
 #: b32 2.31 vs 2.22 ms, b128 7.73 vs 7.29 ms); ln_rows takes norms over more rows than this
@@ -653,14 +698,20 @@ class Kernels:
             shared_mem=2 * groups * 4)
         return y
 
-    def rms_norm(self, x, weight, eps, activation):
+    def rms_norm(self, x, weight, eps, activation, out=None):
+        """out: a C-contiguous array of x's size to write into (part of a larger buffer)."""
         c = x.shape[-1]
         rows = x.size // c
-        y = self.cp.empty_like(x)
-        per_block = BLOCK // 32
-        self.fn("rms_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), (
-            x, y, weight if weight is not None else x, np.int64(rows), np.int32(c),
-            np.int32(weight is not None), np.float32(eps), np.int32(ACT_CODES[activation])))
+        y = self.cp.empty_like(x) if out is None else out
+        w = weight if weight is not None else x
+        args = (x, y, w, np.int64(rows), np.int32(c), np.int32(weight is not None), np.float32(eps),
+                np.int32(ACT_CODES[activation]))
+        if rms_vectorised(c, x.itemsize, (x.data.ptr, y.data.ptr, w.data.ptr)):
+            per_block = BLOCK // (c // (16 // x.itemsize))
+            self.fn("rms_rows_vec")((-(-rows // per_block),), (BLOCK,), args, shared_mem=4 * BLOCK)
+        else:
+            per_block = BLOCK // 32
+            self.fn("rms_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), args)
         return y
 
     def layer_norm(self, x, weight, bias, eps, activation, input_bias=None, vectorised=True):

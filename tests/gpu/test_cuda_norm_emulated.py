@@ -19,7 +19,7 @@ import pytest
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
 from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, dw_ln_applies, gn_chunks,
-                                               ln_vectorised)
+                                               ln_vectorised, rms_vectorised)
 
 HARNESS = r"""
 #include <atomic>
@@ -100,6 +100,14 @@ extern "C" void run_layer_norm(const float* x, float* y, const float* w, const f
     else launch(grid, [=] { ln_rows(x, y, w, b, xb, rows, C, 1, 1, has_xb, eps, a); });
 }
 
+extern "C" void run_rms_norm_vec(const float* x, float* y, const float* w, long long rows, int C, float eps,
+                                 int a) {
+    blockDim.x = BLOCK_THREADS;
+    int per_block = BLOCK_THREADS / (C / 4);
+    dim3 grid; grid.x = (unsigned)((rows + per_block - 1) / per_block);
+    launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a); });
+}
+
 extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
                           float* y, int H, int W, int C, int KH, int KW, float eps, long long pixels) {
     blockDim.x = BLOCK_THREADS;
@@ -124,6 +132,7 @@ def lib(tmp_path_factory):
         pytest.skip("no g++ to build the emulation")
     src = _SOURCE.replace("extern __shared__ double shg[];", "double* shg = (double*)g_smem;")
     src = src.replace("extern __shared__ float shm[];", "float* shm = (float*)g_smem;")
+    src = src.replace("extern __shared__ float part[];", "float* part = (float*)g_smem;")
     assert "extern __shared__" not in src, "a kernel with dynamic shared memory the harness does not map"
     code = HARNESS.replace("SOURCE", src).replace("BLOCK_THREADS", str(BLOCK))
     d = tmp_path_factory.mktemp("cuda_emulation")
@@ -230,6 +239,37 @@ def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation, input_bia
                                              torch.from_numpy(b.astype(np.float64)), 1e-6), activation))
     assert np.isfinite(y).all(), "an element was never written"
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows,c", [(37, 96), (5, 4 * 256), (23, 12), (64, 4 * 3)])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_rms_norm_rows_spread_over_threads_match_torch(lib, rows, c, activation):
+    """rms_rows_vec: a row on C/4 consecutive threads of float32 (rows straddling warps: 24
+    threads per row, 10 rows per block and 16 threads idle; one row per block at the widest;
+    a last block with fewer rows), Wan's eps, against torch in float64."""
+    rng, seed = fresh_rng()
+    x = (rng.standard_normal((rows, c)) * rng.uniform(0.1, 10)).astype(np.float32)
+    x[0] = 0.0  # a zero row: eps keeps it finite
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    y = np.full_like(x, np.nan)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    eps = 1e-24 / c
+    lib.run_rms_norm_vec(p(x), p(y), p(w), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(eps),
+                         ctypes.c_int(ACT_CODES[activation]))
+    ref = from_t(ref_activation(F.rms_norm(torch.from_numpy(x.astype(np.float64)), (c,),
+                                           torch.from_numpy(w.astype(np.float64)), eps), activation))
+    assert np.isfinite(y).all(), "an element was never written"
+    assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+def test_rms_norm_vector_path_choice():
+    """rms_rows_vec where rows are whole 16-byte vectors, at most a block's threads, aligned."""
+    assert rms_vectorised(96, 2, [0, 16, 4096])     # Wan's 96 channels in bf16: 12 threads a row
+    assert rms_vectorised(384, 2, [0])
+    assert rms_vectorised(4 * BLOCK, 4, [0])         # float32, one row per block
+    assert not rms_vectorised(4 * BLOCK + 4, 4, [0])
+    assert not rms_vectorised(97, 2, [0])            # not whole vectors
+    assert not rms_vectorised(96, 2, [0, 8])         # a buffer off 16 bytes
 
 
 def test_layer_norm_vector_path_choice():

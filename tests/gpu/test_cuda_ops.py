@@ -268,6 +268,56 @@ def test_rms_norm(dtype, activation):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_behind_a_prefix(dtype):
+    """rms_norm(x, prefix=frames): one video (the kernel writes behind the copied frames) and two
+    (the joined fallback), odd channels, vs torch.cat([frames, silu(rms_norm(x))], 1)."""
+    be = backend(dtype)
+    rng, seed = fresh_rng()
+    for n, t, t0, c in ((1, 4, 2, 97), (2, 3, 2, 13), (1, 1, 2, 96)):
+        x, xh = put(be, rng.standard_normal((n, t, 5, 9, c)))
+        pre, preh = put(be, rng.standard_normal((n, t0, 5, 9, c)))
+        w, wh = put(be, rng.uniform(0.5, 1.5, c))
+        ours = be.to_host(be.rms_norm(x, w, 1e-24 / c, activation="silu", prefix=pre))
+        normed = F.silu(F.rms_norm(torch.from_numpy(xh), (c,), torch.from_numpy(wh), 1e-24 / c))
+        ref = torch.cat([torch.from_numpy(preh), normed], dim=1).numpy()
+        np.testing.assert_array_equal(ours[:, :t0], preh)  # the prefix is copied bit for bit
+        assert rel_l2(ours, ref) < TOL[dtype], f"seed {seed} n={n}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_concat_by_blocks_and_by_strides_is_exact(dtype):
+    """concat's two routes (one memcpy per part where the parts are contiguous blocks, the
+    elementwise copy elsewhere) give numpy's concatenate bit for bit, including a strided view."""
+    be = backend(dtype)
+    rng, _ = fresh_rng()
+    parts = [put(be, rng.standard_normal((1, t, 3, 5, 7))) for t in (2, 1, 3)]
+    ours = be.to_host(be.concat([d for d, _ in parts], axis=1))
+    np.testing.assert_array_equal(ours, np.concatenate([h for _, h in parts], axis=1))
+    a, ah = put(be, rng.standard_normal((2, 3, 4, 6)))
+    b, bh = put(be, rng.standard_normal((2, 3, 4, 5)))
+    view = be.slice(a, 3, 0, 6, 2)  # every other channel: not a block
+    ours = be.to_host(be.concat([view, b], axis=-1))
+    np.testing.assert_array_equal(ours, np.concatenate([ah[..., ::2], bh], axis=-1))
+    ours = be.to_host(be.concat([be.slice(a, 1, 1, 3)], axis=1))  # a block of a larger array
+    np.testing.assert_array_equal(ours, ah[:, 1:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_host_async_reads_the_array_as_it_was_when_asked(dtype):
+    """to_host_async's result is to_host's, in float32, even when the device array is
+    overwritten right after the call (the copy reads a fresh widened array, on a side stream)."""
+    be = backend(dtype)
+    rng, _ = fresh_rng()
+    x, xh = put(be, rng.standard_normal((1, 3, 33, 17, 3)))
+    pending = be.to_host_async(x)
+    x[...] = 0
+    got = pending.result()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, xh.astype(np.float32))
+    assert pending.result() is got  # a second wait returns the same array
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_layer_norm(dtype, activation):
     be = backend(dtype)
