@@ -66,7 +66,7 @@ def decode_traced(model, lat):
         for k in range(z.shape[1]):
             tracemalloc.reset_peak()
             start = tracemalloc.get_traced_memory()[0] - base
-            group = model._to_pixels(model._decode_chunk(z[:, k:k + 1], state).result())
+            group = model._decode_chunk(z[:, k:k + 1], state, clip=(0.0, 1.0)).result()
             peak = tracemalloc.get_traced_memory()[1] - base
             del group
             chunks.append((start, peak, slot_bytes(state)))
@@ -129,7 +129,7 @@ def profile(model, lat, top):
         base = tracemalloc.get_traced_memory()[0]
         for k in range(z.shape[1]):
             chunk[0] = k
-            g = model._to_pixels(model._decode_chunk(z[:, k:k + 1], state).result())
+            g = model._decode_chunk(z[:, k:k + 1], state, clip=(0.0, 1.0)).result()
             del g
         tracemalloc.stop()
     finally:

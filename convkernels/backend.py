@@ -81,11 +81,13 @@ class Backend(ABC):
     @abstractmethod
     def to_host(self, x: Array) -> np.ndarray: ...
 
-    def to_host_async(self, x: Array):
-        """Start moving x to the host: an object whose result() is to_host(x). A backend whose
+    def to_host_async(self, x: Array, clip: tuple[float, float] | None = None):
+        """Start moving x to the host: an object whose result() is to_host(x) in float32, clipped
+        to clip = (lo, hi) when given (a device backend clips before the copy). A backend whose
         device runs ahead of the host (cuda) copies on a side stream, so the caller can queue its
         next work before it waits; the others copy at once."""
-        return HostReady(self.to_host(x))
+        host = np.asarray(self.to_host(x), dtype=np.float32)
+        return HostReady(host if clip is None else np.clip(host, clip[0], clip[1]))
 
     @abstractmethod
     def dtype_of(self, x: Array) -> str:

@@ -16,7 +16,7 @@ from convkernels import Backend
 
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
-from .contract import card_fields
+from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
 from .vae_checkpoint import normalize_keys
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
@@ -226,11 +226,12 @@ class AutoencoderKLModel:
             z = self.post_quant_conv(b, z)
         return self.decoder(b, z)
 
-    def _decode_raw(self, z_nhwc: np.ndarray) -> np.ndarray:
-        """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC, about
-        [0, 1], unclipped: x / 2 + 0.5 is folded into conv_out)."""
+    def _decode_raw(self, z_nhwc: np.ndarray, clip=None) -> np.ndarray:
+        """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC float32,
+        about [0, 1]: x / 2 + 0.5 is folded into conv_out), clipped to `clip` on the way out if
+        given (on the device, where there is one)."""
         b = self.backend
-        return np.asarray(b.to_host(self._decode_device(b.asarray(z_nhwc))), dtype=np.float32)
+        return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip).result()
 
     def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray:
         """Scaled latents (N, C, h, w) as the pipeline hands them -> float32 (N, 8h, 8w, 3) in [0, 1].
@@ -245,13 +246,13 @@ class AutoencoderKLModel:
         z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
         z = z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
         plan = tiling.plan_decode(self, z.shape, tiled)
+        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1); the affine part is in conv_out.
+        # Tiles are blended unclipped (as diffusers' tiled decode does), then clipped.
         if plan is None:
-            out = self._decode_raw(z)
-        else:
-            out = tiling.tiled_decode(self._decode_raw, z, plan)
-        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1); the affine part is in conv_out
+            return self._decode_raw(z, PIXEL_RANGE if clamp else None)
+        out = tiling.tiled_decode(self._decode_raw, z, plan)
         if clamp:
-            np.clip(out, 0.0, 1.0, out=out)
+            np.clip(out, *PIXEL_RANGE, out=out)
         return out
 
     # ---- encode ----------------------------------------------------------------------------------

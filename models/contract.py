@@ -13,6 +13,8 @@ import numpy as np
 
 IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", "image-encoder"
 Kind = Literal["image-decoder", "video-decoder", "image-encoder"]
+#: decoders' output range: diffusers clamps to [-1, 1] and maps x / 2 + 0.5 (conv_out does the map)
+PIXEL_RANGE = (0.0, 1.0)
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ import numpy as np
 from convkernels import Backend
 
 from .wan_checkpoint import normalize_keys
-from .contract import card_fields
+from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .wan_tiling import TileSettings, plan_tiles, stitch
@@ -197,15 +197,15 @@ class WanVAEDecoder:
         state = FeatureCache()
         pending = None
         for k in range(z.shape[1]):
-            started = self._decode_chunk(z[:, k:k + 1], state)
+            started = self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE)
             if pending is not None:
-                yield self._to_pixels(pending.result())
+                yield pending.result()
             pending = started
             if k == 0 or not ahead:
-                yield self._to_pixels(pending.result())
+                yield pending.result()
                 pending = None
         if pending is not None:
-            yield self._to_pixels(pending.result())
+            yield pending.result()
 
     def _tiled_groups(self, z: np.ndarray, plan) -> Iterator[np.ndarray]:
         size = plan.tile_latent
@@ -215,10 +215,11 @@ class WanVAEDecoder:
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
             yield self._to_pixels(stitch(plan, tiles))
 
-    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache):
+    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
         host (`.result()`: float32, mapped to image space by conv_out's folded x / 2 + 0.5,
-        unclipped), advancing `state`; the device may still be working when this returns.
+        clipped to `clip` if given), advancing `state`; the device may still be working when
+        this returns.
         Steady chunks (the third on) go through the graphed step where the backend records it:
         their shapes repeat, so it replays them; the first two change the cache's layout."""
         b = self.backend
@@ -231,7 +232,7 @@ class WanVAEDecoder:
             state.slots = slots
         else:
             out = self.tree.decoder(self.tree.post_quant_conv(x), state)
-        return b.to_host_async(out)
+        return b.to_host_async(out, clip)
 
     def _step(self, x, *cache):
         """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on
@@ -242,9 +243,9 @@ class WanVAEDecoder:
 
     @staticmethod
     def _to_pixels(x) -> np.ndarray:
-        # diffusers clamps the decode to [-1, 1], then maps x / 2 + 0.5 (already done by conv_out)
+        """Stitched tiles -> pixels (an untiled group is clipped on its way to the host)."""
         out = np.asarray(x, dtype=np.float32)
-        np.clip(out, 0.0, 1.0, out=out)
+        np.clip(out, *PIXEL_RANGE, out=out)
         return out
 
     def decode(self, latents_ncthw, tiled: bool | None = None) -> np.ndarray:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..backend import CONV_OPS, CONV_T_OPS, Backend, HostReady
+from ..backend import CONV_OPS, CONV_T_OPS, Backend
 from ..paths import ConvPath, PathChooser
 from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose, validate_conv
 from . import cuda_gemm
@@ -143,26 +143,27 @@ class CudaBackend(Backend):
             return x
         return self.cp.asnumpy(self._widened(x, fresh=False))
 
-    def to_host_async(self, x):
+    def to_host_async(self, x, clip=None):
         """The copy runs on a side stream into pinned memory, after the work queued so far: the
         caller queues its next chunk before it waits (Wan's decode overlaps each frame group's
-        copy and host work with the next group's kernels)."""
+        copy and host work with the next group's kernels). clip: done by the widening kernel."""
         if isinstance(x, np.ndarray):
-            return HostReady(x)
+            return super().to_host_async(x, clip)
         if self._copy_stream is None:
             self._copy_stream = self.cp.cuda.Stream(non_blocking=True)
-        return start_to_host(self.cp, self._copy_stream, self._widened(x, fresh=True))
+        return start_to_host(self.cp, self._copy_stream, self._widened(x, fresh=True, clip=clip))
 
-    def _widened(self, x, fresh: bool):
-        """x as contiguous float32 for the host; fresh: never x itself (its buffer may be reused
-        while an async copy still reads the result)."""
-        if x.dtype == np.uint16:  # bfloat16 bits: widen on the device, exact
-            return self._k("bfloat16").to_f32(self._c(x))
-        if x.dtype == np.float16:
-            # widen on the device: NumPy's float16 -> float32 cast has no SIMD path and cost 4 ms
-            # of a 9 ms SD-VAE 512 decode on the H100's host; the copy of twice the bytes costs less
-            return x.astype(np.float32)
-        return x.astype(np.float32, order="C", copy=True) if fresh else self._c(x)
+    def _widened(self, x, fresh: bool, clip=None):
+        """x as contiguous float32 for the host, clipped to clip = (lo, hi) when given; fresh:
+        never x itself (its buffer may be reused while an async copy still reads the result).
+        Widening on the device: NumPy's float16 -> float32 cast has no SIMD path and cost 4 ms of
+        a 9 ms SD-VAE 512 decode on the H100's host; the copy of twice the bytes costs less."""
+        if x.dtype == np.float32 and clip is None and not fresh:
+            return self._c(x)
+        if x.dtype not in _STORAGE.values():  # float64 and the like: CuPy's own cast and clip
+            y = x.astype(np.float32)
+            return y if clip is None else self.cp.clip(y, clip[0], clip[1], out=y)
+        return self._k(self.dtype_of(x)).to_f32(self._c(x), clip)
 
     def dtype_of(self, x) -> str:
         name = _DTYPE_NAMES.get(x.dtype)

@@ -305,7 +305,8 @@ def test_concat_by_blocks_and_by_strides_is_exact(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_to_host_async_reads_the_array_as_it_was_when_asked(dtype):
     """to_host_async's result is to_host's, in float32, even when the device array is
-    overwritten right after the call (the copy reads a fresh widened array, on a side stream)."""
+    overwritten right after the call (the copy reads a fresh widened array, on a side stream);
+    with clip=, clipped as np.clip would."""
     be = backend(dtype)
     rng, _ = fresh_rng()
     x, xh = put(be, rng.standard_normal((1, 3, 33, 17, 3)))
@@ -315,6 +316,12 @@ def test_to_host_async_reads_the_array_as_it_was_when_asked(dtype):
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, xh.astype(np.float32))
     assert pending.result() is got  # a second wait returns the same array
+    y, yh = put(be, rng.standard_normal((2, 5, 7)))
+    y[0, 0, 0] = np.nan
+    got = be.to_host_async(y, clip=(-0.5, 0.25)).result()  # clipped by the widening kernel
+    want = np.clip(yh.astype(np.float32), -0.5, 0.25)
+    want[0, 0, 0] = np.nan
+    np.testing.assert_array_equal(got, want)  # NaN stays NaN, as np.clip leaves it
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
