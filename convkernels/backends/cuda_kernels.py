@@ -139,7 +139,7 @@ __device__ __forceinline__ GnTile gn_tile(long long S, int C, int G, long long r
 
 // pass 1: per-group sum and sum of squares of one chunk, added into acc (N, G, 2), which the
 // caller zeroes. Dynamic shared memory: 2 * G doubles.
-extern "C" __global__ void gn_stats(const T* __restrict__ x, double* acc, long long S, int C, int G,
+extern "C" __global__ void gn_stats(const T* x, double* acc, long long S, int C, int G,
                                     long long rows_per_chunk, int vec) {
     extern __shared__ double shg[];
     int n = blockIdx.y;
@@ -154,9 +154,6 @@ extern "C" __global__ void gn_stats(const T* __restrict__ x, double* acc, long l
             float s[VEC], q[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) { s[j] = 0.0f; q[j] = 0.0f; }
-            // unrolled so that several rows' loads are in flight per thread (one at a time left
-            // the passes latency-bound: ~2 TB/s of the H100's ~3)
-#pragma unroll 4
             for (long long r = s0 + tr; r < s1; r += rpar) {
                 const T* p = item + r * C + (long long)col * V;
                 if (vec) {
@@ -195,7 +192,7 @@ extern "C" __global__ void gn_stats(const T* __restrict__ x, double* acc, long l
 // pass 2: y = act((x - mean) * rstd * w + b) with the statistics of pass 1, as one FMA per
 // element: each thread folds its channels' mean, rstd, weight and bias into scale and shift
 // once. Dynamic shared memory: 2 * G floats (mean, rstd).
-extern "C" __global__ void gn_norm(const T* __restrict__ x, T* __restrict__ y, const double* acc, const T* w, const T* b,
+extern "C" __global__ void gn_norm(const T* x, T* y, const double* acc, const T* w, const T* b,
                                    long long S, int C, int G, long long rows_per_chunk, double count,
                                    float eps, int has_w, int has_b, int a, int vec) {
     extern __shared__ float shm[];
@@ -226,8 +223,6 @@ extern "C" __global__ void gn_norm(const T* __restrict__ x, T* __restrict__ y, c
             scale[j] = shm[G + g] * wc;
             shift[j] = bc - shm[g] * scale[j];
         }
-        // y never aliases x (restrict): the unrolled rows' loads can all issue before the stores
-#pragma unroll 4
         for (long long r = s0 + tr; r < s1; r += rpar) {
             long long o = r * C + (long long)col * V;
             if (vec) {
