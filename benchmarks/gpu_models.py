@@ -288,6 +288,10 @@ def main():
         # heuristic plans are the service's default (CONVSERVE_CUDA_AUTOTUNE off); --wan-autotune
         # adds a row with autotuned plans (its first decode times every key's candidates)
         for tuned in (False, True) if args.wan_autotune else (False,):
+            # what earlier sections left alive (their models, backends' workspaces) is not Wan's
+            csync()
+            pool.free_all_blocks()
+            base = pool.used_bytes() / 2**30
             be = backend("bfloat16", autotune=tuned)
             model, model_eager = pair("wan", lambda n: load_model(n, "wan2.1-vae", be), be)
             t1 = time.time()
@@ -299,8 +303,8 @@ def main():
             ours = wall(lambda: model.decode(lat), 1, max(1, args.reps // 2), csync)
             ours_e = wall(lambda: model_eager.decode(lat), 1, max(1, args.reps // 2), csync)
             held = model._steady_step.stats()["pool_bytes"] / 2**30
-            gib = ours_peak(lambda: model.decode(lat)) + held
-            in_use = ours_in_use_peak(lambda: model.decode(lat)) + held
+            gib = ours_peak(lambda: model.decode(lat)) + held - base
+            in_use = ours_in_use_peak(lambda: model.decode(lat)) + held - base
             wan_kernels = dict(ours=kern(lambda: model.decode(lat), csync, f"wan ours{' autotuned' if tuned else ''}"),
                                torch=peer_kernels)
             record(f"wan2.1-vae decode 16x5x60x104 bf16{', autotuned plans' if tuned else ''}", ours, ours_e, peer,
@@ -308,7 +312,8 @@ def main():
                    extra=dict(first_call_s=warm_s, graph=model._steady_step.stats(), peer_reserved_gib=preserved,
                               ours_in_use_gib=in_use,
                               note="ours GiB: the CuPy pool's bytes (reserved); ours_in_use_gib: its peak in "
-                                   "use, as torch's max_memory_allocated (peer GiB)"))
+                                   "use, as torch's max_memory_allocated (peer GiB); both less what was in use "
+                                   "before the Wan model was loaded", baseline_gib=base))
             details[f"wan{' autotuned' if tuned else ''}"] = dict(
                 plan_cache=be.plan_cache_stats(), small_kd={str(k.x_shape): v for k, v in be.measurements.items()})
             print(f"wan peak GiB: ours pool {gib:.2f}, in use {in_use:.2f}; torch allocated {pgib:.2f}, "
