@@ -405,17 +405,21 @@ def test_a_backend_that_runs_ahead_gets_one_frame_group_of_look_ahead():
     np.testing.assert_array_equal(frames, build("tiny", "tiny-wan-vae", get_backend("numpy")).decode(latents))
 
 
+def backend_or_skip(name: str):
+    if name == "mlx":
+        pytest.importorskip("mlx.core")
+    try:
+        return get_backend(name)
+    except Exception as exc:
+        pytest.skip(f"{name} backend unavailable: {exc}")
+
+
 @pytest.mark.parametrize("backend_name", ["numpy", "mlx"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_backend_rms_norm_matches_torch(backend_name, activation):
     """The backend's rms_norm (the Wan norm's op) vs torch.nn.functional.rms_norm: odd channel
     counts, 4-D and 5-D inputs, a tiny-eps case like Wan's and a vector of zeros."""
-    if backend_name == "mlx":
-        pytest.importorskip("mlx.core")
-    try:
-        backend = get_backend(backend_name)
-    except Exception as exc:
-        pytest.skip(f"{backend_name} backend unavailable: {exc}")
+    backend = backend_or_skip(backend_name)
     rng = np.random.default_rng(fresh_seed())
     F = torch.nn.functional
     for shape, eps in (((2, 5, 7, 13), 1e-6), ((1, 3, 4, 5, 33), 1e-24 / 33)):
@@ -437,12 +441,7 @@ def test_backend_rms_norm_behind_a_prefix_matches_torch_cat(backend_name):
     """rms_norm(x, prefix=frames) == torch.cat([frames, silu(rms_norm(x))], 1): the causal conv's
     cached frames in front of the norm's output; odd channels, one and two videos; a prefix
     that does not fit is refused with the shapes named."""
-    if backend_name == "mlx":
-        pytest.importorskip("mlx.core")
-    try:
-        backend = get_backend(backend_name)
-    except Exception as exc:
-        pytest.skip(f"{backend_name} backend unavailable: {exc}")
+    backend = backend_or_skip(backend_name)
     rng = np.random.default_rng(fresh_seed())
     F = torch.nn.functional
     for n, t, t0 in ((1, 3, 2), (2, 1, 2), (1, 4, 1)):
