@@ -45,6 +45,16 @@ class HostTransfer:
             self._done = self._source = None
         return self._host
 
+    def __del__(self):
+        # dropped unread (a client that left mid-stream): the pinned buffer goes back to CuPy's
+        # pool, which does not know a copy may still be writing into it; let the copy finish
+        done = getattr(self, "_done", None)
+        if done is not None:
+            try:
+                done.synchronize()
+            except Exception:  # at interpreter exit the CUDA context may already be gone
+                pass
+
 
 def start_to_host(cp, side_stream, wide) -> HostTransfer:
     """Copy the contiguous device array `wide` (owned by the caller, not reused: a fresh array)
