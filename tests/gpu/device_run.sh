@@ -6,7 +6,8 @@
 # PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
 # shape's first call), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start),
-# AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py).
+# AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
+# Wan decode's first frame group spends its time, benchmarks/wan_first_chunk.py).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -49,6 +50,10 @@ fi
 if [ "${STREAM:-0}" = 1 ]; then  # issue #13's GPU row: streamed Wan 2.1 decode, real config
   timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
     --shapes ${STREAM_SHAPES:-21x60x104} --reps 2 2>&1 | tee "$OUT/streaming.log" | tail -n 8
+fi
+if [ "${FIRSTCHUNK:-0}" = 1 ]; then  # issue #20's streamed first group: host queueing vs kernels
+  timeout ${FIRSTCHUNK_TIMEOUT:-200} python3 benchmarks/wan_first_chunk.py 2>&1 | tee "$OUT/wan_first_chunk.log" \
+    | grep -v -i warn | tail -n 18
 fi
 if [ "${SERVICE:-0}" = 1 ]; then  # service-level encode throughput vs the raw model
   timeout ${SERVICE_TIMEOUT:-300} python3 benchmarks/service_throughput.py --backend cuda --preset convnext-tiny \
