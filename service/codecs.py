@@ -141,10 +141,25 @@ def read_tensor_body(body: bytes, content_type: str | None, prefer: str) -> tupl
                   f"Content-Type {mt!r} not accepted; send {NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json")
 
 
+def npy_parts(arr: np.ndarray) -> tuple[bytes, memoryview]:
+    """The .npy header np.save writes for arr, and a byte view of its data (C order): joined,
+    the file's bytes, with the data copied once (np.save into a BytesIO and getvalue() copied it
+    twice, plus the buffer's growth: 7-38 ms for one 480x832 video frame on a 2-core box)."""
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.hasobject:
+        raise ValueError("npy: object arrays are not written (no pickles)")
+    header = np.lib.format.header_data_from_array_1_0(arr)
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, header)
+    except ValueError:  # a header over 64 KiB: format 2.0, as np.save would choose
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, header)
+    return head.getvalue(), memoryview(arr.reshape(-1)).cast("B")
+
+
 def npy_bytes(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
-    return buf.getvalue()
+    return b"".join(npy_parts(arr))
 
 
 # ---- images ----------------------------------------------------------------------------------------

@@ -144,8 +144,8 @@ class FrameGroups:
 
 
 def npy_record(group: np.ndarray) -> bytes:
-    data = codecs.npy_bytes(np.ascontiguousarray(group, dtype=np.float32))
-    return RECORD_HEADER.pack(len(data)) + data
+    head, data = codecs.npy_parts(np.asarray(group, dtype=np.float32))
+    return b"".join((RECORD_HEADER.pack(len(head) + len(data)), head, data))
 
 
 class FrameStreamResponse(Response):
