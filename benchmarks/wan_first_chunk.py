@@ -1,7 +1,8 @@
 """Where a streamed Wan 2.1 decode's first frame group spends its time on the GPU (issue #20's
 "first group <= 0.1 s"): the latents' host preparation, the first chunk's ops queued by the host
 (the time until `_decode_chunk` returns), its wait for the device, and the same chunk's summed
-kernel time with the costliest kernels (CUPTI, through torch.profiler). Queueing close to the
+kernel time with the costliest kernels (gpu_models.kernel_ms: CUPTI, memcpys not counted; the
+run of 2026-11-25 02:57 counted them, 0.7 of its 6.1 ms). Queueing close to the
 whole chunk means the host's launches are the bound; kernel time close to it, the GPU.
 
     PYTHONPATH=. python3 benchmarks/wan_first_chunk.py [--dtype float16] [--shape 21x60x104] [--reps 5]
@@ -13,6 +14,7 @@ import statistics
 import time
 
 import numpy as np
+from gpu_models import kernel_ms  # noqa: E402 (benchmarks/ is the script's directory)
 
 
 def main() -> None:
@@ -53,26 +55,15 @@ def main() -> None:
         q, c = first_chunk(z)
         queue.append(q)
         whole.append(c)
-    from torch.profiler import ProfilerActivity, profile
-
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        first_chunk(z)
-        sync()
-    rows, total = [], 0.0
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
-        if ev.key.startswith(("cuda", "Activity")):
-            continue
-        total += us
-        rows.append((us, ev.count, ev.key[:110]))
+    rows = []
+    kernels = kernel_ms(lambda: first_chunk(z), sync, reps=1, top=rows)
     med = statistics.median
     print(f"# Wan 2.1 first chunk, latents 1x16x{args.shape}, {args.dtype}, {be.describe().get('gpu')}, "
           f"median of {args.reps}")
     print(f"host prepare {med(prep):.2f} ms | first chunk queued {med(queue):.2f} ms | first chunk to host "
-          f"{med(whole):.2f} ms | its kernels {total / 1e3:.2f} ms in {sum(r[1] for r in rows)} launches")
-    for us, n, name in sorted(rows, reverse=True)[:15]:
-        print(f"{us:10.1f} us {n:5d}x  {name}")
+          f"{med(whole):.2f} ms | its kernels {kernels:.2f} ms (memcpys not counted)")
+    for name, n, us in rows[:15]:
+        print(f"{us:10.1f} us {n:5.0f}x  {name}")
 
 
 if __name__ == "__main__":

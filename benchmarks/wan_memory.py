@@ -20,7 +20,6 @@ import datetime
 import sys
 import time
 import tracemalloc
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +94,6 @@ def profile(model, lat, top):
     names = ("conv3d", "conv2d", "upsample_conv2d", "rms_norm", "concat", "attention", "asarray")
     origs = {n: getattr(b, n) for n in names}
     rows = []
-    calls = defaultdict(int)
 
     def where():
         f = sys._getframe(2)

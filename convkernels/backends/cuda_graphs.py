@@ -233,7 +233,7 @@ class GraphedForward:
             with cp.cuda.using_allocator(pool.malloc), stream:
                 static_ins = tuple(cp.empty_like(x) for x in xs)
                 for static, x in zip(static_ins, xs):
-                    static[...] = x
+                    copy_into(cp, static, x)
                 stream.synchronize()
                 self.backend.bind_stream(stream)
                 with self.backend.recording_calls() as (calls, kept):
