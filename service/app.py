@@ -1,5 +1,6 @@
-"""App factory: settings -> FastAPI app with the v1 and KServe v2 adapters, health and metrics.
-The lifespan starts model loading (readyz turns true after warm-up) and stops the worker."""
+"""App factory: settings -> one HTTP front end's FastAPI app with the v1 and KServe v2 adapters,
+health and metrics. The lifespan connects to the model workers (readyz turns true once they have
+loaded and warmed up their models) and lets go of them at the end."""
 from __future__ import annotations
 
 import logging
@@ -23,10 +24,11 @@ Errors are RFC 7807 `application/problem+json` (type, title, status, detail). Wi
 `Retry-After`; a draining server answers 503."""
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]] = ()) -> FastAPI:
+    """endpoints: (device, Unix socket) of each model worker (service/supervisor.py)."""
     settings = settings or Settings()
     HeaderTimeoutH11Protocol.header_timeout_s = settings.header_timeout_s
-    svc = Service(settings)
+    svc = Service(settings, endpoints)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

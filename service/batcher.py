@@ -1,15 +1,17 @@
-"""Dynamic batcher: one worker thread per device runs model calls; requests for the same model
-and compatible shapes are stacked along the batch axis, up to `max_batch` rows, waiting at most
-`max_queue_delay_ms` after the oldest one arrived. The queue is bounded; queued work whose
-requester gave up (client gone, timeout) is dropped before it runs."""
+"""Dynamic batcher, inside a model worker process (service/model_worker.py): one thread runs the
+device's model calls; requests for the same model and compatible shapes are stacked along the
+batch axis, up to `max_batch` rows, waiting at most `max_queue_delay_ms` after the oldest one
+arrived. The queue is bounded; queued work whose requester gave up (client gone, timeout) is
+dropped before it runs. Results go to each item's `concurrent.futures.Future`, which a thread or
+an event loop (`asyncio.wrap_future`) may wait on."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -32,6 +34,10 @@ class Closed(Exception):
     pass
 
 
+class Cancelled(Exception):
+    """The item was withdrawn before its model call started."""
+
+
 @dataclass(eq=False)
 class WorkItem:
     model: str
@@ -39,13 +45,14 @@ class WorkItem:
     key: Hashable
     inputs: np.ndarray
     call: ModelCall
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     started: bool = False
     #: runs alone and at once: a step of a stateful generator (streaming) has nothing to batch with
     solo: bool = False
+    #: the submitter's own reference (the worker: which front end and request it answers)
+    tag: Any = None
 
     @property
     def rows(self) -> int:
@@ -63,13 +70,16 @@ def _rows_of(out: Any, start: int, stop: int) -> Any:
     return out[start:stop]
 
 
-def _resolve(fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
+def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
     if fut.done():
         return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except Exception:  # a done-callback failed (a requester gone): never the worker's problem
+        log.exception("delivering a result failed")
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -80,12 +90,16 @@ def batch_sizes(max_batch: int) -> list[int]:
 class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
-                 stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None):
+                 stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
+                 on_start: Callable[[list[WorkItem]], None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
-        (the seam of the injected model-call faults, service/fault_injection.py)."""
+        (the seam of the injected model-call faults, service/fault_injection.py). on_start(batch):
+        told which items a model call is about to run (the worker tells their front ends)."""
+        self.on_start = on_start
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
         self.max_queue = max_queue
+        self.name = name
         self.after_batch = after_batch
         self.before_call = before_call
         self.stats = stats
@@ -100,7 +114,7 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
         self._thread.start()
 
-    # ---- producer side (event loop) ------------------------------------------------------------
+    # ---- producer side ------------------------------------------------------------
     def reserve(self) -> None:
         """Hold a queue place for a request about to read its body, so a full queue is answered
         before the body is read and parsed. The place is used by submit(reserved=True) or given
@@ -117,13 +131,12 @@ class Batcher:
             self._reserved -= 1
 
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
-               continuation: bool = False, solo: bool = False, reserved: bool = False) -> WorkItem:
+               continuation: bool = False, solo: bool = False, reserved: bool = False, tag: Any = None) -> WorkItem:
         """continuation: a later step of a request admitted earlier (a streamed decode); it is not
         refused by a full queue or a drain, only by a stopped worker. reserved: the request holds
         a place from reserve(), which this item takes (refused only by a stopped worker).
         solo: see WorkItem.solo."""
-        loop = asyncio.get_running_loop()
-        item = WorkItem(model, key, inputs, call, loop, loop.create_future(), solo=solo)
+        item = WorkItem(model, key, inputs, call, solo=solo, tag=tag)
         admitted = continuation or reserved
         with self._cond:
             if self._stopped or (self._closed and not admitted):
@@ -136,6 +149,20 @@ class Batcher:
             self._set_depth(model)
             self._cond.notify()
         return item
+
+    def cancel(self, item: WorkItem) -> bool:
+        """Withdraw `item`: True when it had not started (it never runs, and its future gets
+        Cancelled), False when its model call already runs (its result still comes). Decided
+        under the queue's lock, so the answer cannot race the worker picking the item up."""
+        with self._cond:
+            item.cancelled = True
+            if item.started:
+                return False
+            if item in self._pending:
+                self._pending.remove(item)
+                self._set_depth(item.model)
+        _resolve(item.future, None, Cancelled())
+        return True
 
     def backlog_seconds(self) -> float:
         """Rough time to work off the queue at the recent per-row speed."""
@@ -157,7 +184,7 @@ class Batcher:
             self._closed = True
             self._stopped = True
             for item in self._pending:
-                item.loop.call_soon_threadsafe(_resolve, item.future, None, Closed())
+                _resolve(item.future, None, Closed())
             self._pending.clear()
             self._cond.notify_all()
         self._thread.join(timeout)
@@ -226,6 +253,11 @@ class Batcher:
 
     def _run(self, batch: list[WorkItem]) -> None:
         model = batch[0].model
+        if self.on_start is not None:
+            try:
+                self.on_start(batch)
+            except Exception:
+                log.exception("on_start hook failed")
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
         for wait in waits:
@@ -233,6 +265,8 @@ class Batcher:
         inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         stacked = time.perf_counter()
         metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
+        metrics.DEVICE_BATCHES.labels(model, self.name).inc()
+        metrics.DEVICE_ROWS.labels(model, self.name).inc(inputs.shape[0])
         try:
             if self.before_call is not None:
                 self.before_call(inputs)
@@ -247,7 +281,7 @@ class Batcher:
             except AttributeError:
                 pass
             for it in batch:
-                it.loop.call_soon_threadsafe(_resolve, it.future, None, exc)
+                _resolve(it.future, None, exc)
             return
         finally:
             if self.after_batch is not None:
@@ -268,4 +302,4 @@ class Batcher:
                                                     ns(stacked - now), ns(called - stacked),
                                                     ns(time.perf_counter() - split)))
         for it, part in zip(batch, parts):
-            it.loop.call_soon_threadsafe(_resolve, it.future, part)
+            _resolve(it.future, part)

@@ -33,66 +33,77 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
                                                "(both optional) [CONVSERVE_MODELS]"),
           backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda [CONVSERVE_BACKEND]"),
           dtype: Optional[str] = typer.Option(None, help="compute dtype [backend default]"),
-          workers: int = typer.Option(1, help="server processes (each loads the models; graceful drain needs 1)"),
+          workers: Optional[int] = typer.Option(None, help="HTTP front-end processes; 0 = auto: 1 on CPU "
+                                                "backends, half the cores (<= 16) with GPUs [CONVSERVE_WORKERS]"),
+          devices: Optional[str] = typer.Option(None, help="GPUs that get a model worker each: all, or 0,1 "
+                                                "[CONVSERVE_DEVICES]"),
           max_batch: Optional[int] = typer.Option(None, help="rows per model call [8]"),
           max_queue_delay_ms: Optional[float] = typer.Option(None, help="batching window [5]"),
-          max_queue: Optional[int] = typer.Option(None, help="queued requests before 429 [64]"),
+          max_queue: Optional[int] = typer.Option(None, help="queued requests (per front end) before 429 [64]"),
           request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout [60]"),
           keep_alive_s: Optional[float] = typer.Option(None, help="idle kept-alive connections close after [75]"),
           api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY'"),
           shutdown_grace_s: Optional[float] = typer.Option(None, help="drain time after SIGTERM [30]"),
           warmup_sizes: Optional[str] = typer.Option(None, help="image sizes run once before ready, e.g. 512,1024x768"),
           log_level: Optional[str] = typer.Option(None, help="debug|info|warning [info]")):
-    """Run the HTTP server (CPU default: tiny presets on NumPy)."""
-    import uvicorn
-
-    from .app import create_app
-    from .http_protocol import HeaderTimeoutH11Protocol
-    from .server import DrainingServer
-    from .settings import Settings
-
-    _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, max_batch=max_batch,
-             max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, request_timeout_s=request_timeout_s,
-             keep_alive_s=keep_alive_s, api_key=api_key, shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes,
-             log_level=log_level)
-    settings = Settings()
-    level = settings.log_level.lower()
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
-        # Everything is in the cache now: the loaders (every worker) read it there, so they all get
-        # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
-        os.environ["HF_HUB_OFFLINE"] = "1"
-    if workers > 1:
-        _serve_workers(settings, workers, level, HeaderTimeoutH11Protocol)
-        return
-    fastapi_app = create_app(settings)
-    config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
-                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=settings.keep_alive_s)
-    DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
-
-
-def _serve_workers(settings, workers: int, level: str, http) -> None:
-    """N uvicorn worker processes on one socket. Their metrics meet in a fresh directory
-    (prometheus_client multiprocess mode, see service/metrics.py), so /metrics reports the whole
-    server whichever worker answers; the directory goes when the server stops."""
+    """Run the HTTP server: one model worker per device, HTTP front ends in front (CPU default:
+    tiny presets on NumPy, one front end, one worker)."""
     import shutil
     import tempfile
 
     import uvicorn
 
     from .metrics import MULTIPROC_ENV
+    from .settings import Settings
 
+    _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, workers=workers, devices=devices,
+             max_batch=max_batch, max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
+             request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
+             shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
+    try:
+        settings = Settings()
+    except ValueError as exc:
+        _fail(f"settings: {exc}")
+    level = settings.log_level.lower()
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
+        # Everything is in the cache now: the loaders (every worker) read it there, so they all get
+        # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    # The model workers' metrics (batches, kernels) live in their processes: every process
+    # writes its values under one directory and /metrics, in any front end, sums them
+    # (prometheus_client's multiprocess mode). Set before the metrics modules are imported.
     own_dir = not os.environ.get(MULTIPROC_ENV)
     if own_dir:
         os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="convserve-metrics-")
     try:
-        uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port, http=http,
-                    workers=workers, log_level=level, timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-                    timeout_keep_alive=settings.keep_alive_s)
+        _serve(settings, uvicorn)
     finally:
         if own_dir:
             shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
+
+
+def _serve(settings, uvicorn) -> None:
+    from .server import frontend_main, run_frontend
+    from .supervisor import Supervisor, frontends_for
+
+    sock = uvicorn.Config("service.app:create_app", host=settings.host, port=settings.port).bind_socket()
+    try:
+        sup = Supervisor(settings)
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        sup.start_workers()
+        count = frontends_for(settings, sup.devices)
+        for i in range(1, count):
+            sup.add_frontend(f"convserve-frontend-{i}", frontend_main, (settings, sup.endpoints, [sock], os.getpid()))
+        logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",
+                                            settings.host, settings.port, count,
+                                            ", ".join(d.label for d in sup.devices))
+        run_frontend(settings, sup.endpoints, [sock], on_drain=sup.signal_frontends)
+    finally:
+        sup.stop(settings.shutdown_grace_s)
+        sock.close()
 
 
 def _fail(message: str, code: int = 2):

@@ -57,7 +57,7 @@ def model_metadata_doc(svc: Service, hm: HostedModel) -> dict:
     """The KServe v2 model metadata; the Triton model configuration (triton_extensions) derives from it."""
     inputs, outputs = hm.tensors()
     strip = lambda ts: [{k: t[k] for k in ("name", "datatype", "shape")} for t in ts]  # noqa: E731
-    return {"name": hm.name, "versions": [VERSION], "platform": f"convserve_{svc.backend.name}",
+    return {"name": hm.name, "versions": [VERSION], "platform": f"convserve_{svc.backend_name}",
             "inputs": strip(inputs), "outputs": strip(outputs),
             # the KServe fields carry no layout or range; the full tensor docs are here
             "convserve": {"kind": hm.kind, "inputs": inputs, "outputs": outputs}}

@@ -34,7 +34,15 @@ REJECTED = Counter("convserve_rejected_total",
                    ["model", "reason"], registry=REGISTRY)
 FAULTS = Counter("convserve_faults_total",
                  "Faults met: device_oom (retried, recovered, failed), worker_exception (failed), "
-                 "load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)
+                 "worker_died (failed: a request its worker took down with it), load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)
+WORKER_UP = Gauge("convserve_worker_up", "1 while the device's model worker process runs, 0 while it is restarted",
+                  ["device"], registry=REGISTRY, multiprocess_mode="max")
+WORKER_RESTARTS = Counter("convserve_worker_restarts_total", "Model worker processes started again after dying",
+                          ["device"], registry=REGISTRY)
+DEVICE_ROWS = Counter("convserve_device_rows_total", "Rows (images, videos, frame groups) run, per device",
+                      ["model", "device"], registry=REGISTRY)
+DEVICE_BATCHES = Counter("convserve_device_batches_total", "Model calls run, per device",
+                         ["model", "device"], registry=REGISTRY)
 
 
 def count_fault(model: str, fault: str, outcome: str) -> None:

@@ -17,7 +17,37 @@ from .settings import ModelEntry
 
 log = logging.getLogger("convserve.models")
 
-__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "load_entry", "warm_up"]
+__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "ModelView", "load_entry", "warm_up"]
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """A served model as an HTTP front end sees it: the attributes of models/contract.py that the
+    service reads and the model's card, copied by the model worker that loaded it (the model
+    itself, its weights and its backend stay in that worker's process)."""
+    name: str
+    kind: str
+    card_doc: dict
+    weights_source: str | None
+    weights_provenance: dict | None
+    latent_channels: int | None = None
+    spatial_factor: int | None = None
+    temporal_factor: int | None = None
+    has_encoder: bool = False
+    input_size: int | None = None
+    embed_dim: int | None = None
+    labels: list[str] | None = None
+
+    _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
+              "labels")
+
+    @classmethod
+    def of(cls, model) -> "ModelView":
+        return cls(model.name, model.kind, model.card(), model.weights_source, model.weights_provenance,
+                   **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)})
+
+    def card(self) -> dict:
+        return dict(self.card_doc)
 
 
 @dataclass
@@ -71,6 +101,21 @@ class HostedModel:
         m, n, hw = self.model, latent_shape[0], latent_shape[-2:]
         frames = (1 + m.temporal_factor * (latent_shape[2] - 1),) if self.is_video else ()
         return (n, *frames, hw[0] * m.spatial_factor, hw[1] * m.spatial_factor, 3)
+
+    def encoded_shape(self, images_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """What a VAE encoder gives images N,H,W,3: N,C,h,w, each side halved (floored) once per
+        2x of the spatial factor, as its stride-2 downsamplers do."""
+        n, h, w = images_shape[0], images_shape[1], images_shape[2]
+        for _ in range(int(self.model.spatial_factor).bit_length() - 1):
+            h, w = h // 2, w // 2
+        return (n, self.model.latent_channels, h, w)
+
+    def encoder_outputs(self, rows: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """An image encoder's outputs for `rows` images: name -> (shape, dtype)."""
+        outs = {"embedding": ((rows, int(self.model.embed_dim)), "float32")}
+        if self.extra.get("logits_dim"):
+            outs["logits"] = ((rows, int(self.extra["logits_dim"])), "float32")
+        return outs
 
     def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool) -> np.ndarray:
         # video decoders always clamp, as diffusers' AutoencoderKLWan does
@@ -145,7 +190,9 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: 
     t0 = time.perf_counter()
     out = forward(m, example_input(m, rng))
     if hm.kind == IMAGE_ENCODER:
-        hm.extra["has_logits"] = out.get("logits") is not None
+        logits = out.get("logits")
+        hm.extra["has_logits"] = logits is not None
+        hm.extra["logits_dim"] = None if logits is None else int(logits.shape[1])
     for (h, w), _ in itertools.product(sizes, range(calls_per_size)):
         t1 = time.perf_counter()
         forward(m, example_input(m, rng, pixels=(h, w)))

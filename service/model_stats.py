@@ -6,12 +6,17 @@ are summed across processes; Triton clients (perf_analyzer) want exact per-model
 and ns from the process they talk to. So this record is kept beside the metrics and updated at
 the same points: the request's end (success/fail, as convserve_requests_total) and the batcher's
 model call (queue wait, batch size, as convserve_queue_wait_seconds and convserve_batch_size).
-It is written by the worker thread and the event loop, hence the lock."""
+It is written by the worker thread and the event loop, hence the lock.
+
+Since the model workers run in their own processes (one per device), a front end keeps the
+request half (success, fail) and each worker the batch half; a front end's statistics answer adds
+the workers' records (`records()`, sent over the worker link) to its own (`snapshot(..., also=)`)."""
 from __future__ import annotations
 
+import copy
 import threading
-from collections import defaultdict
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 #: Triton's per-request duration fields, in the order its statistics extension lists them
@@ -82,10 +87,16 @@ class ModelStats:
             rec.execution_count += 1
             rec.last_inference_ms = int(time.time() * 1000)
 
-    def snapshot(self, model: str, version: str) -> dict:
-        """Triton's `model_stats` entry for one model (zeros before its first request)."""
+    def records(self) -> dict[str, _ModelRecord]:
+        """A copy of every model's record (what a worker sends its front ends)."""
         with self._lock:
-            rec = self._models.get(model) or _ModelRecord()
+            return copy.deepcopy(dict(self._models))
+
+    def snapshot(self, model: str, version: str, also: list[_ModelRecord] = ()) -> dict:
+        """Triton's `model_stats` entry for one model (zeros before its first request), with the
+        records in `also` (the model workers') added to this process's own."""
+        with self._lock:
+            rec = _merged([self._models.get(model) or _ModelRecord(), *also])
             return {
                 "name": model, "version": version, "last_inference": rec.last_inference_ms,
                 "inference_count": rec.inference_count, "execution_count": rec.execution_count,
@@ -95,3 +106,18 @@ class ModelStats:
                                 for size, per in sorted(rec.batches.items())],
                 "memory_usage": [],
             }
+
+
+def _merged(records: list[_ModelRecord]) -> _ModelRecord:
+    out = _ModelRecord()
+    for rec in records:
+        for key, d in rec.durations.items():
+            out.durations[key].add(d.ns, d.count)
+        out.inference_count += rec.inference_count
+        out.execution_count += rec.execution_count
+        out.last_inference_ms = max(out.last_inference_ms, rec.last_inference_ms)
+        for size, per in rec.batches.items():
+            mine = out.batches.setdefault(size, {k: Duration() for k in _COMPUTE})
+            for key, d in per.items():
+                mine[key].add(d.ns, d.count)
+    return out

@@ -34,21 +34,26 @@ IMAGE_BODY = {"requestBody": {"required": True, "content": {
 @router.get("/models", summary="Model cards of every served model")
 async def list_models(request: Request):
     svc = service(request)
-    return {"ready": svc.ready, "models": [hm.card() for hm in svc.models.values()],
-            "unavailable": svc.failed}
+    return {"ready": svc.ready, "models": [svc.card(hm) for hm in svc.models.values()],
+            "unavailable": svc.failed, "devices": svc.engine.devices()}
 
 
 @router.get("/models/{name}", summary="One model's card", responses={404: PROBLEM_SCHEMA})
 async def model_card(name: str, request: Request):
-    return service(request).model(name).card()
+    svc = service(request)
+    return svc.card(svc.model(name))
 
 
-@router.get("/kernels", summary="Conv path choices and plan cache statistics of the backend")
+@router.get("/kernels", summary="Conv path choices and plan cache statistics of each device's backend",
+            description="The first device's `backend`, `conv_choices` and `plan_cache` at the top level; "
+                        "every device's under `devices`.")
 async def kernels(request: Request):
-    be = service(request).backend
-    if be is None:
-        raise Problem(503, "not-ready", "backend not created yet", headers={"Retry-After": "2"})
-    return {"backend": be.describe(), "conv_choices": be.conv_choices(), "plan_cache": be.plan_cache_stats()}
+    per_device = [doc for _, doc in await service(request).engine.query("kernels") if doc is not None]
+    if not per_device:
+        raise Problem(503, "not-ready", "no model worker has a backend yet", headers={"Retry-After": "2"})
+    first = per_device[0]
+    return {"backend": first["backend"], "conv_choices": first["conv_choices"], "plan_cache": first["plan_cache"],
+            "devices": per_device}
 
 
 DecodeFormat = Literal["png", "jpeg", "webp", "npy", "mp4"]

@@ -72,6 +72,20 @@ def parse_sizes(spec: str) -> list[tuple[int, int]]:
     return sizes
 
 
+def parse_devices(spec: str) -> list[int] | None:
+    """"all" -> None (every visible GPU); "0,2" -> [0, 2]."""
+    spec = spec.strip().lower()
+    if spec in ("", "all"):
+        return None
+    try:
+        ordinals = [int(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"bad device list {spec!r}: expected 'all' or GPU ordinals like 0,1") from None
+    if not ordinals or min(ordinals) < 0 or len(set(ordinals)) != len(ordinals):
+        raise ValueError(f"bad device list {spec!r}: expected distinct GPU ordinals like 0,1")
+    return ordinals
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CONVSERVE_", extra="ignore")
 
@@ -104,8 +118,17 @@ class Settings(BaseSettings):
     tile_size: int | None = None
     shutdown_grace_s: float = Field(30.0, ge=0)
     log_level: str = "info"
-    #: threads that encode PNG/JPEG/WebP/MP4 and decode uploaded images off the event loop
+    #: threads (per front-end process) that encode PNG/JPEG/WebP/MP4 and decode uploaded images
+    #: off the event loop
     codec_threads: int = Field(2, ge=1)
+    #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
+    #: on GPUs half the host's cores, at most 16 (they parse bodies and encode images)
+    workers: int = Field(0, ge=0)
+    #: the GPUs that get a model worker each: "all" (every visible one) or ordinals "0,2"
+    devices: str = "all"
+    #: each front end's shared-memory arena (inputs and outputs in flight travel in it): a sparse
+    #: file, so memory is taken only as requests use it; a request needing more is refused (413)
+    shm_bytes: int = Field(4 << 30, ge=1 << 20)
     #: image sizes to run once per model before /readyz turns true ("512,1024x768"): decoders
     #: produce them, encoders take them. A new shape pays for path choice (measured on the CPU
     #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.
@@ -138,6 +161,12 @@ class Settings(BaseSettings):
     @classmethod
     def _sizes_parse(cls, v: str) -> str:
         parse_sizes(v)  # a typo fails start-up with the offending entry named
+        return v
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_parse(cls, v: str) -> str:
+        parse_devices(v)
         return v
 
     def model_entries(self) -> list[ModelEntry]:

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import struct
 import sys
-import threading
 import time
 from typing import Literal
 
@@ -32,10 +31,11 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from . import codecs, metrics, oom_recovery, validation
+from . import codecs, metrics, validation
 from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
+from .engine import Lease
 from .fmp4 import FragmentedMP4Writer
 from .model_host import HostedModel
 from .pipeline import Service
@@ -58,10 +58,6 @@ END_RECORD = RECORD_HEADER.pack(0)
 BUFFER_GROUPS = 1
 
 
-class StreamClosed(Exception):
-    """A step asked of a decode whose stream has ended."""
-
-
 class ClientGone(Exception):
     pass
 
@@ -70,64 +66,40 @@ class ReaderStalled(Exception):
     pass
 
 
-class GeneratorSteps:
-    """Steps a generator on the device worker; close() from the event loop never waits for a
-    running step: the worker closes the generator when that step ends."""
-
-    def __init__(self, gen):
-        self._gen = gen
-        self._lock = threading.Lock()
-        self._running = False
-        self._closed = False
-        self.steps = 0
-
-    def step(self, _inputs=None):
-        with self._lock:
-            if self._closed:
-                raise StreamClosed("the stream has ended")
-            self._running = True
-        try:
-            out = next(self._gen)
-            self.steps += 1
-            return out
-        except StopIteration:  # never raise StopIteration into an asyncio future
-            raise RuntimeError("the decode ended before its last frame group") from None
-        finally:
-            with self._lock:
-                self._running = False
-                release = self._closed
-            if release:
-                self._release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if self._running:
-                return
-        self._release()
-
-    @property
-    def released(self) -> bool:
-        return self._gen is None
-
-    def _release(self) -> None:
-        gen, self._gen = self._gen, None
-        if gen is not None:
-            gen.close()  # GeneratorExit at its yield: the frame and its feature cache go
-
-
 class FrameGroups:
-    """The frame groups of one streamed decode, each computed through Service.run."""
+    """The frame groups of one streamed decode: the decode itself (the causal decoder's state)
+    lives in the model worker that opened it (service/model_worker.py); each group is one step
+    asked of it through Service.run, written into a block of this front end's arena that is let
+    go once the group is sent (its own lease)."""
 
     def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None):
-        self.svc, self.hm, self.latents = svc, hm, latents
+        self.svc, self.hm, self.latents, self.tiled = svc, hm, latents, tiled
         self.total = int(latents.shape[2])
-        self.steps = GeneratorSteps(oom_recovery.frames(hm, latents, tiled))
-        self._key = ("decode_stream", id(self))  # unique: never batched with other work
+        n, _, h, w, c = hm.output_shape(latents.shape)
+        self._group_shape = lambda k: (n, 1 if k == 0 else int(hm.model.temporal_factor), h, w, c)
+        self.link = None
+        self.stream_id = None
+        self.asked = 0
+        self.decoded = 0
 
-    async def next(self, disconnected=None, *, continuation: bool = True) -> np.ndarray:
-        return await self.svc.run(self.hm, self._key, self.latents, self.steps.step, disconnected,
-                                  continuation=continuation, solo=True)
+    async def open(self, disconnected=None) -> None:
+        """Start the decode on a worker (it checks the latents there); its groups come from it."""
+        sub = await self.svc.run(self.hm, "stream_open", {"tiled": self.tiled}, self.latents, {}, disconnected)
+        self.link, self.stream_id = sub.link, sub.future.result()
+
+    async def next(self, disconnected=None) -> tuple[np.ndarray, Lease]:
+        """The next group (a view of the arena) and the lease that holds it."""
+        lease = Lease(self.svc.arena)
+        k, self.asked = self.asked, self.asked + 1
+        try:
+            sub = await self.svc.run(self.hm, "stream_next", {"stream": self.stream_id}, None,
+                                     {"out": (self._group_shape(k), "float32")}, disconnected, lease=lease,
+                                     link=self.link)
+        except BaseException:
+            lease.close()
+            raise
+        self.decoded += 1
+        return sub.arrays()["out"], lease
 
     async def pump(self, buffer: asyncio.Queue, start: int) -> None:
         """Groups start.. into the bounded buffer; put() waits while it is full (back-pressure)."""
@@ -137,10 +109,13 @@ class FrameGroups:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the sender, which ends the stream
-            await buffer.put(exc)
+            await buffer.put((exc, None))
 
     def close(self) -> None:
-        self.steps.close()
+        """End the decode in its worker (its causal cache goes there)."""
+        if self.link is not None and self.stream_id is not None:
+            self.svc.engine.send(self.link, ("stream_close", self.stream_id))
+            self.stream_id = None
 
 
 def npy_record(group: np.ndarray) -> bytes:
@@ -151,7 +126,7 @@ def npy_record(group: np.ndarray) -> bytes:
 class FrameStreamResponse(Response):
     """Chunked response of encoded frame groups; ends the Service.admit it was handed."""
 
-    def __init__(self, groups: FrameGroups, first: np.ndarray, encode, *, media_type: str,
+    def __init__(self, groups: FrameGroups, first: tuple[np.ndarray, Lease], encode, *, media_type: str,
                  headers: dict, tracking, started: float, trailer: bytes = b""):
         self.status_code = 200
         self.media_type = media_type
@@ -162,7 +137,7 @@ class FrameStreamResponse(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         svc, g = self.groups.svc, self.groups
-        labels = (g.hm.name, svc.backend.name)
+        labels = (g.hm.name, svc.backend_name)
         stall_s = svc.settings.request_timeout_s
         gone = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(receive, gone))
@@ -174,10 +149,13 @@ class FrameStreamResponse(Response):
         try:
             await _unless_gone(send({"type": "http.response.start", "status": 200,
                                      "headers": self.raw_headers}), gone_wait, stall_s)
-            group = self.first
+            group, lease = self.first
             while True:
                 last = sent_groups == g.total - 1
-                chunk = await svc.in_pool(self.encode, group, last)
+                try:
+                    chunk = await svc.in_pool(self.encode, group, last)
+                finally:
+                    lease.close()  # the group's block goes back to the arena once encoded
                 await _unless_gone(send({"type": "http.response.body", "body": chunk, "more_body": True}),
                                    gone_wait, stall_s)
                 sent_groups += 1
@@ -186,7 +164,7 @@ class FrameStreamResponse(Response):
                     metrics.TIME_TO_FIRST_FRAME.labels(*labels).observe(time.perf_counter() - self.started)
                 if last:
                     break
-                group = await _unless_gone(buffer.get(), gone_wait)
+                group, lease = await _unless_gone(buffer.get(), gone_wait)
                 if isinstance(group, BaseException):
                     raise group
             await _unless_gone(send({"type": "http.response.body", "body": self.trailer, "more_body": False}),
@@ -208,12 +186,17 @@ class FrameStreamResponse(Response):
         finally:
             for task in (pump, watcher, gone_wait):
                 task.cancel()
-            try:  # the pump's queued step is dropped before the generator closes
+            try:  # the pump's queued step is dropped before the decode closes
                 await asyncio.gather(pump, watcher, gone_wait, return_exceptions=True)
             finally:
+                self.first[1].close()
+                while not buffer.empty():  # groups decoded and never sent
+                    _, left = buffer.get_nowait()
+                    if left is not None:
+                        left.close()
                 g.close()
                 log.info("stream of %s ended after %d/%d frame groups (%d decoded)%s", g.hm.name, sent_groups,
-                         g.total, g.steps.steps, "" if outcome is None else f": {outcome}")
+                         g.total, g.decoded, "" if outcome is None else f": {outcome}")
                 await self.tracking.__aexit__(type(outcome) if outcome else None, outcome, None)
 
 
@@ -292,7 +275,8 @@ async def decode_stream(name: str, request: Request,
         else:
             encode, media, trailer = (lambda grp, last: npy_record(grp)), NPY_STREAM_MEDIA, END_RECORD
         groups = FrameGroups(svc, hm, lat, {"on": True, "off": False}.get(tiled))
-        first = await groups.next(request.is_disconnected, continuation=False)
+        await groups.open(request.is_disconnected)
+        first = await groups.next(request.is_disconnected)
     except BaseException:
         if groups is not None:
             groups.close()

@@ -41,7 +41,8 @@ def model_config(svc: Service, hm: HostedModel) -> dict:
     meta = model_metadata_doc(svc, hm)
     s = svc.settings
     # with max_batch_size > 0 Triton's config dims leave out the batch axis that metadata shows
-    gpu = svc.backend.name == "cuda"
+    gpu = svc.backend_name == "cuda"
+    devices = svc.engine.devices(hm.name)
     return {
         "name": hm.name,
         "platform": meta["platform"],
@@ -63,23 +64,31 @@ def model_config(svc: Service, hm: HostedModel) -> dict:
                                      "default_timeout_microseconds": int(round(s.request_timeout_s * 1e6)),
                                      "max_queue_size": s.max_queue},
         },
-        "instance_group": [{"name": f"{hm.name}_0", "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1,
-                            "gpus": [0] if gpu else []}],
+        # one instance per device: a model worker each (its GPU ordinal as the server numbers them)
+        "instance_group": [{"name": f"{hm.name}_{i}", "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1,
+                            "gpus": [int(d["device"].split(":")[1])] if gpu else []}
+                           for i, d in enumerate(devices)],
         "parameters": {"kind": {"string_value": hm.kind}, "preset": {"string_value": hm.entry.preset}},
     }
+
+
+async def _stats(svc: Service, names) -> list[dict]:
+    """This front end's request counts with every model worker's batch counts."""
+    workers = [records for _, records in await svc.engine.query("stats")]
+    return [svc.stats.snapshot(name, VERSION, also=[r[name] for r in workers if name in r]) for name in names]
 
 
 @router.get("/models/stats", summary="Triton statistics extension: every model")
 async def all_model_stats(request: Request):
     svc = service(request)
-    return {"model_stats": [svc.stats.snapshot(name, VERSION) for name in svc.models]}
+    return {"model_stats": await _stats(svc, list(svc.models))}
 
 
 @router.get("/models/{name}/stats", summary="Triton statistics extension: one model", responses=ERRORS)
 @router.get("/models/{name}/versions/{version}/stats", include_in_schema=False)
 async def model_stats(name: str, request: Request, version: str | None = None):
     svc, hm = _versioned_model(request, name, version)
-    return {"model_stats": [svc.stats.snapshot(hm.name, VERSION)]}
+    return {"model_stats": await _stats(svc, [hm.name])}
 
 
 @router.get("/models/{name}/config", summary="Triton model configuration extension", responses=ERRORS)

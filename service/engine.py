@@ -1,0 +1,336 @@
+"""A front end's view of the model workers (one per device, service/model_worker.py): the links
+to them, which one runs a request, and the arena blocks a request's tensors travel in.
+
+Each link is a Unix-socket connection to one worker, kept by a thread of its own: it connects
+(again, after a worker restarts), hands over the arena's descriptor, then reads the worker's
+messages and passes them to the event loop. Everything else runs on the event loop: submitting,
+settling, the links' bookkeeping.
+
+Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
+from this front end (ties in turn); the worker batches what every front end sends it.
+
+Block lifetime (the rule of service/shm.py): a submission's blocks are freed only when both its
+request is done with them (`Lease.close`) and the worker has answered for it (`done`, or the
+link's loss). A request that timed out or lost its client therefore keeps its output block until
+the worker is past writing into it."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from multiprocessing.connection import Client, Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+import numpy as np
+
+from .model_host import HostedModel
+from .shm import Arena, TensorRef
+
+log = logging.getLogger("convserve.engine")
+
+#: how often a link to a worker that is not (yet, or no longer) there tries again
+RECONNECT_S = 0.1
+
+
+class WorkerFailure(Exception):
+    """A worker's answer that is not a result: (kind, message, error id), or its loss."""
+
+    def __init__(self, kind: str, message: str, error_id: str | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.error_id = kind, message, error_id
+
+
+class NoWorker(Exception):
+    """No live, ready worker serves the model right now."""
+
+
+class Submission:
+    """One message to a worker that awaits its `done`, and the arena blocks it names."""
+
+    def __init__(self, engine: "Engine", link: "Link", rid: int, rows: int, offsets: list[int],
+                 outputs: dict[str, TensorRef]):
+        self.engine, self.link, self.rid, self.rows = engine, link, rid, rows
+        self.offsets, self.outputs = offsets, outputs
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.started = False
+        self.settled = False
+        self.released = False
+
+    def settle(self, error, payload) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        if not self.future.done():
+            if error is None:
+                self.future.set_result(payload)
+            else:
+                self.future.set_exception(WorkerFailure(*error))
+        self._maybe_free()
+
+    def release(self) -> None:
+        """The request is done with the blocks (its response is built)."""
+        self.released = True
+        self._maybe_free()
+
+    def _maybe_free(self) -> None:
+        if self.settled and self.released and self.offsets:
+            for off in self.offsets:
+                self.engine.arena.free(off)
+            self.offsets = []
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: self.engine.arena.array(ref) for name, ref in self.outputs.items()}
+
+
+class Lease:
+    """The arena blocks of one request: raw blocks and submissions, let go together when the
+    request's response is built (Service.admit's block)."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.submissions: list[Submission] = []
+
+    def close(self) -> None:
+        for sub in self.submissions:
+            sub.release()
+        self.submissions = []
+
+
+class Link:
+    """The front end's connection to one worker."""
+
+    def __init__(self, device: str, address: str):
+        self.device, self.address = device, address
+        self.conn: Connection | None = None
+        self.desc: dict = {"state": "connecting", "models": {}, "failed": {}, "load_error": None}
+        self.pending: dict[int, Submission] = {}
+        self.rows = 0
+        self.row_seconds = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.conn is not None and self.desc.get("state") == "ready"
+
+    def serves(self, model: str) -> bool:
+        return self.ready and model in self.desc["models"]
+
+
+class Engine:
+    def __init__(self, endpoints: list[tuple[str, str]], arena: Arena):
+        self.arena = arena
+        self.links = [Link(device, address) for device, address in endpoints]
+        self._rid = itertools.count(1)
+        self._turn = itertools.count()
+        self._closing = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.models: dict[str, HostedModel] = {}
+        #: admitted requests whose rows have not started on a device (the queue admission bounds)
+        self.waiting = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        for link in self.links:
+            threading.Thread(target=self._keep, args=(link,), name=f"convserve-link-{link.device}",
+                             daemon=True).start()
+
+    def close(self) -> None:
+        self._closing.set()
+        for link in self.links:
+            if link.conn is not None:
+                try:
+                    link.conn.close()
+                except OSError:
+                    pass
+
+    # ---- the state the routes read ----------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """A ready worker for the service, and one for every model any worker serves."""
+        return any(link.ready for link in self.links) and all(
+            any(link.serves(name) for link in self.links) for name in self.models)
+
+    @property
+    def load_error(self) -> str | None:
+        errors = [f"{link.device}: {link.desc['load_error']}" for link in self.links if link.desc.get("load_error")]
+        return "; ".join(errors) or None
+
+    @property
+    def failed(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for link in self.links:
+            out.update(link.desc.get("failed") or {})
+        return out
+
+    @property
+    def backend_name(self) -> str | None:
+        for link in self.links:
+            if link.desc.get("backend"):
+                return link.desc["backend"]
+        return None
+
+    def devices(self, model: str | None = None) -> list[dict]:
+        """Every device and its worker's state (the card and /v1/models show it)."""
+        return [{"device": link.device, "state": link.desc.get("state") if link.conn is not None else "down",
+                 "pid": link.desc.get("pid"), "rows_outstanding": link.rows}
+                for link in self.links if model is None or model in link.desc.get("models", {})]
+
+    def row_seconds(self) -> float:
+        speeds = [link.row_seconds for link in self.links if link.ready and link.row_seconds > 0]
+        return min(speeds) / len(speeds) if speeds else 0.0
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def _pick(self, model: str) -> Link:
+        live = [link for link in self.links if link.serves(model)]
+        if not live:
+            raise NoWorker(model)
+        least = min(link.rows for link in live)
+        ties = [link for link in live if link.rows == least]
+        return ties[next(self._turn) % len(ties)]
+
+    def _send(self, link: Link, sub: Submission | None, msg: tuple) -> None:
+        if sub is not None:
+            link.pending[sub.rid] = sub
+            link.rows += sub.rows
+        try:
+            link.conn.send(msg)
+        except (OSError, AttributeError, ValueError) as exc:
+            if sub is not None:
+                self._forget(link, sub)
+                sub.settle(("worker-died", f"the worker of {link.device} is gone ({exc})", None), None)
+
+    def _forget(self, link: Link, sub: Submission) -> None:
+        if link.pending.pop(sub.rid, None) is not None:
+            link.rows -= sub.rows
+            if not sub.started:
+                self.waiting -= 1
+
+    def submit(self, lease: Lease, model: str, op: str, options: dict, in_ref: TensorRef | None, rows: int,
+               outputs: dict[str, tuple[tuple[int, ...], Any]], *, link: Link | None = None) -> Submission:
+        """Reserve the `outputs` (name -> (shape, dtype)) and send the request, whose inputs are
+        the arena block `in_ref`, to a worker; the submission (in `lease`, which now owns the
+        blocks) resolves when the worker answers. Raises NoWorker, or shm.ArenaFull / TooLarge,
+        with nothing held then but `in_ref` (the caller's)."""
+        link = link or self._pick(model)
+        out_refs: dict[str, TensorRef] = {}
+        try:
+            for name, (shape, dtype) in outputs.items():
+                out_refs[name] = self.arena.reserve(shape, dtype)
+        except BaseException:
+            for ref in out_refs.values():
+                self.arena.free(ref.offset)
+            raise
+        offsets = ([in_ref.offset] if in_ref is not None else []) + [r.offset for r in out_refs.values()]
+        sub = Submission(self, link, next(self._rid), rows, offsets, out_refs)
+        lease.submissions.append(sub)
+        self.waiting += 1
+        self._send(link, sub, ("submit", sub.rid, model, op, options, in_ref, out_refs))
+        return sub
+
+    def cancel(self, sub: Submission) -> None:
+        if not sub.settled and sub.link.conn is not None:
+            try:
+                sub.link.conn.send(("cancel", sub.rid))
+            except (OSError, ValueError):
+                pass
+
+    def request(self, link: Link, msg: tuple) -> Submission:
+        """A message answered by one `done` that names no blocks (queries, stream control)."""
+        sub = Submission(self, link, next(self._rid), 0, [], {})
+        sub.started = True
+        sub.released = True
+        self._send(link, sub, (msg[0], sub.rid, *msg[1:]))
+        return sub
+
+    def send(self, link: Link, msg: tuple) -> None:
+        """A message that gets no answer (stream_close; lost with its worker, which ends its
+        streams itself)."""
+        self._send(link, None, msg)
+
+    async def query(self, what: str) -> list[tuple[Link, Any]]:
+        """`what` from every ready worker, in device order (a worker that fails is left out)."""
+        subs = [(link, self.request(link, ("query", what))) for link in self.links if link.ready]
+        out = []
+        for link, sub in subs:
+            try:
+                out.append((link, await asyncio.wait_for(sub.future, 30)))
+            except (WorkerFailure, asyncio.TimeoutError) as exc:
+                log.warning("query %s of %s failed: %s", what, link.device, exc)
+        return out
+
+    # ---- messages from the workers (on the event loop) ------------------------------------------
+    def _on_messages(self, link: Link, msgs: list) -> None:
+        for msg in msgs:
+            tag = msg[0]
+            if tag == "done":
+                sub = link.pending.get(msg[1])
+                if sub is not None:
+                    self._forget(link, sub)
+                    sub.settle(msg[2], msg[3])
+            elif tag == "started":
+                for rid in msg[1]:
+                    sub = link.pending.get(rid)
+                    if sub is not None and not sub.started:
+                        sub.started = True
+                        self.waiting -= 1
+            elif tag == "status":
+                self._on_status(link, msg[1])
+
+    def _on_status(self, link: Link, desc: dict) -> None:
+        link.desc = desc
+        link.row_seconds = desc.get("row_seconds", 0.0)
+        for name, (entry, view, load_s, warm_s, extra) in desc["models"].items():
+            if name not in self.models:
+                self.models[name] = HostedModel(entry, view, load_s, warm_s, extra)
+        log.info("worker %s (pid %s): %s", link.device, desc.get("pid"), desc["state"])
+
+    def _on_lost(self, link: Link, why: str) -> None:
+        link.conn = None
+        link.desc = {**link.desc, "state": "down"}
+        lost = list(link.pending.values())
+        for sub in lost:
+            self._forget(link, sub)
+            sub.settle(("worker-died", f"the model worker of {link.device} stopped ({why})", None), None)
+        if lost:
+            log.warning("worker %s lost with %d request(s) in flight: %s", link.device, len(lost), why)
+
+    # ---- the link's thread ----------------------------------------------------------------------
+    def _keep(self, link: Link) -> None:
+        while not self._closing.is_set():
+            try:
+                conn = Client(link.address, family="AF_UNIX")
+            except (FileNotFoundError, ConnectionRefusedError, OSError):
+                time.sleep(RECONNECT_S)
+                continue
+            why = "connection closed"
+            try:
+                conn.send(("hello", os.getpid(), self.arena.size))
+                send_handle(conn, self.arena.fd, 0)
+                first = conn.recv()
+                self.loop.call_soon_threadsafe(self._connected, link, conn, first)
+                while True:
+                    msgs = [conn.recv()]
+                    while conn.poll():  # hand over what has arrived in one go
+                        msgs.append(conn.recv())
+                    self.loop.call_soon_threadsafe(self._on_messages, link, msgs)
+            except (EOFError, OSError) as exc:
+                why = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+            except RuntimeError:  # the event loop closed under us: the server is stopping
+                return
+            finally:
+                conn.close()
+            if self._closing.is_set():
+                return
+            try:
+                self.loop.call_soon_threadsafe(self._on_lost, link, why)
+            except RuntimeError:
+                return
+            time.sleep(RECONNECT_S)
+
+    def _connected(self, link: Link, conn: Connection, status: tuple) -> None:
+        link.conn = conn
+        self._on_messages(link, [status])

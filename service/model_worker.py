@@ -1,0 +1,410 @@
+"""A model worker: the one process that owns a device (one GPU, or the CPU) and the models on it.
+
+HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
+(service/supervisor.py) starts it, and starts it again when it dies. What it does:
+
+- loads the backend and every configured model once, warms them up, then says it is ready;
+- takes requests from any number of front ends: each front end sends the descriptor of its
+  shared-memory arena once (service/shm.py), then messages naming tensors in it, never the data;
+- runs them through one Batcher (requests of every front end batch together) and writes each
+  result into the output block its front end allocated, then answers `done`;
+- keeps the stateful part of streamed decodes (the causal decoder's generator) between steps.
+
+The wire protocol, front end -> worker (tuples, pickled by multiprocessing.connection):
+  ("hello", frontend_pid, arena_size) followed by the arena's descriptor (SCM_RIGHTS)
+  ("submit", rid, model, op, options, input_ref, {output name: ref})
+      op: decode | encode | vae_encode (batched); stream_open (a streamed decode of input_ref's
+      latents; answers its stream id), stream_next (options {"stream": id}: its next frame group)
+  ("cancel", rid)
+  ("stream_close", stream_id)
+  ("query", rid, what)                       what: "kernels" | "stats"
+worker -> front end:
+  ("status", description)                    on connect and whenever it changes
+  ("started", [rid, ...])                    a model call began with these requests
+  ("done", rid, error | None, payload)       error: (kind, message, error_id)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Listener
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+import numpy as np
+
+from . import fault_injection, metrics, oom_recovery
+from .batcher import Batcher, Cancelled, Closed
+from .model_host import HostedModel, ModelView, load_entry, warm_up
+from .model_stats import ModelStats
+from .settings import Settings
+from .shm import ArenaView, TensorRef
+
+log = logging.getLogger("convserve.worker")
+
+#: how often the worker checks that the process that started it is still there
+PARENT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the supervisor tells a worker it starts."""
+    device: str               # "cpu", "cuda:0", ...: the metrics' and cards' device label
+    cuda_ordinal: int | None  # the physical GPU (CUDA_VISIBLE_DEVICES is narrowed to it)
+    address: str              # the Unix socket front ends connect to
+    settings: Settings
+    parent_pid: int
+
+
+def error_info(exc: BaseException) -> tuple[str, str, str | None]:
+    """An exception of a model call -> what crosses the process boundary (kind, message, id)."""
+    if isinstance(exc, oom_recovery.DeviceOutOfMemory):
+        return "device-oom", str(exc), None
+    if isinstance(exc, Cancelled):
+        return "cancelled", "withdrawn before it ran", None
+    if isinstance(exc, Closed):
+        return "closed", "the worker stopped before this request ran", None
+    if isinstance(exc, StreamClosed):
+        return "stream-closed", str(exc), None
+    if isinstance(exc, ValueError):
+        return "invalid-input", str(exc), None
+    return "model-error", f"{exc.__class__.__name__}: {exc}", getattr(exc, "error_id", None)
+
+
+class StreamClosed(Exception):
+    """A step asked of a decode whose stream has ended."""
+
+
+class GeneratorSteps:
+    """Steps a generator on the device thread; close() from another thread never waits for a
+    running step: the device thread closes the generator when that step ends."""
+
+    def __init__(self, gen):
+        self._gen = gen
+        self._lock = threading.Lock()
+        self._running = False
+        self._closed = False
+        self.steps = 0
+
+    def step(self, _inputs=None):
+        with self._lock:
+            if self._closed:
+                raise StreamClosed("the stream has ended")
+            self._running = True
+        try:
+            out = next(self._gen)
+            self.steps += 1
+            return out
+        except StopIteration:  # never raise StopIteration into a future
+            raise RuntimeError("the decode ended before its last frame group") from None
+        finally:
+            with self._lock:
+                self._running = False
+                release = self._closed
+            if release:
+                self._release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._running:
+                return
+        self._release()
+
+    @property
+    def released(self) -> bool:
+        return self._gen is None
+
+    def _release(self) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            gen.close()  # GeneratorExit at its yield: the frame and its feature cache go
+
+
+class ModelHost:
+    """The backend, the models and the batcher of one device."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.settings = spec.settings
+        self.backend = None
+        self.models: dict[str, HostedModel] = {}
+        self.failed: dict[str, str] = {}
+        self.load_error: str | None = None
+        self.ready = False
+        self.batcher: Batcher | None = None
+        self.stats = ModelStats()
+        self.on_change = lambda: None
+        self.on_start = lambda batch: None
+
+    def load(self) -> None:
+        try:
+            from convkernels import get_backend
+
+            s = self.settings
+            self.backend = get_backend(s.backend, **s.backend_options())
+            log.info("%s: backend %s", self.spec.device, self.backend.describe())
+            for entry in s.model_entries():
+                try:
+                    hm = load_entry(entry, self.backend, s.tile_size)
+                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm)
+                except Exception as exc:
+                    metrics.count_fault(entry.name, "load_error", "failed")
+                    if not entry.optional:
+                        raise
+                    self.failed[entry.name] = f"{exc.__class__.__name__}: {exc}"
+                    log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
+                    continue
+                self.models[entry.name] = hm
+            # The front ends bound what waits (admission happens there, before the body): the
+            # worker's own queue only has to hold what they admitted, however many they are.
+            self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
+                                   max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
+                                   name=self.spec.device, on_start=self.on_start,
+                                   # after warm-up: injected faults never stop a start
+                                   before_call=fault_injection.arm_if_configured(self.backend))
+            self.ready = True
+            log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
+        except Exception as exc:  # the worker stays up (live, not ready) and says why
+            self.load_error = f"{exc.__class__.__name__}: {exc}"
+            log.exception("model loading failed")
+        finally:
+            self.on_change()
+
+    def description(self) -> dict:
+        state = "ready" if self.ready else "failed" if self.load_error else "loading"
+        return {"device": self.spec.device, "pid": os.getpid(), "state": state, "load_error": self.load_error,
+                "failed": dict(self.failed), "backend": self.backend.name if self.backend is not None else None,
+                "models": {name: (hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
+                                  dict(hm.extra)) for name, hm in self.models.items()},
+                "row_seconds": self.batcher.row_seconds if self.batcher is not None else 0.0}
+
+    def call_for(self, hm: HostedModel, op: str, options: dict):
+        """The model call an op names (the ops a front end may ask for)."""
+        if op == "decode":
+            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True))
+        if op in ("encode", "vae_encode"):
+            return hm.model.encode
+        raise ValueError(f"unknown op {op!r}")
+
+    def query(self, what: str) -> Any:
+        if what == "kernels":
+            be = self.backend
+            if be is None:
+                return None
+            return {"device": self.spec.device, "backend": be.describe(), "conv_choices": be.conv_choices(),
+                    "plan_cache": be.plan_cache_stats()}
+        if what == "stats":
+            return self.stats.records()
+        raise ValueError(f"unknown query {what!r}")
+
+
+def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> None:
+    """A model call's rows for one request -> the blocks its front end allocated for them."""
+    parts = out if isinstance(out, dict) else {"out": out}
+    for name, ref in refs.items():
+        part = parts.get(name)
+        if part is None:
+            raise RuntimeError(f"the model gave no {name!r} output")
+        dest = view.array(ref)
+        if tuple(part.shape) != dest.shape:
+            raise RuntimeError(f"output {name!r} has shape {tuple(part.shape)}, not the {dest.shape} expected")
+        np.copyto(dest, part, casting="same_kind")
+
+
+class FrontendLink:
+    """One connected front end: its arena and its requests in this worker."""
+
+    def __init__(self, host: ModelHost, conn: Connection):
+        self.host, self.conn = host, conn
+        self._send_lock = threading.Lock()
+        self.view: ArenaView | None = None
+        self.items: dict[int, Any] = {}
+        self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
+        self.closed = False
+
+    def send(self, msg) -> None:
+        if self.closed:
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except (OSError, EOFError, ValueError):  # the front end went away: its reader cleans up
+            self.closed = True
+
+    # ---- the reader thread ---------------------------------------------------------------------
+    def serve(self) -> None:
+        try:
+            tag, _pid, size = self.conn.recv()
+            if tag != "hello":
+                raise ValueError(f"expected hello, got {tag!r}")
+            self.view = ArenaView(recv_handle(self.conn), size)
+            self.send(("status", self.host.description()))
+            while True:
+                self.handle(self.conn.recv())
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("front-end link failed")
+        finally:
+            self.closed = True
+            self._drop_all()
+            self.conn.close()
+
+    def handle(self, msg: tuple) -> None:
+        op = msg[0]
+        if op == "submit":
+            self._submit(*msg[1:])
+        elif op == "cancel":
+            item = self.items.get(msg[1])
+            if item is not None:
+                self.host.batcher.cancel(item)
+        elif op == "stream_close":
+            entry = self.streams.pop(msg[1], None)
+            if entry is not None:
+                entry[1].close()
+        elif op == "query":
+            rid, what = msg[1:]
+            try:
+                self.send(("done", rid, None, self.host.query(what)))
+            except Exception as exc:
+                self.send(("done", rid, error_info(exc), None))
+        else:
+            log.warning("unknown message %r", op)
+
+    def _fail(self, rid: int, exc: BaseException) -> None:
+        self.send(("done", rid, error_info(exc), None))
+
+    def _submit(self, rid, model, op, options, in_ref, out_refs):
+        if op == "stream_open":
+            return self._stream_open(rid, model, in_ref, options)
+        host = self.host
+        solo = op == "stream_next"
+        try:
+            hm = host.models[model]
+            if solo:  # a stream's step runs on its latents (what the model-call faults inspect)
+                _, steps, inputs = self._stream(options["stream"])
+                call = steps.step
+            else:
+                call, inputs = host.call_for(hm, op, options), self.view.array(in_ref)
+            key = (model, op, inputs.shape[1:], inputs.dtype.str, tuple(sorted(options.items())))
+            item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
+        except Exception as exc:
+            self._fail(rid, exc)
+            return
+        self.items[rid] = item
+
+        def finished(future) -> None:
+            self.items.pop(rid, None)
+            exc = future.exception()
+            if exc is None:
+                try:
+                    _write_outputs(self.view, out_refs, future.result())
+                except Exception as write_exc:
+                    log.exception("writing the outputs of %s failed", model)
+                    exc = write_exc
+            self.send(("done", rid, None if exc is None else error_info(exc), None))
+
+        item.future.add_done_callback(finished)
+
+    def _stream_open(self, rid, model, in_ref, options) -> None:
+        try:
+            hm = self.host.models[model]
+            latents = np.array(self.view.array(in_ref))  # the decode outlives the request's input block
+            steps = GeneratorSteps(oom_recovery.frames(hm, latents, options.get("tiled")))
+        except Exception as exc:
+            self._fail(rid, exc)
+            return
+        self.streams[rid] = (hm, steps, latents)
+        self.send(("done", rid, None, rid))
+
+    def _stream(self, stream_id) -> tuple:
+        """A stream's (model, steps, latents); each step runs as a solo item (a generator's next
+        step has nothing to batch with)."""
+        entry = self.streams.get(stream_id)
+        if entry is None:
+            raise StreamClosed("no such stream")
+        return entry
+
+    def _drop_all(self) -> None:
+        """The front end is gone: withdraw its queued work and end its streams."""
+        batcher = self.host.batcher
+        for item in list(self.items.values()):
+            if batcher is not None:
+                batcher.cancel(item)
+        for _, steps, _ in self.streams.values():
+            steps.close()
+        self.streams.clear()
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.host = ModelHost(spec)
+        self.links: list[FrontendLink] = []
+        self._links_lock = threading.Lock()
+        self.stop = threading.Event()
+        self.host.on_change = self._broadcast
+        self.host.on_start = self._started
+
+    def _broadcast(self) -> None:
+        desc = self.host.description()
+        with self._links_lock:
+            links = [link for link in self.links if not link.closed]
+            self.links = links
+        for link in links:
+            link.send(("status", desc))
+
+    def _started(self, batch) -> None:
+        by_link: dict[FrontendLink, list[int]] = {}
+        for item in batch:
+            if item.tag is not None:
+                by_link.setdefault(item.tag[0], []).append(item.tag[1])
+        for link, rids in by_link.items():
+            link.send(("started", rids))
+
+    def _accept(self, listener: Listener) -> None:
+        while not self.stop.is_set():
+            try:
+                conn = listener.accept()
+            except OSError:
+                if self.stop.is_set():
+                    return
+                continue
+            link = FrontendLink(self.host, conn)
+            with self._links_lock:
+                self.links.append(link)
+            threading.Thread(target=link.serve, name="convserve-link", daemon=True).start()
+
+    def run(self) -> None:
+        if os.path.exists(self.spec.address):
+            os.unlink(self.spec.address)
+        listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)
+        threading.Thread(target=self._accept, args=(listener,), name="convserve-accept", daemon=True).start()
+        threading.Thread(target=self.host.load, name="convserve-loader", daemon=True).start()
+        try:
+            while not self.stop.wait(PARENT_POLL_S):
+                if os.getppid() != self.spec.parent_pid:  # orphaned: the server is gone
+                    log.warning("%s: the server process is gone; exiting", self.spec.device)
+                    break
+        finally:
+            listener.close()
+            if self.host.batcher is not None:
+                self.host.batcher.stop()
+
+
+def main(spec: WorkerSpec) -> None:
+    """The worker process's entry point (multiprocessing, spawn)."""
+    if spec.cuda_ordinal is not None:  # before anything initialises CUDA: this GPU is device 0 here
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.cuda_ordinal)
+    logging.basicConfig(level=spec.settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[{spec.device}]: %(message)s")
+    worker = Worker(spec)
+    # Ctrl-C reaches the whole process group: the front ends drain, and only then stop the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    worker.run()
+

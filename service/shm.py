@@ -1,0 +1,172 @@
+"""Tensors between an HTTP front end and the model workers, in shared memory (never pickled).
+
+Each front-end process owns one `Arena`: an anonymous shared-memory file (`memfd_create` on
+Linux; an unlinked temporary file elsewhere) mapped once, with a first-fit allocator over it. The
+file descriptor goes to every model worker over the worker's Unix socket (SCM_RIGHTS, see
+service/engine_link.py), and the worker maps the same pages (`ArenaView`). A request's inputs
+are written into blocks of its front end's arena; the worker reads them there and writes the
+outputs into blocks the front end allocated beforehand (it knows every output's shape), so each
+tensor crosses the process boundary with no copy beyond the one into the arena.
+
+Why a memfd and not /dev/shm: nothing is left behind when a process dies (the pages go with the
+last mapping), and containers' small /dev/shm (Docker's default is 64 MiB) does not bound it. The
+file is sparse: pages cost memory only once touched, and `trim()` gives large idle regions back.
+
+Rules the rest keeps:
+- Only the front end allocates and frees; the worker only reads inputs and writes outputs.
+- A block is freed only after the worker has answered for it (result, failure, or its death),
+  never while a submitted request may still write into it (service/engine.py's Lease)."""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import tempfile
+import threading
+from bisect import insort
+from dataclasses import dataclass
+
+import numpy as np
+
+#: blocks start on page boundaries: arrays are aligned for any dtype, and trims work per page
+ALIGN = mmap.PAGESIZE
+#: after a burst, what stays mapped and resident below this offset is kept for the next one
+KEEP_RESIDENT_BYTES = 256 << 20
+
+
+class ArenaFull(Exception):
+    """No free block of the size asked for right now (the arena is shared by requests in flight)."""
+
+
+class TooLarge(ArenaFull):
+    """The block asked for exceeds the whole arena: no amount of waiting makes it fit."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a tensor lies in an arena: what travels in a message instead of the data."""
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def _round_up(n: int) -> int:
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+def _anonymous_file(size: int) -> int:
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("convserve-arena", os.MFD_CLOEXEC)
+    else:  # macOS: an unlinked file; MAP_SHARED pages of it are shared all the same
+        fd, path = tempfile.mkstemp(prefix="convserve-arena-")
+        os.unlink(path)
+    os.ftruncate(fd, size)
+    return fd
+
+
+class _Mapping:
+    """A shared mapping of an arena file and numpy views into it."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._buf = np.frombuffer(self.map, dtype=np.uint8)
+
+    def array(self, ref: TensorRef) -> np.ndarray:
+        """The tensor at `ref`, as a view of the shared pages (writable)."""
+        n = ref.nbytes
+        if ref.offset < 0 or ref.offset + n > self.size:
+            raise ValueError(f"tensor {ref} lies outside the arena ({self.size} bytes)")
+        return self._buf[ref.offset:ref.offset + n].view(ref.dtype).reshape(ref.shape)
+
+    def close(self) -> None:
+        self._buf = None
+        try:
+            self.map.close()
+        except BufferError:  # a view still exported: the mapping goes when the last view does
+            pass
+        os.close(self.fd)
+
+
+class Arena(_Mapping):
+    """The front end's side: the file, the mapping and the allocator (thread-safe: the event
+    loop and the codec threads allocate and free)."""
+
+    def __init__(self, size: int):
+        size = _round_up(size)
+        super().__init__(_anonymous_file(size), size)
+        self._lock = threading.Lock()
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted by offset
+        self._used: dict[int, int] = {}
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self._high_water = 0
+
+    def alloc(self, nbytes: int) -> int:
+        """The offset of a fresh block of at least `nbytes` (TooLarge / ArenaFull if none)."""
+        n = _round_up(nbytes)
+        if n > self.size:
+            raise TooLarge(f"{nbytes} bytes exceed the shared-memory arena of {self.size} bytes "
+                           "(CONVSERVE_SHM_BYTES)")
+        with self._lock:
+            for i, (off, length) in enumerate(self._free):
+                if length >= n:
+                    if length == n:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + n, length - n)
+                    self._used[off] = n
+                    self.used_bytes += n
+                    self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+                    self._high_water = max(self._high_water, off + n)
+                    return off
+        raise ArenaFull(f"no {n} free bytes in the shared-memory arena now ({self.used_bytes} of {self.size} in use)")
+
+    def free(self, offset: int) -> None:
+        with self._lock:
+            n = self._used.pop(offset)
+            self.used_bytes -= n
+            insort(self._free, (offset, n))
+            self._coalesce()
+            idle = self.used_bytes == 0
+        if idle:
+            self.trim()
+
+    def _coalesce(self) -> None:
+        merged: list[tuple[int, int]] = []
+        for off, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == off:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((off, length))
+        self._free = merged
+
+    def trim(self) -> None:
+        """Give the pages above KEEP_RESIDENT_BYTES back to the system once a burst is over (the
+        allocator fills from the bottom, so steady traffic lives below that line)."""
+        with self._lock:
+            if self.used_bytes or self._high_water <= KEEP_RESIDENT_BYTES:
+                return
+            start, stop = KEEP_RESIDENT_BYTES, self._high_water
+            self._high_water = KEEP_RESIDENT_BYTES
+        if sys.platform.startswith("linux") and hasattr(mmap, "MADV_REMOVE"):
+            self.map.madvise(mmap.MADV_REMOVE, start, stop - start)
+
+    def put(self, arr: np.ndarray) -> TensorRef:
+        """A block holding a copy of `arr` (float64 and strided inputs are copied as they are)."""
+        ref = self.reserve(arr.shape, arr.dtype)
+        np.copyto(self.array(ref), arr, casting="no")
+        return ref
+
+    def reserve(self, shape, dtype) -> TensorRef:
+        shape = tuple(int(s) for s in shape)
+        dt = np.dtype(dtype)
+        return TensorRef(self.alloc(int(np.prod(shape, dtype=np.int64)) * dt.itemsize), shape, dt.str)
+
+
+class ArenaView(_Mapping):
+    """A model worker's mapping of one front end's arena, from the descriptor it was sent."""

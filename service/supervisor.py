@@ -1,0 +1,191 @@
+"""`convserve serve`'s processes: one model worker per device (service/model_worker.py) and the
+HTTP front ends (service/app.py) in front of them, all started here and kept running.
+
+    main process        supervisor + HTTP front end 0 (uvicorn), the one signals go to
+    front ends 1..F-1   more uvicorn servers on the same listening socket (--workers F)
+    model workers       one per GPU (CONVSERVE_DEVICES), or one for the CPU / Apple GPU
+
+Front ends and workers meet through Unix sockets in a private run directory (0700), and tensors
+travel in each front end's shared-memory arena (service/shm.py). A process that dies is started
+again (with a growing pause if it keeps dying); the requests a dead worker held are answered 503
+by their front ends, which reconnect when it is back. SIGTERM drains every front end (in-flight
+work finishes, up to SHUTDOWN_GRACE_S), then stops the workers."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from . import metrics
+from .model_worker import WorkerSpec
+from .model_worker import main as worker_main
+from .settings import Settings, parse_devices
+
+log = logging.getLogger("convserve.supervisor")
+
+#: a process that lived this long before dying is restarted at once; sooner, after a pause that
+#: doubles each time (up to MAX_PAUSE_S), so a crash loop does not spin
+STABLE_AFTER_S = 60.0
+MAX_PAUSE_S = 30.0
+
+
+def visible_gpus() -> int:
+    """GPUs the CUDA driver shows this process (honouring CUDA_VISIBLE_DEVICES), without making a
+    CUDA context here: the front end must not hold GPU memory."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        cuda = ctypes.CDLL(name)
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+@dataclass(frozen=True)
+class Device:
+    label: str                 # "cpu", "cuda:0", ...
+    cuda_visible: str | None   # what CUDA_VISIBLE_DEVICES is in its worker
+
+
+def plan_devices(settings: Settings) -> list[Device]:
+    """One model worker per GPU when the backend is (or, on auto, would be) cuda; else one."""
+    want_cuda = settings.backend == "cuda" or (
+        settings.backend == "auto" and importlib.util.find_spec("cupy") is not None)
+    count = visible_gpus() if want_cuda else 0
+    if count == 0:
+        label = {"numpy": "cpu", "mlx": "mlx"}.get(settings.backend, "cpu" if settings.backend != "cuda" else "cuda:0")
+        return [Device(label, None)]
+    ordinals = parse_devices(settings.devices) or list(range(count))
+    bad = [i for i in ordinals if i >= count]
+    if bad:
+        raise ValueError(f"CONVSERVE_DEVICES names GPU(s) {bad}, but {count} are visible")
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [p.strip() for p in parent.split(",")] if parent else [str(i) for i in range(count)]
+    return [Device(f"cuda:{i}", physical[i]) for i in ordinals]
+
+
+def frontends_for(settings: Settings, devices: list[Device]) -> int:
+    """--workers, or auto: one front end where the CPU computes, else half the cores (<= 16)."""
+    if settings.workers:
+        return settings.workers
+    if devices[0].cuda_visible is None:
+        return 1
+    return max(2, min(16, (os.cpu_count() or 2) // 2))
+
+
+class _Child:
+    """One kept-running child process: how to start it and its restart pause."""
+
+    def __init__(self, name: str, target, args: tuple):
+        self.name, self.target, self.args = name, target, args
+        self.proc: multiprocessing.Process | None = None
+        self.started = 0.0
+        self.pause = 1.0
+        self.restarts = 0
+
+    def start(self, ctx) -> None:
+        self.proc = ctx.Process(target=self.target, args=self.args, name=self.name, daemon=False)
+        self.proc.start()
+        self.started = time.monotonic()
+
+
+class Supervisor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.ctx = multiprocessing.get_context("spawn")
+        self.devices = plan_devices(settings)
+        self.run_dir = tempfile.mkdtemp(prefix="convserve-run-")  # 0700: only this user connects
+        self.endpoints = [(d.label, os.path.join(self.run_dir, f"worker-{i}.sock"))
+                          for i, d in enumerate(self.devices)]
+        self.workers: list[_Child] = []
+        self.frontends: list[_Child] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---- workers ---------------------------------------------------------------------------------
+    def start_workers(self) -> None:
+        for device, (label, address) in zip(self.devices, self.endpoints):
+            spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid())
+            self.workers.append(_Child(f"convserve-worker-{label}", worker_main, (spec,)))
+        for child in self.workers:
+            child.start(self.ctx)
+            metrics.WORKER_UP.labels(self._device_of(child)).set(1)
+        threading.Thread(target=self._watch, name="convserve-supervisor", daemon=True).start()
+
+    def add_frontend(self, name: str, target, args: tuple) -> None:
+        child = _Child(name, target, args)
+        self.frontends.append(child)
+        child.start(self.ctx)
+
+    def _device_of(self, child: _Child) -> str:
+        return child.args[0].device if child in self.workers else child.name
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                children = [c for c in (*self.workers, *self.frontends) if c.proc is not None]
+            sentinels = {c.proc.sentinel: c for c in children}
+            for sentinel in wait(list(sentinels), timeout=0.5):
+                if self._stopping.is_set():
+                    return
+                self._restart(sentinels[sentinel])
+
+    def _restart(self, child: _Child) -> None:
+        proc = child.proc
+        proc.join(0)
+        lived = time.monotonic() - child.started
+        worker = child in self.workers
+        log.error("%s (pid %s) died with exit code %s after %.1fs; restarting", child.name, proc.pid,
+                  proc.exitcode, lived)
+        if os.environ.get(metrics.MULTIPROC_ENV):
+            from prometheus_client import multiprocess
+            multiprocess.mark_process_dead(proc.pid)  # its live gauges leave the sums
+        if worker:
+            metrics.WORKER_UP.labels(self._device_of(child)).set(0)
+            metrics.WORKER_RESTARTS.labels(self._device_of(child)).inc()
+        child.pause = 1.0 if lived >= STABLE_AFTER_S else min(MAX_PAUSE_S, child.pause * 2)
+        if lived < STABLE_AFTER_S and self._stopping.wait(child.pause):
+            return
+        child.restarts += 1
+        child.start(self.ctx)
+        if worker:
+            metrics.WORKER_UP.labels(self._device_of(child)).set(1)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    def signal_frontends(self, sig: int = signal.SIGTERM) -> None:
+        for child in self.frontends:
+            if child.proc is not None and child.proc.is_alive():
+                os.kill(child.proc.pid, sig)
+
+    def stop(self, grace_s: float) -> None:
+        """Front ends first (they drain: in-flight work still needs its worker), then workers."""
+        self._stopping.set()
+        self.signal_frontends()
+        deadline = time.monotonic() + grace_s + 5
+        for child in self.frontends:
+            if child.proc is not None:
+                child.proc.join(max(0.0, deadline - time.monotonic()))
+                if child.proc.is_alive():
+                    child.proc.kill()
+        for child in self.workers:
+            if child.proc is not None and child.proc.is_alive():
+                child.proc.terminate()
+        for child in self.workers:
+            if child.proc is not None:
+                child.proc.join(10)
+                if child.proc.is_alive():
+                    child.proc.kill()
+                    child.proc.join(5)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
