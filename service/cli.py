@@ -16,6 +16,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="convserve: decode latents to images/video and encode images, over HTTP or locally.")
 
 IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+#: prometheus_client's multiprocess directory variable (service.metrics.MULTIPROC_ENV; not
+#: imported from there, since importing it imports prometheus_client, which reads the variable)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def _set_env(**values) -> None:
@@ -51,32 +54,31 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     import shutil
     import tempfile
 
-    import uvicorn
-
-    from .metrics import MULTIPROC_ENV
-    from .settings import Settings
-
-    _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, workers=workers, devices=devices,
-             max_batch=max_batch, max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
-             request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
-             shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
-    try:
-        settings = Settings()
-    except ValueError as exc:
-        _fail(f"settings: {exc}")
-    level = settings.log_level.lower()
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
-        # Everything is in the cache now: the loaders (every worker) read it there, so they all get
-        # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
-        os.environ["HF_HUB_OFFLINE"] = "1"
     # The model workers' metrics (batches, kernels) live in their processes: every process
     # writes its values under one directory and /metrics, in any front end, sums them
-    # (prometheus_client's multiprocess mode). Set before the metrics modules are imported.
+    # (prometheus_client's multiprocess mode). prometheus_client reads the variable when it is
+    # first imported, which importing the settings already does: so it is set first of all.
     own_dir = not os.environ.get(MULTIPROC_ENV)
     if own_dir:
         os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="convserve-metrics-")
     try:
+        import uvicorn
+
+        from .settings import Settings
+
+        _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, workers=workers,
+                 devices=devices, max_batch=max_batch, max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
+                 request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
+                 shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
+        try:
+            settings = Settings()
+        except ValueError as exc:
+            _fail(f"settings: {exc}")
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
+            # Everything is in the cache now: the loaders (every worker) read it there, so they all
+            # get the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
+            os.environ["HF_HUB_OFFLINE"] = "1"
         _serve(settings, uvicorn)
     finally:
         if own_dir:

@@ -48,6 +48,8 @@ DEVICE_BATCHES = Counter("convserve_device_batches_total", "Model calls run, per
 def count_fault(model: str, fault: str, outcome: str) -> None:
     FAULTS.labels(model, fault, outcome).inc()
 
+MODEL_LOADS = Counter("convserve_model_loads_total", "Model loads, per device (one per model and model worker)",
+                      ["model", "device"], registry=REGISTRY)
 MODEL_LOAD_SECONDS = Gauge("convserve_model_load_seconds", "Seconds to build/load the model",
                            ["model"], registry=REGISTRY, multiprocess_mode="max")
 MODEL_WARMUP_SECONDS = Gauge("convserve_model_warmup_seconds", "Seconds of the warm-up call",

@@ -149,7 +149,7 @@ class ModelHost:
             log.info("%s: backend %s", self.spec.device, self.backend.describe())
             for entry in s.model_entries():
                 try:
-                    hm = load_entry(entry, self.backend, s.tile_size)
+                    hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
                     warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm)
                 except Exception as exc:
                     metrics.count_fault(entry.name, "load_error", "failed")

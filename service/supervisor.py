@@ -60,14 +60,18 @@ class Device:
 
 
 def plan_devices(settings: Settings) -> list[Device]:
-    """One model worker per GPU when the backend is (or, on auto, would be) cuda; else one."""
+    """One model worker per GPU when the backend is (or, on auto, would be) cuda; else one, or,
+    when CONVSERVE_DEVICES names several ordinals, that many workers on the CPU backend, each a
+    device of its own (cpu:0, cpu:1, ...: how the tests emulate several GPUs)."""
     want_cuda = settings.backend == "cuda" or (
         settings.backend == "auto" and importlib.util.find_spec("cupy") is not None)
     count = visible_gpus() if want_cuda else 0
+    ordinals = parse_devices(settings.devices)
     if count == 0:
-        label = {"numpy": "cpu", "mlx": "mlx"}.get(settings.backend, "cpu" if settings.backend != "cuda" else "cuda:0")
-        return [Device(label, None)]
-    ordinals = parse_devices(settings.devices) or list(range(count))
+        if ordinals is not None and len(ordinals) > 1:
+            return [Device(f"cpu:{i}", None) for i in ordinals]
+        return [Device("mlx" if settings.backend == "mlx" else "cpu", None)]
+    ordinals = ordinals or list(range(count))
     bad = [i for i in ordinals if i >= count]
     if bad:
         raise ValueError(f"CONVSERVE_DEVICES names GPU(s) {bad}, but {count} are visible")

@@ -1,0 +1,138 @@
+"""Model workers, one per device, behind the HTTP front ends (service/supervisor.py, engine.py,
+model_worker.py), on the NumPy backend with several emulated devices (CONVSERVE_DEVICES=0,1 gives
+two CPU workers, cpu:0 and cpu:1, as two GPUs would get):
+
+- requests are spread over the devices, every row is answered, and /metrics, the model cards and
+  Triton's configuration name every device;
+- a model worker killed mid-request (SIGKILL, as an OOM kill or a segfault would) is started
+  again: its requests in flight get 503 with Retry-After, none hangs or is lost silently,
+  /readyz is false while its model has no live worker, and the front end stays up;
+- several front ends (--workers 2) share one model worker: no model is loaded twice on a device.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from live_server import metric, metric_sum, npy, scrape, start_server
+
+NPY = {"content-type": "application/x-npy"}
+HOLD = 4242.0  # latents holding this value keep their worker busy until the release file exists
+
+
+def latents(hold: bool = False) -> np.ndarray:
+    x = np.random.default_rng().standard_normal((1, 4, 5, 7)).astype(np.float32)
+    if hold:
+        x[0, 0, 0, 0] = HOLD
+    return x
+
+
+def decode(url: str, x: np.ndarray, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/models/tiny-vae/decode", content=npy(x), headers=NPY, params={"format": "npy"},
+                      timeout=timeout)
+
+
+def wait_for(cond, timeout: float = 60, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_requests_spread_over_two_devices_and_every_device_is_reported(server_factory):
+    srv = server_factory(models="tiny-vae", devices="0,1", max_batch=2, max_queue_delay_ms=0)
+    # ready once one device is; the other may still be warming up
+    wait_for(lambda: len(httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]) == 2, what="both devices")
+    devices = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]
+    assert [d["device"] for d in devices] == ["cpu:0", "cpu:1"] and {d["state"] for d in devices} == {"ready"}
+    assert len({d["pid"] for d in devices}) == 2
+    s0 = scrape(srv.url)
+    xs = [latents() for _ in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda x: decode(srv.url, x), xs))
+    assert [r.status_code for r in rs] == [200] * len(xs)
+    s1 = scrape(srv.url)
+    ref = np.load(io.BytesIO(decode(srv.url, xs[0]).content))  # whichever device runs it: the same image
+    np.testing.assert_allclose(np.load(io.BytesIO(rs[0].content)), ref, rtol=0, atol=1e-6)
+    rows = {d: metric(s1, "convserve_device_rows_total", model="tiny-vae", device=d)
+            - metric(s0, "convserve_device_rows_total", model="tiny-vae", device=d) for d in ("cpu:0", "cpu:1")}
+    assert sum(rows.values()) == len(xs) and min(rows.values()) > 0, rows
+    assert metric(s1, "convserve_worker_up", device="cpu:0") == 1 and metric(s1, "convserve_worker_up", device="cpu:1") == 1
+    config = httpx.get(f"{srv.url}/v2/models/tiny-vae/config").json()
+    assert [g["name"] for g in config["instance_group"]] == ["tiny-vae_0", "tiny-vae_1"]
+    kernels = httpx.get(f"{srv.url}/v1/kernels").json()
+    assert [k["device"] for k in kernels["devices"]] == ["cpu:0", "cpu:1"] and kernels["conv_choices"]
+
+
+def test_a_killed_worker_is_restarted_and_its_requests_get_503(server_factory, tmp_path):
+    release = tmp_path / "release"
+    srv = server_factory(models="tiny-vae", max_batch=1, max_queue_delay_ms=0, fault_hold_value=HOLD,
+                         fault_hold_release_file=release)
+    s0 = scrape(srv.url)
+    old_pid = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]["pid"]
+    with ThreadPoolExecutor(3) as pool:
+        held = pool.submit(decode, srv.url, latents(hold=True))
+        wait_for(lambda: release.with_name("release.holding").exists(), what="the held request on the worker")
+        queued = pool.submit(decode, srv.url, latents())  # waits behind the held one
+        wait_for(lambda: metric(scrape(srv.url), "convserve_queue_depth", model="tiny-vae") == 1, what="queued")
+        os.kill(old_pid, signal.SIGKILL)
+        for r in (held.result(30), queued.result(30)):  # answered, not hung: 503 with Retry-After
+            assert r.status_code == 503, r.text
+            assert r.json()["type"].endswith("/worker-died") and int(r.headers["retry-after"]) >= 1
+    assert httpx.get(f"{srv.url}/healthz").status_code == 200  # the front end stayed up
+    wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 200, what="the worker back")
+    new = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]
+    assert new["pid"] != old_pid and new["state"] == "ready"
+    assert decode(srv.url, latents()).status_code == 200
+    s1 = scrape(srv.url)
+    assert metric(s1, "convserve_worker_restarts_total", device="cpu") - \
+        metric(s0, "convserve_worker_restarts_total", device="cpu") == 1
+    assert metric(s1, "convserve_faults_total", model="tiny-vae", fault="worker_died", outcome="failed") - \
+        metric(s0, "convserve_faults_total", model="tiny-vae", fault="worker_died", outcome="failed") == 2
+
+
+def test_readyz_is_false_while_the_only_worker_is_down(server_factory, tmp_path):
+    srv = server_factory(models="tiny-vae")
+    pid = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)  # restarted after a pause of seconds: long enough to see it down
+    wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 503, what="not ready while down")
+    r = decode(srv.url, latents())
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+    wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 200, what="ready again")
+
+
+def test_two_front_ends_share_one_model_worker(tmp_path):
+    srv = start_server(tmp_path, models="tiny-vae,tiny-convnext", cli_args=("--workers", "2"))
+    try:
+        spawned = [k for k in children(srv.proc.pid) if b"spawn_main" in cmdline(k)]
+        # one model worker (the CPU) and one more front end (the resource tracker is no spawn)
+        assert len(spawned) == 2, [cmdline(k) for k in children(srv.proc.pid)]
+        snap = scrape(srv.url)
+        for model in ("tiny-vae", "tiny-convnext"):  # loaded once, by the one device's worker
+            assert metric_sum(snap, "convserve_model_loads_total", model=model) == 1
+            assert metric(snap, "convserve_model_loads_total", model=model, device="cpu") == 1
+        pids = {httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]["pid"] for _ in range(6)}
+        assert len(pids) == 1  # whichever front end answers, the same worker
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda _: httpx.Client().post(
+                f"{srv.url}/v1/models/tiny-vae/decode", content=npy(latents()), headers=NPY,
+                params={"format": "npy"}, timeout=60).status_code, range(12)))
+        assert codes == [200] * 12
+        assert metric_sum(scrape(srv.url), "convserve_requests_total", model="tiny-vae", status="200") >= 12
+    finally:
+        assert srv.stop(timeout=30) == 0, srv.log()
