@@ -171,33 +171,36 @@ def _worker(args):
     return time.perf_counter() - t0
 
 
-def gil_check(names: list[str], size: int, n: int) -> None:
-    """2n encodes: one thread; two threads of one process (n each); two processes (n each)."""
-    print(f"\n## threads vs processes, {size}x{size} smooth, {2 * n} encodes, wall seconds "
-          f"(speed-up vs 1 thread; 2.0 = perfect on 2 cores)")
-    print("| encoder | 1 thread s | 2 threads s | threads x | 2 processes s | processes x |")
-    print("| --- | --- | --- | --- | --- | --- |")
+def gil_check(names: list[str], size: int, seconds: float) -> None:
+    """~`seconds` of encodes per thread: one thread; two threads of one process; two processes.
+    "2-thread CPU" = process CPU time / wall time while two threads encode: ~1.0 when the encoder
+    holds the GIL, up to 2.0 when it releases it (less on a loaded box, for every row alike)."""
+    print(f"\n## threads vs processes, {size}x{size} smooth, wall seconds for the same encodes "
+          f"(x = speed-up vs 1 thread; 2.0 = perfect on 2 cores); load average {os.getloadavg()[0]:.2f}")
+    print("| encoder | encodes | 1 thread s | 2 threads s | threads x | 2-thread CPU | 2 processes s | processes x |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     enc = encoders(quick=False)
     img = smooth_image(size)
     ctx = multiprocessing.get_context("fork")
     for name in names:
         fn = enc[name][1]
-        fn(img)
+        n = max(5, int(seconds / time_encode(fn, img, 0.2)[0] * 1e3))
         t0 = time.perf_counter()
         for _ in range(2 * n):
             fn(img)
         t1 = time.perf_counter() - t0
         with ThreadPoolExecutor(2) as ex:
             list(ex.map(lambda _: fn(img), range(4)))  # warm the threads
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             list(ex.map(lambda _: [fn(img) for _ in range(n)], range(2)))
-            t2 = time.perf_counter() - t0
+            t2, c2 = time.perf_counter() - t0, time.process_time() - c0
         with ctx.Pool(2) as pool:
             pool.map(_worker, [(name, size, 1)] * 2)
             t0 = time.perf_counter()
             pool.map(_worker, [(name, size, n)] * 2)
             tp = time.perf_counter() - t0
-        print(f"| {name} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} | {tp:.2f} | {t1 / tp:.2f} |", flush=True)
+        print(f"| {name} | {2 * n} | {t1:.2f} | {t2:.2f} | {t1 / t2:.2f} | {c2 / t2:.2f} | {tp:.2f} | {t1 / tp:.2f} |",
+              flush=True)
 
 
 def main() -> None:
@@ -206,7 +209,8 @@ def main() -> None:
     ap.add_argument("--min-s", type=float, default=0.4, help="seconds of repeats per cell (at least 3)")
     ap.add_argument("--quick", action="store_true", help="fewer PNG levels and WebP methods")
     ap.add_argument("--gil", action="store_true", help="also time 1 vs 2 threads vs 2 processes")
-    ap.add_argument("--gil-n", type=int, default=40)
+    ap.add_argument("--gil-s", type=float, default=1.0, help="seconds of encodes per thread in --gil")
+    ap.add_argument("--gil-only", action="store_true", help="only the threads-vs-processes check")
     ap.add_argument("--only", nargs="*", help="encoder names containing any of these substrings")
     args = ap.parse_args()
 
@@ -216,6 +220,12 @@ def main() -> None:
           f"Pillow's deflate: zlib-ng {getattr(Image.core, 'zlib_ng_version', None)} (HAVE_ZLIBNG="
           f"{getattr(Image.core, 'HAVE_ZLIBNG', None)}, zlib {features.version('zlib')}), "
           f"Python's zlib {zlib.ZLIB_VERSION}")
+    gil_names = [n for n in ("PIL PNG level 1", "convserve png_bytes (SUB, zlib 1, Z_RLE)", "PIL JPEG q90",
+                             "PIL WebP q90 method 4", "PIL WebP q90 method 0", "simplejpeg q90 420",
+                             "imagecodecs png level 1 RLE SUB", "fpng") if n in encoders(quick=False)]
+    if args.gil_only:
+        gil_check(gil_names, 512, args.gil_s)
+        return
     enc = encoders(args.quick)
     if args.only:
         enc = {k: v for k, v in enc.items() if any(s.lower() in k.lower() for s in args.only)}
@@ -250,9 +260,7 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
     if args.gil:
-        names = [n for n in ("PIL PNG level 1", "convserve png_bytes (SUB, zlib 1, Z_RLE)", "PIL JPEG q90", "PIL WebP q90 method 4", "PIL WebP q90 method 0",
-                             "simplejpeg q90 420", "imagecodecs png level 1 RLE SUB", "fpng") if n in encoders(quick=False)]
-        gil_check(names, 512, args.gil_n)
+        gil_check(gil_names, 512, args.gil_s)
 
 
 if __name__ == "__main__":
