@@ -34,13 +34,40 @@ def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
+def load_json(data, what: str, kind: str = "bad-json"):
+    """json.loads as a request parser needs it: malformed JSON and JSON nested too deeply for the
+    parser (a RecursionError, not a ValueError) are both a 400 naming `what`."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise Problem(400, kind, f"{what} is nested too deeply to parse") from None
+    except ValueError as exc:
+        raise Problem(400, kind, f"{what} is not JSON ({exc})") from exc
+
+
+def shape_text(shape) -> str:
+    """A declared shape for an error message, cut short: a hostile one may have thousands of entries."""
+    text = str(list(shape))
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(shape)} dimensions)"
+
+
+def reshape(arr: np.ndarray, shape, what: str) -> np.ndarray:
+    """arr.reshape(shape) for a client-declared shape: whatever numpy cannot make (more than its
+    maximum of dimensions, a dimension or total size beyond what an array can index, even with
+    no elements) is a 400, not a ValueError escaping as a 500."""
+    try:
+        return arr.reshape(shape)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise Problem(400, "bad-tensor", f"{what}: shape {shape_text(shape)} is not a possible array ({exc})") from None
+
+
 def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     try:
         shape = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise Problem(400, "bad-tensor", f"{what}: shape must be a list of ints, got {shape!r:.200}") from None
     if any(s < 0 for s in shape):
-        raise Problem(400, "bad-tensor", f"{what}: negative dimension in shape {list(shape)}")
+        raise Problem(400, "bad-tensor", f"{what}: negative dimension in shape {shape_text(shape)}")
     if dtype_name in ("bfloat16", "bf16", "BF16"):
         dt = np.dtype("<u2")
     elif dtype_name.lower() in _DTYPES:
@@ -51,9 +78,9 @@ def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     n = math.prod(shape)  # Python ints: a fuzzed huge shape must not overflow int64
     if n * dt.itemsize != len(buf):
         raise Problem(400, "bad-tensor",
-                      f"{what}: {len(buf)} bytes do not hold shape {list(shape)} of {dtype_name} "
+                      f"{what}: {len(buf)} bytes do not hold shape {shape_text(shape)} of {dtype_name} "
                       f"({n * dt.itemsize} bytes)")
-    arr = np.frombuffer(buf, dtype=dt).reshape(shape)
+    arr = reshape(np.frombuffer(buf, dtype=dt), shape, what)
     return bf16_to_f32(arr) if dt == np.dtype("<u2") else arr
 
 
@@ -73,10 +100,7 @@ def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
     n = int.from_bytes(body[:8], "little")
     if n > len(body) - 8:
         raise Problem(400, "bad-safetensors", f"safetensors header length {n} exceeds the body")
-    try:
-        header = json.loads(body[8:8 + n])
-    except ValueError as exc:
-        raise Problem(400, "bad-safetensors", f"safetensors header is not JSON ({exc})") from exc
+    header = load_json(body[8:8 + n], "safetensors header", "bad-safetensors")
     if not isinstance(header, dict):
         raise Problem(400, "bad-safetensors", "safetensors header is not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -106,10 +130,7 @@ def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
 def read_json_tensor(body: bytes) -> tuple[np.ndarray, dict]:
     """{"data": base64 little-endian bytes, "shape": [...], "dtype": "float32"}; other keys are
     returned as options."""
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise Problem(400, "bad-json", f"body is not JSON ({exc})") from exc
+    doc = load_json(body, "body")
     if not isinstance(doc, dict) or not {"data", "shape"} <= doc.keys():
         raise Problem(400, "bad-json", 'JSON body must be {"data": base64, "shape": [...], "dtype": "float32"}')
     try:
