@@ -148,18 +148,51 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
+#: Content-Types that say nothing about the body: none, octet-stream, and curl's default for
+#: `--data-binary` (form-urlencoded). Bodies sent with them are recognised by their first bytes.
+GENERIC_MEDIA = ("", "application/octet-stream", "application/x-www-form-urlencoded")
+TENSOR_MEDIA_TEXT = f"{NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json"
+IMAGE_MEDIA_TEXT = "image/jpeg, image/png, image/webp"
+
+
+def sniff(body: bytes) -> str | None:
+    """The media type a body's magic bytes show: image/png, image/jpeg, image/webp, .npy, or
+    safetensors (an 8-byte little-endian header length that fits the body, then a JSON object);
+    None when none fits."""
+    head = bytes(body[:16])
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head.startswith(b"\x93NUMPY"):
+        return NPY_MEDIA
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= len(body) - 8:
+        return SAFETENSORS_MEDIA
+    return None
+
+
 def read_tensor_body(body: bytes, content_type: str | None, prefer: str) -> tuple[np.ndarray, dict]:
-    """Latents (or pixels) from a request body by its Content-Type; an octet-stream body is
-    sniffed (.npy magic, else safetensors)."""
+    """Latents (or pixels) from a request body by its Content-Type; a body whose Content-Type
+    says nothing (GENERIC_MEDIA) is recognised by its magic bytes (.npy, else safetensors), and
+    an image there is named in the 415 instead of failing as a malformed safetensors."""
     mt = media_type(content_type)
+    if mt in GENERIC_MEDIA:
+        sniffed = sniff(body)
+        if sniffed is not None and sniffed.startswith("image/"):
+            raise Problem(415, "unsupported-media-type",
+                          f"the body is a {sniffed.split('/')[1].upper()} image; this route takes tensors: "
+                          f"send {TENSOR_MEDIA_TEXT}")
+        if sniffed is not None or mt != "application/x-www-form-urlencoded":
+            mt = sniffed or SAFETENSORS_MEDIA  # unrecognised bytes: safetensors' parser names what is wrong
     if mt == "application/json":
         return read_json_tensor(body)
-    if mt in (NPY_MEDIA, "application/npy") or (mt in ("application/octet-stream", "") and body[:6] == b"\x93NUMPY"):
+    if mt in (NPY_MEDIA, "application/npy"):
         return read_npy(body), {}
-    if mt in (SAFETENSORS_MEDIA, "application/octet-stream", ""):
+    if mt == SAFETENSORS_MEDIA:
         return read_safetensors(body, prefer), {}
-    raise Problem(415, "unsupported-media-type",
-                  f"Content-Type {mt!r} not accepted; send {NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json")
+    raise Problem(415, "unsupported-media-type", f"Content-Type {mt!r} not accepted; send {TENSOR_MEDIA_TEXT}")
 
 
 def npy_parts(arr: np.ndarray) -> tuple[bytes, memoryview]:

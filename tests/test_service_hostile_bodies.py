@@ -1,14 +1,18 @@
 """Hostile bodies over real HTTP: JSON nested past the parser's recursion limit, more dimensions
 than numpy makes, dimensions no array can index (even with no elements), on every route that parses
-a body. Each must be a 4xx problem+json (not a 500) and leave the server answering good requests."""
+a body. Each must be a 4xx problem+json (not a 500) and leave the server answering good requests.
+Bodies are recognised by content where the Content-Type says nothing (images on /encode, an image
+sent to /decode is named in the 415)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from live_server import npy
 
@@ -105,3 +109,60 @@ def test_hostile_body_details(live_server):
     assert r.status_code == 400 and r.json()["type"].endswith("/bad-tensor") and "64" in r.json()["detail"]
     r = httpx.post(f"{u}{INDEX}", content=SMALL_NESTED_OBJ, headers=JSON, timeout=60)
     assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
+
+
+# ---- bodies recognised by content ---------------------------------------------------------------------
+def png_bytes(h: int = 40, w: int = 56) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng().integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_bytes(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng().integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+@pytest.mark.parametrize("content_type", [None, "application/octet-stream", "application/x-www-form-urlencoded"])
+def test_encode_recognises_images_by_content(live_server, fmt, content_type):
+    data = image_bytes(fmt)
+    url = f"{live_server.url}/v1/models/tiny-convnext/encode"
+    want = httpx.post(url, content=data, headers={"content-type": f"image/{fmt.lower()}"}, timeout=60)
+    assert want.status_code == 200, want.text
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(url, content=data, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["embeddings"], want.json()["embeddings"], rtol=1e-5, atol=1e-6)
+
+
+def test_encode_recognises_npy_and_safetensors_by_content(live_server):
+    px = np.random.default_rng().integers(0, 256, (1, 30, 30, 3), dtype=np.uint8)
+    url = f"{live_server.url}/v1/models/tiny-convnext/encode"
+    want = httpx.post(url, content=npy(px), headers={"content-type": "application/x-npy"}, timeout=60)
+    assert want.status_code == 200, want.text
+    st = safetensors_body({"pixels": {"dtype": "U8", "shape": list(px.shape), "data_offsets": [0, px.nbytes]}})
+    for body in (npy(px), st + px.tobytes()):
+        for headers in ({}, {"content-type": "application/octet-stream"}):
+            r = httpx.post(url, content=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["embeddings"], want.json()["embeddings"], rtol=1e-5, atol=1e-6)
+
+
+def test_unaccepted_types_name_every_accepted_one(live_server):
+    """The encode 415 lists the image types too; an image sent to decode is named as one."""
+    u = live_server.url
+    r = httpx.post(f"{u}/v1/models/tiny-convnext/encode", content=b"hello there", headers={"content-type": "text/plain"},
+                   timeout=60)
+    assert r.status_code == 415, r.text
+    detail = r.json()["detail"]
+    for t in ("image/jpeg", "image/png", "image/webp", "multipart/form-data", "application/x-npy"):
+        assert t in detail, detail
+    r = httpx.post(f"{u}/v1/models/tiny-convnext/encode", content=b"hello there",
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 415 and "image/png" in r.json()["detail"], r.text
+    for headers in ({}, {"content-type": "application/octet-stream"}):
+        r = httpx.post(f"{u}{DEC}", content=png_bytes(), headers=headers, timeout=60)
+        assert r.status_code == 415, r.text
+        assert "PNG image" in r.json()["detail"] and "application/x-npy" in r.json()["detail"], r.text
