@@ -1,4 +1,4 @@
-"""Kernel metrics. Names and labels are a public contract (DESIGN.md); the service exposes
+"""Kernel metrics. Names and labels are a public contract (docs/interfaces.md); the service exposes
 `REGISTRY` beside its own."""
 from __future__ import annotations
 

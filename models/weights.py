@@ -1,5 +1,5 @@
-"""Checkpoint reading: safetensors only (never pickle), with one clear error listing every
-missing, unexpected or mis-shaped tensor."""
+"""Checkpoint reading: safetensors only (never pickle), with one clear error summarising every
+missing, unexpected or mis-shaped tensor and saying what the checkpoint looks like."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ import numpy as np
 
 
 class WeightsError(ValueError):
-    """A checkpoint does not fit the model; the message lists every problem."""
+    """A checkpoint does not fit the model; the message counts every problem and names the first few."""
 
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bf16",
@@ -125,26 +125,92 @@ def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls
     return cfg_cls.from_dict(cfg_dict), tensors, picked
 
 
+#: names shown per kind of problem; the counts are always complete
+SHOWN = 4
+
+
+def _first(names: list[str], n: int = SHOWN) -> str:
+    more = f", ... and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def checkpoint_family(keys) -> str | None:
+    """What a state dict's names say it is (a model's expected names or a checkpoint's):
+    'convnext', 'vae' (diffusers naming), 'ldm-vae' (original Stable Diffusion naming),
+    'sd-pipeline' (a whole original SD checkpoint), or None when nothing fits."""
+    keys = list(keys)
+    has = lambda *prefixes: any(k.startswith(prefixes) for k in keys)  # noqa: E731
+    if has("model.diffusion_model.", "first_stage_model.", "cond_stage_model."):
+        return "sd-pipeline"
+    if has("convnext.", "embeddings.", "stem.", "stages.", "encoder.stages.") or \
+            any(".dwconv." in k or ".pwconv1." in k for k in keys):
+        return "convnext"
+    if has("encoder.", "decoder.", "quant_conv.", "post_quant_conv."):
+        if has("decoder.up.", "decoder.mid.", "encoder.down."):
+            return "ldm-vae"
+        return "vae"
+    return None
+
+
+_FAMILY_TEXT = {"convnext": "a ConvNeXt checkpoint", "vae": "a VAE checkpoint (diffusers naming)",
+                "ldm-vae": "a VAE in the original Stable Diffusion (ldm) naming, not diffusers'",
+                "sd-pipeline": "a whole original Stable Diffusion checkpoint (UNet, text encoder and VAE)"}
+_FAMILY_FIX = {"convnext": "serve it with a ConvNeXt preset (tiny-convnext, convnext-tiny, convnext-base)",
+               "vae": "serve it with a VAE preset of its kind (sd-vae, sdxl-vae, flux-vae, wan2.1-vae, ...)",
+               "ldm-vae": "use the diffusers-format VAE (the `vae` folder of a diffusers repository) or convert it",
+               "sd-pipeline": "serve the diffusers repository's `vae` folder (org/name/vae) instead"}
+
+
+def _hint(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, np.ndarray],
+          missing: list[str], unexpected: list[str], misshaped: list[str]) -> str:
+    """What the checkpoint looks like and the likely fix, from its names and shapes."""
+    want, have = checkpoint_family(expected), checkpoint_family(given)
+    if have is not None and have != want:
+        looks = f"this looks like {_FAMILY_TEXT[have]}"
+        if want is not None and (want == "convnext") != (have == "convnext"):
+            return f"{looks}, but the model is a {'ConvNeXt' if want == 'convnext' else 'VAE'}: {_FAMILY_FIX[have]}"
+        return f"{looks}: {_FAMILY_FIX[have]}"
+    if misshaped and not missing and not unexpected:
+        return ("every tensor is there but some have other shapes: the checkpoint is a model of another size; a "
+                "bare .safetensors file carries no config, so serve the diffusers/HF folder with its config.json "
+                "(or pass the preset whose size matches)")
+    if misshaped and len(misshaped) >= len(missing) + len(unexpected):
+        return ("most differences are shapes: the checkpoint is probably a model of another size or variant; serve "
+                "the diffusers/HF folder with its config.json")
+    if missing and unexpected:
+        return "the names differ: the checkpoint is another architecture or naming than this preset's"
+    if missing:
+        return "the checkpoint is incomplete (or a part of another model, e.g. an encoder only)"
+    return "the checkpoint holds more than this model uses"
+
+
 def check_state_dict(expected: Mapping[str, tuple[int, ...]], given: Mapping[str, np.ndarray],
                      what: str, ignore_unexpected: tuple[str, ...] = ()) -> None:
-    """Raise one WeightsError naming every missing, unexpected and mis-shaped tensor."""
+    """Raise one WeightsError summarising every missing, unexpected and mis-shaped tensor: the
+    counts, the first few names of each, what the checkpoint looks like and the likely fix, in
+    about a kilobyte (a listing of every name ran to 16 KB and hid the point)."""
     missing = sorted(k for k in expected if k not in given)
     unexpected = sorted(k for k in given if k not in expected and not k.startswith(ignore_unexpected))
-    misshaped = sorted(f"{k}: checkpoint {tuple(given[k].shape)} vs model {tuple(expected[k])}"
-                       for k in expected if k in given and tuple(given[k].shape) != tuple(expected[k]))
+    misshaped = sorted(k for k in expected if k in given and tuple(given[k].shape) != tuple(expected[k]))
     bad_values = sorted(k for k in expected if k in given and given[k].dtype.kind == "f"
                         and not np.isfinite(given[k]).all())
     if missing or unexpected or misshaped or bad_values:
         parts = []
         if missing:
-            parts.append(f"missing ({len(missing)}): {', '.join(missing)}")
+            parts.append(f"missing ({len(missing)}): {_first(missing)}")
         if unexpected:
-            parts.append(f"unexpected ({len(unexpected)}): {', '.join(unexpected)}")
+            parts.append(f"unexpected ({len(unexpected)}): {_first(unexpected)}")
         if misshaped:
-            parts.append(f"mis-shaped ({len(misshaped)}): {'; '.join(misshaped)}")
+            shown = [f"{k}: checkpoint {tuple(given[k].shape)} vs model {tuple(expected[k])}"
+                     for k in misshaped[:SHOWN - 1]]
+            more = f"; ... and {len(misshaped) - len(shown)} more" if len(misshaped) > len(shown) else ""
+            parts.append(f"mis-shaped ({len(misshaped)}): {'; '.join(shown)}{more}")
         if bad_values:
-            parts.append(f"non-finite values in: {', '.join(bad_values)}")
-        raise WeightsError(f"{what}: checkpoint does not fit the model — " + " | ".join(parts))
+            parts.append(f"non-finite values ({len(bad_values)}) in: {_first(bad_values)}")
+        hint = _hint(expected, given, missing, unexpected, misshaped) if (missing or unexpected or misshaped) \
+            else "the checkpoint holds NaN or Inf: it is corrupt or was saved from a diverged run"
+        raise WeightsError(f"{what}: checkpoint does not fit the model ({len(given)} tensors in the checkpoint, "
+                           f"{len(expected)} in the model) — " + " | ".join(parts) + f". Hint: {hint}")
 
 
 #: (pattern, replacement) as re.sub takes them; patterns anchor themselves (^, $)

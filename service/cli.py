@@ -12,7 +12,8 @@ from typing import Optional
 import numpy as np
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# show_locals off: an unexpected error's traceback must not print the locals (an API key, whole arrays)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="convserve: decode latents to images/video and encode images, over HTTP or locally.")
 
 IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
@@ -114,6 +115,49 @@ def _fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
+def _input_file(path: Path) -> Path:
+    """An input file the command reads; a missing one is a one-line error (typer's `exists=True`
+    prints a multi-line usage panel instead)."""
+    if not path.exists():
+        _fail(f"{path}: no such file")
+    if path.is_dir():
+        _fail(f"{path}: is a folder, not a file")
+    return path
+
+
+def check_model_entries(entries) -> None:
+    """Start-up checks of MODELS entries that need no loading and no network: every preset is a
+    known one (a near miss is named: `sd-vea` -> did you mean sd-vae), and every local weights path
+    exists. Problems end the command with one line naming each; an entry without a preset (a bare
+    Hub reference for `pull`) has only its weights checked."""
+    import difflib
+
+    from models import PRESETS
+    from models.hub import parse_weights
+
+    problems = []
+    known = sorted(PRESETS)
+    for entry in entries:
+        if entry.preset and entry.preset not in PRESETS:
+            close = difflib.get_close_matches(entry.preset, known, n=2, cutoff=0.6)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items() if why != "not installed")
+            problems.append(f"model {entry.name}: unknown preset {entry.preset!r}; {hint}known presets: "
+                            f"{', '.join(known)}" + (f" (families unavailable: {missing})" if missing else ""))
+        if not entry.weights:
+            continue
+        try:
+            parsed = parse_weights(entry.weights)
+        except ValueError as exc:
+            problems.append(f"model {entry.name}: {exc}")
+            continue
+        if isinstance(parsed, str) and not Path(parsed).expanduser().exists():
+            problems.append(f"model {entry.name}: weights {entry.weights!r}: no such file or folder (a local path: "
+                            "a diffusers/HF model folder or a .safetensors file)")
+    if problems:
+        _fail("; ".join(problems))
+
+
 def _model_entries(spec: str):
     from .settings import parse_models
 
@@ -158,6 +202,7 @@ def pull(models: Optional[list[str]] = typer.Argument(
             entries.append(ModelEntry(item, "", item))
         elif item:
             entries.extend(_model_entries(item))
+    check_model_entries(entries)
     if not any(e.weights for e in entries):
         typer.echo("nothing to pull: no entry names Hub weights")
         return
@@ -175,12 +220,17 @@ def _load_local(preset: str, weights: Optional[str], backend: str):
     from .model_host import load_entry
     from .settings import ModelEntry, Settings
 
+    entry = ModelEntry(preset, preset, weights)
+    check_model_entries([entry])
     # the backend knobs (unfold limit, plan cache, ...) are the server's CONVSERVE_* settings
-    be = get_backend(backend, **Settings().backend_options())
     try:
-        return load_entry(ModelEntry(preset, preset, weights), be)
-    except WeightsError as exc:
-        _fail(str(exc))
+        be = get_backend(backend, **Settings().backend_options())
+    except (ValueError, RuntimeError, ImportError) as exc:  # an unknown or unavailable backend
+        _fail(f"backend {backend!r}: {exc}")
+    try:
+        return load_entry(entry, be)
+    except (WeightsError, KeyError) as exc:
+        _fail(str(exc).strip("'\""))
 
 
 def _validated(check, *args) -> np.ndarray:
@@ -197,7 +247,7 @@ def _read_tensor(path: Path, prefer: str) -> np.ndarray:
     from .codecs import read_tensor_body
     media = {".npy": "application/x-npy", ".safetensors": "application/vnd.safetensors",
              ".json": "application/json"}.get(path.suffix.lower(), "application/octet-stream")
-    arr, _ = read_tensor_body(path.read_bytes(), media, prefer)
+    arr, _ = _validated(read_tensor_body, _input_file(path).read_bytes(), media, prefer)
     return arr
 
 
@@ -218,7 +268,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
         return [output]
     if suffix == ".mp4":
         if not video:
-            raise typer.BadParameter("an image decoder gives images: use .png/.jpg/.webp/.npy or a folder")
+            _fail("an image decoder gives images: write .png/.jpg/.webp/.npy or a folder")
         for i, v in enumerate(tqdm(out, desc="mp4", unit="video", disable=out.shape[0] < 2)):
             p = name(i, ".mp4")
             p.write_bytes(mp4_bytes(v, fps, crf_for_quality(quality)))
@@ -231,7 +281,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
             written.append(p)
         return written
     if suffix:
-        raise typer.BadParameter(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
+        _fail(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
     # a folder of PNG frames
     output.mkdir(parents=True, exist_ok=True)
     frames = out if video else out[:, None]
@@ -247,7 +297,7 @@ def _write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps
 
 
 @app.command()
-def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help=".npy, .safetensors or .json latents"),
+def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json latents"),
            output: Path = typer.Option(..., "-o", "--output", help="out.png|.jpg|.webp, out.mp4, out.npy or a folder"),
            preset: Optional[str] = typer.Option(None, help="model preset [tiny-vae; tiny-wan-vae for 5-D latents]"),
            weights: Optional[str] = typer.Option(None, help="a .safetensors file, diffusers folder or Hub reference"),
@@ -265,6 +315,7 @@ def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help
 
     lat = _read_tensor(latents, "latents")
     video = lat.ndim == 5
+    _check_output(output, video, local=not url)
     if url:
         _remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
                        tiled, quality, fps, api_key)
@@ -281,20 +332,53 @@ def decode(latents: Path = typer.Argument(..., exists=True, dir_okay=False, help
         out = np.concatenate([hm.model.decode(lat[i:i + 1], tiled=t)
                               for i in tqdm(range(lat.shape[0]), desc="decode", unit="img", disable=lat.shape[0] < 2)])
     secs = time.perf_counter() - t0
-    written = _write_decoded(out, output, hm.is_video, quality, fps)
+    written = _validated(_write_decoded, out, output, hm.is_video, quality, fps)
     typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} in {secs:.2f}s; wrote {len(written)} file(s): "
                f"{', '.join(map(str, written[:4]))}{' ...' if len(written) > 4 else ''}")
 
 
+def _check_output(output: Path, video: bool, local: bool) -> None:
+    """What the command will write, checked before any work: a known suffix for the model kind,
+    an existing folder to write into, and PyAV for a local MP4."""
+    suffix = output.suffix.lower()
+    if suffix and not output.parent.is_dir():  # a frames folder is made with its parents
+        _fail(f"{output}: the folder {output.parent} does not exist")
+    if suffix == ".mp4" and not video:
+        _fail("an image decoder gives images: write .png/.jpg/.webp/.npy or a folder")
+    if suffix in IMAGE_SUFFIXES and video:
+        _fail("a video decoder gives frames: write .mp4, .npy or a folder")
+    if suffix and suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
+        _fail(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
+    if suffix == ".mp4" and local:
+        from .video import require_av
+        _validated(require_av, " (or write .npy or a folder of frames)")
+
+
+def _problem_text(r) -> str:
+    """A server's error answer in one line: its problem+json detail, else the start of the body."""
+    try:
+        doc = r.json()
+        detail = doc.get("detail") or doc.get("error") if isinstance(doc, dict) else None
+    except ValueError:
+        detail = None
+    text = str(detail) if detail else " ".join(r.text.split())[:300]
+    return f"server answered {r.status_code} {r.reason_phrase}: {text}"
+
+
 def _post(url: str, api_key: Optional[str], headers: dict | None = None, **kwargs):
-    """A request to a running server; an error answer ends the command."""
-    import httpx
+    """A request to a running server; an error answer, or no answer, ends the command with one line."""
+    try:
+        import httpx
+    except ImportError:  # a runtime dependency; an environment missing it gets the fix, not a traceback
+        _fail("--url needs the httpx package: pip install httpx")
 
     auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(url, headers={**(headers or {}), **auth}, timeout=600, **kwargs)
+    try:
+        r = httpx.post(url, headers={**(headers or {}), **auth}, timeout=600, **kwargs)
+    except httpx.HTTPError as exc:
+        _fail(f"no answer from {url}: {exc.__class__.__name__}: {exc}", 1)
     if r.status_code != 200:
-        typer.echo(f"server answered {r.status_code}: {r.text}", err=True)
-        raise typer.Exit(1)
+        _fail(_problem_text(r), 1)
     return r
 
 
@@ -302,7 +386,7 @@ def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) 
     from .codecs import npy_bytes
     suffix = output.suffix.lower()
     if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
-        raise typer.BadParameter("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")
+        _fail("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")
     fmt = "npy" if suffix == ".npy" else "mp4" if suffix == ".mp4" else IMAGE_SUFFIXES[suffix]
     r = _post(f"{url.rstrip('/')}/v1/models/{model}/decode", api_key, {"content-type": "application/x-npy"},
               content=npy_bytes(np.asarray(lat, np.float32)),
@@ -322,7 +406,7 @@ def _remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key) 
 
 
 @app.command()
-def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False, help="JPEG/PNG/WebP files"),
+def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
            preset: str = typer.Option("tiny-convnext", help="encoder preset"),
            weights: Optional[str] = typer.Option(None, help="an HF folder, .safetensors file or Hub reference"),
            backend: str = typer.Option("auto"),
@@ -338,6 +422,10 @@ def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False,
     from .codecs import npy_bytes, open_image, preprocess
     from .codecs import top_k as rank
 
+    for p in images:
+        _input_file(p)
+    if output and not output.parent.is_dir():
+        _fail(f"{output}: the folder {output.parent} does not exist")
     if url:
         files = [("files", (p.name, p.read_bytes(), "application/octet-stream")) for p in images]
         doc = _post(f"{url.rstrip('/')}/v1/models/{model or preset}/encode", api_key, files=files,
@@ -347,15 +435,14 @@ def encode(images: list[Path] = typer.Argument(..., exists=True, dir_okay=False,
     else:
         hm = _load_local(preset, weights, backend)
         size = int(hm.model.input_size)
-        px = np.stack([preprocess(open_image(p.read_bytes(), 1 << 62, str(p)), size)
+        px = np.stack([preprocess(_validated(open_image, p.read_bytes(), 1 << 62, str(p)), size)
                        for p in tqdm(images, desc="load", unit="img", disable=len(images) < 2)])
         out = hm.model.encode(_validated(validation.encoder_pixels, hm, px))
         emb = np.asarray(out["embedding"], np.float32)
         ranks = None
         if top_k:
             if out.get("logits") is None:
-                typer.echo(f"{preset} has no classifier head: no labels", err=True)
-                raise typer.Exit(2)
+                _fail(f"{preset} has no classifier head: no labels")
             ranks = rank(np.asarray(out["logits"], np.float64), top_k, hm.labels)
     if output:
         output.write_bytes(npy_bytes(emb))

@@ -35,13 +35,40 @@ def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
+def load_json(data, what: str, kind: str = "bad-json"):
+    """json.loads as a request parser needs it: malformed JSON and JSON nested too deeply for the
+    parser (a RecursionError, not a ValueError) are both a 400 naming `what`."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise Problem(400, kind, f"{what} is nested too deeply to parse") from None
+    except ValueError as exc:
+        raise Problem(400, kind, f"{what} is not JSON ({exc})") from exc
+
+
+def shape_text(shape) -> str:
+    """A declared shape for an error message, cut short: a hostile one may have thousands of entries."""
+    text = str(list(shape))
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(shape)} dimensions)"
+
+
+def reshape(arr: np.ndarray, shape, what: str) -> np.ndarray:
+    """arr.reshape(shape) for a client-declared shape: whatever numpy cannot make (more than its
+    maximum of dimensions, a dimension or total size beyond what an array can index, even with
+    no elements) is a 400, not a ValueError escaping as a 500."""
+    try:
+        return arr.reshape(shape)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise Problem(400, "bad-tensor", f"{what}: shape {shape_text(shape)} is not a possible array ({exc})") from None
+
+
 def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     try:
         shape = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise Problem(400, "bad-tensor", f"{what}: shape must be a list of ints, got {shape!r:.200}") from None
     if any(s < 0 for s in shape):
-        raise Problem(400, "bad-tensor", f"{what}: negative dimension in shape {list(shape)}")
+        raise Problem(400, "bad-tensor", f"{what}: negative dimension in shape {shape_text(shape)}")
     if dtype_name in ("bfloat16", "bf16", "BF16"):
         dt = np.dtype("<u2")
     elif dtype_name.lower() in _DTYPES:
@@ -52,9 +79,9 @@ def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     n = math.prod(shape)  # Python ints: a fuzzed huge shape must not overflow int64
     if n * dt.itemsize != len(buf):
         raise Problem(400, "bad-tensor",
-                      f"{what}: {len(buf)} bytes do not hold shape {list(shape)} of {dtype_name} "
+                      f"{what}: {len(buf)} bytes do not hold shape {shape_text(shape)} of {dtype_name} "
                       f"({n * dt.itemsize} bytes)")
-    arr = np.frombuffer(buf, dtype=dt).reshape(shape)
+    arr = reshape(np.frombuffer(buf, dtype=dt), shape, what)
     return bf16_to_f32(arr) if dt == np.dtype("<u2") else arr
 
 
@@ -74,10 +101,7 @@ def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
     n = int.from_bytes(body[:8], "little")
     if n > len(body) - 8:
         raise Problem(400, "bad-safetensors", f"safetensors header length {n} exceeds the body")
-    try:
-        header = json.loads(body[8:8 + n])
-    except ValueError as exc:
-        raise Problem(400, "bad-safetensors", f"safetensors header is not JSON ({exc})") from exc
+    header = load_json(body[8:8 + n], "safetensors header", "bad-safetensors")
     if not isinstance(header, dict):
         raise Problem(400, "bad-safetensors", "safetensors header is not a JSON object")
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -107,10 +131,7 @@ def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
 def read_json_tensor(body: bytes) -> tuple[np.ndarray, dict]:
     """{"data": base64 little-endian bytes, "shape": [...], "dtype": "float32"}; other keys are
     returned as options."""
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise Problem(400, "bad-json", f"body is not JSON ({exc})") from exc
+    doc = load_json(body, "body")
     if not isinstance(doc, dict) or not {"data", "shape"} <= doc.keys():
         raise Problem(400, "bad-json", 'JSON body must be {"data": base64, "shape": [...], "dtype": "float32"}')
     try:
@@ -128,18 +149,51 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";")[0].strip().lower()
 
 
+#: Content-Types that say nothing about the body: none, octet-stream, and curl's default for
+#: `--data-binary` (form-urlencoded). Bodies sent with them are recognised by their first bytes.
+GENERIC_MEDIA = ("", "application/octet-stream", "application/x-www-form-urlencoded")
+TENSOR_MEDIA_TEXT = f"{NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json"
+IMAGE_MEDIA_TEXT = "image/jpeg, image/png, image/webp"
+
+
+def sniff(body: bytes) -> str | None:
+    """The media type a body's magic bytes show: image/png, image/jpeg, image/webp, .npy, or
+    safetensors (an 8-byte little-endian header length that fits the body, then a JSON object);
+    None when none fits."""
+    head = bytes(body[:16])
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head.startswith(b"\x93NUMPY"):
+        return NPY_MEDIA
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= len(body) - 8:
+        return SAFETENSORS_MEDIA
+    return None
+
+
 def read_tensor_body(body: bytes, content_type: str | None, prefer: str) -> tuple[np.ndarray, dict]:
-    """Latents (or pixels) from a request body by its Content-Type; an octet-stream body is
-    sniffed (.npy magic, else safetensors)."""
+    """Latents (or pixels) from a request body by its Content-Type; a body whose Content-Type
+    says nothing (GENERIC_MEDIA) is recognised by its magic bytes (.npy, else safetensors), and
+    an image there is named in the 415 instead of failing as a malformed safetensors."""
     mt = media_type(content_type)
+    if mt in GENERIC_MEDIA:
+        sniffed = sniff(body)
+        if sniffed is not None and sniffed.startswith("image/"):
+            raise Problem(415, "unsupported-media-type",
+                          f"the body is a {sniffed.split('/')[1].upper()} image; this route takes tensors: "
+                          f"send {TENSOR_MEDIA_TEXT}")
+        if sniffed is not None or mt != "application/x-www-form-urlencoded":
+            mt = sniffed or SAFETENSORS_MEDIA  # unrecognised bytes: safetensors' parser names what is wrong
     if mt == "application/json":
         return read_json_tensor(body)
-    if mt in (NPY_MEDIA, "application/npy") or (mt in ("application/octet-stream", "") and body[:6] == b"\x93NUMPY"):
+    if mt in (NPY_MEDIA, "application/npy"):
         return read_npy(body), {}
-    if mt in (SAFETENSORS_MEDIA, "application/octet-stream", ""):
+    if mt == SAFETENSORS_MEDIA:
         return read_safetensors(body, prefer), {}
-    raise Problem(415, "unsupported-media-type",
-                  f"Content-Type {mt!r} not accepted; send {NPY_MEDIA}, {SAFETENSORS_MEDIA} or application/json")
+    raise Problem(415, "unsupported-media-type", f"Content-Type {mt!r} not accepted; send {TENSOR_MEDIA_TEXT}")
 
 
 def npy_parts(arr: np.ndarray) -> tuple[bytes, memoryview]:

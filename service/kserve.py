@@ -12,7 +12,7 @@ from . import validation
 from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
-from .codecs import bf16_to_f32, preprocess
+from .codecs import bf16_to_f32, load_json, preprocess, reshape, shape_text
 from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
@@ -99,8 +99,8 @@ def _tensor(spec: dict, binary: memoryview | None, offset: int) -> tuple[np.ndar
         if binary is None or offset + int(size) > len(binary):
             raise Problem(400, "bad-tensor", f"input {name!r}: binary_data_size {size} runs past the body")
         if int(size) != count * dt.itemsize:
-            raise Problem(400, "bad-tensor", f"input {name!r}: {size} bytes do not hold {shape} {dtype_name}")
-        arr = np.frombuffer(binary[offset:offset + int(size)], dtype=dt).reshape(shape)
+            raise Problem(400, "bad-tensor", f"input {name!r}: {size} bytes do not hold {shape_text(shape)} {dtype_name}")
+        arr = reshape(np.frombuffer(binary[offset:offset + int(size)], dtype=dt), shape, f"input {name!r}")
         offset += int(size)
     else:
         if "data" not in spec:
@@ -109,8 +109,10 @@ def _tensor(spec: dict, binary: memoryview | None, offset: int) -> tuple[np.ndar
             raise Problem(415, "unsupported-dtype", "BF16 inputs need the binary tensor extension")
         try:
             arr = np.asarray(spec["data"], dtype=dt).reshape(shape)
+        except RecursionError:  # data nested deeper than numpy walks
+            raise Problem(400, "bad-tensor", f"input {name!r}: data is nested too deeply") from None
         except (ValueError, TypeError, OverflowError) as exc:
-            raise Problem(400, "bad-tensor", f"input {name!r}: data does not fit shape {shape} ({exc})") from exc
+            raise Problem(400, "bad-tensor", f"input {name!r}: data does not fit shape {shape_text(shape)} ({exc})") from exc
     if dtype_name == "BF16":
         arr = bf16_to_f32(arr)
     return arr, offset
@@ -127,10 +129,7 @@ def _parse(body: bytes, header_len: str | None) -> tuple[dict, dict[str, np.ndar
         head, binary = body[:n], memoryview(body)[n:]
     else:
         head, binary = body, None
-    try:
-        doc = json.loads(head)
-    except ValueError as exc:
-        raise Problem(400, "bad-json", f"inference header is not JSON ({exc})") from exc
+    doc = load_json(head, "inference header")
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise Problem(400, "bad-request", "inference request needs a non-empty 'inputs' list")
     _check_options(doc)

@@ -47,13 +47,13 @@ def read_wire_tensor(body: bytes, shape: list[int], dtype: str) -> np.ndarray:
     if dtype not in WIRE_DTYPES:
         raise Problem(415, "unsupported-dtype", f"dtype {dtype!r} not accepted; use one of {sorted(WIRE_DTYPES)}")
     if not shape or any(s < 0 for s in shape):
-        raise Problem(400, "bad-tensor", f"shape {shape} must be a non-empty list of sizes >= 0")
+        raise Problem(400, "bad-tensor", f"shape {codecs.shape_text(shape)} must be a non-empty list of sizes >= 0")
     dt = WIRE_DTYPES[dtype]
     n = math.prod(shape)  # Python ints: a huge declared shape must not overflow int64
     if n * dt.itemsize != len(body):
-        raise Problem(400, "bad-tensor", f"{len(body)} body bytes do not hold shape {shape} of {dtype} "
+        raise Problem(400, "bad-tensor", f"{len(body)} body bytes do not hold shape {codecs.shape_text(shape)} of {dtype} "
                                          f"({n * dt.itemsize} bytes)")
-    arr = np.frombuffer(body, dtype=dt).reshape(shape)
+    arr = codecs.reshape(np.frombuffer(body, dtype=dt), shape, "latents")
     return codecs.bf16_to_f32(arr) if dtype == "bfloat16" else arr
 
 

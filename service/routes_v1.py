@@ -112,6 +112,8 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
     """Images (or pixel arrays) from the body -> float32 N,S,S,3 in [0,1] at the model's size."""
     mt = codecs.media_type(request.headers.get("content-type"))
     max_px, max_n, max_ar = svc.settings.max_pixels, svc.settings.max_batch, svc.settings.max_aspect_ratio
+    if mt in codecs.GENERIC_MEDIA:  # no real Content-Type (none, octet-stream, curl's default): by content
+        mt = codecs.sniff(body) or mt
     if mt.startswith("image/"):
         images = [await svc.in_pool(codecs.open_image, body, max_px, "image", max_ar)]
     elif mt == "multipart/form-data":
@@ -124,9 +126,14 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         for i, part in enumerate(parts):
             data = await part.read()
             images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}", max_ar))
-    else:
-        arr, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "pixels")
+    elif mt in (codecs.NPY_MEDIA, "application/npy", codecs.SAFETENSORS_MEDIA, "application/json", "",
+                "application/octet-stream"):
+        arr, _ = await svc.in_pool(codecs.read_tensor_body, body, mt, "pixels")
         images = list(await svc.in_pool(validation.source_pixels, arr, svc.settings))
+    else:
+        raise Problem(415, "unsupported-media-type",
+                      f"Content-Type {mt!r} not accepted; send an image ({codecs.IMAGE_MEDIA_TEXT}), several "
+                      f"as multipart/form-data, or pixels as {codecs.TENSOR_MEDIA_TEXT}")
     return np.stack([await svc.in_pool(codecs.preprocess, im, input_size) for im in images])
 
 

@@ -11,13 +11,12 @@ The router must be included before kserve's: `/v2/models/stats` would otherwise 
 `/v2/models/{name}`."""
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
 from .batcher import batch_sizes
 from .bodies import read_body
+from .codecs import load_json
 from .kserve import ERRORS, VERSION, model_metadata_doc, service
 from .model_host import HostedModel
 from .pipeline import Service
@@ -117,10 +116,7 @@ def _index_entries(svc: Service) -> list[dict]:
 def _ready_only(body: bytes) -> bool:
     if not body.strip():
         return False
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise Problem(400, "bad-json", f"repository index request is not JSON ({exc})") from exc
+    doc = load_json(body, "repository index request")
     if not isinstance(doc, dict):
         raise Problem(400, "bad-request", "repository index request must be a JSON object")
     ready = doc.get("ready", False)

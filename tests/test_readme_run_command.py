@@ -5,6 +5,7 @@ encode. (The test command beside it is what `.ci/run` runs, in a fresh venv of i
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -42,6 +43,36 @@ def npy(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr)
     return buf.getvalue()
+
+
+def cli_against_the_server(bin_dir: Path, env: dict, url: str, work: Path, rng) -> None:
+    """The fresh venv's own `convserve` (never this environment's) against the server that venv
+    runs: decode --url to PNG and to the video default MP4, encode --url, and a server's 4xx as
+    one line. Each would fail on a dependency the install left out (httpx, PyAV)."""
+    from PIL import Image
+
+    work.mkdir()
+    exe = str(bin_dir / "convserve")
+
+    def cli(*args, ok: bool = True) -> subprocess.CompletedProcess:
+        run = subprocess.run([exe, *map(str, args)], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        if ok:
+            assert run.returncode == 0, f"convserve {' '.join(map(str, args))}:\n{run.stdout}{run.stderr}"
+        return run
+
+    np.save(work / "lat.npy", rng.standard_normal((1, 4, 4, 5), np.float32))
+    cli("decode", "lat.npy", "-o", "out.png", "--url", url)
+    assert (work / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(work / "out.png").size == (40, 32)
+    np.save(work / "video.npy", rng.standard_normal((1, 4, 2, 4, 5), np.float32))
+    cli("decode", "video.npy", "-o", "out.mp4", "--url", url, "--model", "tiny-wan-vae")
+    assert (work / "out.mp4").read_bytes()[4:8] == b"ftyp"
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(work / "a.png")
+    line = json.loads(cli("encode", "a.png", "--url", url, "--model", "tiny-convnext").stdout)
+    assert line["image"] == "a.png" and line["embedding_dim"] > 0 and np.isfinite(line["norm"])
+    bad = cli("decode", "lat.npy", "-o", "x.png", "--url", url, "--model", "tiny-convnext", ok=False)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "server answered 409" in bad.stderr
 
 
 def test_readme_names_the_install_and_serve_command():
@@ -87,6 +118,7 @@ def test_readme_run_command_serves_on_a_fresh_venv(tmp_path):
         doc = r.json()
         assert len(doc["embeddings"]) == 1 and len(doc["embeddings"][0]) == doc["embedding_dim"]
         assert np.isfinite(doc["embeddings"]).all()
+        cli_against_the_server(bin_dir, env, url, tmp_path / "cli", rng)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

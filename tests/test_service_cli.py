@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 from PIL import Image
+import typer
 from typer.testing import CliRunner
 
 from service.cli import app
@@ -92,3 +93,112 @@ def test_decode_and_encode_against_a_server(live_server, tmp_path):
     local = json.loads(invoke("encode", p, "--backend", "numpy", "--top-k", 2))
     assert np.isclose(remote["norm"], local["norm"], rtol=1e-5)
     assert [t["index"] for t in remote["top_k"]] == [t["index"] for t in local["top_k"]]
+
+
+# ---- first-run errors: one line on stderr, never a traceback ------------------------------------------
+def fails_in_one_line(*args, code: int | None = None) -> str:
+    r = runner.invoke(app, [str(a) for a in args])
+    assert r.exit_code != 0, r.output
+    if code is not None:
+        assert r.exit_code == code, (r.exit_code, r.output)
+    assert isinstance(r.exception, SystemExit), repr(r.exception)  # typer.Exit, not an error escaping
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convserve: error: "), r.stderr
+    assert "Traceback" not in r.output
+    return lines[0]
+
+
+def test_check_model_entries():
+    from service.cli import check_model_entries
+    from service.settings import ModelEntry, parse_models
+
+    check_model_entries(parse_models("tiny-vae,enc=tiny-convnext,hub=sd-vae:org/name/vae@main"))
+    check_model_entries([ModelEntry("org/name", "", "org/name")])  # a bare reference for `pull`
+    with pytest.raises(typer.Exit):
+        check_model_entries(parse_models("sd=sd-vea:foo/bar"))
+
+
+@pytest.mark.parametrize("spec,wants", [
+    ("sd=sd-vea:foo/bar", ["unknown preset 'sd-vea'", "did you mean sd-vae", "known presets:", "tiny-convnext"]),
+    ("x=tiny-convnxt", ["did you mean tiny-convnext"]),
+    ("x=zzz", ["unknown preset 'zzz'", "known presets: ", "sd-vae"]),
+    ("sd=sd-vae:./x", ["weights './x': no such file or folder"]),
+    ("sd=sd-vae:/x", ["weights '/x': no such file or folder"]),
+    ("sd=sd-vae:missing.safetensors", ["weights 'missing.safetensors': no such file or folder"]),
+    ("a=zzz,b=tiny-vae:./nope", ["unknown preset 'zzz'", "weights './nope'"]),
+])
+def test_check_model_entries_names_the_problem_in_one_line(spec, wants, capsys):
+    from service.cli import check_model_entries
+    from service.settings import parse_models
+
+    with pytest.raises(typer.Exit) as info:
+        check_model_entries(parse_models(spec))
+    assert info.value.exit_code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("convserve: error: "), err
+    for want in wants:
+        assert want in err, err
+    assert "Hub" not in err  # a typo or a missing path, not a failed download
+
+
+def test_pull_reports_a_preset_typo_before_the_hub(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    line = fails_in_one_line("pull", "sd=sd-vea:foo/bar", code=2)
+    assert "did you mean sd-vae" in line and "foo/bar" not in line
+    line = fails_in_one_line("pull", "sd=sd-vae:./x", code=2)
+    assert "'./x': no such file or folder" in line
+
+
+def test_local_errors_are_one_line(tmp_path, monkeypatch):
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.zeros((1, 4, 3, 3), np.float32))
+    assert "no such file" in fails_in_one_line("decode", tmp_path / "nope.npy", "-o", tmp_path / "o.png")
+    assert "no such file" in fails_in_one_line("encode", tmp_path / "nope.png")
+    assert "did you mean tiny-vae" in fails_in_one_line("decode", lat, "-o", tmp_path / "o.png", "--preset", "tiny-vea")
+    assert "unknown backend" in fails_in_one_line("decode", lat, "-o", tmp_path / "o.png", "--backend", "nope")
+    assert "cannot write .gif" in fails_in_one_line("decode", lat, "-o", tmp_path / "o.gif", "--backend", "numpy")
+    assert "image decoder" in fails_in_one_line("decode", lat, "-o", tmp_path / "o.mp4", "--backend", "numpy")
+    assert "does not exist" in fails_in_one_line("decode", lat, "-o", tmp_path / "no" / "o.png")
+    (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY garbage")
+    assert "npy" in fails_in_one_line("decode", tmp_path / "bad.npy", "-o", tmp_path / "o.png")
+    (tmp_path / "text.png").write_text("not an image")
+    assert "text.png" in fails_in_one_line("encode", tmp_path / "text.png", "--backend", "numpy")
+    assert "weights './x'" in fails_in_one_line("encode", tmp_path / "text.png", "--weights", "./x")
+    # MP4 without PyAV: the fix, before any decoding
+    vid = tmp_path / "v.npy"
+    np.save(vid, np.zeros((1, 4, 2, 4, 5), np.float32))
+    monkeypatch.setitem(__import__("sys").modules, "av", None)
+    assert "PyAV" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.mp4", "--backend", "numpy")
+
+
+def test_server_errors_are_one_line(live_server, tmp_path):
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.zeros((1, 4, 3, 3), np.float32))
+    line = fails_in_one_line("decode", lat, "-o", tmp_path / "o.png", "--url", live_server.url, "--model", "tiny-convnext",
+                             code=1)
+    assert line.startswith("convserve: error: server answered 409") and "tiny-convnext" in line
+    line = fails_in_one_line("decode", lat, "-o", tmp_path / "o.png", "--url", live_server.url, "--model", "nope", code=1)
+    assert "server answered 404" in line
+    line = fails_in_one_line("encode", lat, "--url", live_server.url, "--model", "tiny-convnext", code=1)
+    assert "server answered 4" in line
+    from live_server import free_port
+    line = fails_in_one_line("decode", lat, "-o", tmp_path / "o.png", "--url", f"http://127.0.0.1:{free_port()}", code=1)
+    assert "no answer from" in line
+
+
+def test_server_without_pyav_answers_mp4_requests_in_one_line(server_factory, tmp_path, monkeypatch):
+    """A server whose environment lacks PyAV (sys.modules['av'] = None at start-up) answers 501
+    with the fix; the CLI prints it as one line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['av'] = None\n")
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    srv = server_factory(models="tiny-wan-vae")
+    vid = tmp_path / "v.npy"
+    np.save(vid, np.zeros((1, 4, 2, 4, 5), np.float32))
+    line = fails_in_one_line("decode", vid, "-o", tmp_path / "v.mp4", "--url", srv.url, code=1)
+    assert "server answered 501" in line and "PyAV" in line
+    invoke("decode", vid, "-o", tmp_path / "v.npy.npy", "--url", srv.url)  # npy frames need no PyAV
+    assert np.load(tmp_path / "v.npy.npy").shape == (1, 5, 32, 40, 3)

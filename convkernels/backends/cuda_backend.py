@@ -6,7 +6,7 @@ dtype, so bfloat16 tensors are uint16 arrays of bf16 bit patterns (dtype_of repo
 'bfloat16'; to_host returns float32, which holds every bf16 value exactly). Host <-> device
 copies happen only in asarray / to_host.
 
-Conv paths (DESIGN.md): `cudnn` (plan cache), `gemm_fallback` / `tiled_unfold` (CuPy im2col +
+Conv paths: `cudnn` (plan cache), `gemm_fallback` / `tiled_unfold` (CuPy im2col +
 cuBLAS in float32, for keys cuDNN refuses or with force_fallback=True), `small_kd_2d` (3D conv
 as kD accumulated 2D cuDNN convs) and `depthwise_direct` (our depthwise 2-d kernel with the
 epilogue fused); the last two are chosen only by measurement (autotune=True). The metric label
@@ -263,7 +263,7 @@ class CudaBackend(Backend):
 
     def bind_stream(self, stream) -> None:
         """Point the cuBLAS and cuDNN handles at `stream` before a capture begins on it: their
-        stream is set outside the capture, as in the probes that captured them (PEERS.md)."""
+        stream is set outside the capture, as in the probes that captured them successfully."""
         self.blas.bind(stream.ptr)
         if self.handle.stream != stream.ptr:
             self.cudnn.set_stream(handle=self.handle, stream=stream.ptr)
@@ -306,7 +306,7 @@ class CudaBackend(Backend):
             ConvPath("cudnn", lambda k: True, lambda k: 1.0, self._run_cudnn),
             # our own kernel; taken where autotune measures it faster than cuDNN's plan
             ConvPath("depthwise_direct", depthwise_2d, lambda k: 1.5, self._run_depthwise),
-            # static rule: native cuDNN 3D wins on the H100 (PEERS.md); only measurement picks this
+            # static rule: native cuDNN 3D wins on the H100 (measured); only measurement picks this
             ConvPath("small_kd_2d", small_kd, lambda k: 2.0, self._run_small_kd),
             ConvPath("gemm_fallback", lambda k: True, lambda k: 1e9, self._run_gemm),
             ConvPath("tiled_unfold", exceeds, lambda k: 2e9, self._run_gemm),
@@ -507,7 +507,7 @@ class CudaBackend(Backend):
         - else: cuDNN's conv without the bias, which the LayerNorm kernel adds as it reads the
           conv output. A depthwise conv + bias graph may build only unfused (then the bias costs a
           pass of its own) or on a slower fusion engine; the bare depthwise conv is the one
-          measured equal to PyTorch's (PEERS.md). dw_bias_in_ln=False turns it off."""
+          measured equal to PyTorch's. dw_bias_in_ln=False turns it off."""
         dt = self.dtype_of(x)
         if dt not in _STORAGE or x.ndim != 4 or w.ndim != 4 or norm_w is None or norm_b is None:
             return None
@@ -627,7 +627,7 @@ class CudaBackend(Backend):
 
     def _upsample_conv2d(self, x, weight, bias):
         # the equivalent stride-2 transposed conv: one cuDNN dgrad writes the four output phases
-        # interleaved, 4 instead of 9 taps per output and no 4x-size upsampled input (PEERS.md:
+        # interleaved, 4 instead of 9 taps per output and no 4x-size upsampled input (measured:
         # conv_transpose2d k4 s2 2.3-3.6x faster than nearest + 3x3 on the H100)
         dt = self.dtype_of(x)
         w4 = self._derived_weights("upsample_as_transpose", weight, lambda v: self._as(

@@ -1,6 +1,6 @@
 """Matmul for the CUDA backend through cuBLAS's C API (ctypes), so that it can be captured into a
 CUDA graph: CuPy 14 refuses every cuBLAS call while a stream captures (`cp.matmul` and its
-low-level `cublas.gemmEx` alike, PEERS.md), which left every model forward uncapturable.
+low-level `cublas.gemmEx` alike, found by probing captures), which left every model forward uncapturable.
 
 Own handle per backend (one backend per device), its stream set before each call when it
 changed, and a workspace of our own (cublasSetStream resets the workspace to cuBLAS's default

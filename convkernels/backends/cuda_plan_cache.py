@@ -1,4 +1,4 @@
-"""The CUDA conv plan cache (DESIGN.md "Plan cache"): an LRU of built cuDNN plans keyed by
+"""The CUDA conv plan cache: an LRU of built cuDNN plans keyed by
 everything a plan depends on, with a FALLBACK marker for keys cuDNN has no plan for, and
 optional persistence of built plans to a directory keyed by GPU name + cuDNN version.
 

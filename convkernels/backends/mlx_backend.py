@@ -1,7 +1,7 @@
 """The MLX backend: mlx.core arrays, NHWC activations, OHWI weights (MLX's own layouts).
 
 Runs on Metal on Apple silicon and on MLX's CPU device elsewhere (where it is a reference, not a
-fast path: MLX's CPU conv is ~1.5 GF/s on 2 cores, see PEERS.md). MLX is lazy: ops build a
+fast path: MLX's CPU conv measured ~1.5 GF/s on 2 cores). MLX is lazy: ops build a
 graph that `to_host`/`synchronize` evaluate.
 
 Conv paths (name, guard, cost rule, runner); the workaround paths exist for MLX releases that

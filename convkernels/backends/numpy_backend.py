@@ -288,7 +288,7 @@ class NumpyBackend(Backend):
             ConvPath("winograd_f4x3", winograd4_ok, lambda k: 0.6 * k.macs(), self._run_winograd4),
             ConvPath("winograd_f4x3_3d", lambda k: winograd_3d_ok(k, nc.F4X3), lambda k: 0.6 * k.macs(),
                      self._run_winograd4_3d),
-            # no unfold buffer and ~10% faster than im2col at 512ch (PEERS.md shapes)
+            # no unfold buffer and ~10% faster than im2col at 512ch (measured)
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
             # k4 s2 p1 transposed convs (nearest 2x + 3x3 conv as one conv): four phase convs
             # written straight into the interleaved output
