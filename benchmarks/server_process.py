@@ -63,6 +63,25 @@ class ServerProcess:
         key = (("model", model),)
         return snap.get(("convserve_batch_size_count", key), 0.0), snap.get(("convserve_batch_size_sum", key), 0.0)
 
+    def wait_all_devices(self, model: str, timeout: float = 600.0) -> list[dict]:
+        """/readyz turns true with one device ready: wait for every model worker's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            devices = httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])
+            if devices and all(d["state"] == "ready" for d in devices) or time.monotonic() > deadline:
+                return devices
+            time.sleep(0.2)
+
+    def frontends(self) -> int:
+        """HTTP front-end processes: this server process and the front ends it spawned."""
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return -1
+        workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
+        spawned = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        return 1 + sum(int(k) not in workers for k in spawned)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:

@@ -1,20 +1,23 @@
-"""Encode throughput through the service vs the raw model, same machine, same run (issue #11 asks
-the CUDA server for >= 80% of the raw model's throughput at batch saturation).
+"""Throughput through the HTTP service vs the raw model, same machine, same run (issue #28: the
+service delivers >= 0.9 of the raw model's throughput in every format, on every GPU of a host).
 
-raw: `model.encode` in a child process on batches of --batch images (pixels from host memory,
-embeddings back to host memory), the best of --reps timed calls after a warm-up. A child of its
-own, as the server is: with PyTorch imported first (benchmarks/machine.py does), our C kernels
-bind to torch's bundled libgomp and ConvNeXt-T b8 ran 990-1160 ms instead of 615-740 ms.
-service: a real `convserve serve` (max_batch --batch, the same model) under a closed loop of
---concurrency clients, each sending one image at a time (--format npy: uint8 HxWx3 of --size;
-png: the same pixels as PNG), optionally spread over --client-procs processes so the client is not
-the bottleneck. Its idle connections expire (30 s) before the server closes them (75 s). Prints
-requests/s answered 200, latency p50/p99, the mean batch the server ran, service/raw, and counts
-non-200 answers and transport errors instead of stopping at the first.
+raw: the model's own call (`decode` / `encode`) in a child process on batches of --batch rows
+(inputs from host memory, outputs back to host memory, float32 as the model returns them), the
+best of --reps timed calls after a warm-up, run before and after the service run (a shared
+machine's load moves between them; the ratio uses their mean). With several devices the raw
+figure is one device's: the service row says how many it used.
+service: a real `convserve serve` (its model worker per device, --workers front ends) under a
+closed loop of --concurrency clients spread over --client-procs processes, each sending one item
+at a time: decode: 1xCxhxw float32 .npy latents answered in --format (png, jpeg, webp, npy);
+encode: one --size image as uint8 .npy, PNG or JPEG (--format). Prints requests/s answered 200,
+latency p50/p99, the mean batch the server ran, rows per device, service/raw, and the clients'
+CPU use (seconds of CPU per second of wall time, summed over the client processes, and the
+busiest one's share of a core), so a client-bound run shows itself.
 
-    python benchmarks/service_throughput.py                                   # CPU: tiny-convnext
-    python benchmarks/service_throughput.py --backend cuda --preset convnext-tiny --size 224 \\
-        --batch 32 --concurrency 128 --requests 4096
+    python benchmarks/service_throughput.py                                   # CPU: tiny-convnext encode
+    python benchmarks/service_throughput.py --workload decode --preset tiny-vae --latent 16 --format png
+    python benchmarks/service_throughput.py --workload decode --backend cuda --preset sd-vae --latent 64 \\
+        --format png --batch 8 --concurrency 64 --client-procs 8 --requests 4096 --devices 0,1
 """
 from __future__ import annotations
 
@@ -37,35 +40,54 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import ServerProcess  # noqa: E402
 
+MEDIA = {"npy": "application/x-npy", "png": "image/png", "jpeg": "image/jpeg"}
 
-def raw_images_per_s(backend: str, preset: str, size: int, batch: int, reps: int) -> float:
+
+def raw_items_per_s(workload: str, backend: str, preset: str, size: int, latent: int, batch: int, reps: int) -> float:
     from convkernels import get_backend
     from models import load_model
 
-    model = load_model("enc", preset, get_backend(backend))
-    px = np.random.default_rng(0).random((batch, size, size, 3), dtype=np.float32)
+    model = load_model("m", preset, get_backend(backend))
+    rng = np.random.default_rng(0)
+    if workload == "decode":
+        x = rng.standard_normal((batch, model.latent_channels, latent, latent), dtype=np.float32)
+        call = model.decode
+    else:
+        x = rng.random((batch, size, size, 3), dtype=np.float32)
+        call = model.encode
     for _ in range(3):  # path choice / plans, then graph capture where enabled
-        model.encode(px)
+        call(x)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        model.encode(px)
+        call(x)
         best = min(best, time.perf_counter() - t0)
     return batch / best
 
 
-def bodies(n: int, size: int, fmt: str) -> tuple[list[bytes], str]:
+def bodies(args) -> tuple[list[bytes], str, dict]:
+    """Request bodies, their content type, and the query parameters."""
     rng = np.random.default_rng(1)
     out = []
-    for _ in range(n):
-        img = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    distinct = min(args.requests, 64)  # the bodies repeat: making 4096 PNGs would time the client
+    for _ in range(distinct):
         buf = io.BytesIO()
-        if fmt == "png":
-            Image.fromarray(img).save(buf, format="PNG")
+        if args.workload == "decode":
+            np.save(buf, rng.standard_normal((1, args.channels, args.latent, args.latent), dtype=np.float32))
         else:
-            np.save(buf, img, allow_pickle=False)
+            # smooth content with some noise: compresses like a photo, not like noise
+            yy, xx = np.mgrid[0:args.size, 0:args.size]
+            img = (127 + 100 * np.sin(xx / 17.0 + rng.random()) * np.cos(yy / 23.0)[..., None]
+                   + rng.normal(0, 8, (args.size, args.size, 3))).clip(0, 255).astype(np.uint8)
+            if args.format == "npy":
+                np.save(buf, img, allow_pickle=False)
+            else:
+                Image.fromarray(img).save(buf, format="PNG" if args.format == "png" else "JPEG", quality=90)
         out.append(buf.getvalue())
-    return out, ("image/png" if fmt == "png" else "application/x-npy")
+    data = [out[i % distinct] for i in range(args.requests)]
+    if args.workload == "decode":
+        return data, MEDIA["npy"], {"format": args.format}
+    return data, MEDIA[args.format], {}
 
 
 #: the server's keep-alive (CONVSERVE_KEEP_ALIVE_S) and the client's pool expiry, shorter than it:
@@ -80,9 +102,11 @@ class LoopResult:
     latencies: list[float] = field(default_factory=list)
     statuses: Counter = field(default_factory=Counter)
     transport_errors: Counter = field(default_factory=Counter)
+    cpu_seconds: list[float] = field(default_factory=list)  # per client process
+    bytes_in: int = 0
 
 
-def closed_loop(url: str, data: list[bytes], ctype: str, concurrency: int, start=None) -> LoopResult:
+def closed_loop(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, start=None) -> LoopResult:
     """`concurrency` clients, each sending its next request when the last one is answered.
     Errors are counted (status codes, transport errors by class), never raised. `start`: a
     barrier to wait on before the clock starts (several client processes start together)."""
@@ -93,35 +117,38 @@ def closed_loop(url: str, data: list[bytes], ctype: str, concurrency: int, start
         def one(body: bytes) -> None:
             t0 = time.perf_counter()
             try:
-                r = client.post(f"{url}/v1/models/enc/encode", content=body, headers={"content-type": ctype})
+                r = client.post(url, content=body, headers={"content-type": ctype}, params=params)
             except httpx.TransportError as exc:
                 res.transport_errors[exc.__class__.__name__] += 1
                 return
             res.statuses[r.status_code] += 1
             if r.status_code == 200:
                 res.latencies.append(time.perf_counter() - t0)
+                res.bytes_in += len(r.content)
         if start is not None:
             start.wait()
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(one, data))
         res.seconds = time.perf_counter() - t0
+        res.cpu_seconds = [time.process_time() - cpu0]
     return res
 
 
-def _client_process(url, data, ctype, concurrency, start, results) -> None:
-    results.put(closed_loop(url, data, ctype, concurrency, start))
+def _client_process(url, data, ctype, params, concurrency, start, results) -> None:
+    results.put(closed_loop(url, data, ctype, params, concurrency, start))
 
 
-def closed_loop_procs(url: str, data: list[bytes], ctype: str, concurrency: int, procs: int) -> LoopResult:
+def closed_loop_procs(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, procs: int) -> LoopResult:
     """The closed loop split over `procs` client processes (one Python client process tops out
     near a core's worth of requests); they start together and the run lasts until the last ends."""
     if procs <= 1:
-        return closed_loop(url, data, ctype, concurrency)
+        return closed_loop(url, data, ctype, params, concurrency)
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=_client_process, args=(url, data[i::procs], ctype, max(1, concurrency // procs),
-                                                         start, results)) for i in range(procs)]
+    workers = [ctx.Process(target=_client_process, args=(url, data[i::procs], ctype, params,
+                                                         max(1, concurrency // procs), start, results))
+               for i in range(procs)]
     for w in workers:
         w.start()
     parts = [results.get() for _ in workers]
@@ -132,58 +159,98 @@ def closed_loop_procs(url: str, data: list[bytes], ctype: str, concurrency: int,
         total.latencies += p.latencies
         total.statuses.update(p.statuses)
         total.transport_errors.update(p.transport_errors)
+        total.cpu_seconds += p.cpu_seconds
+        total.bytes_in += p.bytes_in
     return total
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("encode", "decode"), default="encode")
     ap.add_argument("--backend", default="numpy")
-    ap.add_argument("--preset", default="tiny-convnext")
-    ap.add_argument("--size", type=int, default=64, help="image side sent and encoded")
+    ap.add_argument("--preset", default=None, help="default: tiny-convnext (encode), tiny-vae (decode)")
+    ap.add_argument("--size", type=int, default=64, help="encode: image side sent")
+    ap.add_argument("--latent", type=int, default=16, help="decode: latent side (pixels = 8x)")
+    ap.add_argument("--channels", type=int, default=4, help="decode: latent channels")
     ap.add_argument("--batch", type=int, default=8, help="server max_batch and the raw batch")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--format", choices=("npy", "png"), default="npy")
+    ap.add_argument("--format", choices=("npy", "png", "jpeg", "webp"), default="npy",
+                    help="decode: the response format; encode: the body format (npy = uint8 pixels)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing --concurrency")
+    ap.add_argument("--devices", default=None, help="CONVSERVE_DEVICES for the server (GPUs: all or 0,1)")
+    ap.add_argument("--workers", type=int, default=None, help="front-end processes (default: the server's auto)")
+    ap.add_argument("--delay-ms", type=float, default=2.0, help="the server's batching window")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw model (a second row of the same run)")
     ap.add_argument("--log", help="server log file")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
     if args.raw_only:
-        print(raw_images_per_s(args.backend, args.preset, args.size, args.batch, args.reps))
+        print(raw_items_per_s(args.workload, args.backend, args.preset, args.size, args.latent, args.batch, args.reps))
         return
+
     def measure_raw() -> float:
-        child = subprocess.run([sys.executable, __file__, "--raw-only", "--backend", args.backend, "--preset",
-                                args.preset, "--size", str(args.size), "--batch", str(args.batch), "--reps",
-                                str(args.reps)], capture_output=True, text=True, check=True)
+        if args.no_raw:
+            return float("nan")
+        child = subprocess.run([sys.executable, __file__, "--raw-only", "--workload", args.workload, "--backend",
+                                args.backend, "--preset", args.preset, "--size", str(args.size), "--latent",
+                                str(args.latent), "--batch", str(args.batch), "--reps", str(args.reps)],
+                               capture_output=True, text=True)
+        if child.returncode:
+            raise SystemExit(f"raw run failed:\n{child.stderr[-3000:]}")
         return float(child.stdout.strip().splitlines()[-1])
 
-    # raw before and after the service run: on a shared machine the load moves between them
     raw_before = measure_raw()
-    data, ctype = bodies(args.requests, args.size, args.format)
-    settings = dict(models=f"enc={args.preset}", backend=args.backend, max_batch=args.batch,
-                    max_queue=max(64, 2 * args.concurrency), warmup_sizes=str(args.size), request_timeout_s=600,
-                    keep_alive_s=SERVER_KEEP_ALIVE_S)
+    data, ctype, params = bodies(args)
+    warm = f"{args.latent * 8}" if args.workload == "decode" else str(args.size)
+    settings = dict(models=f"m={args.preset}", backend=args.backend, max_batch=args.batch,
+                    max_queue=max(64, 2 * args.concurrency), warmup_sizes=warm, request_timeout_s=600,
+                    keep_alive_s=SERVER_KEEP_ALIVE_S, max_queue_delay_ms=args.delay_ms, log_level="warning")
+    if args.devices:
+        settings["devices"] = args.devices
+    if args.workers is not None:
+        settings["workers"] = args.workers
+    url_path = f"/v1/models/m/{args.workload}"
     with ServerProcess(log_path=args.log, **settings) as srv:
-        closed_loop(srv.url, data[: max(args.concurrency, args.batch) * 2], ctype, args.concurrency)  # warm-up
-        b0 = srv.batch_stats("enc")
-        res = closed_loop_procs(srv.url, data, ctype, args.concurrency, args.client_procs)
-        b1 = srv.batch_stats("enc")
+        srv.wait_all_devices("m")
+        closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
+                    args.concurrency)  # warm-up: every front end and batch size
+        m0 = srv.metrics()
+        res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs)
+        m1 = srv.metrics()
+        frontends = srv.frontends()
     raw_after = measure_raw()
     raw = (raw_before + raw_after) / 2
     from machine import describe_machine
     print(f"machine: {describe_machine()}")
-    rps = len(res.latencies) / res.seconds  # answered 200
-    mean_batch = (b1[1] - b0[1]) / max(1.0, b1[0] - b0[0])
-    q = statistics.quantiles(res.latencies, n=100) if len(res.latencies) > 1 else [float("nan")] * 99
-    print(f"{args.preset} {args.size}x{args.size} {args.format}, backend {args.backend}, max_batch {args.batch}, "
-          f"{args.concurrency} clients in {args.client_procs} process(es), {len(data)} requests")
+    ok = len(res.latencies)
+    rps = ok / res.seconds
+    batches = _delta(m0, m1, "convserve_batch_size_count")
+    mean_batch = _delta(m0, m1, "convserve_batch_size_sum") / max(1.0, batches)
+    per_device = {dict(k[1])["device"]: v - m0.get(k, 0.0) for k, v in m1.items()
+                  if k[0] == "convserve_device_rows_total"}
+    q = statistics.quantiles(res.latencies, n=100) if ok > 1 else [float("nan")] * 99
+    what = (f"decode 1x{args.channels}x{args.latent}x{args.latent} -> {args.latent * 8}^2 {args.format}"
+            if args.workload == "decode" else f"encode {args.size}^2 {args.format} bodies")
+    print(f"{args.preset} {what}, backend {args.backend}, max_batch {args.batch}, {frontends} front end(s), "
+          f"devices {sorted(per_device)}; {args.concurrency} clients in {args.client_procs} process(es), "
+          f"{len(data)} requests")
     errors = sum(res.transport_errors.values())
     print(f"statuses {dict(res.statuses)}; transport errors {errors} {dict(res.transport_errors) or ''}")
-    print("| raw model img/s (batch %d) | service req/s | service / raw | p50 ms | p99 ms | mean batch |" % args.batch)
+    cpu = sum(res.cpu_seconds) / res.seconds
+    busiest = max(res.cpu_seconds) / res.seconds
+    print(f"client CPU: {cpu:.2f} cores in all, busiest process {busiest:.0%} of a core "
+          f"({res.bytes_in / res.seconds / 1e6:.0f} MB/s answered); rows per device {per_device}")
+    print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
+    print(f"| raw model items/s (batch {args.batch}) | service req/s | service / raw | p50 ms | p99 ms | mean batch |")
     print("| --- | --- | --- | --- | --- | --- |")
-    print(f"raw img/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
     print(f"| {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} | {mean_batch:.1f} |")
+
+
+def _delta(m0: dict, m1: dict, name: str) -> float:
+    return sum(v - m0.get(k, 0.0) for k, v in m1.items() if k[0] == name)
 
 
 if __name__ == "__main__":
