@@ -47,7 +47,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     import uvicorn
 
     from .app import create_app
-    from .http_protocol import HeaderTimeoutH11Protocol
+    from .http_protocol import http_protocol_class
     from .server import DrainingServer
     from .settings import Settings
 
@@ -63,11 +63,11 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
         # the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
         os.environ["HF_HUB_OFFLINE"] = "1"
     if workers > 1:
-        _serve_workers(settings, workers, level, HeaderTimeoutH11Protocol)
+        _serve_workers(settings, workers, level, http_protocol_class(settings.http))
         return
     fastapi_app = create_app(settings)
     config = uvicorn.Config(fastapi_app, host=settings.host, port=settings.port, log_level=level,
-                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5,
+                            http=http_protocol_class(settings.http), timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)
     DrainingServer(config, fastapi_app.state.service, settings.shutdown_grace_s).run()
 
