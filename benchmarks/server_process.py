@@ -22,9 +22,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, timeout: float = 600.0, log_path: str | None = None, **settings):
+    def __init__(self, timeout: float = 600.0, log_path: str | None = None, launcher: tuple = ("-m", "service.cli"),
+                 **settings):
         """settings: CONVSERVE_<KEY> values (models=..., backend=..., max_batch=...). Any
-        CONVSERVE_* variable of this process is dropped first, so a run is what it says."""
+        CONVSERVE_* variable of this process is dropped first, so a run is what it says.
+        launcher: the interpreter arguments before `serve` (another entry to the same CLI)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
@@ -32,7 +34,7 @@ class ServerProcess:
         env.update({f"CONVSERVE_{k.upper()}": str(v) for k, v in settings.items()})
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+        self.proc = subprocess.Popen([sys.executable, *launcher, "serve", "--host", "127.0.0.1",
                                       "--port", str(self.port)], cwd=REPO, env=env, stdout=out,
                                      stderr=subprocess.STDOUT)
         deadline = t0 + timeout

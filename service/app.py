@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from . import kserve, metrics, problems, remote_vae, routes_v1, streaming, triton_extensions
-from .http_protocol import CloseWhenBodyUnread, HeaderTimeoutH11Protocol
+from .http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
 from .settings import Settings
 
@@ -27,7 +27,7 @@ Errors are RFC 7807 `application/problem+json` (type, title, status, detail). Wi
 def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]] = ()) -> FastAPI:
     """endpoints: (device, Unix socket) of each model worker (service/supervisor.py)."""
     settings = settings or Settings()
-    HeaderTimeoutH11Protocol.header_timeout_s = settings.header_timeout_s
+    http_protocol_class(settings.http).header_timeout_s = settings.header_timeout_s
     svc = Service(settings, endpoints)
 
     @asynccontextmanager

@@ -76,7 +76,9 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
         except ValueError as exc:
             _fail(f"settings: {exc}")
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if _fetch_hub_weights(_model_entries(settings.models), hashes=False):
+        entries = _model_entries(settings.models)
+        check_model_entries(entries)  # a typo'd preset or a missing path: one line, before anything starts
+        if _fetch_hub_weights(entries, hashes=False):
             # Everything is in the cache now: the loaders (every worker) read it there, so they all
             # get the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
             os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,4 +1,4 @@
-"""uvicorn's h11 protocol with a deadline on request headers.
+"""uvicorn's h11 and httptools protocols with a deadline on request headers.
 
 uvicorn closes idle keep-alive connections, but its keep-alive timer is cancelled by every byte
 received, and nothing times out a request whose headers never finish: a client sending one header
@@ -23,6 +23,11 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - httptools not installed
+    HttpToolsProtocol = None
+
 from .problems import Problem
 
 log = logging.getLogger("convserve.http")
@@ -36,14 +41,28 @@ def _timeout_response(seconds: float) -> bytes:
     return head.encode() + body
 
 
-class HeaderTimeoutH11Protocol(H11Protocol):
+class _HeaderDeadline:
+    """What both protocol classes share: the header timer and the close after a response sent
+    while the request body was unread. A subclass says, in its parser's terms, when the
+    connection waits for a request's headers, whether a next request has begun arriving, and
+    whether the current request's body is still unread."""
+
     #: set per process by create_app from Settings.header_timeout_s (uvicorn builds the protocol
     #: itself, also in --workers processes, so the class carries the setting)
     header_timeout_s: float = 10.0
 
     _header_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def _waiting_for_headers(self) -> bool:
+        raise NotImplementedError
+
+    def _next_request_begun(self) -> bool:
+        raise NotImplementedError
+
+    def _body_unread(self) -> bool:
+        raise NotImplementedError
+
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm_header_timer()
 
@@ -56,24 +75,15 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         if self._header_timer is None and self._waiting_for_headers():  # a kept-alive connection's next request began
             self._arm_header_timer()
 
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request's headers were parsed: its deadline is met
-            self._cancel_header_timer()
-
     def on_response_complete(self) -> None:
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+        if self._body_unread() and not self.transport.is_closing():
             # answered before its body arrived: the rest of the body would be read and dropped
             # for as long as the client sends it (the app's response says Connection: close)
             self.transport.close()
         super().on_response_complete()
         # bytes of the next request that came during this one (not pipelined whole) start its clock
-        if self._header_timer is None and self.conn.trailing_data[0] and self._waiting_for_headers():
+        if self._header_timer is None and self._next_request_begun() and self._waiting_for_headers():
             self._arm_header_timer()
-
-    def _waiting_for_headers(self) -> bool:
-        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
@@ -92,6 +102,68 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         log.debug("closing %s: request headers not complete within %g s", self.client, self.header_timeout_s)
         self.transport.write(_timeout_response(self.header_timeout_s))
         self.transport.close()
+
+
+class HeaderTimeoutH11Protocol(_HeaderDeadline, H11Protocol):
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers were parsed: its deadline is met
+            self._cancel_header_timer()
+
+    def _waiting_for_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _next_request_begun(self) -> bool:
+        return bool(self.conn.trailing_data[0])
+
+    def _body_unread(self) -> bool:
+        return self.conn.their_state is h11.SEND_BODY
+
+
+if HttpToolsProtocol is not None:
+    class HeaderTimeoutHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
+        """The same protections on uvicorn's httptools (llhttp) parser. httptools replaces
+        `self.cycle` as soon as a pipelined request's headers are parsed, so "the request whose
+        response just completed" is the current cycle only when that cycle is complete."""
+
+        _headers_begun = False  # a request's first bytes were parsed, its headers not yet complete
+
+        def on_message_begin(self) -> None:
+            self._headers_begun = True
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._headers_begun = False
+            self._cancel_header_timer()  # a request's headers were parsed: its deadline is met
+            super().on_headers_complete()
+
+        def _waiting_for_headers(self) -> bool:
+            cycle = self.cycle
+            return cycle is None or (cycle.response_complete and not cycle.more_body)
+
+        def _next_request_begun(self) -> bool:
+            return self._headers_begun
+
+        def _body_unread(self) -> bool:
+            cycle = self.cycle
+            return cycle is not None and cycle.response_complete and cycle.more_body
+else:  # pragma: no cover - uvicorn without its [standard] extras
+    HeaderTimeoutHttpToolsProtocol = None
+
+
+def http_protocol_class(name: str) -> type:
+    """The protocol class for Settings.http: "h11", "httptools", or "auto" (httptools where it
+    imports, else h11)."""
+    if name == "auto":
+        name = "h11" if HeaderTimeoutHttpToolsProtocol is None else "httptools"
+    if name == "h11":
+        return HeaderTimeoutH11Protocol
+    if name == "httptools":
+        if HeaderTimeoutHttpToolsProtocol is None:
+            raise ImportError("CONVSERVE_HTTP=httptools needs httptools (pip install httptools)")
+        return HeaderTimeoutHttpToolsProtocol
+    raise ValueError(f"unknown HTTP protocol {name!r}: expected auto, h11 or httptools")
 
 
 class CloseWhenBodyUnread:

@@ -65,11 +65,11 @@ def run_frontend(settings: Settings, endpoints: list[tuple[str, str]], sockets: 
                  *, on_drain: Callable[[], None] | None = None, parent_pid: int | None = None) -> None:
     """One HTTP front end on the shared listening socket(s), until it has drained."""
     from .app import create_app
-    from .http_protocol import HeaderTimeoutH11Protocol
+    from .http_protocol import http_protocol_class
 
     app = create_app(settings, endpoints)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            http=HeaderTimeoutH11Protocol, timeout_graceful_shutdown=5,
+                            http=http_protocol_class(settings.http), timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)
     DrainingServer(config, app.state.service, settings.shutdown_grace_s, on_drain=on_drain,
                    parent_pid=parent_pid).run(sockets=sockets)

@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     #: how long an idle kept-alive connection stays open; well above client pools' idle expiry
     #: (httpx 5 s, requests/urllib3 none) so the server never closes a connection a client is reusing
     keep_alive_s: float = Field(75.0, gt=0)
+    #: uvicorn HTTP/1.1 parser, both with the header deadline (service/http_protocol.py):
+    #: httptools (llhttp, faster) where installed under "auto", else h11
+    http: Literal["auto", "h11", "httptools"] = "auto"
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)

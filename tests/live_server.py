@@ -18,6 +18,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+#: CONVSERVE_HTTP values for tests that run under both of uvicorn's HTTP/1.1 parsers
+HTTP_PROTOCOLS = [pytest.param("h11"),
+                  pytest.param("httptools", marks=pytest.mark.skipif(not _importable("httptools"),
+                                                                     reason="httptools not installed"))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,8 @@
 kept-alive connections reused after any idle time short of the keep-alive timeout are served
 (no unsolicited 408, no close), a response sent before the body was read closes the connection
 (a client trickling a rejected body cannot hold it open), and a full queue is answered 429
-before the body is read."""
+before the body is read. Every test runs under both of uvicorn's HTTP/1.1 parsers
+(CONVSERVE_HTTP=h11 and httptools, service/http_protocol.py)."""
 from __future__ import annotations
 
 import select
@@ -14,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from live_server import from_npy, metric, npy, scrape
+from live_server import HTTP_PROTOCOLS, from_npy, metric, npy, scrape
 
 KEY = "conn-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -23,14 +24,21 @@ MAX_BODY = 4096
 MAX_QUEUE = 2
 
 
-@pytest.fixture(scope="module")
-def srv(server_factory):
-    return server_factory(models="tiny-vae", api_key=KEY, header_timeout_s=HEADER_TIMEOUT_S, max_body_bytes=MAX_BODY)
+@pytest.fixture(scope="module", params=HTTP_PROTOCOLS)
+def http(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def small_queue_srv(server_factory):
-    return server_factory(models="tiny-vae", api_key=KEY, max_body_bytes=MAX_BODY, max_queue=MAX_QUEUE, max_batch=1)
+def srv(server_factory, http):
+    return server_factory(models="tiny-vae", api_key=KEY, header_timeout_s=HEADER_TIMEOUT_S, max_body_bytes=MAX_BODY,
+                          http=http)
+
+
+@pytest.fixture(scope="module")
+def small_queue_srv(server_factory, http):
+    return server_factory(models="tiny-vae", api_key=KEY, max_body_bytes=MAX_BODY, max_queue=MAX_QUEUE, max_batch=1,
+                          http=http)
 
 
 def latents() -> bytes:
@@ -124,6 +132,54 @@ def test_header_deadline_on_a_kept_alive_connection_starts_at_the_first_byte(srv
     assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 3, secs
 
 
+def test_trickled_headers_are_cut_off_at_the_deadline(srv):
+    """Slowloris: headers sent a byte at a time, each byte well inside the deadline, still get the
+    408 the header timeout after the connection opened, and the connection closes."""
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        t0 = time.monotonic()
+        for byte in request:
+            sock.sendall(bytes([byte]))
+            if closed_by_server(sock, 0.1) or time.monotonic() - t0 > HEADER_TIMEOUT_S + 3:
+                break
+        secs = time.monotonic() - t0
+    assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 3, secs
+
+
+def test_a_next_request_begun_during_a_response_has_its_deadline(srv):
+    """A complete request and the first bytes of the next one in one packet: the first is served,
+    and the unfinished second gets its 408 the header timeout later (its clock started while the
+    first was being answered), not never."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHo")
+        assert read_response(sock)[0] == 200
+        status, headers, body = read_response(sock)
+        secs = time.monotonic() - t0
+        assert closed_by_server(sock, 3)
+    assert status == 408 and b"header-timeout" in body and headers.get("connection") == "close", (status, body)
+    assert HEADER_TIMEOUT_S - 0.3 <= secs <= HEADER_TIMEOUT_S + 3, secs
+
+
+def test_blank_lines_on_a_kept_alive_connection_do_not_hold_it(srv):
+    """Bytes that begin no request (the blank lines HTTP lets precede one) stop the keep-alive
+    timer like any byte; the header deadline still closes the connection."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        t0 = time.monotonic()
+        closed = False
+        while not closed and time.monotonic() - t0 < HEADER_TIMEOUT_S + 3:
+            try:
+                sock.sendall(b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            closed = closed_by_server(sock, 0.2)
+        secs = time.monotonic() - t0
+    assert closed and secs <= HEADER_TIMEOUT_S + 3, secs
+
+
 @pytest.mark.parametrize("case", ["413", "401", "404"])
 def test_a_response_before_the_body_closes_the_connection(srv, case):
     """413 by Content-Length, 401 and 404 are answered before the body is read, with
@@ -199,3 +255,25 @@ def test_full_queue_is_answered_429_before_the_body(small_queue_srv):
     finally:
         for sock, _ in holders:
             sock.close()
+
+
+def test_http_setting_picks_the_protocol_class(monkeypatch):
+    """CONVSERVE_HTTP: h11 and httptools name the header-deadline classes; auto is httptools where
+    it imports (uvicorn's own "auto" rule), else h11; the header timeout lands on the class used."""
+    from service import http_protocol as hp
+    from service.settings import Settings
+
+    monkeypatch.setenv("CONVSERVE_HTTP", "h11")
+    assert hp.http_protocol_class(Settings().http) is hp.HeaderTimeoutH11Protocol
+    for name in ("httptools", "auto"):
+        cls = hp.http_protocol_class(name)
+        assert cls is hp.HeaderTimeoutHttpToolsProtocol and issubclass(cls, hp.HttpToolsProtocol)
+    monkeypatch.setattr(hp, "HeaderTimeoutHttpToolsProtocol", None)
+    assert hp.http_protocol_class("auto") is hp.HeaderTimeoutH11Protocol
+    with pytest.raises(ImportError):
+        hp.http_protocol_class("httptools")
+    with pytest.raises(ValueError):
+        hp.http_protocol_class("zttp")
+    monkeypatch.setenv("CONVSERVE_HTTP", "nope")
+    with pytest.raises(ValueError):
+        Settings()

@@ -2,7 +2,8 @@
 worker answers the scrape, reports the whole server (prometheus_client multiprocess mode in a
 directory the CLI makes and removes); the header timeout holds in every worker; SIGTERM stops both
 workers and the parent exits 0; kept-alive connections reused after idling past the header
-timeout and httpx's 5 s pool expiry are served (the keep-alive setting reaches the workers)."""
+timeout and httpx's 5 s pool expiry are served (the keep-alive setting reaches the workers). Under
+both HTTP/1.1 parsers (CONVSERVE_HTTP=h11 and httptools)."""
 from __future__ import annotations
 
 import socket
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
-from live_server import metric, metric_sum, npy, scrape, start_server
+from live_server import HTTP_PROTOCOLS, metric, metric_sum, npy, scrape, start_server
 
 REQUESTS = 12
 HEADER_TIMEOUT_S = 1.5
@@ -30,8 +32,10 @@ def env_of(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path):
-    srv = start_server(tmp_path, models="tiny-vae", header_timeout_s=HEADER_TIMEOUT_S, cli_args=("--workers", "2"))
+@pytest.mark.parametrize("http", HTTP_PROTOCOLS)
+def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path, http):
+    srv = start_server(tmp_path, models="tiny-vae", header_timeout_s=HEADER_TIMEOUT_S, http=http,
+                       cli_args=("--workers", "2"))
     try:
         workers = worker_pids(srv.proc.pid)
         dirs = {env_of(w).get("PROMETHEUS_MULTIPROC_DIR") for w in workers}
