@@ -383,10 +383,10 @@ def test_a_backend_that_runs_ahead_gets_one_frame_group_of_look_ahead():
             events.append("conv")
             return super().conv3d(*a, **k)
 
-        def to_host_async(self, x, clip=None):
+        def to_host_async(self, x, clip=None, *, uint8=False):
             chunk = events.count("send")
             events.append("send")
-            host = super().to_host_async(x, clip)
+            host = super().to_host_async(x, clip, uint8=uint8)
 
             class Waited:
                 def result(self_inner):
