@@ -29,6 +29,22 @@ CONV_OPS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
 CONV_T_OPS = {2: "conv_transpose2d", 3: "conv_transpose3d"}
 
 
+def pixels_to_uint8(x: np.ndarray) -> np.ndarray:
+    """Images in [0, 1] as 8-bit: floor(clip(x, 0, 1) * 255 + 0.5), each step in float32 and
+    rounded on its own (no fused multiply-add), as the service's codecs.to_uint8 computes on
+    float32 arrays. Every backend's to_host_async(..., uint8=True) matches it bit for bit on
+    the float32 values the same array would have come back as. NaN becomes 0 (NumPy's cast of
+    NaN to uint8 is unspecified; the device kernels define it as 0)."""
+    x = np.asarray(x, dtype=np.float32)
+    y = np.clip(x, np.float32(0.0), np.float32(1.0))
+    y *= np.float32(255.0)
+    y += np.float32(0.5)
+    nan = np.isnan(y)
+    if nan.any():
+        y[nan] = 0.0
+    return y.astype(np.uint8)
+
+
 class HostReady:
     """A to_host_async whose copy is already done."""
 
@@ -76,17 +92,23 @@ class Backend(ABC):
 
     @abstractmethod
     def asarray(self, host: np.ndarray, dtype: str | None = None) -> Array:
-        """Host numpy array -> device array in `dtype` (default: the backend's dtype)."""
+        """Host numpy array (floating, or uint8: 8-bit pixels 0..255, which cross as they are and
+        are widened on the device, exactly, to `dtype`) -> device array in `dtype` (default: the
+        backend's dtype)."""
 
     @abstractmethod
     def to_host(self, x: Array) -> np.ndarray: ...
 
-    def to_host_async(self, x: Array, clip: tuple[float, float] | None = None):
+    def to_host_async(self, x: Array, clip: tuple[float, float] | None = None, *, uint8: bool = False):
         """Start moving x to the host: an object whose result() is to_host(x) in float32, clipped
         to clip = (lo, hi) when given (a device backend clips before the copy). A backend whose
         device runs ahead of the host (cuda) copies on a side stream, so the caller can queue its
-        next work before it waits; the others copy at once."""
+        next work before it waits; the others copy at once.
+        uint8=True: result() is pixels_to_uint8 of that float32 array instead (images in [0, 1] as
+        8-bit, clip ignored: [0, 1] is implied), computed before the copy where there is a device."""
         host = np.asarray(self.to_host(x), dtype=np.float32)
+        if uint8:
+            return HostReady(pixels_to_uint8(host))
         return HostReady(host if clip is None else np.clip(host, clip[0], clip[1]))
 
     @abstractmethod

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from convkernels import Backend
+from convkernels import Backend, pixels_to_uint8
 
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
@@ -226,19 +226,23 @@ class AutoencoderKLModel:
             z = self.post_quant_conv(b, z)
         return self.decoder(b, z)
 
-    def _decode_raw(self, z_nhwc: np.ndarray, clip=None) -> np.ndarray:
+    def _decode_raw(self, z_nhwc: np.ndarray, clip=None, uint8: bool = False) -> np.ndarray:
         """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC float32,
         about [0, 1]: x / 2 + 0.5 is folded into conv_out), clipped to `clip` on the way out if
-        given (on the device, where there is one)."""
+        given (on the device, where there is one); uint8: as 8-bit pixels instead, converted
+        before the copy (pixels_to_uint8)."""
         b = self.backend
-        return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip).result()
+        return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip, uint8=uint8).result()
 
-    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray:
+    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True, *,
+               uint8: bool = False) -> np.ndarray:
         """Scaled latents (N, C, h, w) as the pipeline hands them -> float32 (N, 8h, 8w, 3) in [0, 1].
         tiled: True = diffusers tiling (when larger than one tile), False = never, None = when the
         untiled decode's estimated peak memory exceeds the budget. clamp=False skips the final clip
         to [0, 1], so 2*x - 1 gives back diffusers' unclamped `vae.decode(...).sample` (remote_decode's
-        `pt` output)."""
+        `pt` output). uint8=True: uint8 (N, 8h, 8w, 3) instead, floor(clip(x, 0, 1) * 255 + 0.5) of
+        the float32 images (convkernels.pixels_to_uint8; clamp is implied): untiled, converted on the
+        device before the copy; tiled, the float32 tiles are blended on the host and converted there."""
         lat = np.asarray(latents_nchw)
         if lat.ndim != 4 or lat.shape[1] != self.latent_channels:
             raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w), got {lat.shape}")
@@ -249,8 +253,10 @@ class AutoencoderKLModel:
         # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1); the affine part is in conv_out.
         # Tiles are blended unclipped (as diffusers' tiled decode does), then clipped.
         if plan is None:
-            return self._decode_raw(z, PIXEL_RANGE if clamp else None)
+            return self._decode_raw(z, PIXEL_RANGE if clamp or uint8 else None, uint8)
         out = tiling.tiled_decode(self._decode_raw, z, plan)
+        if uint8:
+            return pixels_to_uint8(out)
         if clamp:
             np.clip(out, *PIXEL_RANGE, out=out)
         return out

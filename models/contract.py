@@ -44,7 +44,9 @@ class TiledDecoder(Model, Protocol):
 class ImageDecoder(TiledDecoder, Protocol):
     has_encoder: bool
 
-    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True) -> np.ndarray: ...
+    def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True, *,
+               uint8: bool = False) -> np.ndarray:
+        """float32 N,H,W,3 in [0, 1]; uint8=True: uint8 N,H,W,3 (clamp implied)."""
 
     def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
 
@@ -53,9 +55,12 @@ class ImageDecoder(TiledDecoder, Protocol):
 class VideoDecoder(TiledDecoder, Protocol):
     temporal_factor: int
 
-    def decode(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> np.ndarray: ...
+    def decode(self, latents_ncthw: np.ndarray, tiled: bool | None = None, *, uint8: bool = False) -> np.ndarray:
+        """float32 N,F,H,W,3 in [0, 1]; uint8=True: uint8."""
 
-    def decode_frames(self, latents_ncthw: np.ndarray, tiled: bool | None = None) -> Iterator[np.ndarray]: ...
+    def decode_frames(self, latents_ncthw: np.ndarray, tiled: bool | None = None, *,
+                      uint8: bool = False) -> Iterator[np.ndarray]:
+        """N,f,H,W,3 frame groups in order, float32 in [0, 1] or (uint8=True) uint8."""
 
 
 @runtime_checkable
@@ -64,7 +69,8 @@ class ImageEncoder(Model, Protocol):
     embed_dim: int
     labels: list[str] | None
 
-    def encode(self, pixels_nhwc01: np.ndarray) -> dict: ...
+    def encode(self, pixels_nhwc01: np.ndarray) -> dict:
+        """pixels N,H,W,3: floating in [0, 1], or uint8 0..255 (scaled by 1/255 on the device)."""
 
 
 def card_fields(model, architecture: str, **fields) -> dict:

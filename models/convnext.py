@@ -93,7 +93,8 @@ def folds_input_norm(dtype: str) -> bool:
 class Stem(Module):
     """4x4 stride-4 patchify conv + LayerNorm. Input normalisation (x - mean) / std is folded
     into the conv (folds_input_norm): the conv is unpadded, so the fold is exact and saves a pass
-    over the input."""
+    over the input. 8-bit pixels (0..255, widened on the device) take a second copy of the folded
+    weights with the 1/255 folded in too: (x / 255 - mean) / std = x * (1 / (255 std)) - mean / std."""
 
     def __init__(self, cfg: ConvNeXtConfig, fold_input: bool = True):
         super().__init__()
@@ -101,6 +102,7 @@ class Stem(Module):
         self.norm = self.add("1", LayerNorm(cfg.dims[0], cfg.norm_eps))
         self.mean, self.std = cfg.mean, cfg.std
         self.fold_input = fold_input
+        self.weight_uint8 = None  # the conv's weight for 0..255 input (fold_input only)
 
     def derive(self, tensors, prefix):
         if not self.fold_input:
@@ -112,9 +114,15 @@ class Stem(Module):
         b_folded = tensors[prefix + "0.bias"].astype(np.float64) - np.einsum("oihw,i->o", w_folded, mean)
         self.conv.weight = self.backend.asarray(conv_weight_to_channels_last(w_folded.astype(np.float32)))
         self.conv.bias = self.backend.asarray(b_folded.astype(np.float32))
+        self.weight_uint8 = self.backend.asarray(conv_weight_to_channels_last((w_folded / 255.0).astype(np.float32)))
 
-    def __call__(self, backend: Backend, x):
-        return self.norm(backend, self.conv(backend, x))
+    def __call__(self, backend: Backend, x, uint8: bool = False):
+        """uint8: x holds 8-bit pixel values 0..255 (in the compute dtype), not [0, 1]."""
+        if not uint8:
+            return self.norm(backend, self.conv(backend, x))
+        c = self.conv
+        return self.norm(backend, backend.conv2d(x, self.weight_uint8, c.bias, stride=c.stride, padding=c.padding,
+                                                 groups=c.groups))
 
 
 class Downsample(Module):
@@ -178,16 +186,16 @@ class ConvNeXtNet(Module):
         self.head_norm = self.add("head.norm", LayerNorm(cfg.dims[-1], cfg.head_norm_eps))
         self.head_fc = self.add("head.fc", Linear(cfg.dims[-1], cfg.num_classes)) if cfg.num_classes else None
 
-    def features(self, backend: Backend, x):
-        x = self.stem(backend, x)
+    def features(self, backend: Backend, x, uint8: bool = False):
+        x = self.stem(backend, x, uint8)
         for stage in self.stages:
             for layer in stage:
                 x = layer(backend, x)
         return x
 
-    def __call__(self, backend: Backend, x):
-        """-> (pooled embedding, logits or None)"""
-        pooled = self.head_norm(backend, backend.mean(self.features(backend, x), (1, 2)))
+    def __call__(self, backend: Backend, x, uint8: bool = False):
+        """-> (pooled embedding, logits or None); uint8: x holds 0..255 (a folded stem only)"""
+        pooled = self.head_norm(backend, backend.mean(self.features(backend, x, uint8), (1, 2)))
         return pooled, None if self.head_fc is None else self.head_fc(backend, pooled)
 
 
@@ -212,6 +220,8 @@ class ConvNeXtEncoder:
         self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
         self._encode_device = backend.graphed(self._forward)
+        # the same for 8-bit pixels (0..255 on the device), through the stem's uint8 weights
+        self._encode_device_uint8 = backend.graphed(self._forward_uint8)
 
     def _check_pixels(self, pixels) -> np.ndarray:
         x = np.asarray(pixels)
@@ -219,27 +229,40 @@ class ConvNeXtEncoder:
         if x.ndim != 4 or x.shape[-1] != c:
             raise ValueError(f"{self.name}: expected pixels N,H,W,{c} (channels-last, values in [0, 1]), "
                              f"got shape {x.shape}")
-        if x.dtype.kind != "f":  # uint8 0..255 would pass silently as 255x too bright
-            raise ValueError(f"{self.name}: pixels must be floating point in [0, 1], got dtype {x.dtype}"
-                             + (" (divide 8-bit images by 255)" if x.dtype.kind in "iu" else ""))
+        if x.dtype.kind != "f" and x.dtype != np.uint8:  # other integers: which scale would be a guess
+            raise ValueError(f"{self.name}: pixels must be floating point in [0, 1] or uint8 0..255, "
+                             f"got dtype {x.dtype}")
         m = self.config.min_input_size
         if x.shape[1] < m or x.shape[2] < m:
             raise ValueError(f"{self.name}: image {x.shape[1]}x{x.shape[2]} is smaller than the "
                              f"{m}x{m} minimum ({len(self.config.depths)} stages after a stride-"
                              f"{self.config.patch_size} stem)")
-        return x.astype(np.float32, copy=False)
+        return x if x.dtype == np.uint8 else x.astype(np.float32, copy=False)
 
     def _host_input(self, pixels) -> np.ndarray:
-        """Checked pixels, normalised here in float32 where the stem does not fold it."""
+        """Checked pixels, normalised here in float32 where the stem does not fold it (uint8
+        pixels are then scaled by 1/255 here too); uint8 pixels stay uint8 where it does."""
         x = self._check_pixels(pixels)
-        return x if self.tree.stem.fold_input else (x - np.float32(self.mean)) / np.float32(self.std)
+        if self.tree.stem.fold_input:
+            return x
+        if x.dtype == np.uint8:
+            x = x.astype(np.float32) / np.float32(255.0)
+        return (x - np.float32(self.mean)) / np.float32(self.std)
 
     def _forward(self, x):
         return self.tree(self.backend, x)
 
+    def _forward_uint8(self, x):
+        return self.tree(self.backend, x, uint8=True)
+
     def encode(self, pixels_nhwc01: np.ndarray) -> dict:
+        """pixels N,H,W,3: floating in [0, 1], or uint8 0..255, which cross to the device as bytes
+        and are widened there; the 1/255 is folded into the stem with mean/std (a bfloat16 backend,
+        whose stem folds nothing, normalises them on the host in float32 as it does floats)."""
         bk = self.backend
-        pooled, logits = self._encode_device(bk.asarray(self._host_input(pixels_nhwc01)))
+        x = self._host_input(pixels_nhwc01)
+        forward = self._encode_device_uint8 if x.dtype == np.uint8 else self._encode_device
+        pooled, logits = forward(bk.asarray(x))
         bk.synchronize()
         bk.flush_timings()
         return {"embedding": bk.to_host(pooled).astype(np.float32, copy=False),

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from convkernels import Backend
+from convkernels import Backend, pixels_to_uint8
 
 from .wan_checkpoint import normalize_keys
 from .contract import PIXEL_RANGE, card_fields
@@ -176,19 +176,22 @@ class WanVAEDecoder:
             raise ValueError(f"{self.name}: latents contain NaN or Inf")
         return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
 
-    def decode_frames(self, latents_ncthw, tiled: bool | None = None) -> Iterator[np.ndarray]:
+    def decode_frames(self, latents_ncthw, tiled: bool | None = None, *,
+                      uint8: bool = False) -> Iterator[np.ndarray]:
         """Frame groups as docs/interfaces.md describes them. Each group is computed only when asked
         for, so a slow reader holds back the decode (back-pressure); bad latents raise here, before
-        the first group is asked for."""
+        the first group is asked for. uint8=True: uint8 groups, floor(clip(x, 0, 1) * 255 + 0.5) of
+        the float32 frames (convkernels.pixels_to_uint8): untiled, converted on the device before
+        the copy; tiled, the float32 tiles are stitched on the host and converted there."""
         z = self._prepare(latents_ncthw)
         _, _, h, w, _ = z.shape
         sf = self.spatial_factor
         if tiled is None:
             tiled = h * w * sf * sf > self.max_untiled_pixels
         plan = plan_tiles(h, w, sf, self.tiling) if tiled else None
-        return self._untiled_groups(z) if plan is None else self._tiled_groups(z, plan)
+        return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
 
-    def _untiled_groups(self, z: np.ndarray) -> Iterator[np.ndarray]:
+    def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
         # on a backend that runs ahead, group k+1 is queued on the device before group k is
         # waited for (from the second group on), so k's copy and host work overlap k+1's kernels:
         # one group of look-ahead, a slow reader still holds the decode back; the first group
@@ -197,7 +200,7 @@ class WanVAEDecoder:
         state = FeatureCache()
         pending = None
         for k in range(z.shape[1]):
-            started = self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE)
+            started = self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE, uint8=uint8)
             if pending is not None:
                 yield pending.result()
             pending = started
@@ -207,19 +210,19 @@ class WanVAEDecoder:
         if pending is not None:
             yield pending.result()
 
-    def _tiled_groups(self, z: np.ndarray, plan) -> Iterator[np.ndarray]:
+    def _tiled_groups(self, z: np.ndarray, plan, uint8: bool = False) -> Iterator[np.ndarray]:
         size = plan.tile_latent
         states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
         for k in range(z.shape[1]):
             tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
-            yield self._to_pixels(stitch(plan, tiles))
+            yield self._to_pixels(stitch(plan, tiles), uint8)
 
-    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None):
+    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
         host (`.result()`: float32, mapped to image space by conv_out's folded x / 2 + 0.5,
-        clipped to `clip` if given), advancing `state`; the device may still be working when
-        this returns.
+        clipped to `clip` if given; uint8: 8-bit pixels, converted on the device), advancing
+        `state`; the device may still be working when this returns.
         Steady chunks (the third on) go through the graphed step where the backend records it:
         their shapes repeat, so it replays them; the first two change the cache's layout."""
         b = self.backend
@@ -232,7 +235,7 @@ class WanVAEDecoder:
             state.slots = slots
         else:
             out = self.tree.decoder(self.tree.post_quant_conv(x), state)
-        return b.to_host_async(out, clip)
+        return b.to_host_async(out, clip, uint8=uint8)
 
     def _step(self, x, *cache):
         """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on
@@ -242,20 +245,23 @@ class WanVAEDecoder:
         return (out, *state.slots)
 
     @staticmethod
-    def _to_pixels(x) -> np.ndarray:
+    def _to_pixels(x, uint8: bool = False) -> np.ndarray:
         """Stitched tiles -> pixels (an untiled group is clipped on its way to the host)."""
         out = np.asarray(x, dtype=np.float32)
+        if uint8:
+            return pixels_to_uint8(out)
         np.clip(out, *PIXEL_RANGE, out=out)
         return out
 
-    def decode(self, latents_ncthw, tiled: bool | None = None) -> np.ndarray:
-        """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
-        groups = self.decode_frames(latents_ncthw, tiled)
+    def decode(self, latents_ncthw, tiled: bool | None = None, *, uint8: bool = False) -> np.ndarray:
+        """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]; uint8=True: uint8,
+        as decode_frames gives them."""
+        groups = self.decode_frames(latents_ncthw, tiled, uint8=uint8)
         frames = 1 + self.temporal_factor * (np.shape(latents_ncthw)[2] - 1)
         out, at = None, 0
         for g in groups:  # each group lands while the device works on the next (no final join)
             if out is None:
-                out = np.empty((g.shape[0], frames, *g.shape[2:]), np.float32)
+                out = np.empty((g.shape[0], frames, *g.shape[2:]), g.dtype)
             out[:, at:at + g.shape[1]] = g
             at += g.shape[1]
         return out

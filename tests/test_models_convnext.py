@@ -309,7 +309,72 @@ def test_bad_pixels_are_refused(backend):
     model = build("t", "tiny-convnext", backend)
     with pytest.raises(ValueError, match="N,H,W,3"):
         model.encode(np.zeros((64, 64, 3), np.float32))
-    with pytest.raises(ValueError, match="divide 8-bit images by 255"):
-        model.encode(np.zeros((1, 64, 64, 3), np.uint8))
+    with pytest.raises(ValueError, match="floating point in \\[0, 1\\] or uint8 0..255"):
+        model.encode(np.zeros((1, 64, 64, 3), np.int16))
     with pytest.raises(ValueError, match="smaller than the 32x32 minimum"):
         model.encode(np.zeros((1, 31, 64, 3), np.float32))
+
+
+def check_uint8_against_float(model, size, batch=3, tol=1e-5):
+    """uint8 pixels vs the same pixels / 255 in float32: embedding and logits within `tol`
+    (relative L2), the same top-5 classes per image; returns the uint8 result."""
+    h, w = size
+    u8 = np.random.default_rng().integers(0, 256, (batch, h, w, 3), dtype=np.uint8)
+    ours = model.encode(u8)
+    ref = model.encode(u8.astype(np.float32) / np.float32(255.0))
+    for name in ("embedding", "logits"):
+        assert ours[name].dtype == np.float32 and ours[name].shape == ref[name].shape
+        err = rel_l2(ours[name], ref[name])
+        assert err < tol, f"{name}: rel L2 {err:.2e}"
+    top = lambda logits: np.argsort(-logits, axis=1)[:, :5]  # noqa: E731
+    np.testing.assert_array_equal(top(ours["logits"]), top(ref["logits"]))
+    return u8, ours
+
+
+def test_uint8_pixels_are_scaled_on_the_device(backend, small_cls):
+    """uint8 pixels cross to the backend as uint8 (the 1/255 is folded into the stem conv with
+    mean/std) and encode like pixels / 255, which match transformers; the float path is the one
+    it was (encode of float pixels does not touch the uint8 stem)."""
+    ref_model, folder = small_cls
+    model = build("enc", "tiny-convnext", backend, str(folder))
+    seen = []
+    inner = backend.asarray
+    backend.asarray = lambda host, dtype=None: seen.append(np.asarray(host).dtype) or inner(host, dtype)
+    try:
+        u8, ours = check_uint8_against_float(model, (97, 66))
+    finally:
+        del backend.asarray
+    assert seen == [np.uint8, np.float32]
+    emb_ref, logits_ref = reference(ref_model, u8.astype(np.float32) / np.float32(255.0))
+    assert rel_l2(ours["embedding"], emb_ref) < TOL and rel_l2(ours["logits"], logits_ref) < TOL
+    # the uint8 stem is the float stem / 255
+    stem = model.tree.stem
+    np.testing.assert_allclose(backend.to_host(stem.weight_uint8) * 255, backend.to_host(stem.conv.weight), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_uint8_pixels_on_mlx(small_cls, dtype):
+    """The same on MLX (CPU device here): float32 and float16 fold the 1/255 into the stem;
+    bfloat16, which folds nothing into its stem, normalises uint8 on the host as it does floats
+    (so there the two routes agree exactly). In half precision the uint8 route must be as close
+    to transformers (float32) as the float route is."""
+    pytest.importorskip("mlx.core")
+    try:
+        be = get_backend("mlx", dtype=dtype)
+    except Exception as exc:  # mlx installed but unusable here
+        pytest.skip(f"mlx backend unavailable: {exc}")
+    ref_model, folder = small_cls
+    model = build("enc", "tiny-convnext", be, str(folder))
+    assert model.tree.stem.fold_input == (dtype != "bfloat16")
+    if dtype == "float32":
+        check_uint8_against_float(model, (64, 71))
+        return
+    u8 = np.random.default_rng().integers(0, 256, (3, 64, 71, 3), dtype=np.uint8)
+    f = u8.astype(np.float32) / np.float32(255.0)
+    ours, floats = model.encode(u8), model.encode(f)
+    if dtype == "bfloat16":
+        for name in ("embedding", "logits"):
+            np.testing.assert_array_equal(ours[name], floats[name])
+    for name, ref in zip(("embedding", "logits"), reference(ref_model, f)):
+        err, err_float = rel_l2(ours[name], ref), rel_l2(floats[name], ref)
+        assert err < 2 * err_float + 1e-4, f"{name}: uint8 rel L2 {err:.2e}, float {err_float:.2e} in {dtype}"

@@ -347,3 +347,42 @@ def test_registry_tolerates_a_missing_family(monkeypatch):
     assert {"sd-vae", "sdxl-vae", "flux-vae", "tiny-vae", "tiny-flux-vae"} <= set(PRESETS)
     for name in PRESETS:
         assert PRESETS[name].kind in ("image-decoder", "video-decoder", "image-encoder")
+
+
+def _backend_or_skip(name: str):
+    if name == "mlx":
+        pytest.importorskip("mlx.core")
+    try:
+        return get_backend(name)
+    except Exception as exc:  # mlx installed but unusable here
+        pytest.skip(f"{name} backend unavailable: {exc}")
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "mlx"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_uint8_decode_is_to_uint8_of_the_float_decode(backend_name, tiled):
+    """decode(uint8=True) == to_uint8(decode()) bit for bit, untiled (converted by the backend
+    before the copy: to_host_async(uint8=True)) and tiled (blended in float32, converted on the
+    host). Latents scaled up so the unclamped output leaves [0, 1] on both sides."""
+    from pixel_cases import host_to_uint8
+
+    be = _backend_or_skip(backend_name)
+    model = load_model("demo", "tiny-vae", be, tile_latent_size=8)
+    lat = (np.random.default_rng(fresh_seed()).standard_normal((2, model.latent_channels, 13, 19)) * 3).astype(np.float32)
+    raw = model.decode(lat, tiled=tiled, clamp=False)
+    assert raw.min() < 0 and raw.max() > 1, "nothing to clip; the test would be vacuous"
+    calls = []
+    inner = be.to_host_async
+    be.to_host_async = lambda x, clip=None, *, uint8=False: calls.append(uint8) or inner(x, clip, uint8=uint8)
+    try:
+        ours = model.decode(lat, tiled=tiled, uint8=True)
+    finally:
+        del be.to_host_async
+    assert ours.dtype == np.uint8 and ours.shape == (2, 13 * 8, 19 * 8, 3)
+    np.testing.assert_array_equal(ours, host_to_uint8(model.decode(lat, tiled=tiled)))
+    np.testing.assert_array_equal(ours, host_to_uint8(raw))
+    assert len(np.unique(ours)) > 200
+    # untiled: one device conversion; tiled: float tiles, converted after blending
+    assert (len(calls) > 1 and not any(calls)) if tiled else calls == [True], calls
+    if tiled:  # the tiles really blend: untiled differs
+        assert (ours != model.decode(lat, tiled=False, uint8=True)).mean() > 0.01

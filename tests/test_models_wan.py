@@ -383,10 +383,10 @@ def test_a_backend_that_runs_ahead_gets_one_frame_group_of_look_ahead():
             events.append("conv")
             return super().conv3d(*a, **k)
 
-        def to_host_async(self, x, clip=None):
+        def to_host_async(self, x, clip=None, *, uint8=False):
             chunk = events.count("send")
             events.append("send")
-            host = super().to_host_async(x, clip)
+            host = super().to_host_async(x, clip, uint8=uint8)
 
             class Waited:
                 def result(self_inner):
@@ -503,3 +503,35 @@ def test_a_step_that_runs_eagerly_for_good_takes_the_in_place_route(tmp_path):
     the new one is made, instead of holding the whole old cache through the functional step."""
     calls, err, seed = decode_through_recording_backend(tmp_path, 5, records=False)
     assert calls == [] and err < 1e-4, f"seed {seed}: relative L2 {err:.2e}, step calls {len(calls)}"
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "mlx"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_uint8_frames_are_to_uint8_of_the_float_frames(backend_name, tiled):
+    """decode(uint8=True) and decode_frames(uint8=True) == to_uint8 of the float32 frames bit
+    for bit: untiled, each group converted by the backend before its copy; tiled (a 2x2 grid of
+    32 px tiles), stitched in float32 and converted on the host."""
+    from pixel_cases import host_to_uint8
+
+    backend = backend_or_skip(backend_name)
+    model = build("tiny", "tiny-wan-vae", backend, None, tile_sample_min_size=32, tile_sample_stride=24)
+    latents = (np.random.default_rng(fresh_seed()).standard_normal((1, 4, 3, 5, 7)) * 3).astype(np.float32)
+    floats = list(model.decode_frames(latents, tiled=tiled))
+    calls = []
+    inner = backend.to_host_async
+    backend.to_host_async = lambda x, clip=None, *, uint8=False: calls.append(uint8) or inner(x, clip, uint8=uint8)
+    try:
+        groups = list(model.decode_frames(latents, tiled=tiled, uint8=True))
+    finally:
+        del backend.to_host_async
+    assert [g.shape[1] for g in groups] == [1, 4, 4] and all(g.dtype == np.uint8 for g in groups)
+    for g, f in zip(groups, floats):
+        np.testing.assert_array_equal(g, host_to_uint8(f))
+    assert (len(calls) > 3 and not any(calls)) if tiled else calls == [True] * 3, calls
+    whole = model.decode(latents, tiled=tiled, uint8=True)
+    assert whole.dtype == np.uint8 and whole.shape == (1, 9, 40, 56, 3)
+    np.testing.assert_array_equal(whole, np.concatenate(groups, axis=1))
+    np.testing.assert_array_equal(whole, host_to_uint8(model.decode(latents, tiled=tiled)))
+    assert len(np.unique(whole)) > 150
+    if tiled:  # the tiles really blend: untiled differs
+        assert (whole != model.decode(latents, tiled=False, uint8=True)).mean() > 0.01

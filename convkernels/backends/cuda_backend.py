@@ -131,9 +131,10 @@ class CudaBackend(Backend):
         if dt not in self.supported_dtypes:
             raise ValueError(f"cuda backend: unsupported dtype {dt!r}; use one of {self.supported_dtypes}")
         host = np.asarray(host)
-        if host.dtype.kind != "f" and str(host.dtype) != "bfloat16":
-            raise ValueError(f"cuda backend: expected a floating array, got dtype {host.dtype}")
-        if host.dtype not in (np.float16, np.float32):  # float64, ml_dtypes bfloat16
+        if host.dtype.kind != "f" and str(host.dtype) != "bfloat16" and host.dtype != np.uint8:
+            raise ValueError(f"cuda backend: expected a floating or uint8 array, got dtype {host.dtype}")
+        # uint8 (8-bit pixels) crosses as bytes and is widened on the device, exactly (0..255)
+        if host.dtype not in (np.float16, np.float32, np.uint8):  # float64, ml_dtypes bfloat16
             host = host.astype(np.float32)
         dev = self.cp.asarray(np.ascontiguousarray(host))
         return self._as(dev, dt)
@@ -143,15 +144,25 @@ class CudaBackend(Backend):
             return x
         return self.cp.asnumpy(self._widened(x, fresh=False))
 
-    def to_host_async(self, x, clip=None):
+    def to_host_async(self, x, clip=None, *, uint8=False):
         """The copy runs on a side stream into pinned memory, after the work queued so far: the
         caller queues its next chunk before it waits (Wan's decode overlaps each frame group's
-        copy and host work with the next group's kernels). clip: done by the widening kernel."""
+        copy and host work with the next group's kernels). clip: done by the widening kernel.
+        uint8: one kernel reads x, widens, clips, scales and rounds to uint8 (pixels_to_uint8),
+        and a quarter of float32's bytes (half of float16's) cross."""
         if isinstance(x, np.ndarray):
-            return super().to_host_async(x, clip)
+            return super().to_host_async(x, clip, uint8=uint8)
         if self._copy_stream is None:
             self._copy_stream = self.cp.cuda.Stream(non_blocking=True)
-        return start_to_host(self.cp, self._copy_stream, self._widened(x, fresh=True, clip=clip))
+        out = self._as_uint8(x) if uint8 else self._widened(x, fresh=True, clip=clip)
+        return start_to_host(self.cp, self._copy_stream, out)
+
+    def _as_uint8(self, x):
+        """x as a new contiguous uint8 array of 8-bit pixels: pixels_to_uint8 of the float32
+        values _widened would give, in one kernel (float64 and the like: CuPy's cast first)."""
+        if x.dtype not in _STORAGE.values():
+            return self._k("float32").to_u8(self._c(x.astype(np.float32)))
+        return self._k(self.dtype_of(x)).to_u8(self._c(x))
 
     def _widened(self, x, fresh: bool, clip=None):
         """x as contiguous float32 for the host, clipped to clip = (lo, hi) when given; fresh:

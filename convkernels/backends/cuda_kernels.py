@@ -1,6 +1,7 @@
 """The CUDA backend's non-conv kernels (CuPy RawModule, compiled once per storage dtype):
 conv epilogue (bias, activation, residual), activations, GroupNorm (+activation) in two
-passes, channels-last LayerNorm and RMS norm (+activation), row softmax, and float32 casts.
+passes, channels-last LayerNorm and RMS norm (+activation), row softmax, float32 casts, and 8-bit
+pixels for the host.
 
 Storage types: float32 is `float`; float16 and bfloat16 are both `unsigned short` bit
 patterns converted to float in registers (bfloat16 has no CuPy dtype, so bf16 arrays live
@@ -93,6 +94,19 @@ extern "C" __global__ void to_f32(const T* x, float* y, long long n, float lo, f
          i += (long long)gridDim.x * blockDim.x) {
         float v = ld(x[i]);
         y[i] = v < lo ? lo : (v > hi ? hi : v);
+    }
+}
+
+// 8-bit pixels for the host: floor(clip(x, 0, 1) * 255 + 0.5) on the widened float32 value,
+// the multiply and the add each rounded on its own (__fmul_rn / __fadd_rn are never contracted
+// into an FMA), as NumPy computes it on the host (convkernels.backend.pixels_to_uint8); the sum
+// is in [0.5, 255.5], so truncation is the floor; NaN -> 0 (__float2uint_rz's answer for NaN)
+extern "C" __global__ void to_u8(const T* x, unsigned char* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float v = ld(x[i]);
+        v = v < 0.0f ? 0.0f : (v > 1.0f ? 1.0f : v);
+        y[i] = (unsigned char)__float2uint_rz(__fadd_rn(__fmul_rn(v, 255.0f), 0.5f));
     }
 }
 
@@ -674,6 +688,14 @@ class Kernels:
         lo, hi = (-np.inf, np.inf) if clip is None else clip
         y = self.cp.empty(x.shape, dtype=self.cp.float32)
         self.fn("to_f32")((_grid(x.size),), (BLOCK,), (x, y, np.int64(x.size), np.float32(lo), np.float32(hi)))
+        return y
+
+    def to_u8(self, x):
+        """x (C-contiguous, values meant in [0, 1]) as a new uint8 array, pixels_to_uint8's
+        formula on each widened float32 value."""
+        y = self.cp.empty(x.shape, dtype=self.cp.uint8)
+        if x.size:
+            self.fn("to_u8")((_grid(x.size),), (BLOCK,), (x, y, np.int64(x.size)))
         return y
 
     def from_f32(self, x, storage_dtype):

@@ -153,8 +153,8 @@ class NumpyBackend(Backend):
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)
-        if host.dtype.kind != "f" and str(host.dtype) != "bfloat16":
-            raise ValueError(f"numpy backend: expected a floating array, got dtype {host.dtype}")
+        if host.dtype.kind != "f" and str(host.dtype) != "bfloat16" and host.dtype != np.uint8:
+            raise ValueError(f"numpy backend: expected a floating or uint8 array, got dtype {host.dtype}")
         return np.ascontiguousarray(host, dtype=self._compute_dtype(dtype or self.dtype))
 
     def to_host(self, x):

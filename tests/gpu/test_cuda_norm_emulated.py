@@ -1,12 +1,12 @@
 """The CUDA backend's GroupNorm, LayerNorm, depthwise + LayerNorm and vectorised depthwise
-kernels (cuda_kernels.py, the source CuPy compiles) run on the CPU: the float32 build of the
-same source, compiled as C++ with one host thread per CUDA thread, a barrier for __syncthreads,
-a barrier per warp for warp shuffles and locked atomics, launched with the grid the backend's
-wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector path, groups
-that split a vector, the chunking and the folded finalize, rows held in registers across a
-warp's lanes, against torch.nn.functional, where there is no GPU. (fp16/bf16 differ only in the
-load/store conversions and the vector width; tests/gpu/test_cuda_ops.py and
-test_cuda_convnext_fusions.py run all three on a GPU.)"""
+kernels and its 8-bit pixel conversion to_u8 (cuda_kernels.py, the source CuPy compiles) run on the CPU: the
+float32 build of the same source, compiled as C++ with one host thread per CUDA thread, a barrier
+for __syncthreads, a barrier per warp for warp shuffles and locked atomics, launched with the grid
+the backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector
+path, groups that split a vector, the chunking and the folded finalize, rows held in registers
+across a warp's lanes, against torch.nn.functional, where there is no GPU.
+(fp16/bf16 differ only in the load/store conversions and the vector width;
+tests/gpu/test_cuda_ops.py and test_cuda_convnext_fusions.py run all three on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
@@ -61,6 +61,12 @@ static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); ret
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+// one IEEE rounding each (x86-64 without -mfma never contracts them); NaN -> 0 as PTX's cvt.rzi
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline unsigned __float2uint_rz(float v) {
+    return v != v || v <= 0.0f ? 0u : (v >= 4294967295.0f ? 4294967295u : (unsigned)v);
+}
 
 SOURCE
 
@@ -113,6 +119,12 @@ extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, co
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)((pixels + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
     launch(grid, [=] { dw_ln(x, wt, bias, nw, nb, y, H, W, C, KH, KW, KH / 2, KW / 2, 1, eps, pixels); });
+}
+
+extern "C" void run_to_u8(const float* x, unsigned char* y, long long n) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = 2;  // grid-stride: two blocks cover any size
+    launch(grid, [=] { to_u8(x, y, n); });
 }
 
 // grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
@@ -315,3 +327,19 @@ def test_depthwise_layer_norm_applies_to_convnext_blocks_only():
     assert not dw_ln_applies(96, 2, (4, 4), (96, 4, 4, 1), [0])     # even kernel: no 'same' padding
     assert not dw_ln_applies(100, 2, (7, 7), (100, 7, 7, 1), [0])   # not whole vectors
     assert not dw_ln_applies(96, 2, (7, 7), (96, 7, 7, 1), [0, 8])  # a buffer off 16 bytes
+
+
+def test_to_u8_is_the_host_formula(lib):
+    """to_u8 (to_host_async(uint8=True)), float32 build: every edge value of the host formula
+    (clip, x * 255 = k + 0.5 boundaries, +-inf) and NaN -> 0, over more elements than two blocks
+    of threads, so the grid-stride loop wraps."""
+    from pixel_cases import edge_values, host_to_uint8, pixel_array
+
+    x = pixel_array(np.random.default_rng(), (3, 41, 37, 3))
+    x.reshape(-1)[-5:] = np.nan
+    assert x.size > 2 * BLOCK and x.size > edge_values().size
+    y = np.full(x.shape, 77, np.uint8)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    lib.run_to_u8(p(x), p(y), ctypes.c_longlong(x.size))
+    np.testing.assert_array_equal(y, host_to_uint8(x))
+    assert (y.reshape(-1)[-5:] == 0).all()
