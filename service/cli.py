@@ -131,33 +131,44 @@ def check_model_entries(entries) -> None:
     """Start-up checks of MODELS entries that need no loading and no network: every preset is a
     known one (a near miss is named: `sd-vea` -> did you mean sd-vae), and every local weights path
     exists. Problems end the command with one line naming each; an entry without a preset (a bare
-    Hub reference for `pull`) has only its weights checked."""
+    Hub reference for `pull`) has only its weights checked; an optional entry (`?`) only warns
+    (the server starts without it, and says so in /readyz's `unavailable`)."""
+    problems = []
+    for entry in entries:
+        found = _entry_problems(entry)
+        if entry.optional:
+            for p in found:
+                typer.echo(f"convserve: warning: optional {p}", err=True)
+        else:
+            problems += found
+    if problems:
+        _fail("; ".join(problems))
+
+
+def _entry_problems(entry) -> list[str]:
     import difflib
 
     from models import PRESETS
     from models.hub import parse_weights
 
     problems = []
-    known = sorted(PRESETS)
-    for entry in entries:
-        if entry.preset and entry.preset not in PRESETS:
-            close = difflib.get_close_matches(entry.preset, known, n=2, cutoff=0.6)
-            hint = f"did you mean {' or '.join(close)}? " if close else ""
-            missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items() if why != "not installed")
-            problems.append(f"model {entry.name}: unknown preset {entry.preset!r}; {hint}known presets: "
-                            f"{', '.join(known)}" + (f" (families unavailable: {missing})" if missing else ""))
-        if not entry.weights:
-            continue
-        try:
-            parsed = parse_weights(entry.weights)
-        except ValueError as exc:
-            problems.append(f"model {entry.name}: {exc}")
-            continue
-        if isinstance(parsed, str) and not Path(parsed).expanduser().exists():
-            problems.append(f"model {entry.name}: weights {entry.weights!r}: no such file or folder (a local path: "
-                            "a diffusers/HF model folder or a .safetensors file)")
-    if problems:
-        _fail("; ".join(problems))
+    if entry.preset and entry.preset not in PRESETS:
+        known = sorted(PRESETS)
+        close = difflib.get_close_matches(entry.preset, known, n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items() if why != "not installed")
+        problems.append(f"model {entry.name}: unknown preset {entry.preset!r}; {hint}known presets: "
+                        f"{', '.join(known)}" + (f" (families unavailable: {missing})" if missing else ""))
+    if not entry.weights:
+        return problems
+    try:
+        parsed = parse_weights(entry.weights)
+    except ValueError as exc:
+        return problems + [f"model {entry.name}: {exc}"]
+    if isinstance(parsed, str) and not Path(parsed).expanduser().exists():
+        problems.append(f"model {entry.name}: weights {entry.weights!r}: no such file or folder (a local path: "
+                        "a diffusers/HF model folder or a .safetensors file)")
+    return problems
 
 
 def _model_entries(spec: str):

@@ -72,8 +72,21 @@ def exposition() -> bytes:
 
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged)
-        return generate_latest(merged)
+        return generate_latest(merged) + _declared_only({fam.name for fam in merged.collect()})
     return generate_latest(REGISTRY) + generate_latest(KERNEL_REGISTRY)
+
+
+def _declared_only(present: set[str]) -> bytes:
+    """HELP and TYPE of the families no process has a value for yet (the multiprocess collector
+    reads values, not declarations), so every family is declared from the start, as a single
+    process's registry does: dashboards and alerts may refer to series that come with traffic."""
+    lines = []
+    for registry in (REGISTRY, KERNEL_REGISTRY):
+        for fam in registry.collect():
+            if fam.name not in present:
+                doc = fam.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+                lines.append(f"# HELP {fam.name} {doc}\n# TYPE {fam.name} {fam.type}\n")
+    return "".join(lines).encode()
 
 
 def worker_exiting() -> None:

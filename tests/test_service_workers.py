@@ -1,7 +1,8 @@
-"""`convserve serve --workers 2`: two uvicorn worker processes behind one socket. /metrics, whichever
-worker answers the scrape, reports the whole server (prometheus_client multiprocess mode in a
-directory the CLI makes and removes); the header timeout holds in every worker; SIGTERM stops both
-workers and the parent exits 0; kept-alive connections reused after idling past the header
+"""`convserve serve --workers 2`: two HTTP front ends (the server process and one it spawns) behind
+one socket, in front of one model worker (the CPU device). /metrics, whichever front end answers
+the scrape, reports the whole server, the model worker's batches and kernels included
+(prometheus_client multiprocess mode in a directory the CLI makes and removes); the header
+timeout holds in every front end; SIGTERM stops them all and the parent exits 0; kept-alive connections reused after idling past the header
 timeout and httpx's 5 s pool expiry are served (the keep-alive setting reaches the workers). Under
 both HTTP/1.1 parsers (CONVSERVE_HTTP=h11 and httptools)."""
 from __future__ import annotations
@@ -22,7 +23,8 @@ HEADER_TIMEOUT_S = 1.5
 
 
 def worker_pids(pid: int) -> list[int]:
-    """The spawned worker processes of a server (not multiprocessing's resource tracker)."""
+    """The spawned processes of a server: its second front end and its model worker (not
+    multiprocessing's resource tracker)."""
     kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
@@ -41,7 +43,7 @@ def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path, http):
         dirs = {env_of(w).get("PROMETHEUS_MULTIPROC_DIR") for w in workers}
         assert len(workers) == 2 and len(dirs) == 1 and None not in dirs, (workers, dirs)
         metrics_dir = Path(dirs.pop())
-        deadline = time.monotonic() + 60  # each worker loads its own models: both ready
+        deadline = time.monotonic() + 60  # both front ends connected to the ready model worker
         while sum(httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 200 for _ in range(10)) < 10:
             assert time.monotonic() < deadline, "workers not ready"
             time.sleep(0.2)

@@ -368,7 +368,8 @@ def test_continuation_steps_pass_a_full_queue_and_solo_items_run_alone():
                 b.submit("m", "k", np.zeros((1, 1)), lambda x: x)
             cont = b.submit("m", "s", np.ones((1, 1)), lambda x: x * 7, continuation=True, solo=True)
             gate.set()
-            out = await asyncio.wait_for(asyncio.gather(solo.future, queued.future, cont.future), 10)
+            out = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(i.future) for i in (solo, queued, cont))),
+                                         10)
             return out, started_after
         finally:
             b.stop()
@@ -379,7 +380,7 @@ def test_continuation_steps_pass_a_full_queue_and_solo_items_run_alone():
 
 
 def test_generator_closed_after_a_running_step_when_the_stream_ends():
-    from service.streaming import GeneratorSteps, StreamClosed
+    from service.model_worker import GeneratorSteps, StreamClosed
 
     closed, release = threading.Event(), threading.Event()
 
@@ -409,7 +410,7 @@ def test_generator_closed_after_a_running_step_when_the_stream_ends():
 def test_closing_the_stream_frees_the_decoders_feature_cache():
     from convkernels import get_backend
     from models import load_model
-    from service.streaming import GeneratorSteps
+    from service.model_worker import GeneratorSteps
 
     model = load_model("w", "tiny-wan-vae", get_backend("numpy"))
     gen = model.decode_frames(latents(1, 4, 5, 3, 5))
