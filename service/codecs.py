@@ -302,7 +302,20 @@ def preprocess(img: np.ndarray, input_size: int, crop_pct: float = 0.875) -> np.
     return np.clip(_resize_box(img, input_size, box), 0.0, 1.0)
 
 
+def model_pixels(images: list[np.ndarray], input_size: int) -> np.ndarray:
+    """Images (uint8, or float in [0,1], any size) -> the batch an encoder takes: uint8 N,S,S,3
+    when every image already is uint8 at the model's size (it travels to the device as it is,
+    a quarter of float32's bytes, and is converted there), else float32 through `preprocess`."""
+    if all(im.dtype == np.uint8 and im.shape[:2] == (input_size, input_size) for im in images):
+        return np.stack(images)
+    return np.stack([preprocess(im, input_size) for im in images])
+
+
 def to_uint8(images01: np.ndarray) -> np.ndarray:
+    """Float pixels in [0,1] -> uint8 (what the device's own conversion computes); uint8 pixels
+    (converted on the device already) pass as they are."""
+    if images01.dtype == np.uint8:
+        return images01
     return (np.clip(images01, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 

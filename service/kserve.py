@@ -12,7 +12,7 @@ from . import validation
 from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
-from .codecs import bf16_to_f32, load_json, preprocess, reshape, shape_text
+from .codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
 from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
@@ -193,8 +193,8 @@ async def infer(name: str, request: Request, version: str | None = None):
         else:
             px = await svc.in_pool(validation.source_pixels, _only_input(tensors, "pixels"), svc.settings)
             size = int(hm.model.input_size)
-            if px.shape[1:3] != (size, size) or px.dtype == np.uint8:
-                px = np.stack([await svc.in_pool(preprocess, im, size) for im in px])
+            if px.shape[1:3] != (size, size):  # uint8 at the model's size travels as it is
+                px = await svc.in_pool(model_pixels, list(px), size)
             enc = await svc.encode(hm, px, disconnected=request.is_disconnected)
             results = {k: v for k, v in (("embedding", enc["embedding"]), ("logits", enc.get("logits")))
                        if v is not None}

@@ -117,11 +117,12 @@ class HostedModel:
             outs["logits"] = ((rows, int(self.extra["logits_dim"])), "float32")
         return outs
 
-    def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool) -> np.ndarray:
+    def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool = False) -> np.ndarray:
+        """uint8: the pixels come off the device as uint8 (what image and video files hold)."""
         # video decoders always clamp, as diffusers' AutoencoderKLWan does
         if self.is_video:
-            return self.model.decode(latents, tiled=tiled)
-        return self.model.decode(latents, tiled=tiled, clamp=clamp)
+            return self.model.decode(latents, tiled=tiled, uint8=uint8)
+        return self.model.decode(latents, tiled=tiled, clamp=clamp, uint8=uint8)
 
     def latent_scaling(self) -> tuple[np.ndarray | float, np.ndarray | float]:
         """(scale, shift) of the model's input normalisation, per channel where it has one: its

@@ -185,7 +185,8 @@ class ModelHost:
     def call_for(self, hm: HostedModel, op: str, options: dict):
         """The model call an op names (the ops a front end may ask for)."""
         if op == "decode":
-            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True))
+            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
+                                                 uint8=options.get("uint8", False))
         if op in ("encode", "vae_encode"):
             return hm.model.encode
         raise ValueError(f"unknown op {op!r}")
@@ -314,7 +315,7 @@ class FrontendLink:
         try:
             hm = self.host.models[model]
             latents = np.array(self.view.array(in_ref))  # the decode outlives the request's input block
-            steps = GeneratorSteps(oom_recovery.frames(hm, latents, options.get("tiled")))
+            steps = GeneratorSteps(oom_recovery.frames(hm, latents, options.get("tiled"), options.get("uint8", False)))
         except Exception as exc:
             self._fail(rid, exc)
             return

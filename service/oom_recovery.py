@@ -42,32 +42,32 @@ def _tiling(model: TiledDecoder, tiling):
         model.tiling = old
 
 
-def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool) -> np.ndarray:
+def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool, uint8: bool = False) -> np.ndarray:
     """hm.decode(x), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
     try:
-        return hm.decode(x, tiled, clamp)
+        return hm.decode(x, tiled, clamp, uint8)
     except MemoryError as exc:
         log.warning("%s: out of memory decoding %s (%s); retrying in tiles", hm.name, x.shape, exc)
         count(hm.name, "device_oom", "retried")
     if x.shape[0] > 1:
-        out = np.concatenate([_retry_tiled(hm, x[i:i + 1], clamp) for i in range(x.shape[0])], axis=0)
+        out = np.concatenate([_retry_tiled(hm, x[i:i + 1], clamp, uint8) for i in range(x.shape[0])], axis=0)
     else:
-        out = _retry_tiled(hm, x, clamp)
+        out = _retry_tiled(hm, x, clamp, uint8)
     count(hm.name, "device_oom", "recovered")
     return out
 
 
-def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool) -> np.ndarray:
-    return _in_smaller_tiles(hm, _tilings_to_try(hm.model), lambda: hm.decode(x, True, clamp), None,
+def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
+    return _in_smaller_tiles(hm, _tilings_to_try(hm.model), lambda: hm.decode(x, True, clamp, uint8), None,
                              f"decoding {tuple(x.shape)}")
 
 
-def frames(hm: HostedModel, latents: np.ndarray, tiled: bool | None) -> Iterator[np.ndarray]:
+def frames(hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False) -> Iterator[np.ndarray]:
     """The frame groups of a streamed video decode, retried on MemoryError: the decode restarts
     tiled, then in smaller tiles, decodes again (and drops) the groups already sent, so its causal
     caches hold what they held, and goes on from the group that failed. Groups already sent stay
     as they were. The decode starts now, so bad latents raise before any group."""
-    first = hm.model.decode_frames(latents, tiled=tiled)
+    first = hm.model.decode_frames(latents, tiled=tiled, uint8=uint8)
 
     def groups() -> Iterator[np.ndarray]:
         gen, sent, recovering = first, 0, False
@@ -83,7 +83,7 @@ def frames(hm: HostedModel, latents: np.ndarray, tiled: bool | None) -> Iterator
                     log.warning("%s: out of memory at frame group %d of a streamed decode (%s); resuming in tiles",
                                 hm.name, sent, exc)
                     count(hm.name, "device_oom", "retried")
-                    gen, recovering = _resumed_tiled(hm, latents, sent, attempts, exc), True
+                    gen, recovering = _resumed_tiled(hm, latents, sent, attempts, exc, uint8), True
                     continue
                 if recovering:
                     count(hm.name, "device_oom", "recovered")
@@ -107,11 +107,12 @@ def _tilings_to_try(model: TiledDecoder) -> Iterator:
         yield tiling
 
 
-def _resumed_tiled(hm: HostedModel, latents: np.ndarray, sent: int, attempts: Iterator, exc: BaseException):
+def _resumed_tiled(hm: HostedModel, latents: np.ndarray, sent: int, attempts: Iterator, exc: BaseException,
+                   uint8: bool):
     """A tiled decode advanced past the `sent` groups, in the first of `attempts` that fits them.
     Its next group may still run out of memory: the caller then asks again with the next tiling."""
     def advanced():
-        gen = hm.model.decode_frames(latents, tiled=True)  # its tile plan is made here, from this tiling
+        gen = hm.model.decode_frames(latents, tiled=True, uint8=uint8)  # its tile plan is made here, from this tiling
         try:
             for _ in range(sent):
                 next(gen)

@@ -197,6 +197,14 @@ class Service:
             metrics.REQUEST_SECONDS.labels(model, endpoint).observe(elapsed)
             self.stats.request_done(model, status == 200, ns(elapsed))
 
+    def hand_over_lease(self) -> Lease:
+        """The current request's arena blocks, for a response that sends straight from them
+        (routes_v1.ArenaResponse closes the lease once sent); the request's own end no longer
+        frees them."""
+        req = _REQUEST.get()
+        lease, req.lease = req.lease, Lease(self.arena)
+        return lease
+
     def _unreserve(self, req: _Request) -> None:
         if req.reserved:
             req.reserved = False
@@ -278,12 +286,15 @@ class Service:
                        "the server log has the traceback)", error_id=exc.error_id)
 
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
-                     clamp: bool = True, disconnected: DisconnectCheck | None = None) -> np.ndarray:
+                     clamp: bool = True, uint8: bool = False,
+                     disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Latents -> float32 images N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1].
-        clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`)."""
+        clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`).
+        uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
+        and nothing left to convert for an image or video file)."""
         lat = await self.in_pool(validation.latents, hm, latents, self.settings)  # NaN scan: off the loop
-        sub = await self.run(hm, "decode", {"tiled": tiled, "clamp": clamp}, lat,
-                             {"out": (hm.output_shape(lat.shape), "float32")}, disconnected)
+        sub = await self.run(hm, "decode", {"tiled": tiled, "clamp": clamp, "uint8": uint8}, lat,
+                             {"out": (hm.output_shape(lat.shape), "uint8" if uint8 else "float32")}, disconnected)
         return sub.arrays()["out"]
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
@@ -295,8 +306,9 @@ class Service:
 
     async def encode(self, hm: HostedModel, pixels: np.ndarray, *,
                      disconnected: DisconnectCheck | None = None) -> dict[str, Any]:
-        """Pixels N,S,S,3 in [0,1] at the model's input size -> {embedding (N,D), logits (N,K)|None}."""
-        px = await self.in_pool(validation.encoder_pixels, hm, pixels, self.settings)
+        """Pixels N,S,S,3 at the model's input size (float in [0,1], or uint8: a quarter of the bytes
+        to move, converted on the device) -> {embedding (N,D), logits (N,K)|None}."""
+        px = await self.in_pool(validation.encoder_pixels, hm, pixels, self.settings)  # uint8 stays uint8
         sub = await self.run(hm, "encode", {}, px, hm.encoder_outputs(px.shape[0]), disconnected)
         out = sub.arrays()
         return {"embedding": out["embedding"], "logits": out.get("logits")}

@@ -11,6 +11,7 @@ from . import codecs, validation
 from .auth import require_api_key
 from .adapters import ERRORS, TENSOR_BODY, service
 from .bodies import read_body
+from .engine import Lease
 from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
@@ -59,6 +60,26 @@ async def kernels(request: Request):
 DecodeFormat = Literal["png", "jpeg", "webp", "npy", "mp4"]
 
 
+class ArenaResponse(Response):
+    """A response sent part by part, with no join, where parts may be views of the request's
+    shared-memory blocks (service/shm.py); `lease` (Service.hand_over_lease) holds those blocks
+    until the last part is out, or the client has gone."""
+
+    def __init__(self, parts: list, lease: Lease, media_type: str, headers: dict):
+        self.status_code, self.media_type, self.background = 200, media_type, None
+        self.parts, self.lease = parts, lease
+        self.init_headers({**headers, "content-length": str(sum(len(p) for p in parts))})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            for i, part in enumerate(self.parts):
+                await send({"type": "http.response.body", "body": part, "more_body": i < len(self.parts) - 1})
+        finally:
+            self.parts = []
+            self.lease.close()
+
+
 def _decode_format(hm: HostedModel, fmt: str | None) -> str:
     if not hm.is_video:
         fmt = fmt or "png"
@@ -91,25 +112,34 @@ async def decode(name: str, request: Request,
                  format: DecodeFormat | None = Query(None, description="png|jpeg|webp|npy (images), mp4|npy (video)"),
                  quality: int = Query(90, ge=1, le=100, description="JPEG/WebP quality; MP4 quality (CRF 51..0)"),
                  tiled: Literal["on", "off", "auto"] = Query("auto", description="tiled decode (bounded memory); auto = the model's rule"),
-                 fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate")):
+                 fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
+                 dtype: Literal["float32", "float16", "uint8"] = Query(
+                     "float32", description="npy: the pixels' type (uint8: 0..255, rounded on the device)")):
     svc = service(request)
     async with svc.admit(name, "decode") as hm:
         fmt = _decode_format(hm, format)
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "latents")
-        out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled),
+        # files hold uint8 pixels: they leave the device so (a quarter of float32's bytes)
+        uint8 = fmt != "npy" or dtype == "uint8"
+        out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled), uint8=uint8,
                                disconnected=request.is_disconnected)
+        headers = {"X-Output-Shape": ",".join(map(str, out.shape))}
         if fmt == "npy":
-            data, media = await svc.in_pool(codecs.npy_bytes, out), codecs.NPY_MEDIA
-        elif hm.is_video:
+            if dtype == "float16":
+                out = await svc.in_pool(out.astype, np.float16)
+            head, data = codecs.npy_parts(out)
+            # sent from the shared-memory block itself; it goes back once the response is out
+            return ArenaResponse([head, data], svc.hand_over_lease(), codecs.NPY_MEDIA, headers)
+        if hm.is_video:
             data, media = await svc.in_pool(encode_videos, out, fps, quality)
         else:
             data, media = await svc.in_pool(codecs.encode_images, out, fmt, quality)
-    return Response(data, media_type=media, headers={"X-Output-Shape": ",".join(map(str, out.shape))})
+    return Response(data, media_type=media, headers=headers)
 
 
 async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size: int) -> np.ndarray:
-    """Images (or pixel arrays) from the body -> float32 N,S,S,3 in [0,1] at the model's size."""
+    """Images (or pixel arrays) from the body -> N,S,S,3 at the model's size (codecs.model_pixels)."""
     mt = codecs.media_type(request.headers.get("content-type"))
     max_px, max_n, max_ar = svc.settings.max_pixels, svc.settings.max_batch, svc.settings.max_aspect_ratio
     if mt in codecs.GENERIC_MEDIA:  # no real Content-Type (none, octet-stream, curl's default): by content
@@ -134,7 +164,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         raise Problem(415, "unsupported-media-type",
                       f"Content-Type {mt!r} not accepted; send an image ({codecs.IMAGE_MEDIA_TEXT}), several "
                       f"as multipart/form-data, or pixels as {codecs.TENSOR_MEDIA_TEXT}")
-    return np.stack([await svc.in_pool(codecs.preprocess, im, input_size) for im in images])
+    return await svc.in_pool(codecs.model_pixels, images, input_size)
 
 
 @router.post(

@@ -72,8 +72,9 @@ class FrameGroups:
     asked of it through Service.run, written into a block of this front end's arena that is let
     go once the group is sent (its own lease)."""
 
-    def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None):
-        self.svc, self.hm, self.latents, self.tiled = svc, hm, latents, tiled
+    def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False):
+        """uint8: the groups leave the device as uint8 pixels (for the MP4 encoder)."""
+        self.svc, self.hm, self.latents, self.tiled, self.uint8 = svc, hm, latents, tiled, uint8
         self.total = int(latents.shape[2])
         n, _, h, w, c = hm.output_shape(latents.shape)
         self._group_shape = lambda k: (n, 1 if k == 0 else int(hm.model.temporal_factor), h, w, c)
@@ -84,7 +85,8 @@ class FrameGroups:
 
     async def open(self, disconnected=None) -> None:
         """Start the decode on a worker (it checks the latents there); its groups come from it."""
-        sub = await self.svc.run(self.hm, "stream_open", {"tiled": self.tiled}, self.latents, {}, disconnected)
+        sub = await self.svc.run(self.hm, "stream_open", {"tiled": self.tiled, "uint8": self.uint8}, self.latents,
+                                 {}, disconnected)
         self.link, self.stream_id = sub.link, sub.future.result()
 
     async def next(self, disconnected=None) -> tuple[np.ndarray, Lease]:
@@ -93,7 +95,8 @@ class FrameGroups:
         k, self.asked = self.asked, self.asked + 1
         try:
             sub = await self.svc.run(self.hm, "stream_next", {"stream": self.stream_id}, None,
-                                     {"out": (self._group_shape(k), "float32")}, disconnected, lease=lease,
+                                     {"out": (self._group_shape(k), "uint8" if self.uint8 else "float32")},
+                                     disconnected, lease=lease,
                                      link=self.link)
         except BaseException:
             lease.close()
@@ -274,7 +277,7 @@ async def decode_stream(name: str, request: Request,
             encode, media, trailer = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA, b""
         else:
             encode, media, trailer = (lambda grp, last: npy_record(grp)), NPY_STREAM_MEDIA, END_RECORD
-        groups = FrameGroups(svc, hm, lat, {"on": True, "off": False}.get(tiled))
+        groups = FrameGroups(svc, hm, lat, {"on": True, "off": False}.get(tiled), uint8=format == "mp4")
         await groups.open(request.is_disconnected)
         first = await groups.next(request.is_disconnected)
     except BaseException:

@@ -95,11 +95,14 @@ def source_pixels(arr: np.ndarray, limits: Settings) -> np.ndarray:
 
 
 def encoder_pixels(hm: HostedModel, px: np.ndarray, limits: Settings | None = None) -> np.ndarray:
-    """Pixels N,S,S,3 at an image encoder's input size -> contiguous float32."""
+    """Pixels N,S,S,3 at an image encoder's input size -> contiguous uint8 (0..255, as they came)
+    or float32 (in [0,1])."""
     size = int(hm.model.input_size)
     if px.ndim != 4 or px.shape[1:] != (size, size, 3):
         raise Problem(422, "bad-shape", f"{hm.name} wants pixels N,{size},{size},3, got {list(px.shape)}")
     batch(px.shape[0], "images", limits)
+    if px.dtype == np.uint8:
+        return np.ascontiguousarray(px)
     return _finite_f32(px, "non-finite-pixels", "pixels")
 
 

@@ -94,6 +94,44 @@ def test_decode_npy_png_jpeg_webp(live_server):
         assert np.abs(png_rgb(r.content) - png_rgb(buf.getvalue())).mean() < 1.0
 
 
+def test_decode_pixels_leave_as_uint8_or_float16_on_request(live_server):
+    """npy dtype=uint8 is the device's rounding, exactly the host's of the float32 image; a PNG
+    holds exactly those pixels (lossless); float16 is the float32 image cast."""
+    u, lat = live_server.url, latents(n=2, h=7, w=5)
+    ref = from_npy(post_decode(u, npy(lat), format="npy").content)
+    r = post_decode(u, npy(lat), format="npy", dtype="uint8")
+    assert r.status_code == 200 and r.headers["x-output-shape"] == "2,56,40,3"
+    px = from_npy(r.content)
+    assert px.dtype == np.uint8
+    np.testing.assert_array_equal(px, codecs.to_uint8(ref))
+    half = from_npy(post_decode(u, npy(lat), format="npy", dtype="float16").content)
+    np.testing.assert_array_equal(half, ref.astype(np.float16))
+    one = post_decode(u, npy(lat[:1]))  # png
+    np.testing.assert_array_equal(png_rgb(one.content), px[0].astype(np.int16))
+    assert post_decode(u, npy(lat), format="npy", dtype="int8").status_code == 422
+
+
+def test_encode_uint8_pixels_travel_as_uint8_and_match_the_float_route(live_server):
+    u = live_server.url
+    card = httpx.get(f"{u}/v1/models/tiny-convnext").json()
+    size = card["inputs"][0]["resized_to"][0]
+    img = rng().integers(0, 256, (2, size, size, 3), dtype=np.uint8)
+
+    def embed(body, ctype):
+        r = httpx.post(f"{u}/v1/models/tiny-convnext/encode", content=body, headers={"content-type": ctype},
+                       params={"format": "npy"}, timeout=60)
+        assert r.status_code == 200, r.text
+        return from_npy(r.content)
+
+    as_u8 = embed(npy(img), "application/x-npy")
+    as_f32 = embed(npy(img.astype(np.float32) / 255), "application/x-npy")
+    np.testing.assert_allclose(as_u8, as_f32, rtol=1e-4, atol=1e-5)
+    buf = io.BytesIO()
+    Image.fromarray(img[1]).save(buf, format="PNG")
+    # the PNG decodes to the same uint8 pixels (a batch of one: the gemm may sum in another order)
+    np.testing.assert_allclose(embed(buf.getvalue(), "image/png")[0], as_u8[1], rtol=1e-5, atol=1e-6)
+
+
 def test_decode_several_gives_zip_in_batch_order(live_server):
     u, lat = live_server.url, latents(n=3, h=6, w=5)
     ref = from_npy(post_decode(u, npy(lat), format="npy").content)
