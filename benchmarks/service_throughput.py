@@ -65,8 +65,8 @@ def raw_items_per_s(workload: str, backend: str, preset: str, size: int, latent:
     return batch / best
 
 
-def bodies(args) -> tuple[list[bytes], str, dict]:
-    """Request bodies, their content type, and the query parameters."""
+def bodies(args, fmt: str) -> tuple[list[bytes], str, dict]:
+    """Request bodies, their content type, and the query parameters, for one format."""
     rng = np.random.default_rng(1)
     out = []
     distinct = min(args.requests, 64)  # the bodies repeat: making 4096 PNGs would time the client
@@ -77,17 +77,17 @@ def bodies(args) -> tuple[list[bytes], str, dict]:
         else:
             # smooth content with some noise: compresses like a photo, not like noise
             yy, xx = np.mgrid[0:args.size, 0:args.size]
-            img = (127 + 100 * np.sin(xx / 17.0 + rng.random()) * np.cos(yy / 23.0)[..., None]
-                   + rng.normal(0, 8, (args.size, args.size, 3))).clip(0, 255).astype(np.uint8)
-            if args.format == "npy":
+            wave = (np.sin(xx / 17.0 + rng.random()) * np.cos(yy / 23.0))[..., None]
+            img = (127 + 100 * wave + rng.normal(0, 8, (args.size, args.size, 3))).clip(0, 255).astype(np.uint8)
+            if fmt == "npy":
                 np.save(buf, img, allow_pickle=False)
             else:
-                Image.fromarray(img).save(buf, format="PNG" if args.format == "png" else "JPEG", quality=90)
+                Image.fromarray(img).save(buf, format="PNG" if fmt == "png" else "JPEG", quality=90)
         out.append(buf.getvalue())
     data = [out[i % distinct] for i in range(args.requests)]
     if args.workload == "decode":
-        return data, MEDIA["npy"], {"format": args.format}
-    return data, MEDIA[args.format], {}
+        return data, MEDIA["npy"], {"format": fmt}
+    return data, MEDIA[fmt], {}
 
 
 #: the server's keep-alive (CONVSERVE_KEEP_ALIVE_S) and the client's pool expiry, shorter than it:
@@ -175,8 +175,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="server max_batch and the raw batch")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--format", choices=("npy", "png", "jpeg", "webp"), default="npy",
-                    help="decode: the response format; encode: the body format (npy = uint8 pixels)")
+    ap.add_argument("--format", default="npy",
+                    help="comma list, each run in turn against the same server: decode: the response "
+                         "format (png, jpeg, webp, npy); encode: the body format (npy = uint8 pixels, png, jpeg)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing --concurrency")
     ap.add_argument("--devices", default=None, help="CONVSERVE_DEVICES for the server (GPUs: all or 0,1)")
     ap.add_argument("--workers", type=int, default=None, help="front-end processes (default: the server's auto)")
@@ -203,7 +204,7 @@ def main() -> None:
         return float(child.stdout.strip().splitlines()[-1])
 
     raw_before = measure_raw()
-    data, ctype, params = bodies(args)
+    formats = args.format.split(",")
     warm = f"{args.latent * 8}" if args.workload == "decode" else str(args.size)
     settings = dict(models=f"m={args.preset}", backend=args.backend, max_batch=args.batch,
                     max_queue=max(64, 2 * args.concurrency), warmup_sizes=warm, request_timeout_s=600,
@@ -213,40 +214,44 @@ def main() -> None:
     if args.workers is not None:
         settings["workers"] = args.workers
     url_path = f"/v1/models/m/{args.workload}"
+    rows = []
     with ServerProcess(log_path=args.log, **settings) as srv:
         srv.wait_all_devices("m")
-        closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
-                    args.concurrency)  # warm-up: every front end and batch size
-        m0 = srv.metrics()
-        res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs)
-        m1 = srv.metrics()
         frontends = srv.frontends()
+        for fmt in formats:
+            data, ctype, params = bodies(args, fmt)
+            closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
+                        args.concurrency)  # warm-up: every front end and batch size
+            m0 = srv.metrics()
+            res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs)
+            rows.append((fmt, res, m0, srv.metrics()))
     raw_after = measure_raw()
     raw = (raw_before + raw_after) / 2
     from machine import describe_machine
     print(f"machine: {describe_machine()}")
-    ok = len(res.latencies)
-    rps = ok / res.seconds
-    batches = _delta(m0, m1, "convserve_batch_size_count")
-    mean_batch = _delta(m0, m1, "convserve_batch_size_sum") / max(1.0, batches)
-    per_device = {dict(k[1])["device"]: v - m0.get(k, 0.0) for k, v in m1.items()
-                  if k[0] == "convserve_device_rows_total"}
-    q = statistics.quantiles(res.latencies, n=100) if ok > 1 else [float("nan")] * 99
-    what = (f"decode 1x{args.channels}x{args.latent}x{args.latent} -> {args.latent * 8}^2 {args.format}"
-            if args.workload == "decode" else f"encode {args.size}^2 {args.format} bodies")
-    print(f"{args.preset} {what}, backend {args.backend}, max_batch {args.batch}, {frontends} front end(s), "
-          f"devices {sorted(per_device)}; {args.concurrency} clients in {args.client_procs} process(es), "
-          f"{len(data)} requests")
-    errors = sum(res.transport_errors.values())
-    print(f"statuses {dict(res.statuses)}; transport errors {errors} {dict(res.transport_errors) or ''}")
-    cpu = sum(res.cpu_seconds) / res.seconds
-    busiest = max(res.cpu_seconds) / res.seconds
-    print(f"client CPU: {cpu:.2f} cores in all, busiest process {busiest:.0%} of a core "
-          f"({res.bytes_in / res.seconds / 1e6:.0f} MB/s answered); rows per device {per_device}")
+    what = (f"decode 1x{args.channels}x{args.latent}x{args.latent} -> {args.latent * 8}^2"
+            if args.workload == "decode" else f"encode {args.size}^2 bodies")
+    print(f"{args.preset} {what}, backend {args.backend}, max_batch {args.batch}, {frontends} front end(s); "
+          f"{args.concurrency} clients in {args.client_procs} process(es), {args.requests} requests per format")
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
-    print(f"| raw model items/s (batch {args.batch}) | service req/s | service / raw | p50 ms | p99 ms | mean batch |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} | {mean_batch:.1f} |")
+    table = ["| format | raw model items/s (batch %d) | service req/s | service / raw | p50 ms | p99 ms | mean batch "
+             "| rows per device | client CPU (cores, busiest process) |" % args.batch,
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for fmt, res, m0, m1 in rows:
+        ok = len(res.latencies)
+        rps = ok / res.seconds
+        batches = _delta(m0, m1, "convserve_batch_size_count")
+        mean_batch = _delta(m0, m1, "convserve_batch_size_sum") / max(1.0, batches)
+        per_device = {dict(k[1])["device"]: round(v - m0.get(k, 0.0)) for k, v in m1.items()
+                      if k[0] == "convserve_device_rows_total" and v - m0.get(k, 0.0) > 0}
+        q = statistics.quantiles(res.latencies, n=100) if ok > 1 else [float("nan")] * 99
+        errors = sum(res.transport_errors.values())
+        if set(res.statuses) != {200} or errors:
+            print(f"{fmt}: statuses {dict(res.statuses)}; transport errors {errors} {dict(res.transport_errors)}")
+        cpu, busiest = sum(res.cpu_seconds) / res.seconds, max(res.cpu_seconds) / res.seconds
+        table.append(f"| {fmt} | {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} "
+                     f"| {mean_batch:.1f} | {per_device} | {cpu:.2f}, {busiest:.0%} |")
+    print("\n".join(table))
 
 
 def _delta(m0: dict, m1: dict, name: str) -> float:

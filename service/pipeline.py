@@ -30,7 +30,9 @@ log = logging.getLogger("convserve")
 DisconnectCheck = Callable[[], Awaitable[bool]]
 
 #: how often a waiting request checks whether its client went away
-DISCONNECT_POLL_S = 0.05
+DISCONNECT_POLL_S = 0.1
+#: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
+INLINE_BYTES = 64 << 10
 
 
 class _Request:
@@ -214,6 +216,13 @@ class Service:
         """Codec work (image/video encode, image decode) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.codec_pool, fn, *args)
 
+    async def offload(self, nbytes: int, fn, *args):
+        """fn(*args) off the event loop when it handles more than INLINE_BYTES, else right here:
+        for a small body a hop to the codec pool and back costs more than the work."""
+        if nbytes <= INLINE_BYTES:
+            return fn(*args)
+        return await self.in_pool(fn, *args)
+
     # ---- the request path ------------------------------------------------------------------------
     async def run(self, hm: HostedModel, op: str, options: dict, inputs: np.ndarray | None,
                   outputs: dict[str, tuple[tuple[int, ...], str]], disconnected: DisconnectCheck | None,
@@ -292,7 +301,7 @@ class Service:
         clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`).
         uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
         and nothing left to convert for an image or video file)."""
-        lat = await self.in_pool(validation.latents, hm, latents, self.settings)  # NaN scan: off the loop
+        lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         sub = await self.run(hm, "decode", {"tiled": tiled, "clamp": clamp, "uint8": uint8}, lat,
                              {"out": (hm.output_shape(lat.shape), "uint8" if uint8 else "float32")}, disconnected)
         return sub.arrays()["out"]
@@ -308,7 +317,7 @@ class Service:
                      disconnected: DisconnectCheck | None = None) -> dict[str, Any]:
         """Pixels N,S,S,3 at the model's input size (float in [0,1], or uint8: a quarter of the bytes
         to move, converted on the device) -> {embedding (N,D), logits (N,K)|None}."""
-        px = await self.in_pool(validation.encoder_pixels, hm, pixels, self.settings)  # uint8 stays uint8
+        px = await self.offload(pixels.nbytes, validation.encoder_pixels, hm, pixels, self.settings)  # uint8 stays
         sub = await self.run(hm, "encode", {}, px, hm.encoder_outputs(px.shape[0]), disconnected)
         out = sub.arrays()
         return {"embedding": out["embedding"], "logits": out.get("logits")}

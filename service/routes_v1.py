@@ -119,7 +119,8 @@ async def decode(name: str, request: Request,
     async with svc.admit(name, "decode") as hm:
         fmt = _decode_format(hm, format)
         body = await read_body(request, svc.settings.max_body_bytes)
-        latents, _ = await svc.in_pool(codecs.read_tensor_body, body, request.headers.get("content-type"), "latents")
+        latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
+                                       "latents")
         # files hold uint8 pixels: they leave the device so (a quarter of float32's bytes)
         uint8 = fmt != "npy" or dtype == "uint8"
         out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled), uint8=uint8,
@@ -145,7 +146,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
     if mt in codecs.GENERIC_MEDIA:  # no real Content-Type (none, octet-stream, curl's default): by content
         mt = codecs.sniff(body) or mt
     if mt.startswith("image/"):
-        images = [await svc.in_pool(codecs.open_image, body, max_px, "image", max_ar)]
+        images = [await svc.offload(len(body), codecs.open_image, body, max_px, "image", max_ar)]
     elif mt == "multipart/form-data":
         form = await request.form(max_files=max_n + 1)
         parts = [v for _, v in form.multi_items() if hasattr(v, "read")]
@@ -158,13 +159,15 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
             images.append(await svc.in_pool(codecs.open_image, data, max_px, part.filename or f"file {i}", max_ar))
     elif mt in (codecs.NPY_MEDIA, "application/npy", codecs.SAFETENSORS_MEDIA, "application/json", "",
                 "application/octet-stream"):
-        arr, _ = await svc.in_pool(codecs.read_tensor_body, body, mt, "pixels")
-        images = list(await svc.in_pool(validation.source_pixels, arr, svc.settings))
+        def pixels():
+            arr, _ = codecs.read_tensor_body(body, mt, "pixels")
+            return codecs.model_pixels(list(validation.source_pixels(arr, svc.settings)), input_size)
+        return await svc.offload(len(body), pixels)
     else:
         raise Problem(415, "unsupported-media-type",
                       f"Content-Type {mt!r} not accepted; send an image ({codecs.IMAGE_MEDIA_TEXT}), several "
                       f"as multipart/form-data, or pixels as {codecs.TENSOR_MEDIA_TEXT}")
-    return await svc.in_pool(codecs.model_pixels, images, input_size)
+    return await svc.offload(sum(im.nbytes for im in images), codecs.model_pixels, images, input_size)
 
 
 @router.post(
