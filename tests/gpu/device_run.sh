@@ -5,7 +5,8 @@
 # Switches (environment): SKIP_TESTS=1, SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
-# shape's first call), SERVICE=1 (service vs raw encode), COLD=1 (cold vs warm start),
+# shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
+# e.g. '--workers 6 --devices 0,1'), COLD=1 (cold vs warm start),
 # AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
 # Wan decode's first frame group spends its time, benchmarks/wan_first_chunk.py).
 set -o pipefail
@@ -55,10 +56,17 @@ if [ "${FIRSTCHUNK:-0}" = 1 ]; then  # issue #20's streamed first group: host qu
   timeout ${FIRSTCHUNK_TIMEOUT:-200} python3 benchmarks/wan_first_chunk.py 2>&1 | tee "$OUT/wan_first_chunk.log" \
     | grep -v -i warn | tail -n 18
 fi
-if [ "${SERVICE:-0}" = 1 ]; then  # service-level encode throughput vs the raw model
-  timeout ${SERVICE_TIMEOUT:-300} python3 benchmarks/service_throughput.py --backend cuda --preset convnext-tiny \
-    --size 224 --batch 32 --concurrency 128 --requests 4096 --log "$OUT/service_throughput_server.log" 2>&1 \
-    | tee "$OUT/service_throughput.log" | tail -n 6
+if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # issue #28: through the service vs the raw model
+  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
+    --preset sd-vae --latent 64 --format ${SD_FORMATS:-png,jpeg,webp,npy} --batch 8 --concurrency 64 \
+    --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
+    --log "$OUT/service_sd_server.log" 2>&1 | tee "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
+fi
+if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
+  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload encode --backend cuda \
+    --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
+    --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
+    --log "$OUT/service_enc_server.log" 2>&1 | tee "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
 if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
   timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
