@@ -75,19 +75,34 @@ def bodies(args, fmt: str) -> tuple[list[bytes], str, dict]:
         if args.workload == "decode":
             np.save(buf, rng.standard_normal((1, args.channels, args.latent, args.latent), dtype=np.float32))
         else:
-            # smooth content with some noise: compresses like a photo, not like noise
-            yy, xx = np.mgrid[0:args.size, 0:args.size]
-            wave = (np.sin(xx / 17.0 + rng.random()) * np.cos(yy / 23.0))[..., None]
-            img = (127 + 100 * wave + rng.normal(0, 8, (args.size, args.size, 3))).clip(0, 255).astype(np.uint8)
+            imgs = [photo_like(rng, args.size) for _ in range(args.per_request)]
             if fmt == "npy":
-                np.save(buf, img, allow_pickle=False)
-            else:
-                Image.fromarray(img).save(buf, format="PNG" if fmt == "png" else "JPEG", quality=90)
-        out.append(buf.getvalue())
-    data = [out[i % distinct] for i in range(args.requests)]
+                np.save(buf, np.stack(imgs) if args.per_request > 1 else imgs[0], allow_pickle=False)
+            elif args.per_request == 1:
+                Image.fromarray(imgs[0]).save(buf, format="PNG" if fmt == "png" else "JPEG", quality=90)
+            else:  # several images: multipart, one file part each
+                files = []
+                for i, img in enumerate(imgs):
+                    part = io.BytesIO()
+                    Image.fromarray(img).save(part, format="PNG" if fmt == "png" else "JPEG", quality=90)
+                    files.append(("files", (f"{i}.{fmt}", part.getvalue(), MEDIA[fmt])))
+                req = httpx.Request("POST", "http://x/", files=files,  # one boundary for every body
+                                    headers={"content-type": "multipart/form-data; boundary=convservebench"})
+                out.append((req.read(), req.headers["content-type"]))
+                continue
+        out.append((buf.getvalue(), None))
+    ctype = MEDIA["npy"] if args.workload == "decode" else (out[0][1] or MEDIA[fmt])
+    data = [out[i % distinct][0] for i in range(args.requests)]
     if args.workload == "decode":
-        return data, MEDIA["npy"], {"format": fmt}
-    return data, MEDIA[fmt], {}
+        return data, ctype, {"format": fmt}
+    return data, ctype, {}
+
+
+def photo_like(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Smooth content with some noise: compresses like a photo, not like noise."""
+    yy, xx = np.mgrid[0:size, 0:size]
+    wave = (np.sin(xx / 17.0 + rng.random()) * np.cos(yy / 23.0))[..., None]
+    return (127 + 100 * wave + rng.normal(0, 8, (size, size, 3))).clip(0, 255).astype(np.uint8)
 
 
 #: the server's keep-alive (CONVSERVE_KEEP_ALIVE_S) and the client's pool expiry, shorter than it:
@@ -172,6 +187,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64, help="encode: image side sent")
     ap.add_argument("--latent", type=int, default=16, help="decode: latent side (pixels = 8x)")
     ap.add_argument("--channels", type=int, default=4, help="decode: latent channels")
+    ap.add_argument("--per-request", type=int, default=1,
+                    help="encode: images per request (npy: one N,S,S,3 array; jpeg/png: multipart)")
     ap.add_argument("--batch", type=int, default=8, help="server max_batch and the raw batch")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--requests", type=int, default=256)
@@ -231,15 +248,17 @@ def main() -> None:
     print(f"machine: {describe_machine()}")
     what = (f"decode 1x{args.channels}x{args.latent}x{args.latent} -> {args.latent * 8}^2"
             if args.workload == "decode" else f"encode {args.size}^2 bodies")
+    if args.per_request > 1:
+        what += f", {args.per_request} per request"
     print(f"{args.preset} {what}, backend {args.backend}, max_batch {args.batch}, {frontends} front end(s); "
           f"{args.concurrency} clients in {args.client_procs} process(es), {args.requests} requests per format")
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
-    table = ["| format | raw model items/s (batch %d) | service req/s | service / raw | p50 ms | p99 ms | mean batch "
+    table = ["| format | raw model items/s (batch %d) | service items/s | service / raw | p50 ms | p99 ms | mean batch "
              "| rows per device | client CPU (cores, busiest process) |" % args.batch,
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for fmt, res, m0, m1 in rows:
         ok = len(res.latencies)
-        rps = ok / res.seconds
+        rps = ok * args.per_request / res.seconds  # items (images) answered per second
         batches = _delta(m0, m1, "convserve_batch_size_count")
         mean_batch = _delta(m0, m1, "convserve_batch_size_sum") / max(1.0, batches)
         per_device = {dict(k[1])["device"]: round(v - m0.get(k, 0.0)) for k, v in m1.items()

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import operator
+import re
 import zipfile
 import zlib
 
@@ -85,7 +86,31 @@ def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     return bf16_to_f32(arr) if dt == np.dtype("<u2") else arr
 
 
+#: the header np.save writes for a C-order array of a plain dtype (anything else takes np.load)
+_NPY_HEADER = re.compile(rb"\{'descr': '([<>|][a-z][0-9]{1,2})', 'fortran_order': False, 'shape': \(((?:[0-9]+, ?)*[0-9]*)\), \} *\n")
+
+
+def _npy_view(body: bytes) -> np.ndarray | None:
+    """The array of a plain .npy file as a read-only view of the body (no copy), or None where
+    np.load should read it (other versions, Fortran order, structured dtypes, a wrong size)."""
+    if body[:6] != b"\x93NUMPY" or body[6:8] != b"\x01\x00" or len(body) < 10:
+        return None
+    start = 10 + int.from_bytes(body[8:10], "little")
+    m = _NPY_HEADER.fullmatch(body[10:start])
+    if m is None:
+        return None
+    dt = np.dtype(m.group(1).decode())
+    shape = tuple(int(s) for s in m.group(2).split(b",") if s.strip())
+    if dt.hasobject or math.prod(shape) * dt.itemsize != len(body) - start:
+        return None
+    return np.frombuffer(body, dtype=dt, count=math.prod(shape), offset=start).reshape(shape)
+
+
 def read_npy(body: bytes, what: str = "body") -> np.ndarray:
+    """A .npy body (no pickles): common files as a view of the body, the rest through np.load."""
+    view = _npy_view(body)
+    if view is not None:
+        return view
     try:
         return np.load(io.BytesIO(body), allow_pickle=False)
     except ValueError as exc:  # object arrays (pickle), bad header

@@ -130,6 +130,7 @@ class Engine:
         self.models: dict[str, HostedModel] = {}
         #: admitted requests whose rows have not started on a device (the queue admission bounds)
         self.waiting = 0
+        self._ready = False
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -150,8 +151,12 @@ class Engine:
     # ---- the state the routes read ----------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """A ready worker for the service, and one for every model any worker serves."""
-        return any(link.ready for link in self.links) and all(
+        """A ready worker for the service, and one for every model any worker serves (worked
+        out when a worker's state changes: every request asks)."""
+        return self._ready
+
+    def _update_ready(self) -> None:
+        self._ready = any(link.ready for link in self.links) and all(
             any(link.serves(name) for link in self.links) for name in self.models)
 
     @property
@@ -286,11 +291,13 @@ class Engine:
         for name, (entry, view, load_s, warm_s, extra) in desc["models"].items():
             if name not in self.models:
                 self.models[name] = HostedModel(entry, view, load_s, warm_s, extra)
+        self._update_ready()
         log.info("worker %s (pid %s): %s", link.device, desc.get("pid"), desc["state"])
 
     def _on_lost(self, link: Link, why: str) -> None:
         link.conn = None
         link.desc = {**link.desc, "state": "down"}
+        self._update_ready()
         lost = list(link.pending.values())
         for sub in lost:
             self._forget(link, sub)
@@ -333,4 +340,4 @@ class Engine:
 
     def _connected(self, link: Link, conn: Connection, status: tuple) -> None:
         link.conn = conn
-        self._on_messages(link, [status])
+        self._on_messages(link, [status])  # its status message updates readiness

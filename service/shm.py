@@ -18,6 +18,7 @@ Rules the rest keeps:
   never while a submitted request may still write into it (service/engine.py's Lease)."""
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -51,7 +52,7 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def _round_up(n: int) -> int:
@@ -165,7 +166,7 @@ class Arena(_Mapping):
     def reserve(self, shape, dtype) -> TensorRef:
         shape = tuple(int(s) for s in shape)
         dt = np.dtype(dtype)
-        return TensorRef(self.alloc(int(np.prod(shape, dtype=np.int64)) * dt.itemsize), shape, dt.str)
+        return TensorRef(self.alloc(math.prod(shape) * dt.itemsize), shape, dt.str)
 
 
 class ArenaView(_Mapping):
