@@ -11,6 +11,11 @@ own convserve_time_to_first_frame_seconds (mean over the runs) is printed beside
     python benchmarks/streaming.py --shapes 9x16x16 9x32x32 --reps 3
     python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104   # GPU
     python benchmarks/streaming.py --url http://host:8000 --model wan                          # a running server
+    python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104 --raw    # + raw model
+
+With --raw, the raw model's own decode (`model.decode`, float32 frames back to host memory, in a
+child process, best of --reps) is timed on the same latents, and each route's time to its last
+byte is printed as raw / route (issue #28: the service delivers >= 0.9 of the raw decode's speed).
 """
 from __future__ import annotations
 
@@ -68,9 +73,9 @@ def timed_stream(url: str, body: bytes, fmt: str) -> tuple[float, float, int]:
     return first, time.perf_counter() - t0, size
 
 
-def timed_decode(url: str, body: bytes) -> float:
+def timed_decode(url: str, body: bytes, fmt: str = "npy", **params) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(url, content=body, headers=NPY, params={"format": "npy"}, timeout=3600)
+    r = httpx.post(url, content=body, headers=NPY, params={"format": fmt, **params}, timeout=3600)
     if r.status_code != 200:
         raise SystemExit(f"decode answered {r.status_code}: {r.text[:300]}")
     return time.perf_counter() - t0
@@ -89,6 +94,26 @@ def server_ttff(url: str, model: str) -> tuple[float, float]:
     return total, count
 
 
+def raw_decode_s(preset: str, backend: str, latents: np.ndarray, reps: int) -> float:
+    """The model's own decode of `latents` (best of reps after a warm-up), in a child process."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".npy") as f:
+        np.save(f.name, latents)
+        code = ("import sys, time, numpy as np; sys.path.insert(0, '.'); from convkernels import get_backend; "
+                "from models import load_model; "
+                f"m = load_model('w', {preset!r}, get_backend({backend!r})); x = np.load({f.name!r}); m.decode(x); "
+                "best = 1e9\n"
+                f"for _ in range({reps}):\n t0 = time.perf_counter(); m.decode(x); best = min(best, time.perf_counter() - t0)\n"
+                "print(best)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+        if out.returncode:
+            raise SystemExit(f"raw decode failed:\n{out.stderr[-2000:]}")
+        return float(out.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", help="a running server (default: start one)")
@@ -97,6 +122,7 @@ def main():
     ap.add_argument("--model", default="wan", help="the video decoder's served name")
     ap.add_argument("--shapes", nargs="+", default=["9x16x16"], help="latent TxHxW")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--raw", action="store_true", help="also time the raw model's decode (a child process)")
     args = ap.parse_args()
 
     srv = None
@@ -114,9 +140,18 @@ def main():
               f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
         rng = np.random.default_rng(0)
         base = f"{url}/v1/models/{args.model}"
+        raw_rows = []
         for shape in args.shapes:
             t, h, w = (int(v) for v in shape.split("x"))
-            body = npy(rng.standard_normal((1, c, t, h, w)).astype(np.float32))
+            lat = rng.standard_normal((1, c, t, h, w)).astype(np.float32)
+            body = npy(lat)
+            if args.raw:
+                raw = raw_decode_s(card["preset"], args.backend, lat, args.reps)
+                mp4, u8 = [], []
+                timed_decode(f"{base}/decode", body, "mp4")
+                for _ in range(args.reps):
+                    mp4.append(timed_decode(f"{base}/decode", body, "mp4"))
+                    u8.append(timed_decode(f"{base}/decode", body, "npy", dtype="uint8"))
             timed_stream(f"{base}/decode/stream", body, "npy")  # warm-up: path choice for these shapes
             full, npy1, npyend, mp41, mp4end = [], [], [], [], []
             s0 = server_ttff(url, args.model)
@@ -133,6 +168,17 @@ def main():
             print(f"{shape:>13s} {frames:>14s} {med(full):11.3f} {med(npy1):9.3f} {med(npyend):9.3f} "
                   f"{med(mp41):9.3f} {med(mp4end):9.3f} {med(full) / med(npy1):7.1f}x {med(npyend) / med(full):11.2f}x "
                   f"{ttff:13.3f}", flush=True)
+            if args.raw:
+                raw_rows.append((shape, frames, raw, {"npy": med(full), "npy uint8": med(u8), "mp4": med(mp4),
+                                                      "npy streamed": med(npyend),
+                                                      "mp4 streamed": med(mp4end)}))
+        if raw_rows:
+            print("\nraw model decode (float32 frames to host) vs each route's last byte, raw / route:")
+            print("| latents | frames | raw s | npy s | npy uint8 s | mp4 s | npy streamed s | mp4 streamed s |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            for shape, frames, raw, routes in raw_rows:
+                cells = " | ".join(f"{v:.3f} ({raw / v:.2f})" for v in routes.values())
+                print(f"| {shape} | {frames} | {raw:.3f} | {cells} |")
     finally:
         if srv is not None:
             srv.stop()

@@ -7,6 +7,7 @@
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
 # shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
 # e.g. '--workers 6 --devices 0,1'), COLD=1 (cold vs warm start),
+# WANSVC=1 (Wan through the service vs raw), MULTI='0;0,1;0,1,2,3' (SD-VAE decode over 1, 2, 4 GPUs),
 # AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
 # Wan decode's first frame group spends its time, benchmarks/wan_first_chunk.py).
 set -o pipefail
@@ -67,6 +68,19 @@ if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
     --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
     --log "$OUT/service_enc_server.log" 2>&1 | tee "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
+fi
+if [ "${WANSVC:-0}" = 1 ]; then  # issue #28: Wan 2.1 81x480x832 through the service vs the raw decode
+  timeout ${WANSVC_TIMEOUT:-400} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
+    --shapes ${WANSVC_SHAPES:-21x60x104} --reps ${WANSVC_REPS:-2} --raw 2>&1 | tee "$OUT/service_wan.log" \
+    | grep -v -i warn | tail -n 8
+fi
+if [ -n "${MULTI:-}" ]; then  # issue #28: SD-VAE decode through one endpoint on 1, 2, 4 GPUs (MULTI=0,0,1,0,1,2,3 style list)
+  for devs in ${MULTI//;/ }; do
+    timeout ${MULTI_TIMEOUT:-240} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
+      --preset sd-vae --latent 64 --format ${MULTI_FORMATS:-png,jpeg} --batch 8 --concurrency ${MULTI_CONC:-128} \
+      --client-procs ${CLIENTS:-8} --requests ${MULTI_REQUESTS:-3072} --reps 3 --devices "$devs" ${SERVICE_ARGS:-} \
+      --log "$OUT/service_multi_server.log" 2>&1 | tee -a "$OUT/service_multi.log" | grep -v -i warn | tail -n 6
+  done
 fi
 if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
   timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
