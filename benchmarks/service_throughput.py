@@ -150,19 +150,85 @@ def closed_loop(url: str, data: list[bytes], ctype: str, params: dict, concurren
     return res
 
 
-def _client_process(url, data, ctype, params, concurrency, start, results) -> None:
-    results.put(closed_loop(url, data, ctype, params, concurrency, start))
+def raw_loop(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, start=None) -> LoopResult:
+    """The same closed loop with a client of a few microseconds per request: `concurrency`
+    kept-alive raw sockets in one thread, requests prepared beforehand, answers framed by their
+    Content-Length (the server sends no chunked answers to these requests)."""
+    import selectors
+    import socket
+    from urllib.parse import urlencode, urlsplit
+
+    u = urlsplit(url)
+    target = u.path + ("?" + urlencode(params) if params else "")
+    prepared = [(f"POST {target} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: {ctype}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body for body in data]
+    res = LoopResult(0.0)
+    sel = selectors.DefaultSelector()
+    conns = [socket.create_connection((u.hostname, u.port)) for _ in range(min(concurrency, len(prepared)))]
+    if start is not None:
+        start.wait()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    nxt = 0
+    for sock in conns:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sel.register(sock, selectors.EVENT_READ, [bytearray(), time.perf_counter()])
+        sock.sendall(prepared[nxt])
+        nxt += 1
+    busy = len(conns)
+    while busy:
+        for key, _ in sel.select(60):
+            sock, state = key.fileobj, key.data
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                res.transport_errors["closed"] += 1
+                sel.unregister(sock)
+                busy -= 1
+                continue
+            buf = state[0]
+            buf += chunk
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                continue
+            head = bytes(buf[:end]).lower()
+            i = head.find(b"content-length:")
+            total = end + 4 + int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+            if len(buf) < total:
+                continue
+            status = int(head[9:12])
+            res.statuses[status] += 1
+            if status == 200:
+                res.latencies.append(time.perf_counter() - state[1])
+                res.bytes_in += total
+            del buf[:total]
+            if nxt < len(prepared):
+                state[1] = time.perf_counter()
+                sock.sendall(prepared[nxt])
+                nxt += 1
+            else:
+                sel.unregister(sock)
+                busy -= 1
+    res.seconds = time.perf_counter() - t0
+    res.cpu_seconds = [time.process_time() - cpu0]
+    for sock in conns:
+        sock.close()
+    return res
 
 
-def closed_loop_procs(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, procs: int) -> LoopResult:
+def _client_process(url, data, ctype, params, concurrency, start, results, raw) -> None:
+    results.put((raw_loop if raw else closed_loop)(url, data, ctype, params, concurrency, start))
+
+
+def closed_loop_procs(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, procs: int,
+                      raw: bool = False) -> LoopResult:
     """The closed loop split over `procs` client processes (one Python client process tops out
-    near a core's worth of requests); they start together and the run lasts until the last ends."""
+    near a core's worth of requests); they start together and the run lasts until the last ends.
+    raw: the raw-socket client (raw_loop) instead of httpx."""
     if procs <= 1:
-        return closed_loop(url, data, ctype, params, concurrency)
+        return (raw_loop if raw else closed_loop)(url, data, ctype, params, concurrency)
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(procs), ctx.Queue()
     workers = [ctx.Process(target=_client_process, args=(url, data[i::procs], ctype, params,
-                                                         max(1, concurrency // procs), start, results))
+                                                         max(1, concurrency // procs), start, results, raw))
                for i in range(procs)]
     for w in workers:
         w.start()
@@ -196,6 +262,9 @@ def main() -> None:
                     help="comma list, each run in turn against the same server: decode: the response "
                          "format (png, jpeg, webp, npy); encode: the body format (npy = uint8 pixels, png, jpeg)")
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing --concurrency")
+    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
+                    help="httpx (a real client), or raw sockets with prepared requests (microseconds a request: "
+                         "shows what the server does when the client costs next to nothing)")
     ap.add_argument("--devices", default=None, help="CONVSERVE_DEVICES for the server (GPUs: all or 0,1)")
     ap.add_argument("--workers", type=int, default=None, help="front-end processes (default: the server's auto)")
     ap.add_argument("--delay-ms", type=float, default=2.0, help="the server's batching window")
@@ -240,7 +309,8 @@ def main() -> None:
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
             m0 = srv.metrics()
-            res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs)
+            res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
+                                    raw=args.client == "raw")
             rows.append((fmt, res, m0, srv.metrics()))
     raw_after = measure_raw()
     raw = (raw_before + raw_after) / 2
@@ -251,7 +321,8 @@ def main() -> None:
     if args.per_request > 1:
         what += f", {args.per_request} per request"
     print(f"{args.preset} {what}, backend {args.backend}, max_batch {args.batch}, {frontends} front end(s); "
-          f"{args.concurrency} clients in {args.client_procs} process(es), {args.requests} requests per format")
+          f"{args.concurrency} {args.client} clients in {args.client_procs} process(es), {args.requests} requests "
+          "per format")
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
     table = ["| format | raw model items/s (batch %d) | service items/s | service / raw | p50 ms | p99 ms | mean batch "
              "| rows per device | client CPU (cores, busiest process) |" % args.batch,

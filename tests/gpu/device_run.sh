@@ -61,13 +61,13 @@ if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # issue #28: throu
   timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
     --preset sd-vae --latent 64 --format ${SD_FORMATS:-png,jpeg,webp,npy} --batch 8 --concurrency 64 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
-    --log "$OUT/service_sd_server.log" 2>&1 | tee "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
+    --log "$OUT/service_sd_server.log" 2>&1 | tee -a "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
 fi
 if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
   timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload encode --backend cuda \
     --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
-    --log "$OUT/service_enc_server.log" 2>&1 | tee "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
+    --log "$OUT/service_enc_server.log" 2>&1 | tee -a "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
 if [ "${WANSVC:-0}" = 1 ]; then  # issue #28: Wan 2.1 81x480x832 through the service vs the raw decode
   timeout ${WANSVC_TIMEOUT:-400} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
