@@ -272,10 +272,10 @@ class Engine:
         for msg in msgs:
             tag = msg[0]
             if tag == "done":
-                sub = link.pending.get(msg[1])
-                if sub is not None:
-                    self._forget(link, sub)
-                    sub.settle(msg[2], msg[3])
+                self._done(link, msg[1], msg[2], msg[3])
+            elif tag == "done_many":  # a batch's answers to this front end
+                for rid, error, payload in msg[1]:
+                    self._done(link, rid, error, payload)
             elif tag == "started":
                 for rid in msg[1]:
                     sub = link.pending.get(rid)
@@ -284,6 +284,12 @@ class Engine:
                         self.waiting -= 1
             elif tag == "status":
                 self._on_status(link, msg[1])
+
+    def _done(self, link: Link, rid: int, error, payload) -> None:
+        sub = link.pending.get(rid)
+        if sub is not None:
+            self._forget(link, sub)
+            sub.settle(error, payload)
 
     def _on_status(self, link: Link, desc: dict) -> None:
         link.desc = desc

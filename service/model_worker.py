@@ -22,15 +22,18 @@ worker -> front end:
   ("status", description)                    on connect and whenever it changes
   ("started", [rid, ...])                    a model call began with these requests
   ("done", rid, error | None, payload)       error: (kind, message, error_id)
+  ("done_many", [(rid, error, payload), ...]) a batch's answers to one front end, in one message
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, Listener, wait
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
@@ -139,6 +142,8 @@ class ModelHost:
         self.stats = ModelStats()
         self.on_change = lambda: None
         self.on_start = lambda batch: None
+        self.after_batch = lambda: None
+        self.device_thread: threading.Thread | None = None
 
     def load(self) -> None:
         try:
@@ -163,9 +168,11 @@ class ModelHost:
             # worker's own queue only has to hold what they admitted, however many they are.
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
+                                   on_answered=lambda: self.after_batch(),
                                    name=self.spec.device, on_start=self.on_start,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
+            self.device_thread = self.batcher.thread
             self.ready = True
             log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
         except Exception as exc:  # the worker stays up (live, not ready) and says why
@@ -217,7 +224,9 @@ def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> Non
 
 
 class FrontendLink:
-    """One connected front end: its arena and its requests in this worker."""
+    """One connected front end: its arena and its requests in this worker. Its messages are read
+    by the worker's one I/O thread (Worker._serve_links); answers go out from whichever thread
+    has them, the device thread's gathered per batch (`outbox`, sent by `flush`)."""
 
     def __init__(self, host: ModelHost, conn: Connection):
         self.host, self.conn = host, conn
@@ -226,6 +235,7 @@ class FrontendLink:
         self.items: dict[int, Any] = {}
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
+        self.outbox: list[tuple] = []
 
     def send(self, msg) -> None:
         if self.closed:
@@ -233,27 +243,34 @@ class FrontendLink:
         try:
             with self._send_lock:
                 self.conn.send(msg)
-        except (OSError, EOFError, ValueError):  # the front end went away: its reader cleans up
+        except (OSError, EOFError, ValueError):  # the front end went away: the I/O thread cleans up
             self.closed = True
 
-    # ---- the reader thread ---------------------------------------------------------------------
-    def serve(self) -> None:
-        try:
-            tag, _pid, size = self.conn.recv()
-            if tag != "hello":
-                raise ValueError(f"expected hello, got {tag!r}")
-            self.view = ArenaView(recv_handle(self.conn), size)
-            self.send(("status", self.host.description()))
-            while True:
-                self.handle(self.conn.recv())
-        except (EOFError, OSError):
-            pass
-        except Exception:
-            log.exception("front-end link failed")
-        finally:
-            self.closed = True
-            self._drop_all()
-            self.conn.close()
+    def answer(self, rid: int, error, payload) -> None:
+        """A request's `done`: from the device thread, kept for the batch's one message to this
+        front end (flush); from any other thread, sent at once."""
+        if threading.current_thread() is self.host.device_thread:
+            self.outbox.append((rid, error, payload))
+        else:
+            self.send(("done", rid, error, payload))
+
+    def flush(self) -> None:
+        if self.outbox:
+            answers, self.outbox = self.outbox, []
+            self.send(("done_many", answers))
+
+    def handshake(self) -> None:
+        """The front end's hello and its arena's descriptor (on the accepting thread)."""
+        tag, _pid, size = self.conn.recv()
+        if tag != "hello":
+            raise ValueError(f"expected hello, got {tag!r}")
+        self.view = ArenaView(recv_handle(self.conn), size)
+        self.send(("status", self.host.description()))
+
+    def close(self) -> None:
+        self.closed = True
+        self._drop_all()
+        self.conn.close()
 
     def handle(self, msg: tuple) -> None:
         op = msg[0]
@@ -277,7 +294,7 @@ class FrontendLink:
             log.warning("unknown message %r", op)
 
     def _fail(self, rid: int, exc: BaseException) -> None:
-        self.send(("done", rid, error_info(exc), None))
+        self.answer(rid, error_info(exc), None)
 
     def _submit(self, rid, model, op, options, in_ref, out_refs):
         if op == "stream_open":
@@ -307,7 +324,7 @@ class FrontendLink:
                 except Exception as write_exc:
                     log.exception("writing the outputs of %s failed", model)
                     exc = write_exc
-            self.send(("done", rid, None if exc is None else error_info(exc), None))
+            self.answer(rid, None if exc is None else error_info(exc), None)
 
         item.future.add_done_callback(finished)
 
@@ -320,7 +337,7 @@ class FrontendLink:
             self._fail(rid, exc)
             return
         self.streams[rid] = (hm, steps, latents)
-        self.send(("done", rid, None, rid))
+        self.answer(rid, None, rid)
 
     def _stream(self, stream_id) -> tuple:
         """A stream's (model, steps, latents); each step runs as a solo item (a generator's next
@@ -350,6 +367,15 @@ class Worker:
         self.stop = threading.Event()
         self.host.on_change = self._broadcast
         self.host.on_start = self._started
+        self.host.after_batch = self._flush
+        # a new link wakes the I/O thread's wait with a byte here
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+
+    def _flush(self) -> None:
+        with self._links_lock:
+            links = list(self.links)
+        for link in links:
+            link.flush()
 
     def _broadcast(self) -> None:
         desc = self.host.description()
@@ -371,20 +397,49 @@ class Worker:
         while not self.stop.is_set():
             try:
                 conn = listener.accept()
-            except OSError:
+                link = FrontendLink(self.host, conn)
+                link.handshake()
+            except (OSError, EOFError, ValueError) as exc:
                 if self.stop.is_set():
                     return
+                log.warning("a front end's connection failed its handshake: %s", exc)
                 continue
-            link = FrontendLink(self.host, conn)
             with self._links_lock:
                 self.links.append(link)
-            threading.Thread(target=link.serve, name="convserve-link", daemon=True).start()
+            self._wake_w.send_bytes(b"+")
+
+    def _serve_links(self) -> None:
+        """The one thread that reads every front end's messages: a thread per link would pass
+        the interpreter lock between them, and the device thread waits behind that hand-off."""
+        while not self.stop.is_set():
+            with self._links_lock:
+                by_conn = {link.conn: link for link in self.links if not link.closed}
+            for conn in wait([self._wake_r, *by_conn], timeout=PARENT_POLL_S):
+                if conn is self._wake_r:
+                    self._wake_r.recv_bytes()
+                    continue
+                link = by_conn[conn]
+                try:
+                    link.handle(conn.recv())
+                    while conn.poll():  # what else has arrived, in one go
+                        link.handle(conn.recv())
+                except (EOFError, OSError):
+                    self._drop(link)
+                except Exception:
+                    log.exception("front-end link failed")
+                    self._drop(link)
+
+    def _drop(self, link: FrontendLink) -> None:
+        with self._links_lock:
+            self.links = [other for other in self.links if other is not link]
+        link.close()
 
     def run(self) -> None:
         if os.path.exists(self.spec.address):
             os.unlink(self.spec.address)
         listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)
         threading.Thread(target=self._accept, args=(listener,), name="convserve-accept", daemon=True).start()
+        threading.Thread(target=self._serve_links, name="convserve-links", daemon=True).start()
         threading.Thread(target=self.host.load, name="convserve-loader", daemon=True).start()
         try:
             while not self.stop.wait(PARENT_POLL_S):
@@ -403,6 +458,9 @@ def main(spec: WorkerSpec) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.cuda_ordinal)
     logging.basicConfig(level=spec.settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[{spec.device}]: %(message)s")
+    # the device thread and the I/O thread share the interpreter lock: a short switch interval
+    # keeps the device thread from waiting up to 5 ms to launch the next batch
+    sys.setswitchinterval(0.001)
     worker = Worker(spec)
     # Ctrl-C reaches the whole process group: the front ends drain, and only then stop the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)

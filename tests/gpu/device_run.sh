@@ -75,11 +75,14 @@ if [ "${WANSVC:-0}" = 1 ]; then  # issue #28: Wan 2.1 81x480x832 through the ser
     | grep -v -i warn | tail -n 8
 fi
 if [ -n "${MULTI:-}" ]; then  # issue #28: SD-VAE decode through one endpoint on 1, 2, 4 GPUs (MULTI=0,0,1,0,1,2,3 style list)
+  raw=""  # the raw model (one GPU) is measured with the first device list only
   for devs in ${MULTI//;/ }; do
     timeout ${MULTI_TIMEOUT:-240} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
       --preset sd-vae --latent 64 --format ${MULTI_FORMATS:-png,jpeg} --batch 8 --concurrency ${MULTI_CONC:-128} \
-      --client-procs ${CLIENTS:-8} --requests ${MULTI_REQUESTS:-3072} --reps 3 --devices "$devs" ${SERVICE_ARGS:-} \
-      --log "$OUT/service_multi_server.log" 2>&1 | tee -a "$OUT/service_multi.log" | grep -v -i warn | tail -n 6
+      --client-procs ${CLIENTS:-8} --requests ${MULTI_REQUESTS:-3072} --reps 3 --devices "$devs" $raw \
+      ${SERVICE_ARGS:-} --log "$OUT/service_multi_server.log" 2>&1 | tee -a "$OUT/service_multi.log" \
+      | grep -v -i warn | tail -n 5
+    raw="--no-raw"
   done
 fi
 if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
