@@ -181,7 +181,7 @@ class Engine:
     def devices(self, model: str | None = None) -> list[dict]:
         """Every device and its worker's state (the card and /v1/models show it)."""
         return [{"device": link.device, "state": link.desc.get("state") if link.conn is not None else "down",
-                 "pid": link.desc.get("pid"), "rows_outstanding": link.rows}
+                 "gpu": link.desc.get("gpu"), "pid": link.desc.get("pid"), "rows_outstanding": link.rows}
                 for link in self.links if model is None or model in link.desc.get("models", {})]
 
     def row_seconds(self) -> float:

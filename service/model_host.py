@@ -181,12 +181,14 @@ def load_entry(entry: ModelEntry, backend, tile_size: int | None = None, device:
     return HostedModel(entry, model, secs)
 
 
-def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: int = 1) -> None:
+def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: int = 1,
+            batches: tuple[int, ...] = (1,)) -> None:
     """One small call per model, so first requests do not pay for path choice and allocation;
     then `calls_per_size` calls per requested image size (H, W) (2 where the backend records a
-    CUDA graph on the second call): decoders produce it (rounded down to their latent grid; video
-    decoders two latent frames, which covers the first-frame and later chunk shapes), encoders
-    take it."""
+    CUDA graph on the second call) and per batch size in `batches` (the sizes the batcher runs:
+    each is a new shape for the kernels' plans and graphs): decoders produce it (rounded down to
+    their latent grid; video decoders two latent frames, which covers the first-frame and later
+    chunk shapes, at batch 1 only), encoders take it, as float and as uint8 pixels."""
     m = hm.model
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
@@ -195,10 +197,14 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: 
         logits = out.get("logits")
         hm.extra["has_logits"] = logits is not None
         hm.extra["logits_dim"] = None if logits is None else int(logits.shape[1])
-    for (h, w), _ in itertools.product(sizes, range(calls_per_size)):
+    for (h, w), n in itertools.product(sizes, (1,) if hm.is_video else batches):
         t1 = time.perf_counter()
-        forward(m, example_input(m, rng, pixels=(h, w)))
-        log.info("warmed up %s at %dx%d in %.2fs", hm.name, h, w, time.perf_counter() - t1)
+        x = example_input(m, rng, n=n, pixels=(h, w))
+        for _ in range(calls_per_size):
+            forward(m, x)
+            if hm.kind == IMAGE_ENCODER:  # uint8 pixels take a forward of their own
+                forward(m, (x * 255).astype(np.uint8))
+        log.info("warmed up %s at %dx%d, batch %d, in %.2fs", hm.name, h, w, n, time.perf_counter() - t1)
     hm.warmup_seconds = time.perf_counter() - t0
     metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)
     log.info("warmed up %s in %.2fs", hm.name, hm.warmup_seconds)

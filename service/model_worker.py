@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from . import fault_injection, metrics, oom_recovery
-from .batcher import Batcher, Cancelled, Closed
+from .batcher import Batcher, Cancelled, Closed, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
 from .settings import Settings
@@ -56,7 +56,7 @@ PARENT_POLL_S = 0.5
 class WorkerSpec:
     """What the supervisor tells a worker it starts."""
     device: str               # "cpu", "cuda:0", ...: the metrics' and cards' device label
-    cuda_ordinal: int | None  # the physical GPU (CUDA_VISIBLE_DEVICES is narrowed to it)
+    cuda_visible: str | None  # the physical GPU: its CUDA_VISIBLE_DEVICES entry (narrowed to it here)
     address: str              # the Unix socket front ends connect to
     settings: Settings
     parent_pid: int
@@ -155,7 +155,8 @@ class ModelHost:
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
-                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm)
+                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm,
+                            batches=tuple(batch_sizes(s.max_batch)))
                 except Exception as exc:
                     metrics.count_fault(entry.name, "load_error", "failed")
                     if not entry.optional:
@@ -183,7 +184,8 @@ class ModelHost:
 
     def description(self) -> dict:
         state = "ready" if self.ready else "failed" if self.load_error else "loading"
-        return {"device": self.spec.device, "pid": os.getpid(), "state": state, "load_error": self.load_error,
+        return {"device": self.spec.device, "gpu": self.spec.cuda_visible, "pid": os.getpid(), "state": state,
+                "load_error": self.load_error,
                 "failed": dict(self.failed), "backend": self.backend.name if self.backend is not None else None,
                 "models": {name: (hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
                                   dict(hm.extra)) for name, hm in self.models.items()},
@@ -399,10 +401,10 @@ class Worker:
                 conn = listener.accept()
                 link = FrontendLink(self.host, conn)
                 link.handshake()
-            except (OSError, EOFError, ValueError) as exc:
+            except Exception as exc:  # one bad connection never stops the accepting
                 if self.stop.is_set():
                     return
-                log.warning("a front end's connection failed its handshake: %s", exc)
+                log.warning("a front end's connection failed its handshake: %s: %s", exc.__class__.__name__, exc)
                 continue
             with self._links_lock:
                 self.links.append(link)
@@ -454,8 +456,8 @@ class Worker:
 
 def main(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing, spawn)."""
-    if spec.cuda_ordinal is not None:  # before anything initialises CUDA: this GPU is device 0 here
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.cuda_ordinal)
+    if spec.cuda_visible is not None:  # before anything initialises CUDA: this GPU is device 0 here
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
     logging.basicConfig(level=spec.settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[{spec.device}]: %(message)s")
     # the device thread and the I/O thread share the interpreter lock: a short switch interval

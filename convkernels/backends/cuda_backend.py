@@ -733,6 +733,7 @@ class CudaBackend(Backend):
 
     def describe(self) -> dict:
         return {**super().describe(), "device": self.device_id, "gpu": self.gpu_name,
+                "pci_bus_id": self.cp.cuda.Device(self.device_id).pci_bus_id,
                 "cudnn": self.cudnn_version, "cupy": self.cp.__version__,
                 "cudnn_frontend": getattr(self.cudnn, "__version__", "?"), "autotune": self.autotune,
                 "allow_tf32": self.allow_tf32, "cuda_graphs": self.cuda_graphs,
