@@ -228,14 +228,24 @@ def npy_parts(arr: np.ndarray) -> tuple[bytes, memoryview]:
     arr = np.ascontiguousarray(arr)
     if arr.dtype.hasobject:
         raise ValueError("npy: object arrays are not written (no pickles)")
-    header = np.lib.format.header_data_from_array_1_0(arr)
+    return _npy_head(np.lib.format.header_data_from_array_1_0(arr)), memoryview(arr.reshape(-1)).cast("B")
+
+
+def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The .npy header np.save writes for a C-order array of this shape and dtype (the data,
+    shape-many items, follows it): for answers whose data is sent in parts."""
+    return _npy_head({"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                      "shape": tuple(int(s) for s in shape)})
+
+
+def _npy_head(header: dict) -> bytes:
     head = io.BytesIO()
     try:
         np.lib.format.write_array_header_1_0(head, header)
     except ValueError:  # a header over 64 KiB: format 2.0, as np.save would choose
         head = io.BytesIO()
         np.lib.format.write_array_header_2_0(head, header)
-    return head.getvalue(), memoryview(arr.reshape(-1)).cast("B")
+    return head.getvalue()
 
 
 def npy_bytes(arr: np.ndarray) -> bytes:

@@ -1,6 +1,9 @@
 """The /v1 REST adapter: wire formats <-> tensors around Service.decode / Service.encode."""
 from __future__ import annotations
 
+import sys
+import time
+from contextlib import asynccontextmanager
 from typing import Literal
 
 import numpy as np
@@ -14,6 +17,7 @@ from .bodies import read_body
 from .engine import Lease
 from .model_host import HostedModel
 from .pipeline import Service
+from .streaming import whole_clip_response
 from .problems import PROBLEM_SCHEMA, Problem
 from .video import encode_videos, require_av
 
@@ -58,6 +62,18 @@ async def kernels(request: Request):
 
 
 DecodeFormat = Literal["png", "jpeg", "webp", "npy", "mp4"]
+
+
+@asynccontextmanager
+async def _continue(tracking):
+    """The rest of a request whose Service.admit was entered by hand: exits it as `async with`
+    would have."""
+    try:
+        yield
+    except BaseException:
+        await tracking.__aexit__(*sys.exc_info())
+        raise
+    await tracking.__aexit__(None, None, None)
 
 
 class ArenaResponse(Response):
@@ -115,12 +131,25 @@ async def decode(name: str, request: Request,
                  fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
                  dtype: Literal["float32", "float16", "uint8"] = Query(
                      "float32", description="npy: the pixels' type (uint8: 0..255, rounded on the device)")):
+    started = time.perf_counter()
     svc = service(request)
-    async with svc.admit(name, "decode") as hm:
+    tracking = svc.admit(name, "decode")
+    hm = await tracking.__aenter__()
+    try:
         fmt = _decode_format(hm, format)
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
+        if hm.is_video:
+            lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
+            if lat.shape[0] == 1:  # one clip: sent as its frame groups are decoded; it ends `tracking`
+                return await whole_clip_response(
+                    svc, hm, lat, fmt=fmt, dtype=dtype, tiled={"on": True, "off": False}.get(tiled), fps=fps,
+                    quality=quality, tracking=tracking, disconnected=request.is_disconnected, started=started)
+    except BaseException:
+        await tracking.__aexit__(*sys.exc_info())
+        raise
+    async with _continue(tracking):
         # files hold uint8 pixels: they leave the device so (a quarter of float32's bytes)
         uint8 = fmt != "npy" or dtype == "uint8"
         out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled), uint8=uint8,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import sys
 import time
@@ -130,7 +131,10 @@ class FrameStreamResponse(Response):
     """Chunked response of encoded frame groups; ends the Service.admit it was handed."""
 
     def __init__(self, groups: FrameGroups, first: tuple[np.ndarray, Lease], encode, *, media_type: str,
-                 headers: dict, tracking, started: float, trailer: bytes = b""):
+                 headers: dict, tracking, started: float, trailer: bytes = b"", stream_metrics: bool = True):
+        """stream_metrics: observe time to first frame and frames/s (the streaming route's series;
+        a whole clip sent progressively by /decode is not a stream to its client)."""
+        self.stream_metrics = stream_metrics
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -163,7 +167,7 @@ class FrameStreamResponse(Response):
                                    gone_wait, stall_s)
                 sent_groups += 1
                 frames += int(group.shape[1])
-                if sent_groups == 1:
+                if sent_groups == 1 and self.stream_metrics:
                     metrics.TIME_TO_FIRST_FRAME.labels(*labels).observe(time.perf_counter() - self.started)
                 if last:
                     break
@@ -172,7 +176,8 @@ class FrameStreamResponse(Response):
                     raise group
             await _unless_gone(send({"type": "http.response.body", "body": self.trailer, "more_body": False}),
                                gone_wait, stall_s)
-            metrics.STREAM_FPS.labels(*labels).observe(frames / max(time.perf_counter() - self.started, 1e-9))
+            if self.stream_metrics:
+                metrics.STREAM_FPS.labels(*labels).observe(frames / max(time.perf_counter() - self.started, 1e-9))
         except ClientGone:
             outcome = Problem(499, "client-gone", "the client disconnected mid-stream")
         except ReaderStalled:
@@ -288,3 +293,41 @@ async def decode_stream(name: str, request: Request,
     headers = {"X-Output-Shape": ",".join(map(str, shape)), "X-Frame-Groups": str(t)}
     return FrameStreamResponse(groups, first, encode, media_type=media, headers=headers,
                                tracking=tracking, started=started, trailer=trailer)
+
+
+async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *, fmt: str, dtype: str,
+                              tiled: bool | None, fps: float, quality: int, tracking, disconnected,
+                              started: float) -> FrameStreamResponse:
+    """/decode of one video (not the streaming route): the whole MP4 or .npy file, sent as its
+    frame groups are decoded rather than after the last one (the clip's encode and transfer
+    overlap its decode). The first group is decoded before the answer starts, so admission,
+    timeouts and bad latents answer problem+json as before; a later failure cuts the answer
+    (an .npy short of its Content-Length, an MP4 without its last chunk). `tracking` (the
+    request's Service.admit) ends with the answer."""
+    shape = hm.output_shape(lat.shape)
+    headers = {"X-Output-Shape": ",".join(map(str, shape))}
+    if fmt == "mp4":
+        writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality)
+        encode, media = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA
+    else:
+        out_dt = np.dtype(dtype)
+        head = codecs.npy_header(shape, out_dt)
+        headers["Content-Length"] = str(len(head) + math.prod(shape) * out_dt.itemsize)
+        sent_head = []
+
+        def encode(grp: np.ndarray, last: bool) -> bytes:
+            data = np.ascontiguousarray(grp, dtype=out_dt).tobytes()  # the group's block goes after this
+            if sent_head:
+                return data
+            sent_head.append(True)
+            return head + data
+        media = codecs.NPY_MEDIA
+    groups = FrameGroups(svc, hm, lat, tiled, uint8=fmt == "mp4" or dtype == "uint8")
+    try:
+        await groups.open(disconnected)
+        first = await groups.next(disconnected)
+    except BaseException:
+        groups.close()
+        raise
+    return FrameStreamResponse(groups, first, encode, media_type=media, headers=headers, tracking=tracking,
+                               started=started, stream_metrics=False)

@@ -80,13 +80,27 @@ def plan_devices(settings: Settings) -> list[Device]:
     return [Device(f"cuda:{i}", physical[i]) for i in ordinals]
 
 
+def available_cpus() -> int:
+    """The cores this process may use: its CPU affinity, and a container's CPU quota (cgroup v2
+    cpu.max) where one is set; os.cpu_count() counts the whole host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def frontends_for(settings: Settings, devices: list[Device]) -> int:
-    """--workers, or auto: one front end where the CPU computes, else half the cores (<= 16)."""
+    """--workers, or auto: one front end where the CPU computes, else half the cores this process
+    may use (at most 16): the other half is for the model workers and the kernel's network work."""
     if settings.workers:
         return settings.workers
     if devices[0].cuda_visible is None:
         return 1
-    return max(2, min(16, (os.cpu_count() or 2) // 2))
+    return max(2, min(16, available_cpus() // 2))
 
 
 class _Child:

@@ -221,6 +221,33 @@ def test_fragmented_mp4_plays_in_pyav(srv, clip):
     assert err < 2.5 and err < np.abs(y - y_ref[::-1]).mean() / 4, err
 
 
+def test_decode_of_one_clip_is_a_whole_file_sent_as_it_decodes(srv, clip):
+    """/decode of one video (not the stream route) answers one .npy file of the declared length,
+    equal to the stream's frames, in float32 (as the clip fixture got it), uint8 (rounded on the
+    device) and float16; its MP4 is a whole playable file; a batch takes the one-piece path."""
+    lat, _, whole = clip
+    url = f"{srv.url}/v1/models/{MODEL}/decode"
+    head_len = len(__import__("service.codecs", fromlist=["x"]).npy_header(whole.shape, np.float32))
+    r = httpx.post(url, content=npy(lat), headers=NPY, params={"format": "npy"}, timeout=120)
+    assert int(r.headers["content-length"]) == len(r.content) == head_len + whole.nbytes
+    assert np.array_equal(from_npy(r.content), whole)
+    u8 = from_npy(httpx.post(url, content=npy(lat), headers=NPY, params={"format": "npy", "dtype": "uint8"},
+                             timeout=120).content)
+    assert u8.dtype == np.uint8 and np.array_equal(u8, np.floor(np.clip(whole, 0, 1) * 255 + 0.5).astype(np.uint8))
+    half = from_npy(httpx.post(url, content=npy(lat), headers=NPY, params={"format": "npy", "dtype": "float16"},
+                               timeout=120).content)
+    assert np.array_equal(half, whole.astype(np.float16))
+    av = pytest.importorskip("av")
+    mp4 = httpx.post(url, content=npy(lat), headers=NPY, params={"format": "mp4", "fps": 12}, timeout=120)
+    assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(mp4.content)) as container:
+        assert len(list(container.decode(video=0))) == whole.shape[1]
+    two = latents(2, 4, 3, 5, 7)  # two clips: decoded whole, then sent (a zip of MP4s / one .npy)
+    both = from_npy(httpx.post(url, content=npy(two), headers=NPY, params={"format": "npy"}, timeout=120).content)
+    one = from_npy(httpx.post(url, content=npy(two[1:]), headers=NPY, params={"format": "npy"}, timeout=120).content)
+    assert both.shape == (2, 9, 40, 56, 3) and np.allclose(both[1], one[0], atol=2e-5)
+
+
 def test_disconnect_stops_the_decode(srv):
     t = 16
     lat = latents(1, 4, t, 9, 11)
