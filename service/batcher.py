@@ -91,15 +91,11 @@ class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
                  stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
-                 on_start: Callable[[list[WorkItem]], None] | None = None,
-                 on_answered: Callable[[], None] | None = None):
+                 on_start: Callable[[list[WorkItem]], None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
         (the seam of the injected model-call faults, service/fault_injection.py). on_start(batch):
-        told which items a model call is about to run (the worker tells their front ends).
-        on_answered(): after a batch's futures are resolved, whether it succeeded or failed (the
-        worker sends the batch's answers then, one message per front end)."""
+        told which items a model call is about to run (the worker tells their front ends)."""
         self.on_start = on_start
-        self.on_answered = on_answered
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
         self.max_queue = max_queue
@@ -253,11 +249,6 @@ class Batcher:
                 return
             if batch:
                 self._run(batch)
-                if self.on_answered is not None:
-                    try:
-                        self.on_answered()
-                    except Exception:
-                        log.exception("on_answered hook failed")
             with self._cond:
                 self._running = []
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -142,8 +143,9 @@ class ModelHost:
         self.stats = ModelStats()
         self.on_change = lambda: None
         self.on_start = lambda batch: None
-        self.after_batch = lambda: None
         self.device_thread: threading.Thread | None = None
+        #: finished requests, from the device thread to the delivery thread (Worker._deliver)
+        self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
 
     def load(self) -> None:
         try:
@@ -169,7 +171,6 @@ class ModelHost:
             # worker's own queue only has to hold what they admitted, however many they are.
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
-                                   on_answered=lambda: self.after_batch(),
                                    name=self.spec.device, on_start=self.on_start,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
@@ -227,8 +228,8 @@ def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> Non
 
 class FrontendLink:
     """One connected front end: its arena and its requests in this worker. Its messages are read
-    by the worker's one I/O thread (Worker._serve_links); answers go out from whichever thread
-    has them, the device thread's gathered per batch (`outbox`, sent by `flush`)."""
+    by the worker's one I/O thread (Worker._serve_links); finished requests are delivered by the
+    delivery thread (Worker._deliver), their answers gathered in `outbox` and sent together."""
 
     def __init__(self, host: ModelHost, conn: Connection):
         self.host, self.conn = host, conn
@@ -238,6 +239,7 @@ class FrontendLink:
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
         self.outbox: list[tuple] = []
+        self._outbox_lock = threading.Lock()
 
     def send(self, msg) -> None:
         if self.closed:
@@ -249,16 +251,26 @@ class FrontendLink:
             self.closed = True
 
     def answer(self, rid: int, error, payload) -> None:
-        """A request's `done`: from the device thread, kept for the batch's one message to this
-        front end (flush); from any other thread, sent at once."""
-        if threading.current_thread() is self.host.device_thread:
-            self.outbox.append((rid, error, payload))
-        else:
-            self.send(("done", rid, error, payload))
+        """A request's `done`, sent at once (from the I/O thread: a failure before it ran, a
+        withdrawal, a stream opened)."""
+        self.send(("done", rid, error, payload))
+
+    def deliver(self, rid: int, out_refs: dict[str, TensorRef], future) -> None:
+        """A finished request's outputs into its blocks, and its answer into the outbox."""
+        exc = future.exception()
+        if exc is None:
+            try:
+                _write_outputs(self.view, out_refs, future.result())
+            except Exception as write_exc:
+                log.exception("writing the outputs of request %s failed", rid)
+                exc = write_exc
+        with self._outbox_lock:
+            self.outbox.append((rid, None if exc is None else error_info(exc), None))
 
     def flush(self) -> None:
-        if self.outbox:
+        with self._outbox_lock:
             answers, self.outbox = self.outbox, []
+        if answers:
             self.send(("done_many", answers))
 
     def handshake(self) -> None:
@@ -319,14 +331,11 @@ class FrontendLink:
 
         def finished(future) -> None:
             self.items.pop(rid, None)
-            exc = future.exception()
-            if exc is None:
-                try:
-                    _write_outputs(self.view, out_refs, future.result())
-                except Exception as write_exc:
-                    log.exception("writing the outputs of %s failed", model)
-                    exc = write_exc
-            self.answer(rid, None if exc is None else error_info(exc), None)
+            if threading.current_thread() is host.device_thread:
+                host.deliveries.put((self, rid, out_refs, future))  # the device goes on meanwhile
+            else:  # withdrawn or refused off the device thread: nothing to write
+                self.deliver(rid, out_refs, future)
+                self.flush()
 
         item.future.add_done_callback(finished)
 
@@ -369,15 +378,27 @@ class Worker:
         self.stop = threading.Event()
         self.host.on_change = self._broadcast
         self.host.on_start = self._started
-        self.host.after_batch = self._flush
         # a new link wakes the I/O thread's wait with a byte here
         self._wake_r, self._wake_w = Pipe(duplex=False)
 
-    def _flush(self) -> None:
-        with self._links_lock:
-            links = list(self.links)
-        for link in links:
-            link.flush()
+    def _deliver(self) -> None:
+        """The delivery thread: finished requests' outputs into their front ends' blocks and one
+        answer message per front end for all that finished together, off the device thread (a
+        batch of float32 images is megabytes to copy; the device runs the next batch meanwhile)."""
+        deliveries = self.host.deliveries
+        while True:
+            touched = set()
+            work = deliveries.get()
+            while work is not None:
+                link, rid, out_refs, future = work
+                link.deliver(rid, out_refs, future)
+                touched.add(link)
+                try:
+                    work = deliveries.get_nowait()
+                except queue.Empty:
+                    work = None
+            for link in touched:
+                link.flush()
 
     def _broadcast(self) -> None:
         desc = self.host.description()
@@ -442,6 +463,7 @@ class Worker:
         listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)
         threading.Thread(target=self._accept, args=(listener,), name="convserve-accept", daemon=True).start()
         threading.Thread(target=self._serve_links, name="convserve-links", daemon=True).start()
+        threading.Thread(target=self._deliver, name="convserve-deliver", daemon=True).start()
         threading.Thread(target=self.host.load, name="convserve-loader", daemon=True).start()
         try:
             while not self.stop.wait(PARENT_POLL_S):
