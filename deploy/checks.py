@@ -548,14 +548,14 @@ def _strategic_merge(base, patch, key: str | None = None):
         return out
     if isinstance(base, list) and isinstance(patch, list) and _MERGE_KEYS.get(key):
         mk = _MERGE_KEYS[key]
-        out = list(base)
+        out, added = list(base), []
         for item in patch:
             idx = next((i for i, b in enumerate(out) if isinstance(b, dict) and b.get(mk) == item.get(mk)), None)
             if idx is None:
-                out.append(item)
+                added.append(item)
             else:
                 out[idx] = _strategic_merge(out[idx], item, None)
-        return out
+        return added + out  # as kustomize orders them: items only the patch has come first
     return patch
 
 

@@ -321,7 +321,9 @@ def test_full_queue_answers_429_before_any_frame(srv):
                        params={"format": "npy"}, timeout=120)
         codes[tag] = r.status_code
 
-    running = threading.Thread(target=plain, args=("running", latents(1, 4, 5, 16, 16)))
+    # two clips: one model call for the lot (a single clip's /decode goes group by group, letting
+    # other work in between its steps)
+    running = threading.Thread(target=plain, args=("running", latents(2, 4, 5, 16, 16)))
     running.start()
     wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 1 and
              metric(scrape(srv.url), "convserve_queue_depth", model=MODEL) == 0, what="the first decode to start")
