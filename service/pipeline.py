@@ -23,7 +23,7 @@ from .model_host import HostedModel
 from .model_stats import ModelStats, ns
 from .problems import Problem
 from .settings import Settings
-from .shm import Arena, ArenaFull, TooLarge
+from .shm import Arena, ArenaFull, TensorRef, TooLarge
 
 log = logging.getLogger("convserve")
 
@@ -238,8 +238,7 @@ class Service:
         try:
             in_ref = None
             if inputs is not None:
-                big = inputs.nbytes > (1 << 20)
-                in_ref = await self.in_pool(self.arena.put, inputs) if big else self.arena.put(inputs)
+                in_ref = await self._stage(inputs)
             sub = self.engine.submit(lease, hm.name, op, options, in_ref,
                                      int(inputs.shape[0]) if inputs is not None else 1, outputs, link=link)
         except TooLarge as exc:
@@ -279,6 +278,21 @@ class Service:
         except WorkerFailure as exc:
             raise self._failure(hm, exc) from None
         return sub
+
+    async def _stage(self, inputs: np.ndarray) -> TensorRef:
+        """`inputs` copied into a fresh arena block (a large copy in the codec pool). A request
+        cancelled meanwhile frees the block only once the copy into it has finished."""
+        ref = self.arena.reserve(inputs.shape, inputs.dtype)
+        if inputs.nbytes <= (1 << 20):
+            np.copyto(self.arena.array(ref), inputs, casting="no")
+            return ref
+        copy = asyncio.get_running_loop().run_in_executor(self.codec_pool, np.copyto, self.arena.array(ref), inputs)
+        try:
+            await asyncio.shield(copy)
+        except BaseException:
+            copy.add_done_callback(lambda _: self.arena.free(ref.offset))
+            raise
+        return ref
 
     def _failure(self, hm: HostedModel, exc: WorkerFailure) -> Problem:
         if exc.kind == "device-oom":
