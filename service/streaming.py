@@ -270,8 +270,10 @@ async def decode_stream(name: str, request: Request,
         if format == "mp4":
             require_av()
         body = await read_body(request, svc.settings.max_body_bytes)
-        latents, _ = codecs.read_tensor_body(body, request.headers.get("content-type"), "latents")
-        lat = await svc.in_pool(validation.latents, hm, latents, svc.settings)  # NaN scan: off the loop
+        # a large body is parsed and scanned off the event loop (a 32 MiB JSON body delayed /healthz)
+        latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
+                                       "latents")
+        lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
         shape = hm.output_shape(lat.shape)
         n, t = shape[0], lat.shape[2]
         if format == "mp4":
