@@ -74,6 +74,28 @@ class ServerProcess:
                 return devices
             time.sleep(0.2)
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server's processes by role: front ends (this process and
+        the ones it spawned) and model workers (whose pids the model cards name)."""
+        workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
+        pids = [self.proc.pid]
+        try:
+            pids += [int(k) for k in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+        except OSError:
+            pass
+        out = {"front ends": 0.0, "model workers": 0.0}
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if pid != self.proc.pid and b"spawn_main" not in cmd:
+                continue  # multiprocessing's resource tracker
+            secs = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out["model workers" if pid in workers else "front ends"] += secs
+        return out
+
     def frontends(self) -> int:
         """HTTP front-end processes: this server process and the front ends it spawned."""
         try:

@@ -118,6 +118,7 @@ class LoopResult:
     statuses: Counter = field(default_factory=Counter)
     transport_errors: Counter = field(default_factory=Counter)
     cpu_seconds: list[float] = field(default_factory=list)  # per client process
+    server_cpu: dict = field(default_factory=dict)          # cores busy per server role
     bytes_in: int = 0
 
 
@@ -308,9 +309,11 @@ def main() -> None:
             data, ctype, params = bodies(args, fmt)
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
-            m0 = srv.metrics()
+            m0, cpu0 = srv.metrics(), srv.cpu_seconds()
             res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
                                     raw=args.client == "raw")
+            cpu1 = srv.cpu_seconds()
+            res.server_cpu = {k: (cpu1[k] - cpu0[k]) / res.seconds for k in cpu1}
             rows.append((fmt, res, m0, srv.metrics()))
     raw_after = measure_raw()
     raw = (raw_before + raw_after) / 2
@@ -325,8 +328,8 @@ def main() -> None:
           "per format")
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
     table = ["| format | raw model items/s (batch %d) | service items/s | service / raw | p50 ms | p99 ms | mean batch "
-             "| rows per device | client CPU (cores, busiest process) |" % args.batch,
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| rows per device | client CPU (cores, busiest process) | server CPU cores (front ends, workers) |"
+             % args.batch, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for fmt, res, m0, m1 in rows:
         ok = len(res.latencies)
         rps = ok * args.per_request / res.seconds  # items (images) answered per second
@@ -340,7 +343,8 @@ def main() -> None:
             print(f"{fmt}: statuses {dict(res.statuses)}; transport errors {errors} {dict(res.transport_errors)}")
         cpu, busiest = sum(res.cpu_seconds) / res.seconds, max(res.cpu_seconds) / res.seconds
         table.append(f"| {fmt} | {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} "
-                     f"| {mean_batch:.1f} | {per_device} | {cpu:.2f}, {busiest:.0%} |")
+                     f"| {mean_batch:.1f} | {per_device} | {cpu:.2f}, {busiest:.0%} "
+                     f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} |")
     print("\n".join(table))
 
 
