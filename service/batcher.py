@@ -58,10 +58,6 @@ class WorkItem:
     def rows(self) -> int:
         return int(self.inputs.shape[0])
 
-    def cancel(self) -> bool:
-        """Mark as unwanted; True when it had not started (so its work is skipped)."""
-        self.cancelled = True
-        return not self.started
 
 
 def _rows_of(out: Any, start: int, stop: int) -> Any:
@@ -104,6 +100,9 @@ class Batcher:
         self.before_call = before_call
         self.stats = stats
         self._pending: deque[WorkItem] = deque()
+        #: queued rows per batching key, queued items per model (kept by _enqueue/_dequeued)
+        self._rows: dict[Hashable, int] = {}
+        self._depth: dict[str, int] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._stopped = False
@@ -146,8 +145,7 @@ class Batcher:
                 raise QueueFull()
             if reserved:
                 self._reserved -= 1
-            self._pending.append(item)
-            self._set_depth(model)
+            self._enqueue(item)
             self._cond.notify()
         return item
 
@@ -161,7 +159,7 @@ class Batcher:
                 return False
             if item in self._pending:
                 self._pending.remove(item)
-                self._set_depth(item.model)
+                self._dequeued(item)
         _resolve(item.future, None, Cancelled())
         return True
 
@@ -186,6 +184,7 @@ class Batcher:
             self._stopped = True
             for item in self._pending:
                 _resolve(item.future, None, Closed())
+                self._dequeued(item)
             self._pending.clear()
             self._cond.notify_all()
         self.thread.join(timeout)
@@ -199,19 +198,28 @@ class Batcher:
             return self.max_batch
         return 1 << (max(rows, 1).bit_length() - 1)
 
-    def _set_depth(self, model: str) -> None:
-        metrics.QUEUE_DEPTH.labels(model).set(sum(1 for it in self._pending if it.model == model))
+    # The queue's counts (rows per batching key, items per model) are kept as items come and go:
+    # the worker wakes on every submit, and a scan of hundreds of queued items per wake-up was
+    # the device thread's largest cost with one image a request.
+    def _enqueue(self, item: WorkItem) -> None:
+        self._pending.append(item)
+        self._rows[item.key] = self._rows.get(item.key, 0) + item.rows
+        self._depth[item.model] = self._depth.get(item.model, 0) + 1
+        metrics.QUEUE_DEPTH.labels(item.model).set(self._depth[item.model])
 
-    def _drop_cancelled(self) -> None:
-        dropped = [it for it in self._pending if it.cancelled]
-        for it in dropped:
-            self._pending.remove(it)
-            self._set_depth(it.model)
+    def _dequeued(self, item: WorkItem) -> None:
+        """Count out an item that has left `_pending`."""
+        left = self._rows[item.key] - item.rows
+        if left:
+            self._rows[item.key] = left
+        else:
+            del self._rows[item.key]
+        self._depth[item.model] -= 1
+        metrics.QUEUE_DEPTH.labels(item.model).set(self._depth[item.model])
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._cond:
             while True:
-                self._drop_cancelled()
                 if self._stopped:
                     return None
                 if self._pending:
@@ -220,25 +228,28 @@ class Batcher:
             first = self._pending[0]
             deadline = first.enqueued + self.delay_s
             while True:
-                self._drop_cancelled()
                 if first.cancelled or self._stopped:
                     # the oldest went away: start over with the new oldest
                     return []
-                rows = sum(it.rows for it in self._pending if it.key == first.key)
                 left = deadline - time.perf_counter()
-                if rows >= self.max_batch or left <= 0 or first.solo:
+                if self._rows[first.key] >= self.max_batch or left <= 0 or first.solo:
                     break
                 self._cond.wait(left)
             batch, rows = [], 0
-            target = self._bucket(sum(it.rows for it in self._pending if it.key == first.key))
-            for it in [first] if first.solo else list(self._pending):
+            target = self._bucket(self._rows[first.key])
+            for it in [first] if first.solo else self._pending:
                 if it.key == first.key and (not batch or rows + it.rows <= target):
                     batch.append(it)
                     rows += it.rows
+                    if rows >= target:
+                        break
             for it in batch:
-                self._pending.remove(it)
                 it.started = True
-            self._set_depth(first.model)
+                self._dequeued(it)
+            if len(batch) == 1:
+                self._pending.popleft()  # the oldest: the common case of a solo or lone item
+            else:
+                self._pending = deque(it for it in self._pending if not it.started)
             self._running = batch
             return batch
 
@@ -261,8 +272,9 @@ class Batcher:
                 log.exception("on_start hook failed")
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
+        queue_wait = metrics.QUEUE_WAIT_SECONDS.labels(model)
         for wait in waits:
-            metrics.QUEUE_WAIT_SECONDS.labels(model).observe(wait)
+            queue_wait.observe(wait)
         inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         stacked = time.perf_counter()
         metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
