@@ -26,6 +26,10 @@ log = logging.getLogger("convserve.batcher")
 ModelCall = Callable[[np.ndarray], Any]
 
 
+#: how often at most the queue-depth gauge is written (Batcher._publish_depth)
+DEPTH_PUBLISH_S = 0.02
+
+
 class QueueFull(Exception):
     pass
 
@@ -111,8 +115,10 @@ class Batcher:
         self._reserved = 0
         self.row_seconds = 0.0
         #: the device thread: every model call runs on it
+        self._depth_changed = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
         self.thread.start()
+        threading.Thread(target=self._publish_depth, name=f"convserve-depth-{name}", daemon=True).start()
 
     # ---- producer side ------------------------------------------------------------
     def reserve(self) -> None:
@@ -205,7 +211,7 @@ class Batcher:
         self._pending.append(item)
         self._rows[item.key] = self._rows.get(item.key, 0) + item.rows
         self._depth[item.model] = self._depth.get(item.model, 0) + 1
-        metrics.QUEUE_DEPTH.labels(item.model).set(self._depth[item.model])
+        self._depth_changed.set()
 
     def _dequeued(self, item: WorkItem) -> None:
         """Count out an item that has left `_pending`."""
@@ -215,7 +221,19 @@ class Batcher:
         else:
             del self._rows[item.key]
         self._depth[item.model] -= 1
-        metrics.QUEUE_DEPTH.labels(item.model).set(self._depth[item.model])
+        self._depth_changed.set()
+
+    def _publish_depth(self) -> None:
+        """The queue-depth gauge, at most every DEPTH_PUBLISH_S: a multiprocess gauge write costs
+        ~10 us of the worker's interpreter lock, which a write per queued item would spend."""
+        while not self._stopped:
+            if self._depth_changed.wait(0.5):
+                self._depth_changed.clear()
+                with self._cond:
+                    depths = dict(self._depth)
+                for model, depth in depths.items():
+                    metrics.QUEUE_DEPTH.labels(model).set(depth)
+                time.sleep(DEPTH_PUBLISH_S)
 
     def _next_batch(self) -> list[WorkItem] | None:
         with self._cond:
