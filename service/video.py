@@ -13,7 +13,8 @@ from .problems import Problem
 
 
 def _missing_av(alternative: str) -> Problem:
-    return Problem(501, "video-extra-missing", f"MP4 output needs PyAV: pip install 'convserve[video]'{alternative}")
+    # PyAV is a dependency; this answers an install that lost it (or a platform without a wheel)
+    return Problem(501, "video-extra-missing", f"MP4 output needs PyAV: pip install av{alternative}")
 
 
 def require_av(alternative: str = " (or ask for format=npy)") -> None:
