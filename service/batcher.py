@@ -108,11 +108,7 @@ class Batcher:
         self._rows: dict[Hashable, int] = {}
         self._depth: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._closed = False
         self._stopped = False
-        self._running: list[WorkItem] = []
-        #: places held by admitted requests whose inputs are still being read and parsed
-        self._reserved = 0
         self.row_seconds = 0.0
         #: the device thread: every model call runs on it
         self._depth_changed = threading.Event()
@@ -121,36 +117,17 @@ class Batcher:
         threading.Thread(target=self._publish_depth, name=f"convserve-depth-{name}", daemon=True).start()
 
     # ---- producer side ------------------------------------------------------------
-    def reserve(self) -> None:
-        """Hold a queue place for a request about to read its body, so a full queue is answered
-        before the body is read and parsed. The place is used by submit(reserved=True) or given
-        back by release()."""
-        with self._cond:
-            if self._stopped or self._closed:
-                raise Closed()
-            if len(self._pending) + self._reserved >= self.max_queue:
-                raise QueueFull()
-            self._reserved += 1
-
-    def release(self) -> None:
-        with self._cond:
-            self._reserved -= 1
-
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
-               continuation: bool = False, solo: bool = False, reserved: bool = False, tag: Any = None) -> WorkItem:
+               continuation: bool = False, solo: bool = False, tag: Any = None) -> WorkItem:
         """continuation: a later step of a request admitted earlier (a streamed decode); it is not
-        refused by a full queue or a drain, only by a stopped worker. reserved: the request holds
-        a place from reserve(), which this item takes (refused only by a stopped worker).
-        solo: see WorkItem.solo."""
+        refused by a full queue, only by a stopped worker. solo: see WorkItem.solo. (Admission,
+        with its reservations before the body, is the front ends' job: service/pipeline.py.)"""
         item = WorkItem(model, key, inputs, call, solo=solo, tag=tag)
-        admitted = continuation or reserved
         with self._cond:
-            if self._stopped or (self._closed and not admitted):
+            if self._stopped:
                 raise Closed()
-            if len(self._pending) + self._reserved >= self.max_queue and not admitted:
+            if len(self._pending) >= self.max_queue and not continuation:
                 raise QueueFull()
-            if reserved:
-                self._reserved -= 1
             self._enqueue(item)
             self._cond.notify()
         return item
@@ -169,24 +146,8 @@ class Batcher:
         _resolve(item.future, None, Cancelled())
         return True
 
-    def backlog_seconds(self) -> float:
-        """Rough time to work off the queue at the recent per-row speed."""
-        with self._cond:
-            rows = sum(it.rows for it in self._pending)
-        return rows * self.row_seconds
-
-    def busy(self) -> bool:
-        with self._cond:
-            return bool(self._pending or self._running)
-
-    def close(self) -> None:
-        """Stop admitting; queued work still runs."""
-        with self._cond:
-            self._closed = True
-
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
-            self._closed = True
             self._stopped = True
             for item in self._pending:
                 _resolve(item.future, None, Closed())
@@ -268,7 +229,6 @@ class Batcher:
                 self._pending.popleft()  # the oldest: the common case of a solo or lone item
             else:
                 self._pending = deque(it for it in self._pending if not it.started)
-            self._running = batch
             return batch
 
     def _loop(self) -> None:
@@ -278,8 +238,6 @@ class Batcher:
                 return
             if batch:
                 self._run(batch)
-            with self._cond:
-                self._running = []
 
     def _run(self, batch: list[WorkItem]) -> None:
         model = batch[0].model
