@@ -28,6 +28,24 @@ def cuda_status() -> tuple[bool, str]:
     return True, f"{n} CUDA device(s)"
 
 
+def visible_cuda_devices() -> int:
+    """GPUs the CUDA driver shows this process (honouring CUDA_VISIBLE_DEVICES), asked of the
+    driver directly: no CUDA runtime, no context, no GPU memory taken (the service's supervisor
+    counts devices before it starts a model worker on each, and holds none itself)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        cuda = ctypes.CDLL(name)
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def metal_status() -> tuple[bool, str]:
     if importlib.util.find_spec("mlx") is None:
         return False, "mlx is not installed"

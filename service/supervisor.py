@@ -12,8 +12,6 @@ by their front ends, which reconnect when it is back. SIGTERM drains every front
 work finishes, up to SHUTDOWN_GRACE_S), then stops the workers."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import importlib.util
 import logging
 import multiprocessing
@@ -25,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+
+from convkernels.registry import visible_cuda_devices
 
 from . import metrics
 from .model_worker import WorkerSpec
@@ -39,20 +39,6 @@ STABLE_AFTER_S = 60.0
 MAX_PAUSE_S = 30.0
 
 
-def visible_gpus() -> int:
-    """GPUs the CUDA driver shows this process (honouring CUDA_VISIBLE_DEVICES), without making a
-    CUDA context here: the front end must not hold GPU memory."""
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
-    try:
-        cuda = ctypes.CDLL(name)
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
-
-
 @dataclass(frozen=True)
 class Device:
     label: str                 # "cpu", "cuda:0", ...
@@ -65,7 +51,7 @@ def plan_devices(settings: Settings) -> list[Device]:
     device of its own (cpu:0, cpu:1, ...: how the tests emulate several GPUs)."""
     want_cuda = settings.backend == "cuda" or (
         settings.backend == "auto" and importlib.util.find_spec("cupy") is not None)
-    count = visible_gpus() if want_cuda else 0
+    count = visible_cuda_devices() if want_cuda else 0
     ordinals = parse_devices(settings.devices)
     if count == 0:
         if ordinals is not None and len(ordinals) > 1:

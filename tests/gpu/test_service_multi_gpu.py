@@ -21,8 +21,8 @@ NPY = {"content-type": "application/x-npy"}
 
 
 def gpu_count() -> int:
-    from service.supervisor import visible_gpus
-    return visible_gpus()
+    from convkernels.registry import visible_cuda_devices
+    return visible_cuda_devices()
 
 
 @pytest.fixture(scope="module")
