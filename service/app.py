@@ -24,8 +24,12 @@ Errors are RFC 7807 `application/problem+json` (type, title, status, detail). Wi
 `Retry-After`; a draining server answers 503."""
 
 
-def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]] = ()) -> FastAPI:
-    """endpoints: (device, Unix socket) of each model worker (service/supervisor.py)."""
+def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]] = (),
+               *, accept_once_ready: bool = False) -> FastAPI:
+    """endpoints: (device, Unix socket) of each model worker (service/supervisor.py).
+    accept_once_ready: a further front end takes no connection off the shared socket until it
+    can serve (or knows why it cannot): the supervisor's /readyz speaks for every front end, so a
+    request after it turned true must not land on a front end still linking to the workers."""
     settings = settings or Settings()
     http_protocol_class(settings.http).header_timeout_s = settings.header_timeout_s
     svc = Service(settings, endpoints)
@@ -33,6 +37,8 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
+        if accept_once_ready:
+            await svc.until_settled()
         try:
             yield
         finally:

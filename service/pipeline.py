@@ -9,6 +9,7 @@ import asyncio
 import contextvars
 import logging
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,8 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 
 #: how often a waiting request checks whether its client went away
 DISCONNECT_POLL_S = 0.1
+#: how often a further front end, starting, looks whether it can serve yet
+SETTLE_POLL_S = 0.02
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 
@@ -88,6 +91,12 @@ class Service:
     @property
     def ready(self) -> bool:
         return self.engine.ready
+
+    async def until_settled(self) -> None:
+        """Until ready, a load error, a drain, or the supervisor gone (startup only: polled)."""
+        parent = os.getppid()
+        while not (self.ready or self.load_error or self.draining or os.getppid() != parent):
+            await asyncio.sleep(SETTLE_POLL_S)
 
     @property
     def models(self) -> dict[str, HostedModel]:

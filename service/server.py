@@ -67,7 +67,7 @@ def run_frontend(settings: Settings, endpoints: list[tuple[str, str]], sockets: 
     from .app import create_app
     from .http_protocol import http_protocol_class
 
-    app = create_app(settings, endpoints)
+    app = create_app(settings, endpoints, accept_once_ready=parent_pid is not None)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             http=http_protocol_class(settings.http), timeout_graceful_shutdown=5,
                             timeout_keep_alive=settings.keep_alive_s)
