@@ -14,6 +14,7 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
+from . import interrupt
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
 from .contract import PIXEL_RANGE, card_fields
@@ -111,6 +112,7 @@ def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int
 
 def _run_stages(backend: Backend, stages, x):
     for resnets, resample in stages:
+        interrupt.check()  # an untiled decode nobody waits for stops between blocks
         for r in resnets:
             x = r(backend, x)
         if resample is not None:

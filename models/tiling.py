@@ -18,6 +18,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import interrupt
+
 log = logging.getLogger("convserve.models")
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # 1 GiB of working memory for one decode call
@@ -241,6 +243,7 @@ def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, 
         left: np.ndarray | None = None
         x0 = 0
         for j, sj in enumerate(starts_w):
+            interrupt.check()  # its requesters gone: stop between tiles
             t = fn(np.ascontiguousarray(x[:, si:si + tile, sj:sj + tile]))
             if out is None:
                 out = np.empty((n, sum(crop_h), sum(crop_w), t.shape[-1]), np.float32)

@@ -18,6 +18,7 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
+from . import interrupt
 from .wan_checkpoint import normalize_keys
 from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
@@ -200,6 +201,7 @@ class WanVAEDecoder:
         state = FeatureCache()
         pending = None
         for k in range(z.shape[1]):
+            interrupt.check()  # its requesters gone: stop between frame groups
             started = self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE, uint8=uint8)
             if pending is not None:
                 yield pending.result()
@@ -214,6 +216,7 @@ class WanVAEDecoder:
         size = plan.tile_latent
         states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
         for k in range(z.shape[1]):
+            interrupt.check()
             tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
             yield self._to_pixels(stitch(plan, tiles), uint8)

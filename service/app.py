@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import kserve, metrics, problems, remote_vae, routes_v1, streaming, triton_extensions
+from . import api_docs, kserve, metrics, problems, remote_vae, routes_v1, streaming, triton_extensions
 from .http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
 from .settings import Settings
@@ -20,7 +20,8 @@ DESCRIPTION = """Decode diffusion latents to images and video, encode images to 
 
 Errors are RFC 7807 `application/problem+json` (type, title, status, detail). With
 `CONVSERVE_API_KEY` set, every route except `/healthz`, `/readyz`, `/metrics` and
-`/v2/health/*` needs `Authorization: Bearer <key>`. A full queue answers 429 with
+`/v2/health/*` needs `Authorization: Bearer <key>` (this page and `/openapi.json` too, unless
+`CONVSERVE_PUBLIC_DOCS=true`). A full queue answers 429 with
 `Retry-After`; a draining server answers 503."""
 
 
@@ -31,7 +32,8 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
     can serve (or knows why it cannot): the supervisor's /readyz speaks for every front end, so a
     request after it turned true must not land on a front end still linking to the workers."""
     settings = settings or Settings()
-    http_protocol_class(settings.http).header_timeout_s = settings.header_timeout_s
+    protocol = http_protocol_class(settings.http)
+    protocol.header_timeout_s, protocol.write_timeout_s = settings.header_timeout_s, settings.write_timeout_s
     svc = Service(settings, endpoints)
 
     @asynccontextmanager
@@ -45,10 +47,12 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
             svc.stop()
             metrics.worker_exiting()
 
-    app = FastAPI(title="convserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="convserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None)  # api_docs serves them, behind the key
     app.state.settings = settings
     app.state.service = svc
     problems.install(app)
+    api_docs.install(app, public=settings.public_docs)
     app.add_middleware(CloseWhenBodyUnread)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness: the process serves HTTP")

@@ -17,6 +17,8 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from models import interrupt
+
 from . import metrics
 from .model_stats import BatchTimes, ModelStats, ns
 
@@ -259,8 +261,17 @@ class Batcher:
         try:
             if self.before_call is not None:
                 self.before_call(inputs)
-            out = batch[0].call(inputs)
+            # its requesters all gone (timed out, disconnected): the call stops at its next tile
+            # or frame group instead of holding the device for work nobody reads
+            with interrupt.watching(lambda: all(it.cancelled for it in batch)):
+                out = batch[0].call(inputs)
             called = time.perf_counter()
+        except interrupt.Abandoned:
+            log.info("model %s: a batch of %d stopped early, its requesters gone", model, inputs.shape[0])
+            metrics.ABANDONED.labels(model).inc()
+            for it in batch:
+                _resolve(it.future, None, Cancelled())
+            return
         except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch
             # the id ties a client's 500 to this log line (and its traceback)
             error_id = uuid.uuid4().hex[:16]

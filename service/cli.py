@@ -90,6 +90,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
 
 def _serve(settings, uvicorn) -> None:
     from .server import frontend_main, run_frontend
+    from .memory_budget import auto_budget_bytes
     from .supervisor import Supervisor, frontends_for
 
     sock = uvicorn.Config("service.app:create_app", host=settings.host, port=settings.port).bind_socket()
@@ -100,6 +101,8 @@ def _serve(settings, uvicorn) -> None:
     try:
         sup.start_workers()
         count = frontends_for(settings, sup.devices)
+        if not settings.memory_budget_bytes:  # auto: the front ends share it
+            settings = settings.model_copy(update={"memory_budget_bytes": auto_budget_bytes(count)})
         for i in range(1, count):
             sup.add_frontend(f"convserve-frontend-{i}", frontend_main, (settings, sup.endpoints, [sock], os.getpid()))
         logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",

@@ -23,7 +23,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,11 +93,16 @@ class Lease:
     def __init__(self, arena: Arena):
         self.arena = arena
         self.submissions: list[Submission] = []
+        #: run once the blocks are let go (the memory budget's give-backs)
+        self.on_close: list[Callable[[], None]] = []
 
     def close(self) -> None:
         for sub in self.submissions:
             sub.release()
         self.submissions = []
+        callbacks, self.on_close = self.on_close, []
+        for fn in callbacks:
+            fn()
 
 
 class Link:

@@ -10,9 +10,18 @@ answer a client that reuses a connection after `header_timeout_s` of idle with a
 A connection that misses the deadline gets a 408 problem+json and is closed.
 
 A response sent while the request body is still arriving (413 by Content-Length, 401, 404, 429)
-closes the connection: uvicorn would otherwise discard the unread body for as long as the client
-keeps trickling it, holding the connection open. Bodies the app reads are bounded by its request
-timeout (service/bodies.py).
+closes the connection, lingering: uvicorn would otherwise discard the unread body for as long as
+the client keeps trickling it, holding the connection open, and a plain close with unread bytes
+makes the kernel send a reset that can destroy the answer before the client reads it (clients
+then see a read error instead of the 413). So the answer is followed by a FIN (the write side
+shut), the rest of the body is read and dropped for a bounded time (LINGER_IDLE_S without data,
+LINGER_MAX_S in all, LINGER_MAX_BYTES), and only then is the socket closed. Bodies the app reads
+are bounded by its request timeout and minimum rate (service/bodies.py).
+
+A response the client stops reading is dropped: when the socket's send buffer stays full
+(asyncio paused writing) for `write_timeout_s` with no byte of progress, the connection is
+aborted, which frees the response bytes queued for it (a client that never reads a 200 MB
+.npy would otherwise hold them for as long as its connection lives).
 """
 from __future__ import annotations
 
@@ -28,9 +37,38 @@ try:
 except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None
 
+from . import metrics
 from .problems import Problem
 
 log = logging.getLogger("convserve.http")
+
+#: a lingering close ends after this long with no data from the client, this long in all, or
+#: once this many bytes were dropped: whichever comes first
+LINGER_IDLE_S = 1.0
+LINGER_MAX_S = 5.0
+LINGER_MAX_BYTES = 64 << 20
+
+
+class _LingeringTransport:
+    """The protocol's transport as uvicorn sees it: `close()` on a connection whose request body
+    is still unread lingers (the protocol's `_linger`) instead of closing at once; everything
+    else is the real transport's. uvicorn closes from several places (the response cycle, the
+    keep-alive timer, shutdown), so the seam is the transport, not one of them."""
+
+    def __init__(self, transport, protocol):
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        if self._protocol._body_unread() and not self._transport.is_closing():
+            self._protocol._linger()
+        elif not self._protocol._lingering:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 def _timeout_response(seconds: float) -> bytes:
@@ -47,11 +85,18 @@ class _HeaderDeadline:
     connection waits for a request's headers, whether a next request has begun arriving, and
     whether the current request's body is still unread."""
 
-    #: set per process by create_app from Settings.header_timeout_s (uvicorn builds the protocol
-    #: itself, also in --workers processes, so the class carries the setting)
+    #: set per process by create_app from Settings.header_timeout_s / write_timeout_s (uvicorn
+    #: builds the protocol itself, also in --workers processes, so the class carries the setting)
     header_timeout_s: float = 10.0
+    write_timeout_s: float = 60.0
 
     _header_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+    _write_backlog = 0
+    _lingering = False
+    _linger_timer: asyncio.TimerHandle | None = None
+    _linger_end = 0.0
+    _lingered_bytes = 0
 
     def _waiting_for_headers(self) -> bool:
         raise NotImplementedError
@@ -63,14 +108,26 @@ class _HeaderDeadline:
         raise NotImplementedError
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        self._real_transport = transport
+        super().connection_made(_LingeringTransport(transport, self))
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        for timer in (self._write_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._write_timer = self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # the rest of a body answered early: dropped unparsed
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > LINGER_MAX_BYTES:
+                self._real_transport.close()
+            else:
+                self._rearm_linger()
+            return
         super().data_received(data)
         if self._header_timer is None and self._waiting_for_headers():  # a kept-alive connection's next request began
             self._arm_header_timer()
@@ -85,6 +142,57 @@ class _HeaderDeadline:
         if self._header_timer is None and self._next_request_begun() and self._waiting_for_headers():
             self._arm_header_timer()
 
+    # ---- lingering close ------------------------------------------------------------------------
+    def _linger(self) -> None:
+        self._lingering = True
+        self._cancel_header_timer()
+        real = self._real_transport
+        real.resume_reading()  # flow control may have paused reading while the body buffered
+        if real.can_write_eof():
+            real.write_eof()  # the answer, then FIN: the client reads it and stops sending
+        self._linger_end = self.loop.time() + LINGER_MAX_S
+        self._rearm_linger()
+
+    def _rearm_linger(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        when = min(self.loop.time() + LINGER_IDLE_S, self._linger_end)
+        self._linger_timer = self.loop.call_at(when, self._real_transport.close)
+
+    def eof_received(self):
+        if self._lingering:  # the client finished (or gave up) sending: the linger is over
+            self._real_transport.close()
+            return None
+        return super().eof_received()
+
+    # ---- write stalls ------------------------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._arm_write_timer()
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _arm_write_timer(self) -> None:
+        self._write_backlog = self._real_transport.get_write_buffer_size()
+        self._write_timer = self.loop.call_later(self.write_timeout_s, self._write_check)
+
+    def _write_check(self) -> None:
+        self._write_timer = None
+        backlog = self._real_transport.get_write_buffer_size()
+        if backlog < self._write_backlog:  # the client reads, however slowly: look again later
+            self._arm_write_timer()
+            return
+        log.info("dropping %s: it read nothing of its response for %g s (%d bytes queued)",
+                 self.client, self.write_timeout_s, backlog)
+        metrics.WRITE_STALLS.inc()
+        self._real_transport.abort()
+
+    # ---- the header deadline ---------------------------------------------------------------------
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
         if not self.transport.is_closing():

@@ -30,8 +30,19 @@ INFLIGHT = Gauge("convserve_inflight_requests", "Requests admitted and not yet a
 QUEUE_DEPTH = Gauge("convserve_queue_depth", "Requests waiting in the batcher queue",
                     ["model"], registry=REGISTRY, multiprocess_mode="livesum")
 REJECTED = Counter("convserve_rejected_total",
-                   "Requests not run: queue_full, timeout, client_gone, shutting_down",
+                   "Requests not run: queue_full, memory_budget, too_much_work, timeout, client_gone, shutting_down",
                    ["model", "reason"], registry=REGISTRY)
+MEMORY_BUDGET_USED = Gauge("convserve_memory_budget_used_bytes",
+                           "Bytes of admitted bodies and their arrays the front ends hold (their memory budget's use)",
+                           registry=REGISTRY, multiprocess_mode="livesum")
+MEMORY_BUDGET_LIMIT = Gauge("convserve_memory_budget_bytes", "The front ends' memory budget (CONVSERVE_MEMORY_BUDGET_BYTES)",
+                            registry=REGISTRY, multiprocess_mode="livesum")
+WRITE_STALLS = Counter("convserve_write_stalls_total",
+                       "Connections dropped because the client read nothing of its response for CONVSERVE_WRITE_TIMEOUT_S",
+                       registry=REGISTRY)
+ABANDONED = Counter("convserve_abandoned_batches_total",
+                    "Model calls stopped at a tile or frame group because every requester had gone",
+                    ["model"], registry=REGISTRY)
 FAULTS = Counter("convserve_faults_total",
                  "Faults met: device_oom (retried, recovered, failed), worker_exception (failed), "
                  "worker_died (failed: a request its worker took down with it), load_error (failed)", ["model", "fault", "outcome"], registry=REGISTRY)

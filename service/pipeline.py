@@ -23,6 +23,7 @@ from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .model_host import HostedModel
 from .model_stats import ModelStats, ns
 from .problems import Problem
+from .memory_budget import MemoryBudget, auto_budget_bytes
 from .settings import Settings
 from .shm import Arena, ArenaFull, TensorRef, TooLarge
 
@@ -34,20 +35,40 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_S = 0.1
 #: how often a further front end, starting, looks whether it can serve yet
 SETTLE_POLL_S = 0.02
+#: the compute cap per request (Service.check_work) where CONVSERVE_MAX_REQUEST_PIXELS is 0, by
+#: backend: a 2048x2048 image on the CPU (a 4096x4096 decode, or a 61-frame 512x512 video, would
+#: hold a 2-core machine for minutes: docs/reliability.md has the measurements); GPUs go much further
+AUTO_REQUEST_PIXELS = {"numpy": 2048 * 2048, "mlx": 64 << 20, "cuda": 512 << 20}
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 
 
 class _Request:
     """What a request holds between admission and its response: a queue place until its first
-    model call (Service._admit), and the arena blocks its tensors travel in (engine.Lease)."""
+    model call (Service._admit), the arena blocks its tensors travel in (engine.Lease), and its
+    share of the memory budget (given back with the lease's blocks)."""
 
-    def __init__(self, lease: Lease):
+    def __init__(self, service: Service, model: str, lease: Lease):
+        self.service, self.model = service, model
         self.reserved = True
         self.lease = lease
+        self.taken = 0  # of the memory budget, over the request's life
+
+    def take(self, nbytes: int, what: str) -> None:
+        if nbytes > 0:
+            self.service.take_memory(self.model, self.lease, nbytes, what, held=self.taken)
+            self.taken += nbytes
 
 
 _REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("convserve_request", default=None)
+
+
+def charge_request(nbytes: int, what: str) -> None:
+    """Count `nbytes` against the current request's front-end memory budget (503/413 when it
+    does not fit; service/memory_budget.py). Outside an admitted request: nothing to count."""
+    req = _REQUEST.get()
+    if req is not None:
+        req.take(nbytes, what)
 
 #: problems for the worker's failures, by kind (service/model_worker.error_info)
 _FAILURES = {"invalid-input": (422, "model-rejected-input"), "closed": (503, "shutting-down"),
@@ -73,6 +94,8 @@ class Service:
         self.arena = Arena(settings.shm_bytes)
         self.engine = Engine(list(endpoints), self.arena)
         self.codec_pool = ThreadPoolExecutor(settings.codec_threads, thread_name_prefix="convserve-codec")
+        self.budget = MemoryBudget(settings.memory_budget_bytes or auto_budget_bytes(1), self.retry_after)
+        metrics.MEMORY_BUDGET_LIMIT.inc(self.budget.limit)
         self.draining = False
         self.inflight = 0
         #: admitted requests still reading their bodies (the rest of the queue is engine.waiting)
@@ -158,7 +181,7 @@ class Service:
         if self.queued() >= self.settings.max_queue:
             raise self._refused(model, full=True)
         self.reserved += 1
-        return _Request(Lease(self.arena))
+        return _Request(self, model, Lease(self.arena))
 
     def _refused(self, model: str, *, full: bool, close: bool = False) -> Problem:
         """A request the queue did not take: full (429) or refused by a drain (503)."""
@@ -216,6 +239,34 @@ class Service:
         lease, req.lease = req.lease, Lease(self.arena)
         return lease
 
+    def check_work(self, hm: HostedModel, pixels: int, what: str) -> None:
+        """The compute cap: a request whose work (output pixels over frames and batch; input
+        pixels for an encoder) is past the backend's cap is refused before it takes a device."""
+        cap = self.settings.max_request_pixels or AUTO_REQUEST_PIXELS.get(self.backend_name, AUTO_REQUEST_PIXELS["cuda"])
+        if pixels > cap:
+            metrics.REJECTED.labels(hm.name, "too_much_work").inc()
+            raise Problem(413, "too-much-work",
+                          f"{what} on {hm.name} is {pixels} pixels of work; the {self.backend_name} backend takes "
+                          f"at most {cap} per request (CONVSERVE_MAX_REQUEST_PIXELS): send a smaller or "
+                          "shorter request, fewer at a time, or stream a video")
+
+    def take_memory(self, model: str, lease: Lease, nbytes: int, what: str, *, held: int = 0,
+                    force: bool = False) -> None:
+        """`nbytes` of the memory budget for as long as `lease` lives (its response is out), for a
+        request already holding `held`."""
+        try:
+            self.budget.take(nbytes, what, held=held, force=force)
+        except Problem as p:
+            metrics.REJECTED.labels(model, "memory_budget").inc()
+            raise p from None
+        metrics.MEMORY_BUDGET_USED.inc(nbytes)
+        lease.on_close.append(lambda: self._give_memory(nbytes))
+
+    def _give_memory(self, nbytes: int) -> None:
+        metrics.MEMORY_BUDGET_USED.dec(nbytes)
+        if self.budget.give(nbytes):  # a burst ended: hand its freed heap back to the system
+            self.codec_pool.submit(self.budget.trim)
+
     def _unreserve(self, req: _Request) -> None:
         if req.reserved:
             req.reserved = False
@@ -235,17 +286,25 @@ class Service:
     # ---- the request path ------------------------------------------------------------------------
     async def run(self, hm: HostedModel, op: str, options: dict, inputs: np.ndarray | None,
                   outputs: dict[str, tuple[tuple[int, ...], str]], disconnected: DisconnectCheck | None,
-                  *, lease: Lease | None = None, link=None) -> Submission:
+                  *, lease: Lease | None = None, link=None, continuation: bool = False) -> Submission:
         """`op` on a model worker (batched there with equal work from every front end), its
         inputs and outputs in this front end's arena; waits with the request's timeout and drops
         the work when the client goes. The answer's arrays (`Submission.arrays()`) stay valid
-        until the request's lease is closed (the end of Service.admit's block, or `lease`)."""
+        until the request's lease is closed (the end of Service.admit's block, or `lease`).
+        continuation: a later step of an admitted request (a streamed group): its memory is
+        counted but never refused."""
         req = _REQUEST.get()
         if req is not None:
             self._unreserve(req)  # the place passes to the engine's count of waiting requests
         lease = lease or req.lease
+        in_ref = None
+        arrays = (inputs.nbytes if inputs is not None else 0) + sum(
+            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in outputs.values())
+        self.take_memory(hm.name, lease, arrays, f"{op} on {hm.name} (its input and output arrays)",
+                         held=req.taken if req is not None else 0, force=continuation)
+        if req is not None:
+            req.taken += arrays
         try:
-            in_ref = None
             if inputs is not None:
                 in_ref = await self._stage(inputs)
             sub = self.engine.submit(lease, hm.name, op, options, in_ref,
@@ -274,11 +333,13 @@ class Service:
                 done, _ = await asyncio.wait({sub.future}, timeout=min(DISCONNECT_POLL_S, left))
                 if done:
                     break
-                if disconnected is not None and not sub.started and await disconnected():
+                if disconnected is not None and await disconnected():
+                    # queued: withdrawn; running: its batch stops at the next tile or frame group
+                    # once every requester in it has gone (models/interrupt.py)
                     self.engine.cancel(sub)
                     metrics.REJECTED.labels(hm.name, "client_gone").inc()
-                    log.info("client gone: dropped a queued %s request", hm.name)
-                    raise Problem(499, "client-gone", "the client disconnected before its work ran")
+                    log.info("client gone: dropped a %s %s request", "running" if sub.started else "queued", hm.name)
+                    raise Problem(499, "client-gone", "the client disconnected before its result")
         except asyncio.CancelledError:
             self.engine.cancel(sub)
             raise
@@ -325,14 +386,17 @@ class Service:
         uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
         and nothing left to convert for an image or video file)."""
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
+        out_shape = hm.output_shape(lat.shape)
+        self.check_work(hm, math.prod(out_shape[:-1]), f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
         sub = await self.run(hm, "decode", {"tiled": tiled, "clamp": clamp, "uint8": uint8}, lat,
-                             {"out": (hm.output_shape(lat.shape), "uint8" if uint8 else "float32")}, disconnected)
+                             {"out": (out_shape, "uint8" if uint8 else "float32")}, disconnected)
         return sub.arrays()["out"]
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
                          disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder."""
         px = validation.vae_images(images, self.settings)
+        self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
         sub = await self.run(hm, "vae_encode", {}, px, {"out": (hm.encoded_shape(px.shape), "float32")}, disconnected)
         return sub.arrays()["out"]
 
@@ -341,6 +405,7 @@ class Service:
         """Pixels N,S,S,3 at the model's input size (float in [0,1], or uint8: a quarter of the bytes
         to move, converted on the device) -> {embedding (N,D), logits (N,K)|None}."""
         px = await self.offload(pixels.nbytes, validation.encoder_pixels, hm, pixels, self.settings)  # uint8 stays
+        self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
         sub = await self.run(hm, "encode", {}, px, hm.encoder_outputs(px.shape[0]), disconnected)
         out = sub.arrays()
         return {"embedding": out["embedding"], "logits": out.get("logits")}

@@ -107,6 +107,21 @@ class Settings(BaseSettings):
     #: httptools (llhttp, faster) where installed under "auto", else h11
     http: Literal["auto", "h11", "httptools"] = "auto"
     max_body_bytes: int = Field(64 * MIB, ge=1)
+    #: bytes of admitted bodies, and of the arrays made from them, one front end may hold at once
+    #: (service/memory_budget.py); 0 = auto: 1/16 of the container's or machine's memory, within
+    #: 256 MiB..4 GiB, shared by the front ends. Beyond it: 503 with Retry-After
+    memory_budget_bytes: int = Field(0, ge=0)
+    #: after `min_body_rate_grace_s`, an admitted body must arrive at this many bytes a second on
+    #: average or its request gets 408 and its queue place goes (0 = no minimum)
+    min_body_rate: int = Field(64 * 1024, ge=0)
+    min_body_rate_grace_s: float = Field(5.0, ge=0)
+    #: a response the client stops reading is dropped after this many seconds with no progress
+    #: (its connection is aborted and the memory it held goes back)
+    write_timeout_s: float = Field(60.0, gt=0)
+    #: most output pixels (frames x height x width, over the batch) one request may ask a
+    #: model for: work past it is refused up front with 413 instead of holding a device for
+    #: minutes. 0 = auto by backend: numpy 4 Mpx (2048x2048), mlx 64 Mpx, cuda 512 Mpx
+    max_request_pixels: int = Field(0, ge=0)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
     #: long side / short side of an image to encode; a thin strip is no picture (and the resize
@@ -115,6 +130,8 @@ class Settings(BaseSettings):
     #: video frames per request (after temporal upsampling)
     max_frames: int = Field(256, ge=1)
     api_key: str | None = None
+    #: /docs and /openapi.json answer without the API key (they follow it by default)
+    public_docs: bool = False
     plan_cache_dir: str | None = None
     plan_cache_capacity: int = Field(128, ge=1)
     unfold_limit_bytes: int | None = None

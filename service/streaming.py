@@ -78,6 +78,9 @@ class FrameGroups:
         self.svc, self.hm, self.latents, self.tiled, self.uint8 = svc, hm, latents, tiled, uint8
         self.total = int(latents.shape[2])
         n, _, h, w, c = hm.output_shape(latents.shape)
+        # the unit of work the stream runs at once (and stops after, when its client goes)
+        svc.check_work(hm, n * int(hm.model.temporal_factor) * h * w, f"a group of {n}x{int(hm.model.temporal_factor)}"
+                       f"x{h}x{w} frames")
         self._group_shape = lambda k: (n, 1 if k == 0 else int(hm.model.temporal_factor), h, w, c)
         self.link = None
         self.stream_id = None
@@ -97,8 +100,7 @@ class FrameGroups:
         try:
             sub = await self.svc.run(self.hm, "stream_next", {"stream": self.stream_id}, None,
                                      {"out": (self._group_shape(k), "uint8" if self.uint8 else "float32")},
-                                     disconnected, lease=lease,
-                                     link=self.link)
+                                     disconnected, lease=lease, link=self.link, continuation=True)
         except BaseException:
             lease.close()
             raise

@@ -126,3 +126,11 @@ def metric_sum(snap: dict, name: str, **labels) -> float:
     """Sum over every series of `name` whose labels include `labels`."""
     want = {(k, str(v)) for k, v in labels.items()}
     return sum(v for (n, lab), v in snap.items() if n == name and want <= set(lab))
+
+
+def wait_for(cond, timeout: float = 60, what: str = "") -> None:
+    """Poll `cond` until it holds (an event the server makes visible, never a guessed duration)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

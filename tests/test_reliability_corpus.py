@@ -147,7 +147,8 @@ def test_oversized_headers(srv):
 
 
 def test_slow_loris_body_gets_408_and_others_are_served(srv):
-    """Bodies trickling in a byte at a time are cut at the request timeout with 408, while good
+    """Bodies trickling in a byte at a time are cut at the request timeout with 408 (the minimum
+    body rate's grace outlasts this server's short timeout), while good
     requests on other connections are answered at once; idle half-sent headers block no one."""
     body = npy(GOOD)
 
@@ -183,9 +184,11 @@ def test_slow_loris_body_gets_408_and_others_are_served(srv):
     finally:
         for sock in idle:
             sock.close()
+    from service.http_protocol import LINGER_MAX_S
     for status, reply, secs in results:
         assert status == 408 and b"body-timeout" in reply, reply[:300]
-        assert TIMEOUT_S - 0.5 <= secs <= TIMEOUT_S + 3, secs
+        # the 408 at the timeout, then a lingering close (bounded) while the client still trickles
+        assert TIMEOUT_S - 0.5 <= secs <= TIMEOUT_S + LINGER_MAX_S + 3, secs
     assert fast < TIMEOUT_S, f"good requests took {fast:.1f}s beside slow clients"
     print(f"RELIABILITY slow_loris bodies=3 status=408 idle_half_requests=20 good_requests_meanwhile=3 in {fast:.2f}s")
 

@@ -6,6 +6,7 @@ before the body is read. Every test runs under both of uvicorn's HTTP/1.1 parser
 (CONVSERVE_HTTP=h11 and httptools, service/http_protocol.py)."""
 from __future__ import annotations
 
+import asyncio
 import select
 import socket
 import time
@@ -22,6 +23,7 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 HEADER_TIMEOUT_S = 1.5
 MAX_BODY = 4096
 MAX_QUEUE = 2
+WRITE_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module", params=HTTP_PROTOCOLS)
@@ -33,6 +35,11 @@ def http(request):
 def srv(server_factory, http):
     return server_factory(models="tiny-vae", api_key=KEY, header_timeout_s=HEADER_TIMEOUT_S, max_body_bytes=MAX_BODY,
                           http=http)
+
+
+@pytest.fixture(scope="module")
+def stall_srv(server_factory, http):
+    return server_factory(models="tiny-vae", write_timeout_s=WRITE_TIMEOUT_S, http=http)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +214,73 @@ def test_a_response_before_the_body_closes_the_connection(srv, case):
                 cut_off = True
                 break
         assert cut_off, "the server kept reading a body it had already answered"
+    assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 200
+
+
+def test_an_early_answer_reaches_clients_still_uploading(srv):
+    """A 413 sent while the client still uploads is read by the client, not lost to a reset: the
+    server shuts its side after the answer and drops the rest of the body for a bounded time
+    before it closes (a plain close with unread bytes resets the connection, and async httpx
+    then raised ReadError instead of returning the 413)."""
+    body = b"\0" * (7 << 20)
+
+    async def post_all():
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(*[client.post(f"{srv.url}/v1/models/tiny-vae/decode", content=body,
+                                                      headers={"content-type": "application/x-npy", **AUTH})
+                                          for _ in range(8)], return_exceptions=True)
+
+    results = asyncio.run(post_all())
+    assert [getattr(r, "status_code", r) for r in results] == [413] * 8, results
+    assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 200
+
+
+def test_a_lingering_close_ends_while_the_client_still_trickles(srv):
+    """The linger after an early answer is bounded: a client that keeps trickling the body it
+    was refused for is closed on within LINGER_MAX_S."""
+    from service.http_protocol import LINGER_MAX_S
+
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(decode_request(b"", length=MAX_BODY * 1000))
+        status, _, _ = read_response(sock)
+        assert status == 413
+        t0 = time.monotonic()
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            while time.monotonic() - t0 < LINGER_MAX_S + 10:
+                sock.sendall(b"x" * 16)
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < LINGER_MAX_S + 5
+
+
+def test_a_client_that_never_reads_its_response_is_dropped(stall_srv):
+    """A client that stops reading its responses loses its connection after
+    CONVSERVE_WRITE_TIMEOUT_S without progress, and the response bytes queued for it go. Four
+    pipelined 512x512 float32 .npy decodes (3 MB each) outgrow what the kernel's socket buffers
+    take, so the server's own buffer fills and stays full."""
+    srv = stall_srv
+    s0 = metric(scrape(srv.url), "convserve_write_stalls_total")
+    body = npy(np.zeros((1, 4, 64, 64), np.float32))
+    request = (f"POST /v1/models/tiny-vae/decode?format=npy HTTP/1.1\r\nHost: x\r\n"
+               f"Content-Type: application/x-npy\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: little in flight
+    sock.connect(("127.0.0.1", srv.port))
+    try:
+        sock.sendall(request * 4)  # then never read
+        deadline = time.monotonic() + 120
+        while metric(scrape(srv.url), "convserve_write_stalls_total") == s0:
+            assert time.monotonic() < deadline, "the stalled responses were not dropped"
+            time.sleep(0.1)
+        got = 0
+        sock.settimeout(30)
+        try:
+            while chunk := sock.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert got < 4 * 512 * 512 * 3 * 4  # cut off before all four responses
+    finally:
+        sock.close()
     assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 200
 
 

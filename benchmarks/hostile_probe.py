@@ -1,0 +1,241 @@
+"""The exhaustion probe of issue #29, run by hand against a real `convserve serve` on the CPU
+default: each check prints one line with what it measured and the bound it is held to.
+
+  python benchmarks/hostile_probe.py            # every check (~4 minutes on 2 cores)
+  python benchmarks/hostile_probe.py rss slow   # some of them
+
+Checks: `rss` (64 concurrent 48 MiB uint8 .npy encodes: peak and residual memory of the whole
+server, PSS over its processes), `abandon` (large decodes whose clients give up, then a small
+request), `stall` (a client that never reads its responses), `slow` (70 uploads trickling a byte
+every 2 s beside normal traffic), `early` (async httpx uploading 7.7 MB bodies that are refused
+before they are read), `models` (a mistyped --models entry). Every check counts 5xx answers.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe_machine  # noqa: E402
+from server_process import REPO, ServerProcess  # noqa: E402
+
+NPY = {"content-type": "application/x-npy"}
+GIB = 1 << 30
+five_xx = 0
+
+
+def npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of the process and its descendants (shared pages split fairly)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def count(statuses) -> dict:
+    global five_xx
+    out: dict = {}
+    for s in statuses:
+        out[s] = out.get(s, 0) + 1
+        if isinstance(s, int) and s >= 500 and s not in (503,):
+            five_xx += 1
+    return dict(sorted(out.items(), key=str))
+
+
+def post(url: str, body: bytes, timeout: float = 120) -> int | str:
+    try:
+        return httpx.post(url, content=body, headers=NPY, timeout=timeout).status_code
+    except httpx.TimeoutException:
+        return "client-timeout"
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def _samples(srv: ServerProcess, name: str) -> list[tuple[tuple[str, dict], float]]:
+    return [((n, dict(labels)), v) for (n, labels), v in srv.metrics().items() if n == name]
+
+
+def _sample(srv: ServerProcess, name: str) -> float:
+    return sum(v for _, v in _samples(srv, name))
+
+
+def check_rss(srv: ServerProcess) -> None:
+    body = npy(np.zeros((1, 4096, 4096, 3), np.uint8))  # 48 MiB
+    base = pss_bytes(srv.proc.pid)
+    peak, done = base, threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, pss_bytes(srv.proc.pid))
+            time.sleep(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(64) as pool:
+        statuses = list(pool.map(lambda _: post(f"{srv.url}/v1/models/tiny-convnext/encode", body), range(64)))
+    secs = time.monotonic() - t0
+    time.sleep(3)
+    done.set()
+    after = pss_bytes(srv.proc.pid)
+    print(f"rss: 64 concurrent 48 MiB encodes in {secs:.1f}s: {count(statuses)}; server PSS {base / GIB:.2f} GiB "
+          f"before, peak +{(peak - base) / GIB:.2f} GiB (bound 2), +{(after - base) / GIB:.2f} GiB 3 s after")
+
+
+def check_abandon(srv: ServerProcess) -> None:
+    big = npy(np.zeros((1, 4, 256, 256), np.float32))  # 2048x2048 out: at the CPU cap
+    huge = npy(np.zeros((1, 4, 512, 512), np.float32))  # 4096x4096 out: past it
+    t0 = time.monotonic()
+    refused = post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", huge)
+    refused_s = time.monotonic() - t0
+    with ThreadPoolExecutor(8) as pool:
+        gave_up = list(pool.map(lambda _: post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", big, timeout=3),
+                                range(8)))
+    t0 = time.monotonic()
+    small = post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", npy(np.zeros((1, 4, 8, 8), np.float32)))
+    print(f"abandon: 4096^2 decode answered {refused} in {refused_s:.2f}s; 8 decodes of 2048^2 abandoned by their "
+          f"clients at 3 s: {count(gave_up)}; then a small decode: {small} in {time.monotonic() - t0:.1f}s (bound ~15)")
+
+
+def check_stall(srv: ServerProcess) -> None:
+    body = npy(np.zeros((1, 4, 64, 64), np.float32))
+    req = (f"POST /v1/models/tiny-vae/decode?format=npy HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.port))
+    t0 = time.monotonic()
+    sock.sendall(req * 4)
+    while _sample(srv, "convserve_write_stalls_total") < 1 and time.monotonic() - t0 < 300:
+        time.sleep(0.5)
+    sock.close()
+    print(f"stall: a client that never reads 4 pipelined 3 MB responses was dropped after "
+          f"{time.monotonic() - t0:.0f}s (bound 75)")
+
+
+def check_slow(srv: ServerProcess) -> None:
+    body = npy(np.zeros((1, 4, 8, 8), np.float32))
+    head = (f"POST /v1/models/tiny-vae/decode?format=npy HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-npy\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    stop = threading.Event()
+
+    def trickler():
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+                    s.sendall(head)
+                    for i in range(len(body)):
+                        if stop.wait(2):
+                            return
+                        s.sendall(body[i:i + 1])
+            except OSError:
+                pass  # answered 408 and closed: come back, as an attacker would
+
+    threads = [threading.Thread(target=trickler, daemon=True) for _ in range(70)]
+    for t in threads:
+        t.start()
+    time.sleep(8)  # every trickler admitted or refused once
+    statuses = []
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        while time.monotonic() - t0 < 30:
+            statuses += list(pool.map(lambda _: post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", body, 30),
+                                      range(4)))
+    stop.set()
+    ok = sum(s == 200 for s in statuses)
+    print(f"slow: 70 uploads trickling 1 byte / 2 s; normal requests over 30 s: {count(statuses)}: "
+          f"{100 * ok / max(1, len(statuses)):.0f}% served (bound 80%)")
+
+
+def check_early() -> None:
+    srv = ServerProcess(models="tiny-vae", max_body_bytes=1 << 20)
+    try:
+        body = b"\0" * int(7.7e6)
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one():
+                    try:
+                        return (await client.post(f"{srv.url}/v1/models/tiny-vae/decode", content=body,
+                                                  headers=NPY)).status_code
+                    except httpx.HTTPError as exc:
+                        return type(exc).__name__
+                return await asyncio.gather(*[one() for _ in range(136)])
+
+        print(f"early: 136 async httpx uploads of 7.7 MB refused by Content-Length: {count(asyncio.run(run()))} "
+              "(bound: no ReadError)")
+    finally:
+        srv.stop()
+
+
+def check_models() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    for entry in ("sd=sd-vea", "sd=sd-vae:./nonexistent", "sd=sd-vea:foo/bar"):
+        p = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--models", entry, "--port", "0"], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
+        lines = [line for line in p.stderr.splitlines() if line.strip()]
+        print(f"models: --models {entry}: exit {p.returncode}, {len(lines)} line(s): {lines[-1] if lines else ''}")
+
+
+def main() -> None:
+    which = set(sys.argv[1:]) or {"rss", "abandon", "stall", "slow", "early", "models"}
+    print(f"hostile probe on {describe_machine()}")
+    if which & {"rss", "abandon", "stall", "slow"}:
+        srv = ServerProcess()  # the CPU default: every setting at its default
+        try:
+            for name, check in (("rss", check_rss), ("abandon", check_abandon), ("stall", check_stall),
+                                ("slow", check_slow)):
+                if name in which:
+                    check(srv)
+            codes: dict = {}
+            for (_, lab), v in _samples(srv, "convserve_requests_total"):
+                if lab.get("status", "").startswith("5") and lab["status"] != "503":
+                    codes[lab["status"]] = codes.get(lab["status"], 0) + v
+            print(f"server: 5xx answers (503 excepted) by its own count: {codes or 0}; alive: "
+                  f"{httpx.get(srv.url + '/readyz').status_code == 200}")
+        finally:
+            srv.stop()
+    if "early" in which:
+        check_early()
+    if "models" in which:
+        check_models()
+    print(f"client-side 5xx (503 excepted): {five_xx}")
+
+
+if __name__ == "__main__":
+    main()
