@@ -88,7 +88,7 @@ class _HeaderDeadline:
     #: set per process by create_app from Settings.header_timeout_s / write_timeout_s (uvicorn
     #: builds the protocol itself, also in --workers processes, so the class carries the setting)
     header_timeout_s: float = 10.0
-    write_timeout_s: float = 60.0
+    write_timeout_s: float = 30.0
 
     _header_timer: asyncio.TimerHandle | None = None
     _write_timer: asyncio.TimerHandle | None = None

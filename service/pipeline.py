@@ -25,6 +25,7 @@ from .model_stats import ModelStats, ns
 from .problems import Problem
 from .memory_budget import MemoryBudget, auto_budget_bytes
 from .settings import Settings
+from .uploads import Upload, Uploads
 from .shm import Arena, ArenaFull, TensorRef, TooLarge
 
 log = logging.getLogger("convserve")
@@ -53,6 +54,7 @@ class _Request:
         self.reserved = True
         self.lease = lease
         self.taken = 0  # of the memory budget, over the request's life
+        self.upload: Upload | None = None  # while its body arrives (service/uploads.py)
 
     def take(self, nbytes: int, what: str) -> None:
         if nbytes > 0:
@@ -61,6 +63,23 @@ class _Request:
 
 
 _REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("convserve_request", default=None)
+
+
+def begin_upload() -> Upload | None:
+    """The current request's body begins to arrive: tracked, so a full queue may take its place
+    if it is too slow (service/uploads.py). None outside an admitted request."""
+    req = _REQUEST.get()
+    if req is None or not req.reserved:
+        return None
+    svc = req.service
+    req.upload = Upload(asyncio.get_running_loop().time(), release=lambda: svc._unreserve(req))
+    svc.uploads.live.add(req.upload)
+    return req.upload
+
+
+def end_upload(upload: Upload | None) -> None:
+    if upload is not None:
+        _REQUEST.get().service.uploads.live.discard(upload)
 
 
 def charge_request(nbytes: int, what: str) -> None:
@@ -100,6 +119,7 @@ class Service:
         self.inflight = 0
         #: admitted requests still reading their bodies (the rest of the queue is engine.waiting)
         self.reserved = 0
+        self.uploads = Uploads()
         #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats): the request half;
         #: the workers keep the batch half
         self.stats = ModelStats()
@@ -178,7 +198,7 @@ class Service:
             raise self._refused(model, full=False, close=True)
         if not self.ready:
             raise Problem(503, "not-ready", "models are still loading", headers={"Retry-After": "2"})
-        if self.queued() >= self.settings.max_queue:
+        if self.queued() >= self.settings.max_queue and not self.uploads.evict_slowest(self.settings.min_body_rate):
             raise self._refused(model, full=True)
         self.reserved += 1
         return _Request(self, model, Lease(self.arena))

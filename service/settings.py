@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     min_body_rate_grace_s: float = Field(5.0, ge=0)
     #: a response the client stops reading is dropped after this many seconds with no progress
     #: (its connection is aborted and the memory it held goes back)
-    write_timeout_s: float = Field(60.0, gt=0)
+    write_timeout_s: float = Field(30.0, gt=0)
     #: most output pixels (frames x height x width, over the batch) one request may ask a
     #: model for: work past it is refused up front with 413 instead of holding a device for
     #: minutes. 0 = auto by backend: numpy 4 Mpx (2048x2048), mlx 64 Mpx, cuda 512 Mpx

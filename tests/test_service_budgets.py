@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import select
 import socket
 import threading
 
@@ -156,3 +157,27 @@ def test_a_trickling_body_loses_its_place_after_the_grace(server_factory):
     assert b"body-too-slow" in answer and b"CONVSERVE_MIN_BODY_RATE" in answer
     # the only queue place is free again
     assert decode(srv.url, latents()).status_code == 200
+
+
+def test_a_full_queue_takes_the_place_of_the_slowest_upload(server_factory):
+    """Tricklers that fill the queue within their grace period lose their places to new requests
+    (the slowest first, once it has run long enough to judge), so steady traffic is served."""
+    srv = server_factory(models="tiny-vae", min_body_rate=1000, min_body_rate_grace_s=60, max_queue=2)
+    body = npy(latents())
+    tricklers = [raw_request(srv.port, "/v1/models/tiny-vae/decode?format=npy", body, send_body=False)
+                 for _ in range(2)]
+    for sock in tricklers:
+        sock.sendall(body[:1])
+    wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model="tiny-vae") == 2,
+             what="both tricklers admitted")
+    codes = []
+    wait_for(lambda: codes.append(decode(srv.url, latents()).status_code) or codes[-1] == 200,
+             what="a normal request served beside the tricklers")
+    assert set(codes) <= {200, 429}, codes
+    # one place was needed: one trickler got 408 (the other still holds its place)
+    readable, _, _ = select.select(tricklers, [], [], 30)
+    assert readable, "no trickler was answered"
+    answer = readable[0].recv(65536)
+    for sock in tricklers:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"gave its place" in answer, answer[:300]
