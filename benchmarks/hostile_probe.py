@@ -4,7 +4,8 @@ default: each check prints one line with what it measured and the bound it is he
   python benchmarks/hostile_probe.py            # every check (~4 minutes on 2 cores)
   python benchmarks/hostile_probe.py rss slow   # some of them
 
-Checks: `rss` (64 concurrent 48 MiB uint8 .npy encodes: peak and residual memory of the whole
+Checks: `kinds` (each request kind alone at its largest default size: peak server memory),
+`rss` (64 concurrent 48 MiB uint8 .npy encodes: peak and residual memory of the whole
 server, PSS over its processes), `abandon` (large decodes whose clients give up, then a small
 request), `stall` (a client that never reads its responses), `slow` (70 uploads trickling a byte
 every 2 s beside normal traffic), `early` (async httpx uploading 7.7 MB bodies that are refused
@@ -117,8 +118,51 @@ def check_rss(srv: ServerProcess) -> None:
           f"before, peak +{(peak - base) / GIB:.2f} GiB (bound 2), +{(after - base) / GIB:.2f} GiB 3 s after")
 
 
+def _png(h: int, w: int) -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def check_kinds(srv: ServerProcess) -> None:
+    """Each request kind alone at its largest default size: the peak growth of the server's memory."""
+    lat = npy(np.random.default_rng(0).standard_normal((1, 4, 128, 128)).astype(np.float32))  # 1024^2 out: the CPU cap
+    kinds = [
+        ("image decode 1024^2 -> PNG", "/v1/models/tiny-vae/decode?format=png", lat, NPY),
+        ("image decode 1024^2 -> float32 .npy (12 MiB)", "/v1/models/tiny-vae/decode?format=npy", lat, NPY),
+        ("encode 4096^2 uint8 .npy (48 MiB)", "/v1/models/tiny-convnext/encode",
+         npy(np.zeros((1, 4096, 4096, 3), np.uint8)), NPY),
+        ("encode 4096^2 noise PNG", "/v1/models/tiny-convnext/encode", _png(4096, 4096), {"content-type": "image/png"}),
+        ("remote-VAE encode 1024^2 PNG", "/v1/models/tiny-vae/vae/encode", _png(1024, 1024),
+         {"content-type": "image/png"}),
+        ("video stream 17 frames 512^2 -> .npy", "/v1/models/tiny-wan-vae/decode/stream?format=npy",
+         npy(np.random.default_rng(0).standard_normal((1, 4, 5, 64, 64)).astype(np.float32)), NPY),
+    ]
+    for name, path, body, headers in kinds:
+        base = pss_bytes(srv.proc.pid)
+        peak, done = base, threading.Event()
+
+        def sample():
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, pss_bytes(srv.proc.pid))
+                time.sleep(0.02)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            status = httpx.post(f"{srv.url}{path}", content=body, headers=headers, timeout=300).status_code
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+        done.set()
+        t.join()
+        count([status])
+        print(f"kinds: {name}: {status}, body {len(body) / 2**20:.1f} MiB, peak server memory +{(peak - base) / 2**20:.0f} MiB")
+
+
 def check_abandon(srv: ServerProcess) -> None:
-    big = npy(np.zeros((1, 4, 256, 256), np.float32))  # 2048x2048 out: at the CPU cap
+    big = npy(np.zeros((1, 4, 128, 128), np.float32))  # 1024x1024 out: at the CPU cap
     huge = npy(np.zeros((1, 4, 512, 512), np.float32))  # 4096x4096 out: past it
     t0 = time.monotonic()
     refused = post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", huge)
@@ -128,7 +172,7 @@ def check_abandon(srv: ServerProcess) -> None:
                                 range(8)))
     t0 = time.monotonic()
     small = post(f"{srv.url}/v1/models/tiny-vae/decode?format=npy", npy(np.zeros((1, 4, 8, 8), np.float32)))
-    print(f"abandon: 4096^2 decode answered {refused} in {refused_s:.2f}s; 8 decodes of 2048^2 abandoned by their "
+    print(f"abandon: 4096^2 decode answered {refused} in {refused_s:.2f}s; 8 decodes of 1024^2 abandoned by their "
           f"clients at 3 s: {count(gave_up)}; then a small decode: {small} in {time.monotonic() - t0:.1f}s (bound ~15)")
 
 
@@ -213,12 +257,12 @@ def check_models() -> None:
 
 
 def main() -> None:
-    which = set(sys.argv[1:]) or {"rss", "abandon", "stall", "slow", "early", "models"}
+    which = set(sys.argv[1:]) or {"kinds", "rss", "abandon", "stall", "slow", "early", "models"}
     print(f"hostile probe on {describe_machine()}")
-    if which & {"rss", "abandon", "stall", "slow"}:
+    if which & {"kinds", "rss", "abandon", "stall", "slow"}:
         srv = ServerProcess()  # the CPU default: every setting at its default
         try:
-            for name, check in (("rss", check_rss), ("abandon", check_abandon), ("stall", check_stall),
+            for name, check in (("kinds", check_kinds), ("rss", check_rss), ("abandon", check_abandon), ("stall", check_stall),
                                 ("slow", check_slow)):
                 if name in which:
                     check(srv)

@@ -37,9 +37,10 @@ DISCONNECT_POLL_S = 0.1
 #: how often a further front end, starting, looks whether it can serve yet
 SETTLE_POLL_S = 0.02
 #: the compute cap per request (Service.check_work) where CONVSERVE_MAX_REQUEST_PIXELS is 0, by
-#: backend: a 2048x2048 image on the CPU (a 4096x4096 decode, or a 61-frame 512x512 video, would
-#: hold a 2-core machine for minutes: docs/reliability.md has the measurements); GPUs go much further
-AUTO_REQUEST_PIXELS = {"numpy": 2048 * 2048, "mlx": 64 << 20, "cuda": 512 << 20}
+#: backend: 1024x1024 on the CPU, where a full SD-VAE decodes 512x512 in ~9 s on 2 cores, so the
+#: cap's ~35 s stays inside the default request timeout (a 2048x2048 decode of even the tiny test
+#: VAE outlasted it: docs/reliability.md); GPUs go much further
+AUTO_REQUEST_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 

@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     write_timeout_s: float = Field(30.0, gt=0)
     #: most output pixels (frames x height x width, over the batch) one request may ask a
     #: model for: work past it is refused up front with 413 instead of holding a device for
-    #: minutes. 0 = auto by backend: numpy 4 Mpx (2048x2048), mlx 64 Mpx, cuda 512 Mpx
+    #: minutes. 0 = auto by backend: numpy 1 Mpx (1024x1024), mlx 64 Mpx, cuda 512 Mpx
     max_request_pixels: int = Field(0, ge=0)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
