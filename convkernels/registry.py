@@ -5,7 +5,7 @@ import importlib.util
 import logging
 import platform
 
-from .backend import Backend
+from .protocol import Backend
 
 log = logging.getLogger("convkernels")
 

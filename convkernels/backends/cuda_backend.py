@@ -30,9 +30,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..backend import CONV_OPS, CONV_T_OPS, Backend
-from ..paths import ConvPath, PathChooser
-from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose, validate_conv
+from ..backend import BackendBase
+from ..paths import ConvPath
+from ..spec import ConvKey, ConvSpec, prod, upsample_conv_as_transpose
 from . import cuda_gemm
 from .cuda_blas import Cublas
 from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
@@ -56,10 +56,11 @@ _DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16"
 _STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
-class CudaBackend(Backend):
+class CudaBackend(BackendBase):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
     runs_ahead = True
+    path_memo_events = False  # the plan cache emits the plan cache events
 
     def __init__(self, dtype: str = "float16", device: int = 0, plan_cache_capacity: int | None = None,
                  plan_cache_dir: str | None = None, unfold_limit_bytes: int | None = None,
@@ -119,7 +120,6 @@ class CudaBackend(Backend):
         self.measurements: dict = {}
         self._dw_cache: OrderedDict = OrderedDict()
         super().__init__(dtype, timing_sample_rate)
-        self.paths = PathChooser(self.name, self.conv_paths(), self.measure_paths(), cache_metrics=False)
         if force_fallback:
             self.paths.forced = "gemm_fallback"
 
@@ -226,27 +226,19 @@ class CudaBackend(Backend):
             self._event_pool += [start, end]
 
     # ---- convolutions ---------------------------------------------------------------------------
-    def conv(self, x, w, spec: ConvSpec, bias=None, *, residual=None, activation=None):
-        """act(conv(x, w) + bias) + residual. Counts the path that actually ran."""
-        if self.before_conv is not None:
-            self.before_conv(x, w, spec)
-        nd = spec.nd
-        op = (CONV_T_OPS if spec.transpose else CONV_OPS).get(nd)
-        if op is None:
-            raise ValueError(f"no {'transposed ' if spec.transpose else ''}conv for {nd} spatial dims")
-        validate_conv(op, tuple(x.shape), tuple(w.shape), spec,
-                      None if bias is None else tuple(bias.shape),
-                      None if residual is None else tuple(residual.shape), activation)
+    def _conv_operands(self, op, x, w, bias, residual):
+        """Every operand in the storage dtype of x (one of supported_dtypes), contiguous."""
         dt = self.dtype_of(x)
         if dt not in _STORAGE:
             raise ValueError(f"{op}: the cuda backend computes in {self.supported_dtypes}, got {dt}")
-        x, w = self._as(x, dt), self._as(w, dt)
-        bias, residual = self._as(bias, dt), self._as(residual, dt)
-        key = ConvKey(op, tuple(x.shape), tuple(w.shape), dt, spec,
-                      (bias is not None, residual is not None, activation))
-        path = self.paths.choose(key)
+        return self._as(x, dt), self._as(w, dt), self._as(bias, dt), self._as(residual, dt)
+
+    def _run(self, path, key, x, w, bias, residual, activation):
+        """Runs the path and counts the path that actually ran (a `cudnn` choice whose key has the
+        FALLBACK marker runs gemm_fallback)."""
+        op = key.op
         recorded = getattr(self._tls, "calls", None)  # a CUDA graph capture is under way
-        sampled = recorded is None and (self.timing_sample_rate >= 1.0 or self._rng.random() < self.timing_sample_rate)
+        sampled = recorded is None and self._sampled()
         if sampled:
             start = self._event()
             start.record()

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 
 from .. import _cpu
-from ..backend import Backend
+from ..backend import BackendBase
 from ..paths import ConvPath
 from ..spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
 from . import numpy_conv as nc
@@ -128,7 +128,7 @@ _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
 AUTOTUNE_DROP_FACTOR = 2.5
 
 
-class NumpyBackend(Backend):
+class NumpyBackend(BackendBase):
     name = "numpy"
     supported_dtypes = ("float32", "float64")
 
@@ -298,16 +298,17 @@ class NumpyBackend(Backend):
                      self._run_unfold),
         ]
 
-    def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
-        if w.ndim >= 3 and w.shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
+    def _run(self, path, key, x, w, bias, residual, activation):
+        spec = key.spec
+        if key.w_shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
             # depthwise paths call no BLAS: pinning its threads would cost ~10 us for nothing
-            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
+            return self._count_and_time(path, key, x, w, bias, residual, activation)
         # small convs run their gemms on one BLAS thread (see SMALL_GEMM_MACS)
-        rows = int(np.prod(x.shape[:-1])) * int(np.prod(spec.stride)) if spec.transpose else \
-            x.shape[0] * int(np.prod(spec.output_spatial(x.shape[1:-1], w.shape[1:-1])))
-        macs = float(rows) * w.shape[0] * int(np.prod(w.shape[1:]))
+        rows = prod(key.x_shape[:-1]) * prod(spec.stride) if spec.transpose else \
+            key.x_shape[0] * prod(key.out_shape[1:-1])
+        macs = float(rows) * key.w_shape[0] * prod(key.w_shape[1:])
         with self.blas_threads.for_macs(macs):
-            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
+            return self._count_and_time(path, key, x, w, bias, residual, activation)
 
     def _epilogue(self, out, bias, residual, activation):
         if bias is not None:
