@@ -151,10 +151,6 @@ class BackendBase(TensorOps):
             return HostReady(pixels_to_uint8(host))
         return HostReady(host if clip is None else np.clip(host, clip[0], clip[1]))
 
-    @abstractmethod
-    def dtype_of(self, x: Array) -> str:
-        """numpy-style dtype name of a device array ('float32', 'float16', 'bfloat16', ...)."""
-
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on synchronous backends)."""
 

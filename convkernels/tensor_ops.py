@@ -18,9 +18,13 @@ HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class TensorOps(ABC):
-    """The non-conv ops of BackendBase (whose `dtype_of` names an array's dtype)."""
+    """The non-conv ops of BackendBase."""
 
     # ---- primitives a backend implements ------------------------------------------------------
+    @abstractmethod
+    def dtype_of(self, x: Array) -> str:
+        """numpy-style dtype name of a device array ('float32', 'float16', 'bfloat16', ...)."""
+
     @abstractmethod
     def _group_norm(self, x, num_groups, weight, bias, eps, activation): ...
 

@@ -3,8 +3,9 @@
 - `cudnn`: a cuDNN frontend graph per conv key, from the plan cache (cuda_plan_cache.py); a key
   cuDNN has no plan for is cached as FALLBACK and runs gemm_fallback, and the metrics then name
   the path that ran.
-- `gemm_fallback` / `tiled_unfold`: explicit im2col / col2im + cuBLAS in float32 (cuda_gemm.py),
-  for keys cuDNN refuses or with force_fallback; `tiled_unfold` where the unfold buffer tiles.
+- `gemm_fallback` / `tiled_unfold`: explicit im2col / col2im (convkernels/unfold.py on CuPy) +
+  cuBLAS in float32, for keys cuDNN refuses or with force_fallback; `tiled_unfold` where the
+  unfold buffer tiles. It is the correctness path: float32 whatever the storage dtype.
 - `small_kd_2d`: a 3-d conv as kD accumulated 2-d cuDNN convs over frames.
 - `depthwise_direct`: our depthwise 2-d kernel with the epilogue fused.
 The last two are chosen only by measurement (autotune). Every runner returns (out, the path that
@@ -18,7 +19,7 @@ import statistics
 
 from ..paths import ConvPath
 from ..spec import ConvKey, ConvSpec
-from . import cuda_gemm
+from ..unfold import NumpyLike, conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from .cuda_arrays import storage_dtype
 from .cuda_plan_cache import Fallback, PlanKey
 
@@ -36,6 +37,8 @@ class CudaConvPaths:
         self.device_id = device_id
         self.unfold_limit_bytes = unfold_limit_bytes
         self.autotune = autotune
+        #: CuPy as unfold.py's array namespace; the cuBLAS products take contiguous weights
+        self.xp = NumpyLike(cp, contiguous_weights=True)
         #: the cuDNN workspace, replaced by a larger one when a plan needs more
         self.workspace = None
         #: key -> {path: median ms} of each measured choice
@@ -46,7 +49,7 @@ class CudaConvPaths:
             return k.op == "conv3d" and 1 < k.kernel[0] <= 4
 
         def exceeds(k: ConvKey) -> bool:
-            return cuda_gemm.unfold_bytes(k.x_shape, k.w_shape, k.out_shape, k.spec) > self.unfold_limit_bytes
+            return unfold_bytes(k.x_shape, k.w_shape, k.out_shape, k.spec) > self.unfold_limit_bytes
 
         def depthwise_2d(k: ConvKey) -> bool:
             return k.op == "conv2d" and k.is_depthwise
@@ -154,9 +157,10 @@ class CudaConvPaths:
         return out, "cudnn"
 
     def run_gemm(self, x, w, key: ConvKey, bias, residual, activation):
-        fn = cuda_gemm.conv_transpose if key.spec.transpose else cuda_gemm.conv_forward
-        out32, tiled = fn(self.cp, self.arrays.f32(x), self.arrays.f32(w), key.spec, key.out_shape,
-                          self.unfold_limit_bytes, matmul=self.blas.matmul)
+        # the products through cuBLAS's C API on the backend's handle: capturable, unlike cp.matmul
+        conv = conv_transpose_col2im if key.spec.transpose else conv_unfold_gemm
+        out32, tiled = conv(self.xp, self.arrays.f32(x), self.arrays.f32(w), key.spec, key.out_shape,
+                            self.unfold_limit_bytes, matmul=self.blas.matmul)
         out = self.arrays.cast(out32, key.dtype)
         if bias is not None or residual is not None or activation is not None:
             self.arrays.kernels(key.dtype).epilogue(out, bias, residual, activation, out=out)

@@ -13,7 +13,7 @@ predate the upstream fixes, and their guards/cost rules read the installed versi
 - depthwise_tail: depthwise conv2d whose output is not a multiple of 8 (MLX PR 3446): our
   tail-aware Metal kernel where MLX < 0.32.0 still gates its own, else pad-to-8-and-slice.
 - small_kd_2d: conv3d with kernel depth <= 7 as accumulated per-frame 2D convs (MLX PR 3785).
-- tiled_unfold: explicit gemm in row tiles under `unfold_limit_bytes` (MLX PR 3084).
+- tiled_unfold: explicit gemm in tiles under `unfold_limit_bytes` (MLX PR 3084; convkernels/unfold.py).
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class MlxBackend(BackendBase):
             return k.macs() * (0.4 if env.slow_conv3d else SMALL_KD_CPU_FACTOR if not env.metal else 1.1)
 
         def unfold_too_big(k: ConvKey) -> bool:
-            return mp.unfold_bytes(k, _DTYPES.get(k.dtype, mx.float32).size) > self.unfold_limit_bytes
+            return mp.native_unfold_bytes(k, _DTYPES.get(k.dtype, mx.float32).size) > self.unfold_limit_bytes
 
         def tiled_cost(k: ConvKey) -> float:
             # before PR 3084 MLX's own unfold fails above maxBufferLength: tiling is the only way;

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "convkernels" / "backends"
 MODULES = ["cuda_backend.py", "cuda_arrays.py", "cuda_conv_paths.py", "cuda_fusions.py", "cuda_kernels.py",
-           "cuda_gemm.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
+           "../unfold.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
 
 #: (module, function) -> why it may do what a capture forbids
 EAGER_ONLY = {
