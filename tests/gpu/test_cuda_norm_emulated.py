@@ -6,7 +6,7 @@ the backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the
 path, groups that split a vector, the chunking and the folded finalize, rows held in registers
 across a warp's lanes, against torch.nn.functional, where there is no GPU.
 (fp16/bf16 differ only in the load/store conversions and the vector width;
-tests/gpu/test_cuda_ops.py and test_cuda_convnext_fusions.py run all three on a GPU.)"""
+tests/test_ops.py and tests/gpu/test_cuda_convnext_fusions.py run all three on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
