@@ -12,8 +12,10 @@ channels-last. What a new backend implements:
 - `_run(path, key, x, w, bias, residual, activation)`: run the chosen path on the validated
   operands and count it in the metrics (`_count_and_time` does both on a synchronous device).
 - arrays: `asarray`, `to_host`, `dtype_of`.
-- the op primitives: `_group_norm`, `_layer_norm`, `_activation`, `_upsample_nearest`, `_pad`,
-  `_matmul`, `_attention`, `_softmax`, `_concat`, `_mean`.
+- the op primitives (abstract in tensor_ops.TensorOps, whose public ops call them): `_group_norm`,
+  `_layer_norm`, `_activation`, `_upsample_nearest`, `_pad`, `_matmul`, `_attention`, `_softmax`,
+  `_concat`, `_mean`.
+- `path_memo_events = False` if its own plan cache counts the plan cache events (cuda).
 
 What it may override, with the default in brackets: `_conv_operands` [check the dtypes],
 `to_host_async` [copy at once], `synchronize` and `flush_timings` [no-ops], `_rms_norm` [through
