@@ -4,7 +4,7 @@ run, against PyTorch eager (timm convnext_tiny, else transformers ConvNextModel;
 channels-last) on the same GPU. Prints median ms, images/s, ratio ours / PyTorch (below 1 = we are
 faster), summed GPU kernel time (CUPTI) and the kernel launches per forward.
 
-Switches (CudaBackend constructor options; every configuration gets a fresh backend and model;
+Switches (CudaOptions fields; every configuration gets a fresh backend and model;
 a server takes them as CONVSERVE_CUDA_<NAME> settings):
 - lt_epilogues: fc1 bias + GELU and fc2 bias + residual inside cuBLASLt's GEMM
   (cuda_blas_lt.py) instead of cuBLAS + the `epilogue` kernel
@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-CONFIGS = [  # name, CudaBackend options (the rest at their defaults)
+CONFIGS = [  # name, CudaOptions fields (the rest at their defaults)
     ("all fusions (default)", {}),
     ("exact GELU (fc1 unfused)", {"lt_gelu_approx": False}),
     ("no cuBLASLt epilogues", {"lt_epilogues": False}),
@@ -80,6 +80,7 @@ def main():
     import torch
 
     from convkernels.backends.cuda_backend import CudaBackend
+    from convkernels.backends.cuda_options import CudaOptions
     from models import load_model
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -118,7 +119,7 @@ def main():
 
     rows = []
     for name, options in CONFIGS:
-        be = CudaBackend(dtype="float16", cuda_graphs=True, **options)
+        be = CudaBackend(CudaOptions(dtype="float16", cuda_graphs=True, **options))
         model = load_model("cnx", "convnext-tiny", be)
         for n in batches:
             xd = be.asarray(pixels[n])

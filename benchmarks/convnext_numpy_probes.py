@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 
 from convkernels.backends import numpy_conv as nc  # noqa: E402
-from convkernels.backends.numpy_backend import apply_activation  # noqa: E402
+from convkernels.backends.numpy_activations import apply_activation  # noqa: E402
 from convkernels.spec import ConvKey, ConvSpec  # noqa: E402
 
 # Eigen's generic_fast_erf_float (also XLA's): erf(z) ~ z * P(z^2) / Q(z^2) on [-4, 4]

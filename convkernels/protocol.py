@@ -1,8 +1,12 @@
 """The typed contract models are written against and the service drives: one backend per device.
 
-`convkernels.backend.Backend` (the ABC the numpy, mlx and cuda backends extend) implements it;
-models and the service name only this Protocol (docs/interfaces.md, "Backend"). Arrays are the
-backend's native arrays, channels-last: activations N,*spatial,C, conv weights O,*k,I/groups.
+Every member a model or the service may use is listed here, and nothing else: models and the
+service name only this Protocol (docs/interfaces.md, "Backend"), never a backend class, and
+never probe a backend with getattr. `convkernels.BackendBase` (backend.py), the class the numpy,
+mlx and cuda backends extend, implements all of it; the optional capabilities at the end have
+defaults there that say "not offered" (None, False, or the unfused route), so a backend that
+does not offer one inherits the default. Arrays are the backend's native arrays, channels-last:
+activations N,*spatial,C, conv weights O,*k,I/groups.
 """
 from __future__ import annotations
 
@@ -15,6 +19,17 @@ from .spec import ConvSpec, PaddingArg
 Array = Any
 #: a callable run as hook(x, w, spec) ahead of every conv (Backend.before_conv); it may raise
 ConvHook = Callable[[Array, Array, ConvSpec], None]
+
+
+class Graphed(Protocol):
+    """What `Backend.graphed(fn)` returns: called as fn is. `records(*xs)` says whether a call
+    with inputs like xs may still be captured and replayed (CUDA graphs); False where such
+    inputs run eagerly for good, and always False on a backend that records nothing, so a
+    caller with an eager route of its own (Wan's in-place cache) takes that route."""
+
+    def __call__(self, *xs: Array) -> Any: ...
+
+    def records(self, *xs: Array) -> bool: ...
 
 
 @runtime_checkable
@@ -42,7 +57,7 @@ class Backend(Protocol):
 
     def flush_timings(self) -> None: ...
 
-    def graphed(self, fn: Callable) -> Callable: ...
+    def graphed(self, fn: Callable) -> Graphed: ...
 
     @property
     def calls_to_warm(self) -> int: ...
@@ -116,3 +131,21 @@ class Backend(Protocol):
     def plan_cache_stats(self) -> dict: ...
 
     def describe(self) -> dict: ...
+
+    # ---- optional capabilities (BackendBase's defaults say "not offered") -----------------------
+    #: ops return before the device has run them and to_host_async overlaps its copy with the
+    #: next work, so a model may queue one more piece before it waits (Wan's frame groups).
+    #: Default False.
+    runs_ahead: bool
+    #: bytes one conv's unfold (im2col) buffer may take; models count it in their memory
+    #: estimates. Default None: the backend builds no such buffer under a bound.
+    unfold_limit_bytes: int | None
+    #: query rows per attention block (the score matrix is chunk x keys); models count it in
+    #: their memory estimates. Default None: the backend bounds its scores another way, or not.
+    attention_chunk: int | None
+
+    def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float) -> Array | None:
+        """layer_norm(conv2d(x, w, bias, padding=k // 2, groups=C), norm_w, norm_b, eps) in
+        one fused op (ConvNeXt's block), or None where the backend does not fuse this case: the
+        caller then runs the two ops. Default: always None."""
+        ...

@@ -5,7 +5,7 @@ import importlib.util
 import logging
 import platform
 
-from .backend import Backend
+from .protocol import Backend
 
 log = logging.getLogger("convkernels")
 
@@ -91,4 +91,5 @@ def get_backend(name: str = "auto", cuda_options: dict | None = None, numpy_opti
     if not ok:
         raise RuntimeError(f"backend 'cuda' is not usable here: {why}")
     from .backends.cuda_backend import CudaBackend
-    return CudaBackend(**options, **(cuda_options or {}))
+    from .backends.cuda_options import CudaOptions
+    return CudaBackend(CudaOptions(**options, **(cuda_options or {})))

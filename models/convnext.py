@@ -164,8 +164,7 @@ class ConvNeXtBlock(Module):
     def __call__(self, backend: Backend, x):
         dw, norm = self.conv_dw, self.norm
         # a backend may compute conv + norm in one pass (CUDA: dw_ln, where switched on)
-        fused = getattr(backend, "depthwise_conv_layer_norm", None)
-        h = None if fused is None else fused(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
+        h = backend.depthwise_conv_layer_norm(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
         if h is None:
             h = norm(backend, dw(backend, x))
         h = self.fc1(backend, h, activation=self.activation)

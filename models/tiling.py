@@ -87,7 +87,7 @@ def _stage_bytes(model, px: int, ch: int) -> int:
     or Winograd transforms (about 12), each row-tiled by the backend under its limit, a few such
     buffers alive at once."""
     scratch = CONV_SCRATCH_PER_PIXEL_CHANNEL * px * ch * 4
-    unfold_cap = getattr(model.backend, "unfold_limit_bytes", None)
+    unfold_cap = model.backend.unfold_limit_bytes
     if unfold_cap:
         scratch = min(scratch, CONV_SCRATCH_BUFFERS * unfold_cap)
     return LIVE_TENSORS * px * ch * _itemsize(model) + scratch
@@ -104,7 +104,7 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
                for level, ch in enumerate(boc))
     if cfg.mid_block_add_attention:
         tokens = h * w
-        chunk = min(tokens, getattr(model.backend, "attention_chunk", tokens))
+        chunk = min(tokens, model.backend.attention_chunk or tokens)
         scores = 3 * n * chunk * tokens * 4  # scores, exp, probabilities
         peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * _itemsize(model))
     f = cfg.spatial_factor

@@ -232,8 +232,7 @@ class WanVAEDecoder:
         x = b.asarray(np.ascontiguousarray(z_chunk))
         # eagerly, the in-place route frees each old cache slot as its new one is made; the
         # functional step would hold the whole old cache (2.3 GB at 480x832) until it returns
-        records = getattr(self._steady_step, "records", None)
-        if state.steady() and records is not None and records(x, *state.slots):
+        if state.steady() and self._steady_step.records(x, *state.slots):
             out, *slots = self._steady_step(x, *state.slots)
             state.slots = slots
         else:

@@ -1,11 +1,14 @@
 """Shared fixtures: real convserve servers (`python -m service.cli serve`, the README's path) on
-free localhost ports in subprocesses, with the tiny presets and random weights."""
+free localhost ports in subprocesses, with the tiny presets and random weights; and the backends
+the op suite runs on (op_backends.py)."""
 from __future__ import annotations
 
 import pytest
 
-# tests import helpers from live_server, never `from conftest` (tests/gpu has a conftest too)
+# tests import helpers from live_server and op_backends, never `from conftest` (tests/gpu has a
+# conftest too)
 from live_server import LiveServer, start_server
+from op_backends import HALF_TARGETS, TARGETS, Target, available, target_params
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +31,15 @@ def server_factory(tmp_path_factory):
 def live_server(server_factory) -> LiveServer:
     """The default model set (tiny-vae, tiny-convnext, tiny-wan-vae), default limits."""
     return server_factory(models="tiny-vae,tiny-convnext,tiny-wan-vae")
+
+
+@pytest.fixture(params=target_params(TARGETS))
+def target(request) -> Target:
+    """Each backend in each dtype it computes in (op_backends.TARGETS); skipped where it cannot run."""
+    return available(request)
+
+
+@pytest.fixture(params=target_params(HALF_TARGETS))
+def half_target(request) -> Target:
+    """The half-precision dtypes of the backends that have them."""
+    return available(request)

@@ -111,12 +111,12 @@ def test_build_context_has_the_package_and_nothing_else():
     patterns = checks.dockerignore_patterns()
     assert patterns, ".dockerignore missing"
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    needed = [f for f in tracked if re.match(r"(convkernels|models|service)/.*\.(py|c|h)$", f)]
+    needed = [f for f in tracked if re.match(r"(convkernels|models|service)/.*\.(py|c|h|cu)$", f)]
     needed += ["pyproject.toml", "setup.py", "README.md", "deploy/docker/healthcheck.py"]
     assert len(needed) > 10
     missing = [f for f in needed if not checks.in_build_context(f, patterns)]
     assert not missing, f"excluded from the build context: {missing}"
-    for f in ("tests/test_numpy_ops.py", ".git/config", "convkernels/_cpu/_depthwise.cpython-311-x86_64-linux-gnu.so",
+    for f in ("tests/test_ops.py", ".git/config", "convkernels/_cpu/_depthwise.cpython-311-x86_64-linux-gnu.so",
               "service/__pycache__/app.cpython-311.pyc", "benchmarks/x.py", "models/vae.safetensors", "deploy/models/flux/diffusion_pytorch_model.bin",
               "convserve.egg-info/PKG-INFO", "deploy/k8s/base/deployment.yaml"):
         assert not checks.in_build_context(f, patterns), f"{f} would be sent to the builder"

@@ -40,6 +40,7 @@ import logging
 import threading
 import weakref
 from collections import Counter, OrderedDict
+from contextlib import contextmanager
 
 from ..metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REPLAYS, CUDA_GRAPHS_HELD
 from .cuda_transfer import copy_into
@@ -58,6 +59,57 @@ MAX_MISSED_CAPTURES = 3
 class CaptureMissed(RuntimeError):
     """Raised under capture where eager-only work (building a plan, measuring paths) was needed:
     that call runs eagerly instead, and the next call of the key captures again."""
+
+
+class CaptureState:
+    """What the backend does differently while a graph is captured on this thread, so that it
+    keeps the rules above: each conv's (op, path) is listed for the replays to count instead of
+    being counted (`record`); every buffer from outside the capture's pool that the captured work
+    uses is held by the graph (`keep`); eager-only work raises CaptureMissed (`require_eager`);
+    and `active` tells caches not to make entries that would point into the capture's pool.
+    Per thread: a capture on one thread leaves eager calls on others as they are."""
+
+    def __init__(self):
+        self._tls = threading.local()
+
+    @property
+    def active(self) -> bool:
+        return getattr(self._tls, "calls", None) is not None
+
+    def record(self, op: str, path: str) -> bool:
+        """Under capture, list a conv (counted at each replay, not at capture) and return True;
+        otherwise False: the caller counts it now."""
+        calls = getattr(self._tls, "calls", None)
+        if calls is None:
+            return False
+        calls.append((op, path))
+        return True
+
+    def keep(self, held) -> None:
+        """Under capture, make the graph hold `held` (a workspace its replays write, a cuDNN plan
+        whose runtime-compiled kernels it captured) for as long as the graph lives: the backend
+        may replace it meanwhile, and it must not go back to the pool while replays use it."""
+        kept = getattr(self._tls, "keep", None)
+        if kept is not None and not any(k is held for k in kept):
+            kept.append(held)
+
+    def require_eager(self, what: str) -> None:
+        """Under capture, raise CaptureMissed: `what` (building a plan, measuring paths, making a
+        handle) is eager-only; that call then runs eagerly and a later one captures."""
+        if self.active:
+            raise CaptureMissed(what)
+
+    @contextmanager
+    def recording(self, held=()):
+        """The capture of one forward on this thread: yields (calls, kept), the convs listed and
+        the buffers held, starting with `held`."""
+        calls: list = []
+        kept: list = list(held)
+        self._tls.calls, self._tls.keep = calls, kept
+        try:
+            yield calls, kept
+        finally:
+            self._tls.calls = self._tls.keep = None
 
 
 class GraphCache:

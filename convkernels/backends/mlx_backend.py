@@ -13,18 +13,18 @@ predate the upstream fixes, and their guards/cost rules read the installed versi
 - depthwise_tail: depthwise conv2d whose output is not a multiple of 8 (MLX PR 3446): our
   tail-aware Metal kernel where MLX < 0.32.0 still gates its own, else pad-to-8-and-slice.
 - small_kd_2d: conv3d with kernel depth <= 7 as accumulated per-frame 2D convs (MLX PR 3785).
-- tiled_unfold: explicit gemm in row tiles under `unfold_limit_bytes` (MLX PR 3084).
+- tiled_unfold: explicit gemm in tiles under `unfold_limit_bytes` (MLX PR 3084; convkernels/unfold.py).
 """
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import mlx.core as mx
 import numpy as np
 
-from ..backend import Backend, HostReady
+from ..backend import BackendBase
+from ..host import HostReady
 from ..paths import ConvPath
 from ..spec import ConvKey, is_subpixel_upsample, upsample_conv_as_transpose, upsample_shapes
 from . import mlx_metal
@@ -49,7 +49,7 @@ def _default_unfold_limit(env: mp.MlxEnv) -> int:
     return DEFAULT_UNFOLD_LIMIT
 
 
-class MlxBackend(Backend):
+class MlxBackend(BackendBase):
     name = "mlx"
     supported_dtypes = ("float32", "float16", "bfloat16")
 
@@ -67,7 +67,6 @@ class MlxBackend(Backend):
         self.unfold_limit_explicit = bool(unfold_limit_bytes)
         self.unfold_limit_bytes = int(unfold_limit_bytes or _default_unfold_limit(self.env))
         self.autotune = self.env.metal if autotune is None else bool(autotune)
-        self._timing = threading.local()
         self.attention_chunk = max(1, int(attention_chunk))
         super().__init__(dtype, timing_sample_rate)
 
@@ -120,25 +119,20 @@ class MlxBackend(Backend):
         if sync is not None:
             sync()
 
-    def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
-        self._timing.operands = (x, w, bias, residual)
-        try:
-            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
-        finally:
-            self._timing.operands = ()
-
-    def _time_conv(self, op, path, run):
-        if self.timing_sample_rate >= 1.0 or self._rng.random() < self.timing_sample_rate:
-            # MLX is lazy: settle the operands' pending graph first, so the sample is this conv only
-            pending = [a for a in getattr(self._timing, "operands", ()) if isinstance(a, mx.array)]
-            if pending:
-                mx.eval(*pending)
-            t0 = time.perf_counter()
-            out = run()
-            mx.eval(out)
-            self._conv_metrics(op, path)[1].observe(time.perf_counter() - t0)
-            return out
-        return run()
+    def _run(self, path, key, x, w, bias, residual, activation):
+        self._conv_metrics(key.op, path.name)[0].inc()
+        if not self._sampled():
+            return path.run(x, w, key, bias, residual, activation)
+        # MLX is lazy: a timed conv is evaluated on its own, its operands' pending graph first,
+        # so the sample is this conv only
+        pending = [a for a in (x, w, bias, residual) if isinstance(a, mx.array)]
+        if pending:
+            mx.eval(*pending)
+        t0 = time.perf_counter()
+        out = path.run(x, w, key, bias, residual, activation)
+        mx.eval(out)
+        self._conv_metrics(key.op, path.name)[1].observe(time.perf_counter() - t0)
+        return out
 
     # ---- conv paths -----------------------------------------------------------------------
     def conv_paths(self) -> list[ConvPath]:
@@ -165,7 +159,7 @@ class MlxBackend(Backend):
             return k.macs() * (0.4 if env.slow_conv3d else SMALL_KD_CPU_FACTOR if not env.metal else 1.1)
 
         def unfold_too_big(k: ConvKey) -> bool:
-            return mp.unfold_bytes(k, _DTYPES.get(k.dtype, mx.float32).size) > self.unfold_limit_bytes
+            return mp.native_unfold_bytes(k, _DTYPES.get(k.dtype, mx.float32).size) > self.unfold_limit_bytes
 
         def tiled_cost(k: ConvKey) -> float:
             # before PR 3084 MLX's own unfold fails above maxBufferLength: tiling is the only way;

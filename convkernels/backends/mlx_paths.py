@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..spec import ConvKey, prod
+from ..spec import ConvKey, ConvSpec, prod
+from ..unfold import conv_unfold_gemm
 
 # Upstream releases that made our workaround paths unnecessary (guards compare mx.__version__).
 DEPTHWISE_TAIL_FIXED = (0, 32, 0)   # PR 3446: tail-aware Metal depthwise kernel
@@ -155,11 +156,12 @@ def small_kd_conv(x, w, key: ConvKey):
     return acc.reshape(n, od, *acc.shape[1:])
 
 
-# ---- tiled_unfold -----------------------------------------------------------------------------
+# ---- tiled_unfold ---------------------------------------------------------------------------------
 
-def unfold_bytes(key: ConvKey, itemsize: int) -> int:
-    """Bytes of the explicit-gemm unfold buffer (im2col of the forward conv; for a transposed
-    conv, of its forward form over the stride-dilated input, as MLX's naive_unfold_transpose)."""
+def native_unfold_bytes(key: ConvKey, itemsize: int) -> int:
+    """Bytes of MLX's own explicit-gemm unfold buffer, one buffer for all channels (im2col of the
+    forward conv; for a transposed conv, of its forward form over the stride-dilated input, as
+    MLX's naive_unfold_transpose): what must stay under Metal's maxBufferLength."""
     return prod(key.out_shape[:-1]) * prod(key.kernel) * key.in_channels * itemsize
 
 
@@ -176,75 +178,53 @@ def _stride_dilate(x, stride):
     return x
 
 
-def unfold_tiles(out_sp: tuple[int, ...], bytes_per_position: int, limit_bytes: int):
-    """Split the output positions of one batch item into boxes whose unfold fits `limit_bytes`.
+class MlxArrays:
+    """mlx.core as the array namespace of convkernels/unfold.py. MLX arrays are row-major to
+    their user (as_strided reads its input flattened), so strides are counted on the shape, and
+    there is no layout to make contiguous: MLX's matmul reads a transposed view itself.
+    `evaluate` runs the lazy graph built so far, one tile at a time, so the bound holds."""
 
-    Tiles run along the outermost spatial axis whose single line (with every axis inside it)
-    still fits; the axes outside it are walked one index at a time. A conv_transpose1d laid out
-    as H=1 (the PR 3084 case) thus tiles along W. Yields (axis, outer_index, start, stop)."""
-    inner = 1
-    axis = len(out_sp) - 1
-    for a in range(len(out_sp) - 1, -1, -1):
-        if prod(out_sp[a + 1:]) * bytes_per_position > limit_bytes:
-            break
-        axis, inner = a, prod(out_sp[a + 1:])
-    step = max(1, min(out_sp[axis], limit_bytes // max(1, inner * bytes_per_position)))
-    for outer in itertools.product(*(range(v) for v in out_sp[:axis])):
-        for r0 in range(0, out_sp[axis], step):
-            yield axis, outer, r0, min(r0 + step, out_sp[axis])
+    @staticmethod
+    def pad(x, pad_width):
+        return mx.pad(x, [tuple(p) for p in pad_width])
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return mx.zeros(shape, dtype=dtype)
+
+    empty = zeros  # every element of the output is written
+
+    @staticmethod
+    def ascontiguousarray(x):
+        return x
+
+    matmul_weights = ascontiguousarray
+
+    @staticmethod
+    def as_strided(x, shape, strides):
+        return mx.as_strided(x, shape, strides)
+
+    @staticmethod
+    def strides(x) -> tuple[int, ...]:
+        return tuple(prod(x.shape[a + 1:]) for a in range(x.ndim))
+
+    @staticmethod
+    def evaluate(x) -> None:
+        mx.eval(x)
+
+
+MLX_ARRAYS = MlxArrays()
 
 
 def tiled_unfold_conv(x, w, key: ConvKey, limit_bytes: int):
     """Explicit gemm whose unfold buffer is built one tile of output positions at a time, each
-    under `limit_bytes` (see unfold_tiles); each tile is evaluated before the next is built so
-    the bound holds under MLX's lazy evaluation."""
+    under `limit_bytes` (convkernels/unfold.py). A transposed conv runs as MLX lowers it: the
+    forward conv of its stride-dilated input with the flipped kernel."""
     s = key.spec
-    nd = s.nd
-    lo, hi = forward_padding(key)
     if s.transpose:
+        lo, hi = forward_padding(key)
         x = _stride_dilate(x, s.stride)
-        w = w[(slice(None), *(slice(None, None, -1),) * nd)]
-        stride = (1,) * nd
-    else:
-        stride = s.stride
-    xp = mx.pad(x, [(0, 0), *zip(lo, hi), (0, 0)])
-    out_sp = key.out_shape[1:-1]
-    g = s.groups
-    cg, og = key.w_shape[-1], key.out_channels // g
-    taps = list(itertools.product(*(range(k) for k in key.kernel)))
-    kc = len(taps) * cg
-    wmats = [w[i * og:(i + 1) * og].reshape(og, kc).T for i in range(g)]
-    c_in = xp.shape[-1]
-    pstr = [prod(xp.shape[a + 1:]) for a in range(xp.ndim)]  # element strides of the padded input
-    tiles = []
-    for b in range(x.shape[0]):
-        row = []
-        for axis, outer, r0, r1 in unfold_tiles(out_sp, len(taps) * x.shape[-1] * x.dtype.size, limit_bytes):
-            box = [(o, o + 1) for o in outer] + [(r0, r1)] + [(0, v) for v in out_sp[axis + 1:]]
-            # the tile's patches as one strided view of the padded input (row-contiguous
-            # element strides); materialising it for the gemm is the tile's unfold buffer
-            offset = b * pstr[0] + sum(a0 * st * ps for (a0, _), st, ps in zip(box, stride, pstr[1:-1]))
-            shape = (1, *(a1 - a0 for a0, a1 in box), *key.kernel, c_in)
-            strides = (pstr[0], *(st * ps for st, ps in zip(stride, pstr[1:-1])),
-                       *(d * ps for d, ps in zip(s.dilation, pstr[1:-1])), 1)
-            view = mx.as_strided(xp, shape, strides, offset)
-            patches = view.reshape(*shape[:1 + nd], len(taps), c_in)  # (1, *box, taps, C)
-            m = prod(patches.shape[:-2])
-            outs = [patches[..., i * cg:(i + 1) * cg].reshape(m, kc) @ wmats[i] for i in range(g)]
-            tile = (outs[0] if g == 1 else mx.concatenate(outs, axis=-1)).reshape(*patches.shape[:-2], -1)
-            mx.eval(tile)
-            row.append((axis, tile))
-        tiles.append(row)
-    # reassemble: tiles of one outer index concatenate along the tiled axis; outer indices and
-    # batch items are in row-major order, so stacking them and reshaping restores the layout
-    axis = tiles[0][0][0]
-    lines, cur, filled = [], [], 0
-    for row in tiles:
-        for _, tile in row:
-            cur.append(tile)
-            filled += tile.shape[1 + axis]
-            if filled == out_sp[axis]:
-                lines.append(cur[0] if len(cur) == 1 else mx.concatenate(cur, axis=1 + axis))
-                cur, filled = [], 0
-    out = lines[0] if len(lines) == 1 else mx.concatenate(lines, axis=0)
-    return out.reshape(key.out_shape)
+        w = w[(slice(None), *(slice(None, None, -1),) * s.nd)]
+        s = ConvSpec((1,) * s.nd, tuple(zip(lo, hi)), s.dilation, s.groups)
+    out, _ = conv_unfold_gemm(MLX_ARRAYS, x, w, s, key.out_shape, limit_bytes)
+    return out

@@ -2,121 +2,26 @@
 float16/bfloat16 inputs are accepted and computed in float32."""
 from __future__ import annotations
 
-import contextlib
-import math
-import time
 import weakref
 
 import numpy as np
 
 from .. import _cpu
-from ..backend import Backend
+from ..backend import BackendBase
 from ..paths import ConvPath
 from ..spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
+from ..unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from . import numpy_conv as nc
+from .numpy_activations import apply_activation, c_ready, gelu
+from .numpy_autotune import time_paths, work_key
+from .numpy_blas import BlasThreads
 from .numpy_path_store import PathStore
 
 DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
-# gemms below this many multiply-adds run on one BLAS thread: OpenBLAS wakes its pool for
-# them anyway, and on a busy box each wake-up stalls ~16 ms for 0.05 ms of work (measured on
-# the 2-core CI kind: (2048,16)@(16,64) took 16 ms with the pool, 0.06 ms pinned to one thread)
-SMALL_GEMM_MACS = 1 << 24
 
-
+#: numpy-style names of dtypes seen, as dtype_of returns them (str(dtype) costs ~4 us a call)
 _DTYPE_NAMES: dict = {}
-
-class _BlasThreads:
-    """Context factory that pins BLAS to one thread for small gemms (no-op without threadpoolctl)."""
-
-    def __init__(self):
-        try:
-            from threadpoolctl import ThreadpoolController
-            self._ctl = ThreadpoolController()
-        except Exception:  # threadpoolctl missing or no BLAS found: leave BLAS as it is
-            self._ctl = None
-
-    def for_macs(self, macs: float):
-        if self._ctl is None or macs >= SMALL_GEMM_MACS:
-            return contextlib.nullcontext()
-        return self._ctl.limit(limits=1, user_api="blas")
-
-
-# erf(z) ~ z * P(z^2) / Q(z^2) on [-4, 4]: the float32 rational fit of Eigen / XLA (no exp).
-# The same coefficients are in _cpu/kernels.c; this is the fallback without a compiler.
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)
-_CHUNK = 1 << 15  # elements per sweep: the temporaries stay in L2
-
-
-def _gelu_numpy(v: np.ndarray) -> np.ndarray:
-    """Exact-erf GELU in float32 over L2-sized chunks, in place on a fresh copy."""
-    out = np.array(v, dtype=v.dtype, copy=True).reshape(-1)
-    inv_sqrt2 = v.dtype.type(1.0 / math.sqrt(2.0))
-    for s in range(0, out.size, _CHUNK):
-        x = out[s:s + _CHUNK]
-        z = np.clip(x * inv_sqrt2, -4.0, 4.0)
-        z2 = z * z
-        p = np.full_like(z, _ERF_P[0])
-        for coef in _ERF_P[1:]:
-            p *= z2
-            p += coef
-        q = np.full_like(z, _ERF_Q[0])
-        for coef in _ERF_Q[1:]:
-            q *= z2
-            q += coef
-        p *= z
-        p /= q
-        p += 1.0
-        p *= 0.5
-        x *= p
-    return out.reshape(v.shape)
-
-
 _GN_ACT = {None: 0, "silu": 1, "gelu": 2}  # activation codes of the C group_norm
-
-
-def _c_ready(x: np.ndarray) -> bool:
-    return _cpu.AVAILABLE and x.dtype == np.float32 and x.flags.c_contiguous and x.ndim >= 1
-
-
-def gelu(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """GELU(x + bias), exact (erf) form."""
-    if _c_ready(x) and (bias is None or bias.dtype == np.float32):
-        c = x.shape[-1] if x.ndim else 1
-        out = np.empty_like(x)
-        b = np.ascontiguousarray(bias) if bias is not None else np.zeros(1, np.float32)
-        _cpu._kernels.bias_gelu(x, b, out, bias is not None, x.size // max(c, 1), c)
-        return out
-    if bias is not None:
-        x = x + bias
-    if x.dtype == np.float64:  # the float32 fit is not good to float64 precision
-        return 0.5 * x * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2.0)))
-    return _gelu_numpy(x)
-
-
-def apply_activation(x: np.ndarray, activation: str | None, owned: bool = False) -> np.ndarray:
-    """owned: x is the caller's fresh result, free to overwrite. SiLU then works in place with one
-    temporary instead of three (Wan's RMS norm + SiLU held ~3x its output at the memory peak)."""
-    if activation is None:
-        return x
-    with np.errstate(over="ignore"):
-        if activation == "silu":
-            if not owned:
-                return x / (1.0 + np.exp(-x))
-            t = np.negative(x)
-            np.exp(t, out=t)
-            t += 1.0
-            return np.divide(x, t, out=x)
-        if activation == "gelu":
-            return gelu(x)
-        if activation == "gelu_tanh":
-            c = np.asarray(math.sqrt(2.0 / math.pi), x.dtype)
-            return 0.5 * x * (1.0 + np.tanh(c * (x + np.asarray(0.044715, x.dtype) * x * x * x)))
-        if activation == "relu":
-            return np.maximum(x, 0)
-    raise ValueError(f"unknown activation {activation!r}")
 
 
 #: the 3-D weight transform per tile variant (a named function each: the transformed-weight
@@ -124,11 +29,7 @@ def apply_activation(x: np.ndarray, activation: str | None, owned: bool = False)
 _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
                         nc.F4X3: lambda w: nc.winograd_weights_3d(w, nc.F4X3)}
 
-#: after each autotune round, paths this many times slower than the fastest stop being timed
-AUTOTUNE_DROP_FACTOR = 2.5
-
-
-class NumpyBackend(Backend):
+class NumpyBackend(BackendBase):
     name = "numpy"
     supported_dtypes = ("float32", "float64")
 
@@ -143,7 +44,7 @@ class NumpyBackend(Backend):
         self.autotune_min_macs = float(autotune_min_macs)
         # measured choices outlive the process when a directory is given (as CUDA's plans do)
         self.path_store = PathStore(plan_cache_dir) if plan_cache_dir else None
-        self.blas_threads = _BlasThreads()
+        self.blas_threads = BlasThreads()
         self._wino_cache: dict = {}
         super().__init__(dtype, timing_sample_rate)
 
@@ -181,13 +82,7 @@ class NumpyBackend(Backend):
         def measure(key: ConvKey, valid: list[ConvPath]) -> ConvPath:
             if key.macs() < self.autotune_min_macs:
                 return min(valid, key=lambda p: p.cost(key))
-            # the epilogue runs after every path alike, and moving padding between the two sides
-            # of an axis moves no work: SD-VAE's upsampling phase convs (four paddings) and convs
-            # with and without a residual share one measurement, which halved a first decode
-            work = (key.op, key.x_shape, key.w_shape, key.dtype, key.spec.stride, key.spec.dilation,
-                    key.spec.groups, key.spec.transpose, key.spec.output_padding,
-                    tuple(lo + hi for lo, hi in key.spec.padding))
-            name = PathStore.name(work)
+            name = PathStore.name(work_key(key))
             chosen = next((p for p in valid if p.name == timed.get(name)), None)
             if chosen is not None:
                 return chosen
@@ -200,31 +95,7 @@ class NumpyBackend(Backend):
         return measure
 
     def _time_paths(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
-        """Best of three interleaved timing rounds of each valid path on random operands."""
-        rng = np.random.default_rng(0)
-        dt = np.float64 if key.dtype == "float64" else np.float32
-        x = rng.standard_normal(key.x_shape).astype(dt)
-        w = rng.standard_normal(key.w_shape).astype(dt)
-        # best of three interleaved rounds: the first absorbs cold costs (Winograd's weight
-        # transform, first-touch pages) that decided single timings; interleaving keeps other
-        # convs running in between, as in a model (Winograd: 78 ms looped alone, 92-126 ms so);
-        # with two rounds a burst of load on a shared 2-core box still picked Winograd (197 ms)
-        # over shift_gemm (125 ms) at 3x3 128ch 256x256 in one run of five
-        best: dict[str, float] = {}
-        contenders = list(valid)
-        for round_ in range(3):
-            for p in contenders:
-                t0 = time.perf_counter()
-                p.run(x, w, key, None, None, None)
-                dt_s = time.perf_counter() - t0
-                best[p.name] = min(best.get(p.name, dt_s), dt_s)
-            if round_:
-                # a path AUTOTUNE_DROP_FACTOR times slower than the leader once warm is not timed
-                # again: it only lengthened a new shape's first call. Not after the cold first
-                # round, where a weight transform (F(4x4): 0.1-0.3 s at 512ch) can triple a time
-                lead = min(best.values())
-                contenders = [p for p in contenders if best[p.name] < AUTOTUNE_DROP_FACTOR * lead]
-        return min(contenders, key=lambda p: (best[p.name], p.cost(key)))
+        return time_paths(key, valid)
 
     # ---- conv paths -----------------------------------------------------------------------
     def conv_paths(self) -> list[ConvPath]:
@@ -237,7 +108,8 @@ class NumpyBackend(Backend):
             # not where subpixel_gemm runs: col2im does the same multiplies plus 16 scatter-adds
             # over the output (1.25-1.5x slower from 32 to 512 channels, one thread), and timing it only
             # to lose would add tens of seconds to a first SD-VAE 512 decode
-            return nc.unfold_bytes(k) <= self.unfold_limit_bytes and not is_subpixel_upsample(k)
+            return unfold_bytes(k.x_shape, k.w_shape, k.out_shape, k.spec) <= self.unfold_limit_bytes \
+                and not is_subpixel_upsample(k)
 
         def dense_cost(k: ConvKey) -> float:
             return float(k.macs())
@@ -298,16 +170,17 @@ class NumpyBackend(Backend):
                      self._run_unfold),
         ]
 
-    def conv(self, x, w, spec, bias=None, *, residual=None, activation=None):
-        if w.ndim >= 3 and w.shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
+    def _run(self, path, key, x, w, bias, residual, activation):
+        spec = key.spec
+        if key.w_shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
             # depthwise paths call no BLAS: pinning its threads would cost ~10 us for nothing
-            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
-        # small convs run their gemms on one BLAS thread (see SMALL_GEMM_MACS)
-        rows = int(np.prod(x.shape[:-1])) * int(np.prod(spec.stride)) if spec.transpose else \
-            x.shape[0] * int(np.prod(spec.output_spatial(x.shape[1:-1], w.shape[1:-1])))
-        macs = float(rows) * w.shape[0] * int(np.prod(w.shape[1:]))
+            return self._count_and_time(path, key, x, w, bias, residual, activation)
+        # small convs run their gemms on one BLAS thread (numpy_blas.SMALL_GEMM_MACS)
+        rows = prod(key.x_shape[:-1]) * prod(spec.stride) if spec.transpose else \
+            key.x_shape[0] * prod(key.out_shape[1:-1])
+        macs = float(rows) * key.w_shape[0] * prod(key.w_shape[1:])
         with self.blas_threads.for_macs(macs):
-            return super().conv(x, w, spec, bias, residual=residual, activation=activation)
+            return self._count_and_time(path, key, x, w, bias, residual, activation)
 
     def _epilogue(self, out, bias, residual, activation):
         if bias is not None:
@@ -336,7 +209,7 @@ class NumpyBackend(Backend):
 
     def _run_winograd(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        if _c_ready(x):
+        if c_ready(x):
             out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, self._winograd_u(w))
         else:
             out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
@@ -388,17 +261,16 @@ class NumpyBackend(Backend):
         return self._epilogue(out, bias, residual, activation)
 
     def _run_unfold(self, x, w, key, bias, residual, activation):
+        """im2col_gemm and tiled_unfold: convkernels/unfold.py on NumPy (col2im if transposed)."""
         x, w = self._operands(x, w)
-        if key.spec.transpose:
-            out = nc.conv_transpose_col2im(x, w, key, self.unfold_limit_bytes)
-        else:
-            out = nc.conv_unfold_gemm(x, w, key, self.unfold_limit_bytes)
+        conv = conv_transpose_col2im if key.spec.transpose else conv_unfold_gemm
+        out, _ = conv(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes)
         return self._epilogue(out, bias, residual, activation)
 
     # ---- other ops ------------------------------------------------------------------------
     def _group_norm(self, x, num_groups, weight, bias, eps, activation):
         x = self._f(x)
-        if _c_ready(x) and activation in _GN_ACT:
+        if c_ready(x) and activation in _GN_ACT:
             n, c = x.shape[0], x.shape[-1]
             out = np.empty_like(x)
             w = np.ascontiguousarray(self._f(weight), np.float32) if weight is not None else np.zeros(1, np.float32)
@@ -420,7 +292,7 @@ class NumpyBackend(Backend):
 
     def _layer_norm(self, x, weight, bias, eps, activation):
         x = self._f(x)
-        if _c_ready(x):
+        if c_ready(x):
             c = x.shape[-1]
             x = np.ascontiguousarray(x)
             out = np.empty_like(x)

@@ -1,5 +1,7 @@
-"""NumPy convolution algorithms (channels-last, N-d): unfold + BLAS gemm in row tiles,
-col2im for transposed convs (no zero-stuffed input), depthwise as shifted multiply-adds."""
+"""NumPy convolution algorithms (channels-last, N-d) beyond unfold / col2im (those are
+convkernels/unfold.py, shared with the other backends, run here on NUMPY): pointwise and
+shift gemms, depthwise as shifted multiply-adds or the compiled kernel, Winograd F(2x2) and
+F(4x4) in 2-d and 3-d, and the sub-pixel transposed conv."""
 from __future__ import annotations
 
 import itertools
@@ -10,6 +12,10 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..spec import ConvKey, prod
+from ..unfold import NumpyLike, windows
+
+#: numpy as the array namespace of convkernels/unfold.py
+NUMPY = NumpyLike(np)
 
 
 #: accumulator tile of conv_shift_gemm (bytes): about one core's L2
@@ -30,65 +36,8 @@ def pad_spatial(x: np.ndarray, pads) -> np.ndarray:
     return np.pad(x, ((0, 0), *pads, (0, 0)))
 
 
-def windows(xp: np.ndarray, out_sp, kernel, stride, dilation) -> np.ndarray:
-    """Read-only view (N, *out_sp, *kernel, C) of a padded channels-last input."""
-    nd = len(kernel)
-    st = xp.strides
-    shape = (xp.shape[0], *out_sp, *kernel, xp.shape[-1])
-    strides = (st[0], *(st[1 + i] * stride[i] for i in range(nd)),
-               *(st[1 + i] * dilation[i] for i in range(nd)), st[-1])
-    return as_strided(xp, shape, strides, writeable=False)
-
-
-def unfold_bytes(key: ConvKey, itemsize: int = 4) -> int:
-    """Bytes of the unfold buffer an untiled im2col (or col2im) would need for one group."""
-    g = key.spec.groups
-    k = prod(key.kernel)
-    if key.spec.transpose:
-        rows = prod(key.x_shape[:-1])
-        return rows * k * (key.out_channels // g) * itemsize
-    rows = prod(key.out_shape[:-1])
-    return rows * k * key.w_shape[-1] * itemsize
-
-
 def _rows_per_tile(bytes_per_row: int, limit: int, total: int) -> int:
     return max(1, min(total, limit // max(1, bytes_per_row)))
-
-
-def conv_unfold_gemm(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
-    """Forward conv: unfold to a patch matrix and multiply with BLAS, tiled over (batch, first
-    output axis) rows so the patch buffer stays under `limit_bytes`."""
-    spec = key.spec
-    xp = pad_spatial(x, spec.padding)
-    out_shape = key.out_shape
-    out_sp = out_shape[1:-1]
-    g = spec.groups
-    og, cg = key.out_channels // g, key.w_shape[-1]
-    kernel = key.kernel
-    win = windows(xp, out_sp, kernel, spec.stride, spec.dilation)
-    out = np.empty(out_shape, dtype=x.dtype)
-    kc = prod(kernel) * cg
-    wmats = [w[i * og:(i + 1) * og].reshape(og, kc).T for i in range(g)]
-    n = x.shape[0]
-    row_px = prod(out_sp[1:])
-    itemsize = x.dtype.itemsize
-    if n * prod(out_sp) * kc * itemsize <= limit_bytes:
-        tiles = [(slice(None), slice(None))]
-    else:
-        rows = _rows_per_tile(row_px * kc * itemsize, limit_bytes, out_sp[0])
-        tiles = [(b, slice(r, min(r + rows, out_sp[0]))) for b in range(n) for r in range(0, out_sp[0], rows)]
-    for bsel, rsel in tiles:
-        wv = win[bsel, rsel] if isinstance(bsel, slice) else win[bsel:bsel + 1, rsel]
-        lead = wv.shape[:1 + len(out_sp)]
-        m = prod(lead)
-        dst = out[bsel, rsel] if isinstance(bsel, slice) else out[bsel:bsel + 1, rsel]
-        for i in range(g):
-            cols = wv[..., i * cg:(i + 1) * cg].reshape(m, kc)
-            if g == 1:
-                np.matmul(cols, wmats[0], out=dst.reshape(m, og))
-            else:
-                dst[..., i * og:(i + 1) * og] = (cols @ wmats[i]).reshape(*lead, og)
-    return out
 
 
 def conv_pointwise(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarray:
@@ -113,42 +62,6 @@ def conv_depthwise_shift(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarr
         np.multiply(xp[(slice(None), *sl)], wk[t], out=tmp)
         acc += tmp
     return acc
-
-
-def conv_transpose_col2im(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int) -> np.ndarray:
-    """Transposed conv without zero-stuffing: cols = x @ W (input rows in tiles under
-    `limit_bytes`), then each kernel tap's slab is added into the strided output positions."""
-    spec = key.spec
-    g = spec.groups
-    og, cg = key.out_channels // g, key.w_shape[-1]
-    kernel = key.kernel
-    taps = list(itertools.product(*(range(k) for k in kernel)))
-    in_sp = x.shape[1:-1]
-    full = [(n - 1) * s + d * (k - 1) + 1 for n, s, d, k in zip(in_sp, spec.stride, spec.dilation, kernel)]
-    out_shape = key.out_shape
-    lo = [p[0] for p in spec.padding]
-    buf_sp = [max(f, l + o) for f, l, o in zip(full, lo, out_shape[1:-1])]
-    n = x.shape[0]
-    buf = np.zeros((n, *buf_sp, key.out_channels), dtype=x.dtype)
-    # W_g as (Cg, taps * Og): column (t, o) holds w[o, tap t, c]
-    wmats = [np.ascontiguousarray(w[i * og:(i + 1) * og].reshape(og, len(taps), cg).transpose(2, 1, 0))
-             .reshape(cg, len(taps) * og) for i in range(g)]
-    row_px = prod(in_sp[1:])
-    rows = _rows_per_tile(n * row_px * len(taps) * og * x.dtype.itemsize, limit_bytes, in_sp[0])
-    for r0 in range(0, in_sp[0], rows):
-        r1 = min(r0 + rows, in_sp[0])
-        xs = x[:, r0:r1]
-        m = prod(xs.shape[:-1])
-        for i in range(g):
-            cols = (xs[..., i * cg:(i + 1) * cg].reshape(m, cg) @ wmats[i]).reshape(*xs.shape[:-1], len(taps), og)
-            for t, offs in enumerate(taps):
-                starts = [o * d for o, d in zip(offs, spec.dilation)]
-                starts[0] += r0 * spec.stride[0]
-                sl = tuple(slice(st, st + (cnt - 1) * s + 1, s)
-                           for st, cnt, s in zip(starts, xs.shape[1:-1], spec.stride))
-                buf[(slice(None), *sl, slice(i * og, (i + 1) * og))] += cols[..., t, :]
-    crop = tuple(slice(l, l + o) for l, o in zip(lo, out_shape[1:-1]))
-    return np.ascontiguousarray(buf[(slice(None), *crop)])
 
 
 def conv_depthwise_direct(x: np.ndarray, w: np.ndarray, key: ConvKey, bias: np.ndarray | None) -> np.ndarray:
@@ -244,7 +157,7 @@ def conv_transpose_subpixel(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_by
     cols = np.empty((rows * wd, 4 * c), dtype=x.dtype)
     res = np.empty((rows * wd, o), dtype=x.dtype)
     for p, (a, b) in enumerate(SUBPIXEL_PHASES):
-        win = windows(xp[:, a:a + h + 1, b:b + wd + 1], (h, wd), (2, 2), (1, 1), (1, 1))
+        win = windows(NUMPY, xp[:, a:a + h + 1, b:b + wd + 1], (h, wd), (2, 2), (1, 1), (1, 1))
         for i in range(n):
             for r0 in range(0, h, rows):
                 r1 = min(r0 + rows, h)

@@ -1,6 +1,7 @@
 """GPU tests: shared fixtures. Every GPU test skips with the reason when there is no usable
 CUDA device, CuPy or cuDNN frontend (CI has none); the CPU-only files here test the pure
-Python parts of the CUDA backend (plan cache, gemm fallback algorithm) and always run."""
+Python parts of the CUDA backend (plan cache, graph bookkeeping, cuBLAS plans, capture rules,
+kernels emulated on the CPU) and always run. The op suite's cuda targets are tests/test_ops*.py."""
 from __future__ import annotations
 
 import os

@@ -23,7 +23,9 @@ print("python", sys.version.split()[0], "cupy", cupy.__version__, "cuda runtime"
 PY
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/gpu --timeout 600 -rfE --durations 15 \
+  # tests/gpu, and the op suite that runs on every backend (its cuda targets need this machine)
+  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_ops.py tests/test_ops_conv.py --timeout 600 -rfE \
+    --durations 15 \
     --log-file="$OUT/cuda.log" --log-file-level=INFO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 80
   status=$?
 fi

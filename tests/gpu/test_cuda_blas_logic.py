@@ -1,7 +1,8 @@
 """cuda_blas.plan_matmul, the row-major -> cuBLAS argument planner the CUDA backend's matmuls go
 through: each plan is executed with NumPy exactly as cuBLAS reads its arguments (column-major,
 ld, op, batch strides, from the operands' flat buffers) and compared with np.matmul on the same
-views. Runs everywhere (no GPU): the same plans drive cublasGemmEx in test_cuda_ops.py."""
+views. Runs everywhere (no GPU): the same plans drive cublasGemmEx in the op suite on a GPU
+(tests/test_ops*.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 from torch_reference import fresh_rng, rel_l2
 
 from convkernels import ConvSpec
-from convkernels.backends import cuda_blas, cuda_gemm
+from convkernels.backends import cuda_blas
 from convkernels.backends.cuda_blas import OP_N, OP_T, NeedsCopy, execute_plan_numpy, plan_matmul
+from convkernels.unfold import NumpyLike, conv_unfold_gemm
 
 TOL = 1e-12  # float64 on both sides: only summation order differs
 
@@ -146,7 +148,8 @@ def test_gemm_fallback_conv_through_planned_matmul_matches_torch():
         calls.append((p.shape, q.shape))
         return run_planned(p, q)[1].astype(np.float32)
 
-    ours, _ = cuda_gemm.conv_forward(np, x, w, spec, out_shape, 1 << 30, matmul=planned)
+    ours, _ = conv_unfold_gemm(NumpyLike(np, contiguous_weights=True), x, w, spec, out_shape, 1 << 30,
+                               matmul=planned)
     assert calls, "the conv did not use the matmul it was given"
     assert rel_l2(ours, ref_conv(x, w, None, (2, 1), ((1, 0), (1, 1)), (1, 1), 3)) < 1e-5, f"seed {seed}"
 

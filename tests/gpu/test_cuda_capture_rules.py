@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "convkernels" / "backends"
-MODULES = ["cuda_backend.py", "cuda_kernels.py", "cuda_gemm.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
+MODULES = ["cuda_backend.py", "cuda_arrays.py", "cuda_conv_paths.py", "cuda_fusions.py", "cuda_kernels.py",
+           "../unfold.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
 
 #: (module, function) -> why it may do what a capture forbids
 EAGER_ONLY = {
     ("cuda_backend.py", "to_host"): "the device -> host copy after the forward",
     ("cuda_backend.py", "synchronize"): "called by the host between forwards",
     ("cuda_backend.py", "flush_timings"): "reads conv timings after the batch",
-    ("cuda_backend.py", "_measure"): "path measurement; raises CaptureMissed under capture",
+    ("cuda_conv_paths.py", "measure"): "path measurement; raises CaptureMissed under capture",
     ("cuda_cudnn.py", "_autotune"): "plan timing while a plan is built; never under capture",
     ("cuda_blas.py", "execute_plan_numpy"): "the CPU emulation of a plan, for tests",
 }

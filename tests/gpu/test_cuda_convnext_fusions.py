@@ -31,7 +31,8 @@ def fresh_backend(dtype="float16", **options):
     """A backend of its own, with its own options (the fusion switches: dw_ln, dw_bias_in_ln,
     lt_epilogues, lt_gelu_approx, ln_vec; cuda_graphs, ...)."""
     from convkernels.backends.cuda_backend import CudaBackend
-    return CudaBackend(dtype=dtype, **options)
+    from convkernels.backends.cuda_options import CudaOptions
+    return CudaBackend(CudaOptions(dtype=dtype, **options))
 
 
 def put(be, a):
@@ -46,7 +47,7 @@ def ref_linear(x, w, b, r, activation):
 
 
 def fused_algorithms(be) -> list:
-    lt = be._lt_state[0]
+    lt = be.fusions.lt
     return [] if lt is None else [k for k, v in lt._prepared.items() if v is not None]
 
 
@@ -108,7 +109,7 @@ def test_switches_turn_the_fusion_off():
     bh = rng.standard_normal(24)
     off = fresh_backend("float16", lt_epilogues=False)
     y = off.to_host(off.linear(off.asarray(xh), off.asarray(wh), off.asarray(bh), activation="gelu"))
-    assert off._lt_state[0] is None and fused_algorithms(off) == []
+    assert off.fusions.lt is None and fused_algorithms(off) == []
     assert off.describe()["fusions"]["lt_epilogues"] is False
     exact = fresh_backend("float16", lt_gelu_approx=False)
     y2 = exact.to_host(exact.linear(exact.asarray(xh), exact.asarray(wh), exact.asarray(bh), activation="gelu"))

@@ -25,7 +25,8 @@ def needs_cuda():
 
 def graphed_backend(capacity: int = 8, dtype: str = "float16", **options):
     from convkernels.backends.cuda_backend import CudaBackend
-    return CudaBackend(dtype=dtype, cuda_graphs=True, graph_capacity=capacity, **options)
+    from convkernels.backends.cuda_options import CudaOptions
+    return CudaBackend(CudaOptions(dtype=dtype, cuda_graphs=True, graph_capacity=capacity, **options))
 
 
 def replays_total() -> float:
@@ -222,10 +223,10 @@ def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
     for _ in range(2):  # eager, then capture + replay
         model.decode(rng.standard_normal(shape).astype(np.float32), tiled=False)
     (entry,) = model._decode_device.captured()
-    captured_ws = be._ws
+    captured_ws = be.convs.workspace
     assert any(k is captured_ws for k in entry.kept), "the graph does not hold the workspace it captured"
     del captured_ws  # only the graph may keep it alive now
-    be._ws = None  # as a larger workspace would: the backend lets go of the captured one
+    be.convs.workspace = None  # as a larger workspace would: the backend lets go of the captured one
     model.decode(rng.standard_normal((1, 4, 23, 17)).astype(np.float32), tiled=False)  # eager, new shape
     fill = [cp.full(1 << 20, 7.0, dtype=cp.float32) for _ in range(8)]  # allocations after the swap
     for i in range(2):

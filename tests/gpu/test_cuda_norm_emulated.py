@@ -6,7 +6,7 @@ the backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the
 path, groups that split a vector, the chunking and the folded finalize, rows held in registers
 across a warp's lanes, against torch.nn.functional, where there is no GPU.
 (fp16/bf16 differ only in the load/store conversions and the vector width;
-tests/gpu/test_cuda_ops.py and test_cuda_convnext_fusions.py run all three on a GPU.)"""
+tests/test_ops.py and tests/gpu/test_cuda_convnext_fusions.py run all three on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +18,12 @@ import pytest
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, _SOURCE, dw_ln_applies, gn_chunks,
+from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, SOURCE, dw_ln_applies, gn_chunks,
                                                ln_vectorised, rms_vectorised)
+
+#: the launch geometry the emulated GroupNorm uses: an H100's multiprocessor count (the backend
+#: reads the device's own; the chunking covers every row for any count)
+H100_SMS = 132
 
 HARNESS = r"""
 #include <atomic>
@@ -127,7 +131,7 @@ extern "C" void run_to_u8(const float* x, unsigned char* y, long long n) {
     launch(grid, [=] { to_u8(x, y, n); });
 }
 
-// grid-stride kernel: two blocks cover any size (a GPU launches up to 132 * 32)
+// grid-stride kernel: two blocks cover any size (a GPU launches up to 32 per SM)
 extern "C" void run_dw2d_vec(const float* x, const float* wt, const float* bias, const float* res, float* y,
                              int H, int W, int C, int OH, int OW, int KH, int KW, int ph, int pw,
                              int has_bias, int has_res, int a, long long items) {
@@ -142,7 +146,7 @@ extern "C" void run_dw2d_vec(const float* x, const float* wt, const float* bias,
 def lib(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("no g++ to build the emulation")
-    src = _SOURCE.replace("extern __shared__ double shg[];", "double* shg = (double*)g_smem;")
+    src = SOURCE.replace("extern __shared__ double shg[];", "double* shg = (double*)g_smem;")
     src = src.replace("extern __shared__ float shm[];", "float* shm = (float*)g_smem;")
     src = src.replace("extern __shared__ float part[];", "float* part = (float*)g_smem;")
     assert "extern __shared__" not in src, "a kernel with dynamic shared memory the harness does not map"
@@ -161,7 +165,7 @@ def lib(tmp_path_factory):
 def group_norm(lib, x, groups, w, b, eps, activation, vec):
     n, c = x.shape[0], x.shape[-1]
     s = x.size // (n * c)
-    rows_per_chunk, nchunks = gn_chunks(n, s)
+    rows_per_chunk, nchunks = gn_chunks(n, s, H100_SMS)
     x = np.ascontiguousarray(x, np.float32)
     y = np.full_like(x, np.nan)
     acc = np.zeros((n, groups, 2), np.float64)
@@ -194,9 +198,10 @@ def test_group_norm_kernels_match_torch(lib, shape, groups, vec, activation):
     assert rel_l2(ours, ref) < 1e-5, f"seed {seed}, {nchunks} chunks"
 
 
-def test_chunks_cover_every_row_once():
+@pytest.mark.parametrize("sms", [1, 78, H100_SMS, 144])
+def test_chunks_cover_every_row_once(sms):
     for n, rows in ((1, 1), (1, 7), (1, 4096), (2, 262144), (128, 3136), (600, 5), (3, 529)):
-        per_chunk, chunks = gn_chunks(n, rows)
+        per_chunk, chunks = gn_chunks(n, rows, sms)
         assert per_chunk >= 1 and per_chunk * chunks >= rows > per_chunk * (chunks - 1), (n, rows)
 
 

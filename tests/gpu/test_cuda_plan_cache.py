@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gpu_support import cuda_or_skip
-from test_cuda_ops import conv_count, put, scrape
+from op_backends import put, scrape
+from test_cuda_paths import conv_count
 from torch_reference import fresh_rng, ref_conv, rel_l2
 
 from convkernels import ConvSpec

@@ -2,7 +2,8 @@
 (convkernels/backends/cuda_transfer.py): when parts joined along an axis are contiguous blocks,
 and that a transfer waits for its copy exactly once, also when it is dropped unread (its pinned
 buffer must not go back to CuPy's pool while a copy may still write into it). Runs everywhere;
-tests/gpu/test_cuda_ops.py checks the copies themselves on a GPU."""
+the op suite (tests/test_ops.py, concat and to_host_async) and tests/gpu/test_cuda_paths.py
+check the copies themselves on a GPU."""
 from __future__ import annotations
 
 import gc

@@ -1,0 +1,230 @@
+"""The tensor ops of the Backend contract other than convolutions: normalisation, activations,
+resampling, padding, dense ops and array plumbing. Each public method validates its arguments
+(clear ValueErrors) and dispatches to an underscored primitive: the abstract ones below are
+what a backend implements; the others are generic routes a backend may override with a faster
+one. BackendBase (backend.py) extends this class."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+from .spec import ACTIVATIONS, PaddingArg, normalize_padding
+
+Array = Any
+
+HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class TensorOps(ABC):
+    """The non-conv ops of BackendBase."""
+
+    # ---- primitives a backend implements ------------------------------------------------------
+    @abstractmethod
+    def dtype_of(self, x: Array) -> str:
+        """numpy-style dtype name of a device array ('float32', 'float16', 'bfloat16', ...)."""
+
+    @abstractmethod
+    def _group_norm(self, x, num_groups, weight, bias, eps, activation): ...
+
+    @abstractmethod
+    def _layer_norm(self, x, weight, bias, eps, activation): ...
+
+    @abstractmethod
+    def _activation(self, x, activation: str): ...
+
+    @abstractmethod
+    def _upsample_nearest(self, x, scale: tuple[int, ...]): ...
+
+    @abstractmethod
+    def _pad(self, x, pads: tuple[tuple[int, int], ...], mode: str): ...
+
+    @abstractmethod
+    def _matmul(self, a, b): ...
+
+    @abstractmethod
+    def _attention(self, q, k, v, scale: float): ...
+
+    @abstractmethod
+    def _softmax(self, x, axis: int): ...
+
+    @abstractmethod
+    def _concat(self, xs, axis: int): ...
+
+    @abstractmethod
+    def _mean(self, x, axes: tuple[int, ...], keepdims: bool): ...
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _check_dtype(self, x, what: str) -> None:
+        dt = self.dtype_of(x)
+        if dt not in HOST_DTYPES:
+            raise ValueError(f"{what}: unsupported dtype {dt}; use one of {HOST_DTYPES}")
+
+    # ---- normalisation and activations ----------------------------------------------------
+    def group_norm(self, x, num_groups: int, weight=None, bias=None, eps: float = 1e-5,
+                   activation: str | None = None):
+        """GroupNorm over channels-last x (N, *spatial, C), optional fused activation."""
+        c = x.shape[-1]
+        if x.ndim < 2:
+            raise ValueError(f"group_norm needs N,...,C input, got shape {tuple(x.shape)}")
+        if num_groups < 1 or c % num_groups:
+            raise ValueError(f"group_norm: {num_groups} groups must divide {c} channels")
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and tuple(p.shape) != (c,):
+                raise ValueError(f"group_norm: {name} must have shape ({c},), got {tuple(p.shape)}")
+        self._check_activation(activation, "group_norm")
+        return self._group_norm(x, num_groups, weight, bias, float(eps), activation)
+
+    def layer_norm(self, x, weight=None, bias=None, eps: float = 1e-5, activation: str | None = None):
+        """LayerNorm over the last (channel) axis."""
+        c = x.shape[-1]
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and tuple(p.shape) != (c,):
+                raise ValueError(f"layer_norm: {name} must have shape ({c},), got {tuple(p.shape)}")
+        self._check_activation(activation, "layer_norm")
+        return self._layer_norm(x, weight, bias, float(eps), activation)
+
+    def rms_norm(self, x, weight=None, eps: float = 1e-6, activation: str | None = None, prefix=None):
+        """RMSNorm over the last (channel) axis: x / sqrt(mean(x^2) + eps) * weight, optional
+        fused activation. (Wan's WanRMS_norm, F.normalize * sqrt(C) * gamma, is this with
+        eps = 1e-24 / C.) prefix: frames to put in front along axis 1, as concat([prefix,
+        rms_norm(x)], axis=1) but without copying the norm's output (a causal conv's cache)."""
+        c = x.shape[-1]
+        if weight is not None and tuple(weight.shape) != (c,):
+            raise ValueError(f"rms_norm: weight must have shape ({c},), got {tuple(weight.shape)}")
+        self._check_activation(activation, "rms_norm")
+        if prefix is None:
+            return self._rms_norm(x, weight, float(eps), activation)
+        if x.ndim < 3 or prefix.ndim != x.ndim or tuple(prefix.shape[:1]) != tuple(x.shape[:1]) \
+                or tuple(prefix.shape[2:]) != tuple(x.shape[2:]):
+            raise ValueError(f"rms_norm: prefix must match x {tuple(x.shape)} on every axis but 1, "
+                             f"got {tuple(prefix.shape)}")
+        if self.dtype_of(prefix) != self.dtype_of(x):
+            raise ValueError(f"rms_norm: prefix dtype {self.dtype_of(prefix)} differs from x's {self.dtype_of(x)}")
+        return self._rms_norm_after(prefix, x, weight, float(eps), activation)
+
+    def _rms_norm_after(self, prefix, x, weight, eps, activation):
+        """concat([prefix, rms_norm(x)], axis=1); a backend that can write the norm into part
+        of a buffer overrides it."""
+        return self.concat([prefix, self._rms_norm(x, weight, eps, activation)], axis=1)
+
+    #: the generic _rms_norm's temporaries are several times its input: inputs above this many
+    #: bytes (as float32) go through it in bands of rows (axis -3) and only the output is full size
+    RMS_BAND_BYTES = 32 * 1024 * 1024
+
+    def _rms_norm(self, x, weight, eps, activation):
+        """Generic route for backends without an RMS kernel (override it: a kernel does about
+        a third of this work and needs no bands). On [x, -x] the mean is exactly zero, so
+        layer_norm's variance is mean(x^2) and its first C outputs are the RMS norm; the -x half
+        is dropped. Bands are large enough that a GPU pays a handful of extra launches per norm,
+        not hundreds (a 480x832 4-frame Wan chunk: ~20 bands)."""
+        rows = x.shape[-3] if x.ndim >= 3 else 1
+        row_bytes = 4 * int(np.prod(x.shape)) // max(rows, 1)  # as float32: conservative for halves
+        band = max(1, self.RMS_BAND_BYTES // max(row_bytes, 1))
+        if band < rows:
+            return self.concat([self._rms_norm(self.slice(x, -3, s, min(s + band, rows)), weight, eps, activation)
+                                for s in range(0, rows, band)], axis=-3)
+        c = x.shape[-1]
+        w2 = None if weight is None else self.concat([weight, self.mul(weight, 0.0)], axis=0)
+        y = self.layer_norm(self.concat([x, self.mul(x, -1.0)], axis=-1), w2, None, eps, activation)
+        return self.slice(y, -1, 0, c)
+
+    @staticmethod
+    def _check_activation(activation, what):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"{what}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+    def silu(self, x):
+        return self._activation(x, "silu")
+
+    def gelu(self, x, approximate: bool = False):
+        return self._activation(x, "gelu_tanh" if approximate else "gelu")
+
+    def relu(self, x):
+        return self._activation(x, "relu")
+
+    # ---- resampling and padding -----------------------------------------------------------
+    def upsample_nearest(self, x, scale: int | Sequence[int]):
+        """Nearest upsample of every spatial axis of (N, *spatial, C) by integer factors."""
+        nd = x.ndim - 2
+        if nd < 1:
+            raise ValueError(f"upsample_nearest needs N,spatial...,C input, got {tuple(x.shape)}")
+        factors = (int(scale),) * nd if isinstance(scale, int) else tuple(int(s) for s in scale)
+        if len(factors) != nd or any(f < 1 for f in factors):
+            raise ValueError(f"upsample_nearest: need {nd} positive integer factors, got {scale!r}")
+        return self._upsample_nearest(x, factors)
+
+    def pad(self, x, padding: PaddingArg, mode: str = "zeros"):
+        """Pad the spatial axes of (N, *spatial, C). mode: 'zeros' or 'replicate'."""
+        if mode not in ("zeros", "replicate"):
+            raise ValueError(f"pad: mode must be 'zeros' or 'replicate', got {mode!r}")
+        pads = normalize_padding(padding, x.ndim - 2)
+        return self._pad(x, pads, mode)
+
+    # ---- dense ops --------------------------------------------------------------------------
+    def matmul(self, a, b):
+        if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+            raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not chain")
+        return self._matmul(a, b)
+
+    def linear(self, x, weight, bias=None, *, residual=None, activation: str | None = None):
+        """x (..., I) @ weight(O, I).T + bias, optional activation, then + residual
+        (the same epilogue order as conv)."""
+        if weight.ndim != 2 or x.shape[-1] != weight.shape[1]:
+            raise ValueError(f"linear: input features {x.shape[-1]} vs weight {tuple(weight.shape)} (O, I)")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"linear: bias must have shape ({weight.shape[0]},)")
+        self._check_activation(activation, "linear")
+        return self._linear(x, weight, bias, residual, activation)
+
+    def _linear(self, x, weight, bias, residual, activation):
+        lead = tuple(x.shape[:-1])
+        out = self._matmul(self.reshape(x, (-1, x.shape[-1])), self.transpose(weight, (1, 0)))
+        if bias is not None:
+            out = out + bias
+        if activation is not None:
+            out = self._activation(out, activation)
+        out = self.reshape(out, (*lead, weight.shape[0]))
+        if residual is not None:
+            out = out + residual
+        return out
+
+    def attention(self, q, k, v, scale: float | None = None):
+        """softmax(q @ k^T * scale) @ v over (..., L, D) inputs (batch and head axes lead)."""
+        if q.ndim < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+        if scale is None:
+            scale = 1.0 / float(np.sqrt(q.shape[-1]))
+        return self._attention(q, k, v, float(scale))
+
+    def softmax(self, x, axis: int = -1):
+        return self._softmax(x, axis)
+
+    # ---- array plumbing (every backend's arrays support these natively) ------------------------
+    def concat(self, xs: Sequence[Array], axis: int = -1):
+        if not xs:
+            raise ValueError("concat: nothing to concatenate")
+        return self._concat(list(xs), axis)
+
+    def slice(self, x, axis: int, start: int, stop: int, step: int = 1):
+        idx = [slice(None)] * x.ndim
+        idx[axis] = slice(start, stop, step)
+        return x[tuple(idx)]
+
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
+    def transpose(self, x, axes):
+        return x.transpose(tuple(axes))
+
+    def add(self, a, b):
+        return a + b
+
+    def mul(self, a, b):
+        return a * b
+
+    def mean(self, x, axes: int | Sequence[int], keepdims: bool = False):
+        axes_t = (axes,) if isinstance(axes, int) else tuple(axes)
+        return self._mean(x, axes_t, keepdims)
+
