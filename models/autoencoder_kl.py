@@ -89,11 +89,11 @@ class MidBlock(Module):
         if add_attention:
             self.attention = self.add("attentions.0", SpatialAttention(channels, groups, VAE_NORM_EPS))
 
-    def __call__(self, backend: Backend, x):
-        x = self.resnets[0](backend, x)
+    def __call__(self, x):
+        x = self.resnets[0](x)
         if self.attention is not None:
-            x = self.attention(backend, x)
-        return self.resnets[1](backend, x)
+            x = self.attention(x)
+        return self.resnets[1](x)
 
 
 def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int, sampler: str, make_sampler):
@@ -109,12 +109,12 @@ def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int
     return stages
 
 
-def _run_stages(backend: Backend, stages, x):
+def _run_stages(stages, x):
     for resnets, resample in stages:
         for r in resnets:
-            x = r(backend, x)
+            x = r(x)
         if resample is not None:
-            x = resample(backend, x)
+            x = resample(x)
     return x
 
 
@@ -129,10 +129,10 @@ class Decoder(Module):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
 
-    def __call__(self, backend: Backend, z):
-        x = _run_stages(backend, self.stages, self.mid_block(backend, self.conv_in(backend, z)))
-        x = self.conv_norm_out(backend, x, activation="silu")
-        return self.conv_out(backend, x)
+    def __call__(self, z):
+        x = _run_stages(self.stages, self.mid_block(self.conv_in(z)))
+        x = self.conv_norm_out(x, activation="silu")
+        return self.conv_out(x)
 
 
 class Encoder(Module):
@@ -146,10 +146,10 @@ class Encoder(Module):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
 
-    def __call__(self, backend: Backend, x):
-        x = self.mid_block(backend, _run_stages(backend, self.stages, self.conv_in(backend, x)))
-        x = self.conv_norm_out(backend, x, activation="silu")
-        return self.conv_out(backend, x)
+    def __call__(self, x):
+        x = self.mid_block(_run_stages(self.stages, self.conv_in(x)))
+        x = self.conv_norm_out(x, activation="silu")
+        return self.conv_out(x)
 
 
 class _MeanConv(Conv2d):
@@ -221,10 +221,9 @@ class AutoencoderKLModel:
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decoder_forward(self, z):
-        b = self.backend
         if self.post_quant_conv is not None:
-            z = self.post_quant_conv(b, z)
-        return self.decoder(b, z)
+            z = self.post_quant_conv(z)
+        return self.decoder(z)
 
     def _decode_raw(self, z_nhwc: np.ndarray, clip=None, uint8: bool = False) -> np.ndarray:
         """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC float32,
@@ -284,9 +283,9 @@ class AutoencoderKLModel:
     def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
         """Images in [-1, 1] (host NHWC) -> posterior mean (host NHWC, unscaled)."""
         b = self.backend
-        moments = self.encoder(b, b.asarray(x_nhwc))
+        moments = self.encoder(b.asarray(x_nhwc))
         if self.quant_conv is not None:
-            mean = self.quant_conv(b, moments)
+            mean = self.quant_conv(moments)
         else:
             mean = b.slice(moments, -1, 0, self.latent_channels)
         return np.asarray(b.to_host(mean), dtype=np.float32)

@@ -116,13 +116,13 @@ class Stem(Module):
         self.conv.bias = self.backend.asarray(b_folded.astype(np.float32))
         self.weight_uint8 = self.backend.asarray(conv_weight_to_channels_last((w_folded / 255.0).astype(np.float32)))
 
-    def __call__(self, backend: Backend, x, uint8: bool = False):
+    def __call__(self, x, uint8: bool = False):
         """uint8: x holds 8-bit pixel values 0..255 (in the compute dtype), not [0, 1]."""
         if not uint8:
-            return self.norm(backend, self.conv(backend, x))
+            return self.norm(self.conv(x))
         c = self.conv
-        return self.norm(backend, backend.conv2d(x, self.weight_uint8, c.bias, stride=c.stride, padding=c.padding,
-                                                 groups=c.groups))
+        return self.norm(self.backend.conv2d(x, self.weight_uint8, c.bias, stride=c.stride, padding=c.padding,
+                                             groups=c.groups))
 
 
 class Downsample(Module):
@@ -133,8 +133,8 @@ class Downsample(Module):
         self.norm = self.add("0", LayerNorm(cin, eps))
         self.conv = self.add("1", Conv2d(cin, cout, 2, stride=2))
 
-    def __call__(self, backend: Backend, x):
-        return self.conv(backend, self.norm(backend, x))
+    def __call__(self, x):
+        return self.conv(self.norm(x))
 
 
 class ConvNeXtBlock(Module):
@@ -161,15 +161,15 @@ class ConvNeXtBlock(Module):
             self.fc2.weight = self.backend.asarray(w2 * gamma[:, None])
             self.fc2.bias = self.backend.asarray(b2 * gamma)
 
-    def __call__(self, backend: Backend, x):
-        dw, norm = self.conv_dw, self.norm
+    def __call__(self, x):
+        dw, norm, backend = self.conv_dw, self.norm, self.backend
         # a backend may compute conv + norm in one pass (CUDA: dw_ln, where switched on)
         fused = getattr(backend, "depthwise_conv_layer_norm", None)
         h = None if fused is None else fused(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
         if h is None:
-            h = norm(backend, dw(backend, x))
-        h = self.fc1(backend, h, activation=self.activation)
-        return self.fc2(backend, h, residual=x)
+            h = norm(dw(x))
+        h = self.fc1(h, activation=self.activation)
+        return self.fc2(h, residual=x)
 
 
 class ConvNeXtNet(Module):
@@ -186,17 +186,17 @@ class ConvNeXtNet(Module):
         self.head_norm = self.add("head.norm", LayerNorm(cfg.dims[-1], cfg.head_norm_eps))
         self.head_fc = self.add("head.fc", Linear(cfg.dims[-1], cfg.num_classes)) if cfg.num_classes else None
 
-    def features(self, backend: Backend, x, uint8: bool = False):
-        x = self.stem(backend, x, uint8)
+    def features(self, x, uint8: bool = False):
+        x = self.stem(x, uint8)
         for stage in self.stages:
             for layer in stage:
-                x = layer(backend, x)
+                x = layer(x)
         return x
 
-    def __call__(self, backend: Backend, x, uint8: bool = False):
+    def __call__(self, x, uint8: bool = False):
         """-> (pooled embedding, logits or None); uint8: x holds 0..255 (a folded stem only)"""
-        pooled = self.head_norm(backend, backend.mean(self.features(backend, x, uint8), (1, 2)))
-        return pooled, None if self.head_fc is None else self.head_fc(backend, pooled)
+        pooled = self.head_norm(self.backend.mean(self.features(x, uint8), (1, 2)))
+        return pooled, None if self.head_fc is None else self.head_fc(pooled)
 
 
 def expected_shapes(cfg: ConvNeXtConfig) -> dict[str, tuple[int, ...]]:
@@ -250,10 +250,10 @@ class ConvNeXtEncoder:
         return (x - np.float32(self.mean)) / np.float32(self.std)
 
     def _forward(self, x):
-        return self.tree(self.backend, x)
+        return self.tree(x)
 
     def _forward_uint8(self, x):
-        return self.tree(self.backend, x, uint8=True)
+        return self.tree(x, uint8=True)
 
     def encode(self, pixels_nhwc01: np.ndarray) -> dict:
         """pixels N,H,W,3: floating in [0, 1], or uint8 0..255, which cross to the device as bytes

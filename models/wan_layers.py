@@ -233,10 +233,10 @@ class AttentionBlock(Module):
         b = self.backend
         n, t, h, w, c = x.shape
         frames = b.reshape(x, (n * t, h, w, c))
-        qkv = b.reshape(self.to_qkv(b, self.norm(frames)), (n * t, h * w, 3 * c))
+        qkv = b.reshape(self.to_qkv(self.norm(frames)), (n * t, h * w, 3 * c))
         q, k, v = (b.slice(qkv, -1, i * c, (i + 1) * c) for i in range(3))
         attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
-        return b.reshape(self.proj(b, attended, residual=frames), (n, t, h, w, c))
+        return b.reshape(self.proj(attended, residual=frames), (n, t, h, w, c))
 
 
 class Resample(Module):
