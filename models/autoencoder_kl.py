@@ -18,7 +18,7 @@ from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
 from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
-from .vae_checkpoint import normalize_keys
+from .autoencoder_kl_checkpoint import normalize_keys
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 log = logging.getLogger("convserve.models")
@@ -205,7 +205,7 @@ class AutoencoderKLModel:
             tensors = random_state_dict(wanted, seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
-            tensors = normalize_keys(tensors, len(cfg.block_out_channels))
+            tensors = normalize_keys(tensors, cfg)
         # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
         self.has_encoder = any(k in tensors for k in encoder_shapes)
         if self.has_encoder:

@@ -16,10 +16,11 @@ import numpy as np
 from convkernels import Backend
 
 from .contract import card_fields
-from .convnext_checkpoint import labels_from_config, load_checkpoint
+from .convnext_checkpoint import (checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config,
+                                  normalize_keys)
 from .layers import Conv2d, LayerNorm, Linear
 from .module import Module, random_state_dict
-from .weights import conv_weight_to_channels_last
+from .weights import check_state_dict, conv_weight_to_channels_last, read_checkpoint
 
 log = logging.getLogger("convserve.models")
 
@@ -217,7 +218,7 @@ class ConvNeXtEncoder:
         self.input_size, self.embed_dim, self.num_classes = cfg.input_size, cfg.dims[-1], cfg.num_classes
         self.mean, self.std = tuple(cfg.mean), tuple(cfg.std)
         self.tree = ConvNeXtNet(cfg, fold_input=folds_input_norm(backend.dtype))
-        self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
+        self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (see build)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
         self._encode_device = backend.graphed(self._forward)
         # the same for 8-bit pixels (0..255 on the device), through the stem's uint8 weights
@@ -309,10 +310,16 @@ def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike |
     if weights is None:
         sd = random_state_dict(expected_shapes(cfg), RANDOM_SEED, INIT_RULES)
         return ConvNeXtEncoder(name, preset, backend, cfg, sd, None, None)
-    ckpt, cfg = load_checkpoint(weights, cfg, _clean_overrides(overrides), expected_shapes)
+    tensors, file_config = read_checkpoint(weights)
+    naming, _ = detect_naming(tensors)
+    cfg = checkpoint_config(cfg, tensors, file_config, _clean_overrides(overrides), str(weights))
+    # checked in the checkpoint's own naming: the error names the tensors the user has
+    check_state_dict(expected_in_own_naming(expected_shapes(cfg), tensors), tensors,
+                     f"ConvNeXt ({naming} naming) from {weights}")
     p = PRESETS[preset]
     if (cfg.depths, cfg.dims) != (tuple(p["depths"]), tuple(p["dims"])) and not overrides:
         log.warning("%s: checkpoint %s describes depths %s dims %s, not preset %s's; using the checkpoint's",
                     name, weights, cfg.depths, cfg.dims, preset)
-    labels = labels_from_config(ckpt.config, cfg.num_classes)
-    return ConvNeXtEncoder(name, preset, backend, cfg, ckpt.tensors, str(Path(weights)), labels, ckpt.naming)
+    labels = labels_from_config(file_config, cfg.num_classes)
+    return ConvNeXtEncoder(name, preset, backend, cfg, normalize_keys(tensors, cfg), str(Path(weights)), labels,
+                           naming)

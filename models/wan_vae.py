@@ -18,7 +18,7 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
-from .wan_checkpoint import normalize_keys
+from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
 from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
@@ -152,7 +152,8 @@ class WanVAEDecoder:
             tensors = random_state_dict(self.tree.expected_shapes(), seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
-            tensors, self.weights_naming = normalize_keys(tensors, len(cfg.dim_mult), cfg.num_res_blocks)
+            self.weights_naming = checkpoint_naming(tensors)
+            tensors = normalize_keys(tensors, cfg)
         # the encoder half of a full VAE checkpoint is fine to carry; the decoder must be exact
         naming = "" if self.weights_naming in (None, "diffusers") else \
             f", {self.weights_naming} names shown as diffusers names"
