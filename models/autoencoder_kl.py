@@ -183,11 +183,9 @@ class AutoencoderKLModel:
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(cfg.shift_factor or 0.0)
         # diffusers: tile_latent_min_size = sample_size / 2**(len(block_out_channels) - 1)
-        self.tiling = tiling.TileSettings(
-            tile_latent_size=int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
-            overlap_factor=float(tile_overlap_factor),
-            memory_budget_bytes=int(memory_budget_bytes or backend.work_memory_budget))
-        self.tiling.validate(cfg.spatial_factor)
+        self.tiling = tiling.image_tiles(int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
+                                         cfg.spatial_factor, float(tile_overlap_factor),
+                                         int(memory_budget_bytes or backend.work_memory_budget))
 
         lc = cfg.latent_channels
         self.tree = Module()  # what the checkpoint holds, by its names
@@ -292,14 +290,14 @@ class AutoencoderKLModel:
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:  # models/contract.py
-        return current.halved(self.spatial_factor)
+        return tiling.smaller_image_tiles(current, self.spatial_factor)
 
     def card(self) -> dict:
         t = self.tiling
         return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
                            latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
                            scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
-                           limits={"tile_latent_size": t.tile_latent_size, "tile_overlap_factor": t.overlap_factor,
+                           limits={"tile_latent_size": t.tile_px // self.spatial_factor, "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
                            upsample_mode=self.upsample_mode, config=self.config.as_dict())
 

@@ -22,7 +22,8 @@ from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
 from .contract import PIXEL_RANGE, card_fields
 from .module import Module, random_state_dict
 from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
-from .wan_tiling import TileSettings, plan_tiles, stitch
+from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
+                     video_tiles_for_size)
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
@@ -138,8 +139,8 @@ class WanVAEDecoder:
         """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE); when given it
         replaces tile_sample_min_size/stride, the stride a quarter smaller."""
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        self.tiling = TileSettings.for_tile_size(tile_size) if tile_size else \
-            TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
+        self.tiling = video_tiles_for_size(tile_size) if tile_size else \
+            video_tiles(int(tile_sample_min_size), int(tile_sample_stride))
         self.max_untiled_pixels = int(max_untiled_pixels)
         self.latent_channels = cfg.z_dim
         self.spatial_factor = cfg.spatial_factor
@@ -189,7 +190,7 @@ class WanVAEDecoder:
         sf = self.spatial_factor
         if tiled is None:
             tiled = h * w * sf * sf > self.max_untiled_pixels
-        plan = plan_tiles(h, w, sf, self.tiling) if tiled else None
+        plan = plan_video_tiles(h, w, sf, self.tiling) if tiled else None
         return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
 
     def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
@@ -217,7 +218,7 @@ class WanVAEDecoder:
         for k in range(z.shape[1]):
             tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
-            yield self._to_pixels(stitch(plan, tiles), uint8)
+            yield self._to_pixels(stitch_video_tiles(plan, tiles), uint8)
 
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
@@ -269,7 +270,7 @@ class WanVAEDecoder:
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py
-        return current.halved(self.spatial_factor)
+        return smaller_video_tiles(current, self.spatial_factor)
 
     def card(self) -> dict:
         return card_fields(self, self.architecture, weights_naming=self.weights_naming,
@@ -282,8 +283,8 @@ class WanVAEDecoder:
                            limits={"streaming": True, "frames_per_chunk": [1, self.temporal_factor],
                                    "cache_frames_per_conv": CACHE_T,
                                    "memory": "bounded by one latent frame's activations, not by clip length",
-                                   "tile_sample_min_size": self.tiling.min_size,
-                                   "tile_sample_stride": self.tiling.stride,
+                                   "tile_sample_min_size": self.tiling.tile_px,
+                                   "tile_sample_stride": self.tiling.stride_px,
                                    "max_untiled_pixels": self.max_untiled_pixels},
                            config=self.config.as_dict())
 
