@@ -1,8 +1,14 @@
-"""diffusers `AutoencoderKL` (SD 1.x/2.x, SDXL, FLUX image VAEs) on the backend interface.
+"""diffusers `AutoencoderKL` (SD 1.x/2.x, SDXL, FLUX image VAEs) on the backend interface: the
+image-VAE family (its presets, model and builder; `FAMILY`).
 
 The layer tree mirrors diffusers' module names exactly, so a diffusers checkpoint loads by name:
 `post_quant_conv`, `decoder.{conv_in, mid_block, up_blocks, conv_norm_out, conv_out}` and, when
 the checkpoint holds it, `encoder.*` + `quant_conv`.
+
+The real presets match the published config.json files (block widths, latent channels, scaling
+and shift factors, sample_size, which sets diffusers' tile size). The tiny ones keep the real block
+structure (4 levels, so the spatial factor stays 8) at widths that decode 32x32 latents in well
+under a second on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -16,12 +22,50 @@ from convkernels import Backend, pixels_to_uint8
 
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
-from .contract import PIXEL_RANGE, card_fields
+from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
+from .family import ModelFamily
 from .module import Module, random_state_dict
 from .autoencoder_kl_checkpoint import normalize_keys
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 log = logging.getLogger("convserve.models")
+
+_SD_BLOCKS = {
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "in_channels": 3,
+    "out_channels": 3,
+}
+
+_TINY_BLOCKS = {
+    **_SD_BLOCKS,
+    "block_out_channels": [16, 32, 32, 64],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 256,  # 32-latent tiles
+}
+
+PRESETS: dict[str, dict] = {
+    "sd-vae": {**_SD_BLOCKS, "latent_channels": 4, "sample_size": 512, "scaling_factor": 0.18215},
+    "sdxl-vae": {**_SD_BLOCKS, "latent_channels": 4, "sample_size": 1024, "scaling_factor": 0.13025},
+    "flux-vae": {**_SD_BLOCKS, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611,
+                 "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False},
+    "tiny-vae": {**_TINY_BLOCKS, "latent_channels": 4, "scaling_factor": 0.18215},
+    "tiny-flux-vae": {**_TINY_BLOCKS, "latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+                      "use_quant_conv": False, "use_post_quant_conv": False},
+}
+
+DESCRIPTIONS = {
+    "sd-vae": "Stable Diffusion 1.x/2.x VAE (4 latent channels)",
+    "sdxl-vae": "SDXL VAE (4 latent channels, scaling 0.13025)",
+    "flux-vae": "FLUX.1 VAE (16 latent channels, no quant convs, scaling 0.3611, shift 0.1159)",
+    "tiny-vae": "tiny SD-style VAE for tests and CPU demos (random init unless weights are given)",
+    "tiny-flux-vae": "tiny FLUX-style VAE (16 latent channels) for tests and CPU demos",
+}
 
 #: diffusers' VAE blocks use this eps for every GroupNorm (resnets, attention, conv_norm_out)
 VAE_NORM_EPS = 1e-6
@@ -166,7 +210,7 @@ class _MeanConv(Conv2d):
 class AutoencoderKLModel:
     """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md."""
 
-    kind = "image-decoder"
+    kind = IMAGE_DECODER
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -306,11 +350,16 @@ _SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", 
              "upsample_mode", "tile_size")
 
 
-def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Backend, weights: str | None = None,
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
           **overrides) -> AutoencoderKLModel:
-    """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
+    """Make a model from a preset, a checkpoint (diffusers folder or .safetensors) whose
     config.json, when present, replaces the preset's architecture, and overrides (config fields
     or the settings in _SETTINGS)."""
-    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, preset_config,
+    if preset not in PRESETS:
+        raise KeyError(f"unknown image VAE preset {preset!r}; known: {sorted(PRESETS)}")
+    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, PRESETS[preset],
                                               overrides, _SETTINGS)
     return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+
+
+FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build)

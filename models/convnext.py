@@ -1,6 +1,6 @@
-"""ConvNeXt image encoder (Liu et al. 2022) on the backend interface, channels-last. Its
-parameters carry timm's names; convnext_checkpoint.py reads timm- and Hugging Face-named
-checkpoints onto them.
+"""ConvNeXt image encoder (Liu et al. 2022) on the backend interface, channels-last: the ConvNeXt
+family (its presets, layers, model and builder; `FAMILY`). Its parameters carry timm's names;
+convnext_checkpoint.py reads timm- and Hugging Face-named checkpoints onto them.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 
 from convkernels import Backend
 
-from .contract import card_fields
+from .contract import IMAGE_ENCODER, card_fields
+from .family import ModelFamily
 from .convnext_checkpoint import (checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config,
                                   normalize_keys)
 from .layers import Conv2d, LayerNorm, Linear
@@ -209,7 +210,7 @@ def expected_shapes(cfg: ConvNeXtConfig) -> dict[str, tuple[int, ...]]:
 class ConvNeXtEncoder:
     """`kind == "image-encoder"` per docs/interfaces.md."""
 
-    kind = "image-encoder"
+    kind = IMAGE_ENCODER
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):
@@ -323,3 +324,6 @@ def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike |
     labels = labels_from_config(file_config, cfg.num_classes)
     return ConvNeXtEncoder(name, preset, backend, cfg, normalize_keys(tensors, cfg), str(Path(weights)), labels,
                            naming)
+
+
+FAMILY = ModelFamily(IMAGE_ENCODER, PRESETS, DESCRIPTIONS, build)

@@ -1,4 +1,5 @@
-"""The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`.
+"""The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`: the
+Wan-VAE family (its presets, model and builder; `FAMILY`).
 
 Decoding is chunked and causal exactly as diffusers' `_decode`: one latent frame at a time
 through the decoder with a feature cache of CACHE_T frames per causal conv, so memory does
@@ -19,9 +20,10 @@ import numpy as np
 from convkernels import Backend, pixels_to_uint8
 
 from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
-from .contract import PIXEL_RANGE, card_fields
+from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
+from .family import ModelFamily
 from .module import Module, random_state_dict
-from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
+from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
                      video_tiles_for_size)
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
@@ -129,7 +131,7 @@ class WanVAEDecoder:
     """Video decoder per docs/interfaces.md: normalised latents (N, C, T, h, w) ->
     float32 frames (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
 
-    kind = "video-decoder"
+    kind = VIDEO_DECODER
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
@@ -302,3 +304,6 @@ def build(name: str, preset: str, backend: Backend, weights: str | None = None, 
     cfg, tensors, settings = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset],
                                               overrides, _SETTINGS)
     return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+
+
+FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build)

@@ -331,7 +331,7 @@ def test_feature_cache_stays_bounded(monkeypatch):
     """Memory must not grow with clip length: every cache slot holds at most CACHE_T frames
     and the number of slots is fixed after the first chunks."""
     import models.wan_vae as wan_vae
-    from models.wan_layers import CACHE_T, FeatureCache, holds_frames
+    from models.wan_vae_layers import CACHE_T, FeatureCache, holds_frames
 
     seen: list[FeatureCache] = []
 
