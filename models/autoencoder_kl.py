@@ -23,7 +23,7 @@ from convkernels import Backend, pixels_to_uint8
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
 from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
-from .family import ModelFamily
+from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
 from .autoencoder_kl_checkpoint import normalize_keys
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
@@ -122,6 +122,23 @@ class AutoencoderKLConfig(DiffusersConfig):
         return 2 ** (len(self.block_out_channels) - 1)
 
 
+@dataclass(frozen=True)
+class AutoencoderKLOptions(ModelOptions):
+    """The image VAE's own settings, beside ModelOptions' tile_size, seed and config."""
+
+    #: latents per tile side; None: tile_size / spatial factor if given, else diffusers' rule
+    #: (sample_size / spatial factor)
+    tile_latent_size: int | None = None
+    #: diffusers' tile_overlap_factor
+    tile_overlap_factor: float = 0.25
+    #: working memory one decode/encode may take before it tiles; None: the backend's work_memory_budget
+    memory_budget_bytes: int | None = None
+    #: random init: make encoder weights too (a checkpoint has them or not)
+    with_encoder: bool = True
+    #: "subpixel" (nearest 2x and the 3x3 conv as one backend op) or "nearest" (two ops)
+    upsample_mode: str = "subpixel"
+
+
 class MidBlock(Module):
     """UNetMidBlock2D as the VAE uses it: resnet, [attention, resnet]."""
 
@@ -214,37 +231,35 @@ class AutoencoderKLModel:
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
-                 seed: int = 0, with_encoder: bool = True, tile_latent_size: int | None = None,
-                 tile_overlap_factor: float = 0.25, memory_budget_bytes: int | None = None,
-                 upsample_mode: str = "subpixel", tile_size: int | None = None):
-        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE), used where
-        tile_latent_size is not given."""
+                 options: AutoencoderKLOptions | None = None):
+        options = options or AutoencoderKLOptions()
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        if tile_size and not tile_latent_size:
-            tile_latent_size = max(1, int(tile_size) // cfg.spatial_factor)
+        tile_latent_size = options.tile_latent_size
+        if options.tile_size and not tile_latent_size:
+            tile_latent_size = max(1, int(options.tile_size) // cfg.spatial_factor)
         self.latent_channels = cfg.latent_channels
         self.spatial_factor = cfg.spatial_factor
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(cfg.shift_factor or 0.0)
         # diffusers: tile_latent_min_size = sample_size / 2**(len(block_out_channels) - 1)
         self.tiling = tiling.image_tiles(int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
-                                         cfg.spatial_factor, float(tile_overlap_factor),
-                                         int(memory_budget_bytes or backend.work_memory_budget))
+                                         cfg.spatial_factor, float(options.tile_overlap_factor),
+                                         int(options.memory_budget_bytes or backend.work_memory_budget))
 
         lc = cfg.latent_channels
         self.tree = Module()  # what the checkpoint holds, by its names
         self.post_quant_conv = self.tree.add("post_quant_conv", Conv2d(lc, lc, 1)) \
             if cfg.use_post_quant_conv else None
-        self.decoder = self.tree.add("decoder", Decoder(cfg, upsample_mode))
-        self.upsample_mode = upsample_mode
+        self.decoder = self.tree.add("decoder", Decoder(cfg, options.upsample_mode))
+        self.upsample_mode = options.upsample_mode
         encoder_side = Module()
         self.encoder = encoder_side.add("encoder", Encoder(cfg))
         self.quant_conv = encoder_side.add("quant_conv", _MeanConv(2 * lc)) if cfg.use_quant_conv else None
         encoder_shapes = encoder_side.expected_shapes()
         if tensors is None:
             self.weights_source = "random init"
-            wanted = {**self.tree.expected_shapes(), **(encoder_shapes if with_encoder else {})}
-            tensors = random_state_dict(wanted, seed, INIT_RULES)
+            wanted = {**self.tree.expected_shapes(), **(encoder_shapes if options.with_encoder else {})}
+            tensors = random_state_dict(wanted, options.seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
             tensors = normalize_keys(tensors, cfg)
@@ -346,20 +361,16 @@ class AutoencoderKLModel:
                            upsample_mode=self.upsample_mode, config=self.config.as_dict())
 
 
-_SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
-             "upsample_mode", "tile_size")
-
-
 def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          **overrides) -> AutoencoderKLModel:
+          options: ModelOptions | None = None) -> AutoencoderKLModel:
     """Make a model from a preset, a checkpoint (diffusers folder or .safetensors) whose
-    config.json, when present, replaces the preset's architecture, and overrides (config fields
-    or the settings in _SETTINGS)."""
+    config.json, when present, replaces the preset's architecture, and options (AutoencoderKLOptions;
+    their `config` overrides config fields)."""
     if preset not in PRESETS:
         raise KeyError(f"unknown image VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, PRESETS[preset],
-                                              overrides, _SETTINGS)
-    return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+    options = family_options(options, AutoencoderKLOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, PRESETS[preset], options.config)
+    return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
 
 
-FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build)
+FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, AutoencoderKLOptions)

@@ -16,7 +16,7 @@ import numpy as np
 from convkernels import Backend
 
 from .contract import IMAGE_ENCODER, card_fields
-from .family import ModelFamily
+from .family import ModelFamily, ModelOptions, family_options
 from .convnext_checkpoint import (checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config,
                                   normalize_keys)
 from .layers import Conv2d, LayerNorm, Linear
@@ -44,7 +44,6 @@ DESCRIPTIONS = {
 
 DW_KERNEL = 7
 MLP_RATIO = 4
-RANDOM_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -291,25 +290,27 @@ def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
 
 
-def preset_config(preset: str, **overrides) -> ConvNeXtConfig:
+def preset_config(preset: str, overrides: Mapping[str, Any] | None = None) -> ConvNeXtConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown ConvNeXt preset {preset!r}; known: {sorted(PRESETS)}")
     p = PRESETS[preset]
     base = {"depths": tuple(p["depths"]), "dims": tuple(p["dims"]), "num_classes": p.get("num_classes", 0),
             "input_size": p.get("input_size", 224)}
-    base.update(_clean_overrides(overrides))
+    base.update(_clean_overrides(overrides or {}))
     return ConvNeXtConfig(**base)
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike | None = None,
-          **overrides) -> ConvNeXtEncoder:
+          options: ModelOptions | None = None) -> ConvNeXtEncoder:
     """A ConvNeXt encoder from a preset, with weights from an HF folder (config.json +
     model.safetensors), a single timm- or HF-named .safetensors, or None (seeded random init).
-    A checkpoint's config.json decides the architecture unless `overrides` say otherwise; the
-    checkpoint's head decides num_classes."""
-    cfg = preset_config(preset, **overrides)
+    A checkpoint's config.json decides the architecture unless `options.config` says otherwise;
+    the checkpoint's head decides num_classes. An encoder does not tile: tile_size is ignored."""
+    options = family_options(options, ModelOptions)
+    overrides = options.config
+    cfg = preset_config(preset, overrides)
     if weights is None:
-        sd = random_state_dict(expected_shapes(cfg), RANDOM_SEED, INIT_RULES)
+        sd = random_state_dict(expected_shapes(cfg), options.seed, INIT_RULES)
         return ConvNeXtEncoder(name, preset, backend, cfg, sd, None, None)
     tensors, file_config = read_checkpoint(weights)
     naming, _ = detect_naming(tensors)
@@ -326,4 +327,4 @@ def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike |
                            naming)
 
 
-FAMILY = ModelFamily(IMAGE_ENCODER, PRESETS, DESCRIPTIONS, build)
+FAMILY = ModelFamily(IMAGE_ENCODER, PRESETS, DESCRIPTIONS, build, ModelOptions)

@@ -11,11 +11,11 @@ import importlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 from convkernels import Backend
 
-from .family import ModelFamily
+from .family import ModelFamily, ModelOptions
 from .hub import resolve_weights
 
 log = logging.getLogger("convserve.models")
@@ -28,8 +28,6 @@ FAMILIES: tuple[str, ...] = (
 )
 
 TINY_PREFIX = "tiny-"
-#: kinds whose models decode in tiles and take the `tile_size` setting
-TILED_KINDS = ("image-decoder", "video-decoder")
 
 
 @dataclass(frozen=True)
@@ -102,23 +100,21 @@ def family_of(module: str, unavailable: dict[str, str]) -> ModelFamily | None:
 PRESETS = _Presets()
 
 
-def load_model(name: str, preset: str, backend: Backend, weights: str | None = None, *,
-               tile_size: int | None = None, **overrides: Any):
+def load_model(name: str, preset: str, backend: Backend, weights: str | None = None,
+               options: ModelOptions | None = None):
     """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
     diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
     (models/hub.py; the model then has `weights_provenance`), None = seeded random init.
-    tile_size: output pixels per tile side for the families that decode in tiles (decoders);
-    each converts it to its own tile settings, encoders ignore it."""
+    options: ModelOptions (tile_size, seed, config overrides) or the family's own subclass
+    (PresetInfo.family's FAMILY.options); None = the family's defaults."""
     if preset not in PRESETS:
         missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
         raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
                        + (f" (families unavailable: {missing})" if missing else ""))
     info = PRESETS[preset]
     build = family_of(info.family, {}).build
-    if tile_size and info.kind in TILED_KINDS:
-        overrides["tile_size"] = tile_size
     local, hub = resolve_weights(weights)
-    model = build(name, preset, backend, local, **overrides) if overrides else build(name, preset, backend, local)
+    model = build(name, preset, backend, local, options)
     model.weights_provenance = None if hub is None else hub.provenance
     if hub is not None:  # the card names the pinned Hub source, not a path inside the cache
         model.weights_source = hub.source

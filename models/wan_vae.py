@@ -21,7 +21,7 @@ from convkernels import Backend, pixels_to_uint8
 
 from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
 from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
-from .family import ModelFamily
+from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
 from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
@@ -54,7 +54,6 @@ DESCRIPTIONS = {
                     "(4 latent channels; 4x16x16 latents -> 13x128x128 in ~0.5 s on a quiet 2-core CPU)",
 }
 
-RANDOM_SEED = 0
 #: random init: U(+-1/sqrt(fan_in)) as PyTorch's default, RMS-norm gammas one
 INIT_RULES = ((r"\.gamma$", "ones"), ("", "uniform"))
 
@@ -116,6 +115,19 @@ class WanVAEConfig(DiffusersConfig):
         return 2 ** sum(bool(t) for t in self.temperal_downsample)
 
 
+@dataclass(frozen=True)
+class WanVAEOptions(ModelOptions):
+    """The Wan VAE's own settings, beside ModelOptions' tile_size (which, when given, replaces
+    the tile size and stride below, the stride a quarter smaller), seed and config."""
+
+    #: diffusers' tile_sample_min_height/width: output pixels per tile side
+    tile_sample_min_size: int = 256
+    #: diffusers' tile_sample_stride_height/width: output pixels between tile starts
+    tile_sample_stride: int = 192
+    #: tiled=None tiles only frames above this many output pixels
+    max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS
+
+
 class _VAEDecoderTree(Module):
     """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
 
@@ -136,14 +148,12 @@ class WanVAEDecoder:
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
-                 seed: int = RANDOM_SEED, tile_sample_min_size: int = 256, tile_sample_stride: int = 192,
-                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS, tile_size: int | None = None):
-        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE); when given it
-        replaces tile_sample_min_size/stride, the stride a quarter smaller."""
+                 options: WanVAEOptions | None = None):
+        options = options or WanVAEOptions()
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        self.tiling = video_tiles_for_size(tile_size) if tile_size else \
-            video_tiles(int(tile_sample_min_size), int(tile_sample_stride))
-        self.max_untiled_pixels = int(max_untiled_pixels)
+        self.tiling = video_tiles_for_size(options.tile_size) if options.tile_size else \
+            video_tiles(int(options.tile_sample_min_size), int(options.tile_sample_stride))
+        self.max_untiled_pixels = int(options.max_untiled_pixels)
         self.latent_channels = cfg.z_dim
         self.spatial_factor = cfg.spatial_factor
         self.temporal_factor = cfg.temporal_factor
@@ -152,7 +162,7 @@ class WanVAEDecoder:
         self.tree = _VAEDecoderTree(cfg)
         if tensors is None:
             self.weights_source, self.weights_naming = "random init", None
-            tensors = random_state_dict(self.tree.expected_shapes(), seed, INIT_RULES)
+            tensors = random_state_dict(self.tree.expected_shapes(), options.seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
             self.weights_naming = checkpoint_naming(tensors)
@@ -291,19 +301,17 @@ class WanVAEDecoder:
                            config=self.config.as_dict())
 
 
-_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels", "tile_size")
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides) -> WanVAEDecoder:
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
+          options: ModelOptions | None = None) -> WanVAEDecoder:
     """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
     config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
     architecture; or a single .safetensors in diffusers or original-Wan naming, read with the
-    preset's config) and overrides (config fields, or the settings in _SETTINGS)."""
+    preset's config) and options (WanVAEOptions; their `config` overrides config fields)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown Wan VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset],
-                                              overrides, _SETTINGS)
-    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+    options = family_options(options, WanVAEOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset], options.config)
+    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
 
 
-FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build)
+FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build, WanVAEOptions)

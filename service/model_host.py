@@ -169,10 +169,11 @@ class HostedModel:
 
 
 def load_entry(entry: ModelEntry, backend, tile_size: int | None = None, device: str = "local") -> HostedModel:
-    from models import load_model  # the models layer; imported late so settings errors come first
+    from models import ModelOptions, load_model  # the models layer; imported late so settings errors come first
 
     t0 = time.perf_counter()
-    model = load_model(entry.name, entry.preset, backend, weights=entry.weights, tile_size=tile_size)
+    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
+                       options=ModelOptions(tile_size=tile_size))
     secs = time.perf_counter() - t0
     metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
     metrics.MODEL_LOADS.labels(entry.name, device).inc()

@@ -61,7 +61,9 @@ def test_device_oom_retries_in_smaller_tiles_and_succeeds(server_factory):
     # the answer is the model's own decode in 8-latent tiles (same seeded random weights)
     from convkernels import get_backend
     from models import load_model
-    ref = load_model("tiny-vae", "tiny-vae", get_backend("numpy"), tile_latent_size=8).decode(x, tiled=True)
+    from models.autoencoder_kl import AutoencoderKLOptions
+    ref = load_model("tiny-vae", "tiny-vae", get_backend("numpy"),
+                     options=AutoencoderKLOptions(tile_latent_size=8)).decode(x, tiled=True)
     assert got.shape == ref.shape == (1, 168, 152, 3)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"RELIABILITY fault=device_oom outcome=recovered rel_l2_vs_8_latent_tiles={err:.2e}")
