@@ -228,6 +228,8 @@ class AutoencoderKLModel:
     """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md."""
 
     kind = IMAGE_DECODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,

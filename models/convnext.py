@@ -210,6 +210,8 @@ class ConvNeXtEncoder:
     """`kind == "image-encoder"` per docs/interfaces.md."""
 
     kind = IMAGE_ENCODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):

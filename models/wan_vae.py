@@ -144,6 +144,8 @@ class WanVAEDecoder:
     float32 frames (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
 
     kind = VIDEO_DECODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
