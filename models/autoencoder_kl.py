@@ -358,7 +358,8 @@ class AutoencoderKLModel:
         return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
                            latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
                            scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
-                           limits={"tile_latent_size": t.tile_px // self.spatial_factor, "tile_overlap_factor": t.overlap,
+                           limits={"tile_latent_size": t.tile_px // self.spatial_factor,
+                                   "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
                            upsample_mode=self.upsample_mode, config=self.config.as_dict())
 
