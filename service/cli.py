@@ -6,8 +6,9 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import typer
@@ -22,11 +23,33 @@ IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def _set_env(**values) -> None:
-    """CLI flags become CONVSERVE_* variables, so Settings, worker processes and backends agree."""
-    for key, value in values.items():
-        if value is not None:
-            os.environ[f"CONVSERVE_{key.upper()}"] = str(value)
+def settings_from_flags(**flags):
+    """The service's Settings, built once per command: the flags given (None = not given) over
+    the CONVSERVE_* variables and the defaults. Every process of a server receives this object
+    (service/supervisor.py hands it to the model workers and front ends it starts); an invalid
+    value is one line."""
+    from .settings import Settings
+
+    try:
+        return Settings(**{k: v for k, v in flags.items() if v is not None})
+    except ValueError as exc:
+        _fail(f"settings: {exc}")
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment while the block runs (children started meanwhile
+    inherit them), the old ones back after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @app.command()
@@ -65,24 +88,22 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     try:
         import uvicorn
 
-        from .settings import Settings
-
-        _set_env(host=host, port=port, models=models, backend=backend, dtype=dtype, workers=workers,
-                 devices=devices, max_batch=max_batch, max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
-                 request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
-                 shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes, log_level=log_level)
-        try:
-            settings = Settings()
-        except ValueError as exc:
-            _fail(f"settings: {exc}")
+        settings = settings_from_flags(host=host, port=port, models=models, backend=backend, dtype=dtype,
+                                       workers=workers, devices=devices, max_batch=max_batch,
+                                       max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
+                                       request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
+                                       shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes,
+                                       log_level=log_level)
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         entries = _model_entries(settings.models)
         check_model_entries(entries)  # a typo'd preset or a missing path: one line, before anything starts
-        if _fetch_hub_weights(entries, hashes=False):
-            # Everything is in the cache now: the loaders (every worker) read it there, so they all
-            # get the commit resolved here even if a branch moves meanwhile, and none waits on the Hub.
-            os.environ["HF_HUB_OFFLINE"] = "1"
-        _serve(settings, uvicorn)
+        # Hub weights resolved here are in the cache: the model workers (started now, or again after
+        # one dies) load them from there, so they all get the commit resolved here even if a branch
+        # moves meanwhile, and none waits on the Hub. huggingface_hub in those processes reads
+        # HF_HUB_OFFLINE from the environment they inherit: the one setting that travels that way.
+        offline = {"HF_HUB_OFFLINE": "1"} if _fetch_hub_weights(entries, hashes=False) else {}
+        with _environment(offline):
+            _serve(settings, uvicorn)
     finally:
         if own_dir:
             shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
@@ -206,9 +227,9 @@ def pull(models: Optional[list[str]] = typer.Argument(
     """Download the Hub weights of MODELS into the Hugging Face cache (HF_HOME / HF_HUB_CACHE) ahead of
     time, e.g. while building an image or in a Kubernetes init container; `serve` with HF_HUB_OFFLINE=1
     then loads them without the network."""
-    from .settings import ModelEntry, Settings
+    from .settings import ModelEntry
 
-    specs = models or [Settings().models]
+    specs = models or [settings_from_flags().models]
     entries = []
     for item in (i.strip() for spec in specs for i in spec.split(",")):
         if item.startswith("hf://") or ("/" in item and not {"=", ":"} & set(item)):  # a bare reference
@@ -226,23 +247,23 @@ def pull(models: Optional[list[str]] = typer.Argument(
                    f"{size / 1e6:.1f} MB in {p['path']}")
 
 
-def _load_local(preset: str, weights: Optional[str], backend: str):
+def _load_local(settings, preset: str, weights: Optional[str], backend: str):
+    """The model loaded here as a model worker loads it: the backend knobs (unfold limit, plan
+    cache, ...) and the tile size are the server's settings."""
     from convkernels import get_backend
-    from models import WeightsError
 
     from .model_host import load_entry
-    from .settings import ModelEntry, Settings
+    from .settings import ModelEntry
 
     entry = ModelEntry(preset, preset, weights)
     check_model_entries([entry])
-    # the backend knobs (unfold limit, plan cache, ...) are the server's CONVSERVE_* settings
     try:
-        be = get_backend(backend, **Settings().backend_options())
+        be = get_backend(backend, **settings.backend_options())
     except (ValueError, RuntimeError, ImportError) as exc:  # an unknown or unavailable backend
         _fail(f"backend {backend!r}: {exc}")
     try:
-        return load_entry(entry, be)
-    except (WeightsError, KeyError) as exc:
+        return load_entry(entry, be, settings.tile_size)
+    except (ValueError, KeyError) as exc:  # a WeightsError, a preset's refusal of the settings
         _fail(str(exc).strip("'\""))
 
 
@@ -316,15 +337,18 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
            weights: Optional[str] = typer.Option(None, help="a .safetensors file, diffusers folder or Hub reference"),
            backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
            tiled: str = typer.Option("auto", help="on|off|auto"),
+           tile_size: Optional[int] = typer.Option(None, help="output pixels per tile side [CONVSERVE_TILE_SIZE; "
+                                                   "the model's own]"),
            quality: int = typer.Option(90, min=1, max=100),
            fps: float = typer.Option(16.0),
            url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
            api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
-    """Decode latents to images, an MP4, .npy or a folder of frames."""
+    """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the
+    server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
     from tqdm import tqdm
 
-    from . import validation
+    from . import oom_recovery, validation
 
     lat = _read_tensor(latents, "latents")
     video = lat.ndim == 5
@@ -333,17 +357,23 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
         _remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
                        tiled, quality, fps, api_key)
         return
-    hm = _load_local(preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend)
+    hm = _load_local(settings_from_flags(tile_size=tile_size), preset or ("tiny-wan-vae" if video else "tiny-vae"),
+                     weights, backend)
     lat = _validated(validation.latents, hm, lat)
+    t = {"on": True, "off": False}.get(tiled)
     t0 = time.perf_counter()
-    if hm.is_video:
-        # the causal decoder yields frames in order: 1 for the first latent frame, 4 per later one
-        chunks = list(tqdm(hm.model.decode_frames(lat), total=lat.shape[2], desc="decode", unit="latent frame"))
-        out = np.concatenate(chunks, axis=1)
-    else:
-        t = {"on": True, "off": False}.get(tiled)
-        out = np.concatenate([hm.model.decode(lat[i:i + 1], tiled=t)
-                              for i in tqdm(range(lat.shape[0]), desc="decode", unit="img", disable=lat.shape[0] < 2)])
+    try:
+        if hm.is_video:
+            # the causal decoder yields frames in order: 1 for the first latent frame, 4 per later one
+            chunks = list(tqdm(oom_recovery.frames(hm, lat, t), total=lat.shape[2], desc="decode",
+                               unit="latent frame"))
+            out = np.concatenate(chunks, axis=1)
+        else:
+            out = np.concatenate([oom_recovery.decode(hm, lat[i:i + 1], tiled=t, clamp=True)
+                                  for i in tqdm(range(lat.shape[0]), desc="decode", unit="img",
+                                                disable=lat.shape[0] < 2)])
+    except oom_recovery.DeviceOutOfMemory as exc:
+        _fail(str(exc), 1)
     secs = time.perf_counter() - t0
     written = _validated(_write_decoded, out, output, hm.is_video, quality, fps)
     typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} in {secs:.2f}s; wrote {len(written)} file(s): "
@@ -446,7 +476,7 @@ def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
         emb = np.asarray(doc["embeddings"], np.float32)
         ranks = doc.get("top_k")
     else:
-        hm = _load_local(preset, weights, backend)
+        hm = _load_local(settings_from_flags(), preset, weights, backend)
         size = int(hm.model.input_size)
         px = np.stack([preprocess(_validated(open_image, p.read_bytes(), 1 << 62, str(p)), size)
                        for p in tqdm(images, desc="load", unit="img", disable=len(images) < 2)])
@@ -478,7 +508,7 @@ def bench(preset: str = typer.Option("tiny-vae", help="model preset"),
     """A quick local throughput number for one preset (no HTTP)."""
     from models.contract import example_input, forward
 
-    m = _load_local(preset, None, backend).model
+    m = _load_local(settings_from_flags(), preset, None, backend).model
     rng = np.random.default_rng()
     typer.echo(f"{preset} ({m.kind}) on {m.card().get('backend', backend)}; machine: {_machine()}")
     for n in (int(b) for b in batch.split(",")):
