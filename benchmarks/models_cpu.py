@@ -125,6 +125,7 @@ MEMORY_CODE = textwrap.dedent("""
     import sys, time, numpy as np
     from convkernels import get_backend
     from models import load_model, tiling
+    from models.autoencoder_kl import AutoencoderKLOptions
     budget = int(sys.argv[1])
 
     def status(field):
@@ -132,7 +133,7 @@ MEMORY_CODE = textwrap.dedent("""
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
 
-    m = load_model("t", "tiny-vae", get_backend("numpy"), memory_budget_bytes=budget)
+    m = load_model("t", "tiny-vae", get_backend("numpy"), options=AutoencoderKLOptions(memory_budget_bytes=budget))
     lat = np.random.default_rng(0).standard_normal((1, 4, 256, 256)).astype(np.float32)
     m.decode(lat[:, :, :8, :8])
     plan = tiling.plan_decode(m, (1, 256, 256, 4), None)

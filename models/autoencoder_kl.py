@@ -1,8 +1,14 @@
-"""diffusers `AutoencoderKL` (SD 1.x/2.x, SDXL, FLUX image VAEs) on the backend interface.
+"""diffusers `AutoencoderKL` (SD 1.x/2.x, SDXL, FLUX image VAEs) on the backend interface: the
+image-VAE family (its presets, model and builder; `FAMILY`).
 
 The layer tree mirrors diffusers' module names exactly, so a diffusers checkpoint loads by name:
 `post_quant_conv`, `decoder.{conv_in, mid_block, up_blocks, conv_norm_out, conv_out}` and, when
 the checkpoint holds it, `encoder.*` + `quant_conv`.
+
+The real presets match the published config.json files (block widths, latent channels, scaling
+and shift factors, sample_size, which sets diffusers' tile size). The tiny ones keep the real block
+structure (4 levels, so the spatial factor stays 8) at widths that decode 32x32 latents in well
+under a second on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -17,12 +23,50 @@ from convkernels import Backend, pixels_to_uint8
 from . import interrupt
 from . import tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
-from .contract import PIXEL_RANGE, card_fields
+from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
+from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
-from .vae_checkpoint import normalize_keys
+from .autoencoder_kl_checkpoint import normalize_keys
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 log = logging.getLogger("convserve.models")
+
+_SD_BLOCKS = {
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "in_channels": 3,
+    "out_channels": 3,
+}
+
+_TINY_BLOCKS = {
+    **_SD_BLOCKS,
+    "block_out_channels": [16, 32, 32, 64],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 256,  # 32-latent tiles
+}
+
+PRESETS: dict[str, dict] = {
+    "sd-vae": {**_SD_BLOCKS, "latent_channels": 4, "sample_size": 512, "scaling_factor": 0.18215},
+    "sdxl-vae": {**_SD_BLOCKS, "latent_channels": 4, "sample_size": 1024, "scaling_factor": 0.13025},
+    "flux-vae": {**_SD_BLOCKS, "latent_channels": 16, "sample_size": 1024, "scaling_factor": 0.3611,
+                 "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False},
+    "tiny-vae": {**_TINY_BLOCKS, "latent_channels": 4, "scaling_factor": 0.18215},
+    "tiny-flux-vae": {**_TINY_BLOCKS, "latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159,
+                      "use_quant_conv": False, "use_post_quant_conv": False},
+}
+
+DESCRIPTIONS = {
+    "sd-vae": "Stable Diffusion 1.x/2.x VAE (4 latent channels)",
+    "sdxl-vae": "SDXL VAE (4 latent channels, scaling 0.13025)",
+    "flux-vae": "FLUX.1 VAE (16 latent channels, no quant convs, scaling 0.3611, shift 0.1159)",
+    "tiny-vae": "tiny SD-style VAE for tests and CPU demos (random init unless weights are given)",
+    "tiny-flux-vae": "tiny FLUX-style VAE (16 latent channels) for tests and CPU demos",
+}
 
 #: diffusers' VAE blocks use this eps for every GroupNorm (resnets, attention, conv_norm_out)
 VAE_NORM_EPS = 1e-6
@@ -79,6 +123,23 @@ class AutoencoderKLConfig(DiffusersConfig):
         return 2 ** (len(self.block_out_channels) - 1)
 
 
+@dataclass(frozen=True)
+class AutoencoderKLOptions(ModelOptions):
+    """The image VAE's own settings, beside ModelOptions' tile_size, seed and config."""
+
+    #: latents per tile side; None: tile_size / spatial factor if given, else diffusers' rule
+    #: (sample_size / spatial factor)
+    tile_latent_size: int | None = None
+    #: diffusers' tile_overlap_factor
+    tile_overlap_factor: float = 0.25
+    #: working memory one decode/encode may take before it tiles; None: the backend's work_memory_budget
+    memory_budget_bytes: int | None = None
+    #: random init: make encoder weights too (a checkpoint has them or not)
+    with_encoder: bool = True
+    #: "subpixel" (nearest 2x and the 3x3 conv as one backend op) or "nearest" (two ops)
+    upsample_mode: str = "subpixel"
+
+
 class MidBlock(Module):
     """UNetMidBlock2D as the VAE uses it: resnet, [attention, resnet]."""
 
@@ -90,11 +151,11 @@ class MidBlock(Module):
         if add_attention:
             self.attention = self.add("attentions.0", SpatialAttention(channels, groups, VAE_NORM_EPS))
 
-    def __call__(self, backend: Backend, x):
-        x = self.resnets[0](backend, x)
+    def __call__(self, x):
+        x = self.resnets[0](x)
         if self.attention is not None:
-            x = self.attention(backend, x)
-        return self.resnets[1](backend, x)
+            x = self.attention(x)
+        return self.resnets[1](x)
 
 
 def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int, sampler: str, make_sampler):
@@ -110,13 +171,13 @@ def _add_stages(parent: Module, blocks: str, widths, n_resnets: int, groups: int
     return stages
 
 
-def _run_stages(backend: Backend, stages, x):
+def _run_stages(stages, x):
     for resnets, resample in stages:
         interrupt.check()  # an untiled decode nobody waits for stops between blocks
         for r in resnets:
-            x = r(backend, x)
+            x = r(x)
         if resample is not None:
-            x = resample(backend, x)
+            x = resample(x)
     return x
 
 
@@ -131,10 +192,10 @@ class Decoder(Module):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[0], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[0], cfg.out_channels, 3, padding=1))
 
-    def __call__(self, backend: Backend, z):
-        x = _run_stages(backend, self.stages, self.mid_block(backend, self.conv_in(backend, z)))
-        x = self.conv_norm_out(backend, x, activation="silu")
-        return self.conv_out(backend, x)
+    def __call__(self, z):
+        x = _run_stages(self.stages, self.mid_block(self.conv_in(z)))
+        x = self.conv_norm_out(x, activation="silu")
+        return self.conv_out(x)
 
 
 class Encoder(Module):
@@ -148,10 +209,10 @@ class Encoder(Module):
         self.conv_norm_out = self.add("conv_norm_out", GroupNorm(groups, boc[-1], VAE_NORM_EPS))
         self.conv_out = self.add("conv_out", Conv2d(boc[-1], 2 * cfg.latent_channels, 3, padding=1))
 
-    def __call__(self, backend: Backend, x):
-        x = self.mid_block(backend, _run_stages(backend, self.stages, self.conv_in(backend, x)))
-        x = self.conv_norm_out(backend, x, activation="silu")
-        return self.conv_out(backend, x)
+    def __call__(self, x):
+        x = self.mid_block(_run_stages(self.stages, self.conv_in(x)))
+        x = self.conv_norm_out(x, activation="silu")
+        return self.conv_out(x)
 
 
 class _MeanConv(Conv2d):
@@ -168,46 +229,44 @@ class _MeanConv(Conv2d):
 class AutoencoderKLModel:
     """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md."""
 
-    kind = "image-decoder"
+    kind = IMAGE_DECODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
-                 seed: int = 0, with_encoder: bool = True, tile_latent_size: int | None = None,
-                 tile_overlap_factor: float = 0.25, memory_budget_bytes: int | None = None,
-                 upsample_mode: str = "subpixel", tile_size: int | None = None):
-        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE), used where
-        tile_latent_size is not given."""
+                 options: AutoencoderKLOptions | None = None):
+        options = options or AutoencoderKLOptions()
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        if tile_size and not tile_latent_size:
-            tile_latent_size = max(1, int(tile_size) // cfg.spatial_factor)
+        tile_latent_size = options.tile_latent_size
+        if options.tile_size and not tile_latent_size:
+            tile_latent_size = max(1, int(options.tile_size) // cfg.spatial_factor)
         self.latent_channels = cfg.latent_channels
         self.spatial_factor = cfg.spatial_factor
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(cfg.shift_factor or 0.0)
         # diffusers: tile_latent_min_size = sample_size / 2**(len(block_out_channels) - 1)
-        self.tiling = tiling.TileSettings(
-            tile_latent_size=int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
-            overlap_factor=float(tile_overlap_factor),
-            memory_budget_bytes=int(memory_budget_bytes or backend.work_memory_budget))
-        self.tiling.validate(cfg.spatial_factor)
+        self.tiling = tiling.image_tiles(int(tile_latent_size or cfg.sample_size / cfg.spatial_factor),
+                                         cfg.spatial_factor, float(options.tile_overlap_factor),
+                                         int(options.memory_budget_bytes or backend.work_memory_budget))
 
         lc = cfg.latent_channels
         self.tree = Module()  # what the checkpoint holds, by its names
         self.post_quant_conv = self.tree.add("post_quant_conv", Conv2d(lc, lc, 1)) \
             if cfg.use_post_quant_conv else None
-        self.decoder = self.tree.add("decoder", Decoder(cfg, upsample_mode))
-        self.upsample_mode = upsample_mode
+        self.decoder = self.tree.add("decoder", Decoder(cfg, options.upsample_mode))
+        self.upsample_mode = options.upsample_mode
         encoder_side = Module()
         self.encoder = encoder_side.add("encoder", Encoder(cfg))
         self.quant_conv = encoder_side.add("quant_conv", _MeanConv(2 * lc)) if cfg.use_quant_conv else None
         encoder_shapes = encoder_side.expected_shapes()
         if tensors is None:
             self.weights_source = "random init"
-            wanted = {**self.tree.expected_shapes(), **(encoder_shapes if with_encoder else {})}
-            tensors = random_state_dict(wanted, seed, INIT_RULES)
+            wanted = {**self.tree.expected_shapes(), **(encoder_shapes if options.with_encoder else {})}
+            tensors = random_state_dict(wanted, options.seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
-            tensors = normalize_keys(tensors, len(cfg.block_out_channels))
+            tensors = normalize_keys(tensors, cfg)
         # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
         self.has_encoder = any(k in tensors for k in encoder_shapes)
         if self.has_encoder:
@@ -223,10 +282,9 @@ class AutoencoderKLModel:
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decoder_forward(self, z):
-        b = self.backend
         if self.post_quant_conv is not None:
-            z = self.post_quant_conv(b, z)
-        return self.decoder(b, z)
+            z = self.post_quant_conv(z)
+        return self.decoder(z)
 
     def _decode_raw(self, z_nhwc: np.ndarray, clip=None, uint8: bool = False) -> np.ndarray:
         """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC float32,
@@ -286,36 +344,38 @@ class AutoencoderKLModel:
     def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
         """Images in [-1, 1] (host NHWC) -> posterior mean (host NHWC, unscaled)."""
         b = self.backend
-        moments = self.encoder(b, b.asarray(x_nhwc))
+        moments = self.encoder(b.asarray(x_nhwc))
         if self.quant_conv is not None:
-            mean = self.quant_conv(b, moments)
+            mean = self.quant_conv(moments)
         else:
             mean = b.slice(moments, -1, 0, self.latent_channels)
         return np.asarray(b.to_host(mean), dtype=np.float32)
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:  # models/contract.py
-        return current.halved(self.spatial_factor)
+        return tiling.smaller_image_tiles(current, self.spatial_factor)
 
     def card(self) -> dict:
         t = self.tiling
         return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
                            latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
                            scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
-                           limits={"tile_latent_size": t.tile_latent_size, "tile_overlap_factor": t.overlap_factor,
+                           limits={"tile_latent_size": t.tile_px // self.spatial_factor,
+                                   "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
                            upsample_mode=self.upsample_mode, config=self.config.as_dict())
 
 
-_SETTINGS = ("seed", "with_encoder", "tile_latent_size", "tile_overlap_factor", "memory_budget_bytes",
-             "upsample_mode", "tile_size")
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
+          options: ModelOptions | None = None) -> AutoencoderKLModel:
+    """Make a model from a preset, a checkpoint (diffusers folder or .safetensors) whose
+    config.json, when present, replaces the preset's architecture, and options (AutoencoderKLOptions;
+    their `config` overrides config fields)."""
+    if preset not in PRESETS:
+        raise KeyError(f"unknown image VAE preset {preset!r}; known: {sorted(PRESETS)}")
+    options = family_options(options, AutoencoderKLOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, PRESETS[preset], options.config)
+    return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
 
 
-def build(name: str, preset_config: Mapping[str, Any], preset: str, backend: Backend, weights: str | None = None,
-          **overrides) -> AutoencoderKLModel:
-    """Make a model from a preset config, a checkpoint (diffusers folder or .safetensors) whose
-    config.json, when present, replaces the preset's architecture, and overrides (config fields
-    or the settings in _SETTINGS)."""
-    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKL", AutoencoderKLConfig, preset_config,
-                                              overrides, _SETTINGS)
-    return AutoencoderKLModel(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, AutoencoderKLOptions)

@@ -7,7 +7,7 @@ that method returned (while it alone runs the model).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal, Protocol, runtime_checkable
+from typing import Any, Iterator, Literal, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -71,6 +71,10 @@ class ImageEncoder(Model, Protocol):
 
     def encode(self, pixels_nhwc01: np.ndarray) -> dict:
         """pixels N,H,W,3: floating in [0, 1], or uint8 0..255 (scaled by 1/255 on the device)."""
+
+
+#: a loaded model: the Protocol of its kind (`kind` says which)
+ServedModel = Union[ImageDecoder, VideoDecoder, ImageEncoder]
 
 
 def card_fields(model, architecture: str, **fields) -> dict:

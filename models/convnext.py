@@ -1,6 +1,6 @@
-"""ConvNeXt image encoder (Liu et al. 2022) on the backend interface, channels-last. Its
-parameters carry timm's names; convnext_checkpoint.py reads timm- and Hugging Face-named
-checkpoints onto them.
+"""ConvNeXt image encoder (Liu et al. 2022) on the backend interface, channels-last: the ConvNeXt
+family (its presets, layers, model and builder; `FAMILY`). Its parameters carry timm's names;
+convnext_checkpoint.py reads timm- and Hugging Face-named checkpoints onto them.
 """
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import numpy as np
 
 from convkernels import Backend
 
-from .contract import card_fields
-from .convnext_checkpoint import labels_from_config, load_checkpoint
+from .contract import IMAGE_ENCODER, card_fields
+from .family import ModelFamily, ModelOptions, family_options
+from .convnext_checkpoint import (checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config,
+                                  normalize_keys)
 from .layers import Conv2d, LayerNorm, Linear
 from .module import Module, random_state_dict
-from .weights import conv_weight_to_channels_last
+from .weights import check_state_dict, conv_weight_to_channels_last, read_checkpoint
 
 log = logging.getLogger("convserve.models")
 
@@ -42,7 +44,6 @@ DESCRIPTIONS = {
 
 DW_KERNEL = 7
 MLP_RATIO = 4
-RANDOM_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,13 @@ class Stem(Module):
         self.conv.bias = self.backend.asarray(b_folded.astype(np.float32))
         self.weight_uint8 = self.backend.asarray(conv_weight_to_channels_last((w_folded / 255.0).astype(np.float32)))
 
-    def __call__(self, backend: Backend, x, uint8: bool = False):
+    def __call__(self, x, uint8: bool = False):
         """uint8: x holds 8-bit pixel values 0..255 (in the compute dtype), not [0, 1]."""
         if not uint8:
-            return self.norm(backend, self.conv(backend, x))
+            return self.norm(self.conv(x))
         c = self.conv
-        return self.norm(backend, backend.conv2d(x, self.weight_uint8, c.bias, stride=c.stride, padding=c.padding,
-                                                 groups=c.groups))
+        return self.norm(self.backend.conv2d(x, self.weight_uint8, c.bias, stride=c.stride, padding=c.padding,
+                                             groups=c.groups))
 
 
 class Downsample(Module):
@@ -133,8 +134,8 @@ class Downsample(Module):
         self.norm = self.add("0", LayerNorm(cin, eps))
         self.conv = self.add("1", Conv2d(cin, cout, 2, stride=2))
 
-    def __call__(self, backend: Backend, x):
-        return self.conv(backend, self.norm(backend, x))
+    def __call__(self, x):
+        return self.conv(self.norm(x))
 
 
 class ConvNeXtBlock(Module):
@@ -161,14 +162,14 @@ class ConvNeXtBlock(Module):
             self.fc2.weight = self.backend.asarray(w2 * gamma[:, None])
             self.fc2.bias = self.backend.asarray(b2 * gamma)
 
-    def __call__(self, backend: Backend, x):
-        dw, norm = self.conv_dw, self.norm
+    def __call__(self, x):
+        dw, norm, backend = self.conv_dw, self.norm, self.backend
         # a backend may compute conv + norm in one pass (CUDA: dw_ln, where switched on)
         h = backend.depthwise_conv_layer_norm(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
         if h is None:
-            h = norm(backend, dw(backend, x))
-        h = self.fc1(backend, h, activation=self.activation)
-        return self.fc2(backend, h, residual=x)
+            h = norm(dw(x))
+        h = self.fc1(h, activation=self.activation)
+        return self.fc2(h, residual=x)
 
 
 class ConvNeXtNet(Module):
@@ -185,17 +186,17 @@ class ConvNeXtNet(Module):
         self.head_norm = self.add("head.norm", LayerNorm(cfg.dims[-1], cfg.head_norm_eps))
         self.head_fc = self.add("head.fc", Linear(cfg.dims[-1], cfg.num_classes)) if cfg.num_classes else None
 
-    def features(self, backend: Backend, x, uint8: bool = False):
-        x = self.stem(backend, x, uint8)
+    def features(self, x, uint8: bool = False):
+        x = self.stem(x, uint8)
         for stage in self.stages:
             for layer in stage:
-                x = layer(backend, x)
+                x = layer(x)
         return x
 
-    def __call__(self, backend: Backend, x, uint8: bool = False):
+    def __call__(self, x, uint8: bool = False):
         """-> (pooled embedding, logits or None); uint8: x holds 0..255 (a folded stem only)"""
-        pooled = self.head_norm(backend, backend.mean(self.features(backend, x, uint8), (1, 2)))
-        return pooled, None if self.head_fc is None else self.head_fc(backend, pooled)
+        pooled = self.head_norm(self.backend.mean(self.features(x, uint8), (1, 2)))
+        return pooled, None if self.head_fc is None else self.head_fc(pooled)
 
 
 def expected_shapes(cfg: ConvNeXtConfig) -> dict[str, tuple[int, ...]]:
@@ -207,7 +208,9 @@ def expected_shapes(cfg: ConvNeXtConfig) -> dict[str, tuple[int, ...]]:
 class ConvNeXtEncoder:
     """`kind == "image-encoder"` per docs/interfaces.md."""
 
-    kind = "image-encoder"
+    kind = IMAGE_ENCODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: ConvNeXtConfig, sd: Mapping[str, np.ndarray],
                  weights_source: str | None, labels: list[str] | None = None, naming: str | None = None):
@@ -216,7 +219,7 @@ class ConvNeXtEncoder:
         self.input_size, self.embed_dim, self.num_classes = cfg.input_size, cfg.dims[-1], cfg.num_classes
         self.mean, self.std = tuple(cfg.mean), tuple(cfg.std)
         self.tree = ConvNeXtNet(cfg, fold_input=folds_input_norm(backend.dtype))
-        self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (convnext_checkpoint)
+        self.tree.load(sd, backend)  # a checkpoint was checked in its own naming (see build)
         # device pixels -> (pooled, logits); a backend may record and replay it (CUDA graphs)
         self._encode_device = backend.graphed(self._forward)
         # the same for 8-bit pixels (0..255 on the device), through the stem's uint8 weights
@@ -249,10 +252,10 @@ class ConvNeXtEncoder:
         return (x - np.float32(self.mean)) / np.float32(self.std)
 
     def _forward(self, x):
-        return self.tree(self.backend, x)
+        return self.tree(x)
 
     def _forward_uint8(self, x):
-        return self.tree(self.backend, x, uint8=True)
+        return self.tree(x, uint8=True)
 
     def encode(self, pixels_nhwc01: np.ndarray) -> dict:
         """pixels N,H,W,3: floating in [0, 1], or uint8 0..255, which cross to the device as bytes
@@ -288,30 +291,41 @@ def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
 
 
-def preset_config(preset: str, **overrides) -> ConvNeXtConfig:
+def preset_config(preset: str, overrides: Mapping[str, Any] | None = None) -> ConvNeXtConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown ConvNeXt preset {preset!r}; known: {sorted(PRESETS)}")
     p = PRESETS[preset]
     base = {"depths": tuple(p["depths"]), "dims": tuple(p["dims"]), "num_classes": p.get("num_classes", 0),
             "input_size": p.get("input_size", 224)}
-    base.update(_clean_overrides(overrides))
+    base.update(_clean_overrides(overrides or {}))
     return ConvNeXtConfig(**base)
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike | None = None,
-          **overrides) -> ConvNeXtEncoder:
+          options: ModelOptions | None = None) -> ConvNeXtEncoder:
     """A ConvNeXt encoder from a preset, with weights from an HF folder (config.json +
     model.safetensors), a single timm- or HF-named .safetensors, or None (seeded random init).
-    A checkpoint's config.json decides the architecture unless `overrides` say otherwise; the
-    checkpoint's head decides num_classes."""
-    cfg = preset_config(preset, **overrides)
+    A checkpoint's config.json decides the architecture unless `options.config` says otherwise;
+    the checkpoint's head decides num_classes. An encoder does not tile: tile_size is ignored."""
+    options = family_options(options, ModelOptions)
+    overrides = options.config
+    cfg = preset_config(preset, overrides)
     if weights is None:
-        sd = random_state_dict(expected_shapes(cfg), RANDOM_SEED, INIT_RULES)
+        sd = random_state_dict(expected_shapes(cfg), options.seed, INIT_RULES)
         return ConvNeXtEncoder(name, preset, backend, cfg, sd, None, None)
-    ckpt, cfg = load_checkpoint(weights, cfg, _clean_overrides(overrides), expected_shapes)
+    tensors, file_config = read_checkpoint(weights)
+    naming, _ = detect_naming(tensors)
+    cfg = checkpoint_config(cfg, tensors, file_config, _clean_overrides(overrides), str(weights))
+    # checked in the checkpoint's own naming: the error names the tensors the user has
+    check_state_dict(expected_in_own_naming(expected_shapes(cfg), tensors), tensors,
+                     f"ConvNeXt ({naming} naming) from {weights}")
     p = PRESETS[preset]
     if (cfg.depths, cfg.dims) != (tuple(p["depths"]), tuple(p["dims"])) and not overrides:
         log.warning("%s: checkpoint %s describes depths %s dims %s, not preset %s's; using the checkpoint's",
                     name, weights, cfg.depths, cfg.dims, preset)
-    labels = labels_from_config(ckpt.config, cfg.num_classes)
-    return ConvNeXtEncoder(name, preset, backend, cfg, ckpt.tensors, str(Path(weights)), labels, ckpt.naming)
+    labels = labels_from_config(file_config, cfg.num_classes)
+    return ConvNeXtEncoder(name, preset, backend, cfg, normalize_keys(tensors, cfg), str(Path(weights)), labels,
+                           naming)
+
+
+FAMILY = ModelFamily(IMAGE_ENCODER, PRESETS, DESCRIPTIONS, build, ModelOptions)

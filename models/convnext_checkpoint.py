@@ -1,42 +1,59 @@
 """ConvNeXt checkpoints: timm-named and Hugging Face (`ConvNextModel` /
-`ConvNextForImageClassification`) safetensors. Internally every parameter carries its timm name;
-HF names are mapped onto those once, at load time, after the checkpoint was checked in its own
-naming (so errors name the tensors the user actually has)."""
+`ConvNextForImageClassification`) safetensors. Our parameters carry timm's names; `normalize_keys`
+maps Hugging Face names onto them once, at load time. A checkpoint is checked in its own naming
+first (`expected_in_own_naming`), so errors name the tensors the user actually has; what a
+checkpoint says about the architecture (config.json, its head) settles the config
+(`checkpoint_config`)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+import re
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .weights import RenameRules, WeightsError, check_state_dict, read_checkpoint, rename
+from .weights import RenameRules, WeightsError, rename
 
 if TYPE_CHECKING:
     from .convnext import ConvNeXtConfig
 
-_HF_RULES = [  # (timm pattern, HF replacement; {p}: the HF prefix) for weights.rename, timm -> HF
-    (r"^stem\.0\.", "{p}embeddings.patch_embeddings."),
-    (r"^stem\.1\.", "{p}embeddings.layernorm."),
-    (r"^stages\.(\d+)\.downsample\.(\d)\.", r"{p}encoder.stages.\1.downsampling_layer.\2."),
-    (r"^stages\.(\d+)\.blocks\.(\d+)\.conv_dw\.", r"{p}encoder.stages.\1.layers.\2.dwconv."),
-    (r"^stages\.(\d+)\.blocks\.(\d+)\.norm\.", r"{p}encoder.stages.\1.layers.\2.layernorm."),
-    (r"^stages\.(\d+)\.blocks\.(\d+)\.mlp\.fc1\.", r"{p}encoder.stages.\1.layers.\2.pwconv1."),
-    (r"^stages\.(\d+)\.blocks\.(\d+)\.mlp\.fc2\.", r"{p}encoder.stages.\1.layers.\2.pwconv2."),
-    (r"^stages\.(\d+)\.blocks\.(\d+)\.gamma$", r"{p}encoder.stages.\1.layers.\2.layer_scale_parameter"),
-    (r"^head\.norm\.", "{p}layernorm."),
-    (r"^head\.fc\.", "classifier."),  # the classifier sits beside the `convnext.` sub-model
+#: (timm name, Hugging Face name) templates, one pair per module: {0} and {1} stand for block
+#: indices (in the same order on both sides), {p} for the Hugging Face prefix (`convnext.` in a
+#: classification checkpoint, none in a bare ConvNextModel). A template ending in "." names a
+#: module's parameters; any other names one parameter.
+_NAME_PAIRS = [
+    ("stem.0.", "{p}embeddings.patch_embeddings."),
+    ("stem.1.", "{p}embeddings.layernorm."),
+    ("stages.{0}.downsample.{1}.", "{p}encoder.stages.{0}.downsampling_layer.{1}."),
+    ("stages.{0}.blocks.{1}.conv_dw.", "{p}encoder.stages.{0}.layers.{1}.dwconv."),
+    ("stages.{0}.blocks.{1}.norm.", "{p}encoder.stages.{0}.layers.{1}.layernorm."),
+    ("stages.{0}.blocks.{1}.mlp.fc1.", "{p}encoder.stages.{0}.layers.{1}.pwconv1."),
+    ("stages.{0}.blocks.{1}.mlp.fc2.", "{p}encoder.stages.{0}.layers.{1}.pwconv2."),
+    ("stages.{0}.blocks.{1}.gamma", "{p}encoder.stages.{0}.layers.{1}.layer_scale_parameter"),
+    ("head.norm.", "{p}layernorm."),
+    ("head.fc.", "classifier."),  # the classifier sits beside the `convnext.` sub-model
 ]
+_PLACEHOLDER = re.compile(r"\{(\d)\}")
 
 
-@dataclass
-class Checkpoint:
-    """A checkpoint's tensors renamed to timm names, plus what it told us about itself."""
-    tensors: dict[str, np.ndarray]
-    naming: str                      # "timm" or "hf"
-    config: dict | None = None
-    source: str = ""
+def _pattern(template: str) -> str:
+    parts = _PLACEHOLDER.split(template)  # literal, index, literal, ...
+    body = "".join(re.escape(p) if i % 2 == 0 else r"(\d+)" for i, p in enumerate(parts))
+    return "^" + body + ("" if template.endswith(".") else "$")
+
+
+def _replacement(template: str) -> str:
+    parts = _PLACEHOLDER.split(template)
+    return "".join(p if i % 2 == 0 else f"\\g<{int(p) + 1}>" for i, p in enumerate(parts))
+
+
+def _rules(naming: str, prefix: str, to_timm: bool) -> RenameRules:
+    """Rename rules between timm names and the checkpoint's (none for a timm checkpoint)."""
+    if naming == "timm":
+        return []
+    pairs = [(timm, hf.replace("{p}", prefix)) for timm, hf in _NAME_PAIRS]
+    return [(_pattern(hf), _replacement(timm)) if to_timm else (_pattern(timm), _replacement(hf))
+            for timm, hf in pairs]
 
 
 def detect_naming(keys) -> tuple[str, str]:
@@ -102,33 +119,37 @@ def labels_from_config(config: Mapping[str, Any] | None, num_classes: int) -> li
     return None
 
 
-def load_checkpoint(weights: str | os.PathLike, cfg: ConvNeXtConfig, overrides: Mapping[str, Any] | None,
-                    shapes: Callable[[ConvNeXtConfig], Mapping[str, tuple[int, ...]]]
-                    ) -> tuple[Checkpoint, ConvNeXtConfig]:
-    """Read, detect naming, settle the config (preset < checkpoint config.json < explicit
-    overrides), check every tensor against `shapes(config)` (one WeightsError listing all
-    problems, in the checkpoint's own names), and rename to timm names."""
-    tensors, config = read_checkpoint(weights)
-    naming, prefix = detect_naming(tensors)
-    if config is not None:
-        model_type = config.get("model_type")
+def checkpoint_config(cfg: ConvNeXtConfig, tensors: Mapping[str, np.ndarray], file_config: Mapping[str, Any] | None,
+                      overrides: Mapping[str, Any] | None, source: str) -> ConvNeXtConfig:
+    """The config the weights read from `source` need: the preset's, replaced by what the
+    checkpoint's config.json says, then by explicit overrides; the head (1k, 22k classes or none)
+    and layer scale as the tensors have them."""
+    naming, _ = detect_naming(tensors)
+    if file_config is not None:
+        model_type = file_config.get("model_type")
         if model_type not in (None, "convnext"):
-            raise WeightsError(f"ConvNeXt: {weights} holds a {model_type!r} model (config.json model_type), "
+            raise WeightsError(f"ConvNeXt: {source} holds a {model_type!r} model (config.json model_type), "
                                "not 'convnext'")
-        cfg = _config_from_hf(cfg, config) if naming == "hf" else _config_from_timm(cfg, config)
+        cfg = _config_from_hf(cfg, file_config) if naming == "hf" else _config_from_timm(cfg, file_config)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     # the head is a property of the checkpoint (1k, 22k or none), not of the preset
     head_key = "head.fc.weight" if naming == "timm" else "classifier.weight"
     num_classes = int(tensors[head_key].shape[0]) if head_key in tensors else 0
     gamma_seen = any(k.endswith(("gamma", "layer_scale_parameter")) for k in tensors)
-    layer_scale = cfg.layer_scale if (naming == "hf" and config is not None) else gamma_seen
-    cfg = dataclasses.replace(cfg, num_classes=num_classes, layer_scale=layer_scale)
+    layer_scale = cfg.layer_scale if (naming == "hf" and file_config is not None) else gamma_seen
+    return dataclasses.replace(cfg, num_classes=num_classes, layer_scale=layer_scale)
 
-    expected = shapes(cfg)
-    rules: RenameRules = [(p, r.replace("{p}", prefix)) for p, r in _HF_RULES] if naming == "hf" else []
-    theirs = {rename(k, rules): k for k in expected}
-    check_state_dict({ck: expected[tk] for ck, tk in theirs.items()}, tensors,
-                     f"ConvNeXt ({naming} naming) from {weights}")
-    renamed = {tk: tensors[ck] for ck, tk in theirs.items()}
-    return Checkpoint(renamed, naming, config, str(weights)), cfg
+
+def expected_in_own_naming(expected: Mapping[str, tuple[int, ...]],
+                           tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """The model's expected shapes (timm names) under the names `tensors` use."""
+    rules = _rules(*detect_naming(tensors), to_timm=False)
+    return {rename(k, rules): shape for k, shape in expected.items()}
+
+
+def normalize_keys(tensors: Mapping[str, np.ndarray], config: ConvNeXtConfig) -> dict[str, np.ndarray]:
+    """timm names from a Hugging Face checkpoint (a timm one is kept as it is); a name that fits
+    no rule is kept, so the state-dict check reports it. The config does not change the names."""
+    rules = _rules(*detect_naming(tensors), to_timm=True)
+    return {rename(k, rules): v for k, v in tensors.items()}

@@ -1,10 +1,9 @@
 """Model building blocks on the backend interface: Conv (any rank), Conv2d, GroupNorm, LayerNorm,
 Linear, and the image VAE's ResnetBlock2D, SpatialAttention (its mid-block attention),
-Upsample2D, Downsample2D. Parameters are named as in PyTorch / diffusers checkpoints (module.py).
+Upsample2D, Downsample2D. Parameters are named as in PyTorch / diffusers checkpoints (module.py);
+every layer runs on `self.backend`, the backend its parameters were loaded to.
 """
 from __future__ import annotations
-
-from convkernels import Backend
 
 from .module import Module
 from .weights import conv_weight_to_channels_last
@@ -35,9 +34,9 @@ class Conv2d(Conv):
         super().__init__(cin, cout, (kernel, kernel), bias, groups)
         self.stride, self.padding = stride, padding
 
-    def __call__(self, backend: Backend, x, residual=None, activation=None):
-        return backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
-                              groups=self.groups, residual=residual, activation=activation)
+    def __call__(self, x, residual=None, activation=None):
+        return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
+                                   groups=self.groups, residual=residual, activation=activation)
 
 
 class _Affine(Module):
@@ -57,15 +56,15 @@ class GroupNorm(_Affine):
         super().__init__(channels, eps)
         self.groups = groups
 
-    def __call__(self, backend: Backend, x, activation=None):
-        return backend.group_norm(x, self.groups, self.weight, self.bias, self.eps, activation=activation)
+    def __call__(self, x, activation=None):
+        return self.backend.group_norm(x, self.groups, self.weight, self.bias, self.eps, activation=activation)
 
 
 class LayerNorm(_Affine):
     """Over the last (channel) axis."""
 
-    def __call__(self, backend: Backend, x):
-        return backend.layer_norm(x, self.weight, self.bias, self.eps)
+    def __call__(self, x):
+        return self.backend.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class Linear(Module):
@@ -77,8 +76,8 @@ class Linear(Module):
     def param_shapes(self):
         return {"weight": (self.cout, self.cin), "bias": (self.cout,)}
 
-    def __call__(self, backend: Backend, x, residual=None, activation=None):
-        return backend.linear(x, self.weight, self.bias, residual=residual, activation=activation)
+    def __call__(self, x, residual=None, activation=None):
+        return self.backend.linear(x, self.weight, self.bias, residual=residual, activation=activation)
 
 
 class ResnetBlock2D(Module):
@@ -93,12 +92,12 @@ class ResnetBlock2D(Module):
         self.conv2 = self.add("conv2", Conv2d(cout, cout, 3, padding=1))
         self.conv_shortcut = self.add("conv_shortcut", Conv2d(cin, cout, 1)) if cin != cout else None
 
-    def __call__(self, backend: Backend, x):
-        h = self.norm1(backend, x, activation="silu")
-        h = self.conv1(backend, h)
-        h = self.norm2(backend, h, activation="silu")
-        skip = self.conv_shortcut(backend, x) if self.conv_shortcut is not None else x
-        return self.conv2(backend, h, residual=skip)
+    def __call__(self, x):
+        h = self.norm1(x, activation="silu")
+        h = self.conv1(h)
+        h = self.norm2(h, activation="silu")
+        skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
+        return self.conv2(h, residual=skip)
 
 
 class SpatialAttention(Module):
@@ -115,14 +114,15 @@ class SpatialAttention(Module):
         self.to_v = self.add("to_v", Linear(channels, channels))
         self.proj = self.add("to_out.0", Linear(channels, channels))
 
-    def __call__(self, backend: Backend, x):
+    def __call__(self, x):
+        backend = self.backend
         n, h, w, c = x.shape
-        tokens = backend.reshape(self.group_norm(backend, x), (n, h * w, c))
-        q = self.to_q(backend, tokens)
-        k = self.to_k(backend, tokens)
-        v = self.to_v(backend, tokens)
+        tokens = backend.reshape(self.group_norm(x), (n, h * w, c))
+        q = self.to_q(tokens)
+        k = self.to_k(tokens)
+        v = self.to_v(tokens)
         attended = backend.attention(q, k, v)
-        out = self.proj(backend, attended, residual=backend.reshape(x, (n, h * w, c)))
+        out = self.proj(attended, residual=backend.reshape(x, (n, h * w, c)))
         return backend.reshape(out, (n, h, w, c))
 
 
@@ -141,10 +141,10 @@ class Upsample2D(Module):
         self.mode = mode
         self.conv = self.add("conv", Conv2d(channels, channels, 3, padding=1))
 
-    def __call__(self, backend: Backend, x):
+    def __call__(self, x):
         if self.mode == "nearest":
-            return self.conv(backend, backend.upsample_nearest(x, 2))
-        return backend.upsample_conv2d(x, self.conv.weight, self.conv.bias)
+            return self.conv(self.backend.upsample_nearest(x, 2))
+        return self.backend.upsample_conv2d(x, self.conv.weight, self.conv.bias)
 
 
 class Downsample2D(Module):
@@ -154,6 +154,6 @@ class Downsample2D(Module):
         super().__init__()
         self.conv = self.add("conv", Conv2d(channels, channels, 3, stride=2, padding=((0, 1), (0, 1))))
 
-    def __call__(self, backend: Backend, x):
-        return self.conv(backend, x)
+    def __call__(self, x):
+        return self.conv(x)
 

@@ -22,9 +22,8 @@ class Module:
     named children; a child's name may be dotted ("to_out.0") to follow the checkpoint's
     nesting without empty container nodes."""
 
-    #: the backend the parameters live on, set by load(). The Wan layers run on it; the image-VAE
-    #: and ConvNeXt layers take the model's backend as their first call argument instead (each
-    #: convention is fixed by its model's decode path, which the GPU work tunes)
+    #: the backend the parameters live on, set by load(); every layer runs its ops on it, so a
+    #: forward call carries only activations (and, in the Wan decoder, the feature cache)
     backend: Backend
 
     def __init__(self) -> None:

@@ -1,9 +1,9 @@
 """One place that knows every preset: `load_model` and `PRESETS` of docs/interfaces.md.
 
-Each model family lives in its own module exposing `PRESETS: dict[str, dict]` and
-`build(name, preset, backend, weights, **overrides)`. Families are imported on first use and a
-family whose module is missing (or fails to import) is left out with a warning, so one broken
-family never takes the others down.
+Each model family is a module under models/ named in FAMILIES whose `FAMILY` (models/family.py)
+declares its kind, its presets (beside the model they configure) and its builder. Families are
+imported on first use and a family whose module is missing (or fails to import) is left out with
+a warning, so one broken family never takes the others down.
 """
 from __future__ import annotations
 
@@ -11,31 +11,30 @@ import importlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 from convkernels import Backend
 
+from .family import ModelFamily, ModelOptions
 from .hub import resolve_weights
 
 log = logging.getLogger("convserve.models")
 
-#: module (under models/) -> the kind of model its presets build
-FAMILIES: dict[str, str] = {
-    "presets": "image-decoder",   # diffusers AutoencoderKL image VAEs
-    "wan_vae": "video-decoder",   # Wan 2.1 video VAE
-    "convnext": "image-encoder",  # ConvNeXt vision encoder
-}
+#: the family modules under models/, each with its FAMILY declaration
+FAMILIES: tuple[str, ...] = (
+    "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
+    "wan_vae",         # Wan 2.1 video VAE
+    "convnext",        # ConvNeXt vision encoder
+)
 
 TINY_PREFIX = "tiny-"
-#: kinds whose models decode in tiles and take the `tile_size` setting
-TILED_KINDS = ("image-decoder", "video-decoder")
 
 
 @dataclass(frozen=True)
 class PresetInfo:
     name: str
     kind: str
-    family: str
+    family: str  # the models/ module that builds it
     config: dict = field(default_factory=dict)
     description: str = ""
 
@@ -55,17 +54,14 @@ class _Presets(Mapping):
         if self._items is not None:
             return self._items
         items: dict[str, PresetInfo] = {}
-        for family, kind in FAMILIES.items():
-            mod = _family_module(family, self.unavailable)
-            if mod is None:
+        for module in FAMILIES:
+            family = family_of(module, self.unavailable)
+            if family is None:
                 continue
-            descriptions = getattr(mod, "DESCRIPTIONS", {})
-            for name, cfg in getattr(mod, "PRESETS", {}).items():
+            for name, cfg in family.presets.items():
                 if name in items:
-                    log.warning("preset %r of %s shadows the one of %s", name, family, items[name].family)
-                items[name] = PresetInfo(name, (cfg or {}).get("kind", kind) if isinstance(cfg, dict) else kind,
-                                         family, dict(cfg) if isinstance(cfg, dict) else {},
-                                         descriptions.get(name, ""))
+                    log.warning("preset %r of %s shadows the one of %s", name, module, items[name].family)
+                items[name] = PresetInfo(name, family.kind, module, dict(cfg), family.descriptions.get(name, ""))
         self._items = items
         return items
 
@@ -82,42 +78,43 @@ class _Presets(Mapping):
         return f"PRESETS({sorted(self._load())})"
 
 
-def _family_module(family: str, unavailable: dict[str, str]):
+def family_of(module: str, unavailable: dict[str, str]) -> ModelFamily | None:
+    """The FAMILY of models/<module>.py, or None (its reason in `unavailable`) when it is missing
+    or broken."""
     try:
-        return importlib.import_module(f"{__package__}.{family}")
+        family = importlib.import_module(f"{__package__}.{module}").FAMILY
     except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.{family}":
-            unavailable[family] = f"{exc.__class__.__name__}: {exc}"
-            log.warning("model family %s is unavailable: %s", family, exc)
+        if exc.name != f"{__package__}.{module}":
+            unavailable[module] = f"{exc.__class__.__name__}: {exc}"
+            log.warning("model family %s is unavailable: %s", module, exc)
         else:
-            unavailable[family] = "not installed"
+            unavailable[module] = "not installed"
         return None
     except Exception as exc:  # a broken family must not take the others down
-        unavailable[family] = f"{exc.__class__.__name__}: {exc}"
-        log.warning("model family %s failed to import: %s", family, exc)
+        unavailable[module] = f"{exc.__class__.__name__}: {exc}"
+        log.warning("model family %s failed to import: %s", module, exc)
         return None
+    return family
 
 
 PRESETS = _Presets()
 
 
-def load_model(name: str, preset: str, backend: Backend, weights: str | None = None, *,
-               tile_size: int | None = None, **overrides: Any):
+def load_model(name: str, preset: str, backend: Backend, weights: str | None = None,
+               options: ModelOptions | None = None):
     """Build the model `preset` under the serving name `name` on `backend`; `weights` is a
     diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
     (models/hub.py; the model then has `weights_provenance`), None = seeded random init.
-    tile_size: output pixels per tile side for the families that decode in tiles (decoders);
-    each converts it to its own tile settings, encoders ignore it."""
+    options: ModelOptions (tile_size, seed, config overrides) or the family's own subclass
+    (PresetInfo.family's FAMILY.options); None = the family's defaults."""
     if preset not in PRESETS:
         missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
         raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
                        + (f" (families unavailable: {missing})" if missing else ""))
     info = PRESETS[preset]
-    mod = importlib.import_module(f"{__package__}.{info.family}")
-    if tile_size and info.kind in TILED_KINDS:
-        overrides["tile_size"] = tile_size
+    build = family_of(info.family, {}).build
     local, hub = resolve_weights(weights)
-    model = mod.build(name, preset, backend, local, **overrides) if overrides else mod.build(name, preset, backend, local)
+    model = build(name, preset, backend, local, options)
     model.weights_provenance = None if hub is None else hub.provenance
     if hub is not None:  # the card names the pinned Hub source, not a path inside the cache
         model.weights_source = hub.source

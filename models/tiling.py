@@ -1,13 +1,17 @@
-"""Spatial tiled decode, exactly as diffusers' `AutoencoderKL.tiled_decode` does it (tile starts
-every `overlap_size` latents, linear blend of the overlaps with the tile above and to the left,
-crop to `row_limit`), plus a peak-memory estimate that decides when to tile.
+"""Spatial tiling of a decode: one settings type, TileSettings, read by two of diffusers' rules.
 
-Blending runs on host arrays: each decoded tile is final output (only blended and cropped), so
-bringing it to the host right away is what keeps device memory bounded by one tile.
+Image rule, exactly as diffusers' `AutoencoderKL.tiled_decode` does it (tile starts every
+`overlap_size` latents, linear blend of the overlaps with the tile above and to the left, crop to
+`row_limit`), plus a peak-memory estimate that decides when to tile. Blending runs on host arrays:
+each decoded tile is final output (only blended and cropped), so bringing it to the host right
+away is what keeps device memory bounded by one tile. Unlike diffusers, which keeps every decoded
+tile until the end, rows stream: only the previous row of tiles (their bottom `blend_extent`
+rows) stays alive beside the output image. The values are the same because diffusers' blends
+read exactly those rows (its in-place updates included).
 
-Unlike diffusers, which keeps every decoded tile until the end, rows stream: only the previous
-row of tiles (their bottom `blend_extent` rows) stays alive beside the output image. The values
-are the same because diffusers' blends read exactly those rows (its in-place updates included).
+Video rule, as diffusers' `AutoencoderKLWan.tiled_decode`: overlapping latent tiles, each decoded
+with its own causal feature cache, blended linearly into the tile above and to the left, then
+cropped to the stride (plan_video_tiles, stitch_video_tiles; the Wan decoder runs the loops).
 """
 from __future__ import annotations
 
@@ -30,33 +34,67 @@ CONV_SCRATCH_PER_PIXEL_CHANNEL = 12
 CONV_SCRATCH_BUFFERS = 3
 
 
-@dataclass
+@dataclass(frozen=True)
 class TileSettings:
-    tile_latent_size: int
-    overlap_factor: float = 0.25
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
+    """A decoder's tiles (models/contract.py: `tiling`), in output pixels as diffusers'
+    enable_tiling takes them: tiles `tile_px` a side, one every `stride_px`, each blended with its
+    neighbours over the rest; `overlap` is that rest as a share of a tile.
 
-    def validate(self, spatial_factor: int) -> None:
-        """diffusers rounds the tile stride in latents and the blend width in pixels separately;
-        unless they agree (stride * factor == row_limit) its tiled output is not 8x the latents
-        (tile 10 at overlap 0.25 decodes 10x23 latents to 84x196). Such settings are refused."""
-        plan = TilePlan(self.tile_latent_size, self.tile_latent_size * spatial_factor, self.overlap_factor)
-        if self.tile_latent_size < 2 or not 0 <= self.overlap_factor < 1:
-            raise ValueError(f"tile_latent_size must be >= 2 and 0 <= overlap < 1, got "
-                             f"{self.tile_latent_size}, {self.overlap_factor}")
-        if not _tiles_consistently(self.tile_latent_size, spatial_factor, self.overlap_factor):
-            raise ValueError(f"tile_latent_size {self.tile_latent_size} with overlap {self.overlap_factor} tiles "
-                             f"inconsistently (stride {plan.overlap_size} latents vs {plan.row_limit} pixels "
-                             f"kept); use a multiple of {round(1 / self.overlap_factor) if self.overlap_factor else 1}")
+    The image rule (image_tiles) is defined on `overlap` (diffusers' tile_overlap_factor: it
+    rounds the stride itself, and stride_px is what that comes to) and tiles automatically
+    (tiled=None) a decode whose estimated peak exceeds `memory_budget_bytes`. The video rule
+    (video_tiles) is defined on tile_px and stride_px as given (diffusers' tile_sample_min_* and
+    tile_sample_stride_*, which need not be whole latents); it has no memory budget (None): the
+    Wan decoder tiles by frame size."""
 
-    def halved(self, spatial_factor: int) -> TileSettings | None:
-        """These settings with tiles about half the size (the largest consistent size at most half),
-        or None at the floor (MIN_TILE_LATENT): a decode that ran out of memory retries in them."""
-        size = self.tile_latent_size
-        if size // 2 < MIN_TILE_LATENT:
-            return None
-        new = _consistent_tile(size // 2, spatial_factor, self.overlap_factor)
-        return dataclasses.replace(self, tile_latent_size=new) if new < size else None
+    tile_px: int
+    stride_px: int
+    overlap: float
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self):
+        if not 0 < self.stride_px <= self.tile_px:
+            raise ValueError(f"tile stride {self.stride_px} must be in (0, tile size {self.tile_px}]")
+
+
+# ---- the image rule (diffusers AutoencoderKL) ---------------------------------------------------
+def image_tiles(tile_latent: int, spatial_factor: int, overlap: float = 0.25,
+                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> TileSettings:
+    """Tiles of `tile_latent` latents overlapping by `overlap` of a tile; settings diffusers would
+    tile inconsistently are refused (validate_image_tiles)."""
+    _check_image_tiles(tile_latent, spatial_factor, overlap)
+    return TileSettings(tile_latent * spatial_factor, int(tile_latent * (1 - overlap)) * spatial_factor, overlap,
+                        memory_budget_bytes)
+
+
+def validate_image_tiles(settings: TileSettings, spatial_factor: int) -> None:
+    _check_image_tiles(settings.tile_px // spatial_factor, spatial_factor, settings.overlap)
+
+
+def _check_image_tiles(tile_latent: int, spatial_factor: int, overlap: float) -> None:
+    """diffusers rounds the tile stride in latents and the blend width in pixels separately;
+    unless they agree (stride * factor == row_limit) its tiled output is not 8x the latents
+    (tile 10 at overlap 0.25 decodes 10x23 latents to 84x196). Such settings are refused."""
+    plan = TilePlan(tile_latent, tile_latent * spatial_factor, overlap)
+    if tile_latent < 2 or not 0 <= overlap < 1:
+        raise ValueError(f"tile_latent_size must be >= 2 and 0 <= overlap < 1, got {tile_latent}, {overlap}")
+    if not _tiles_consistently(tile_latent, spatial_factor, overlap):
+        raise ValueError(f"tile_latent_size {tile_latent} with overlap {overlap} tiles "
+                         f"inconsistently (stride {plan.overlap_size} latents vs {plan.row_limit} pixels "
+                         f"kept); use a multiple of {round(1 / overlap) if overlap else 1}")
+
+
+def smaller_image_tiles(settings: TileSettings, spatial_factor: int) -> TileSettings | None:
+    """These settings with tiles about half the size (the largest consistent size at most half),
+    or None at the floor (MIN_TILE_LATENT): a decode that ran out of memory retries in them."""
+    size = settings.tile_px // spatial_factor
+    if size // 2 < MIN_TILE_LATENT:
+        return None
+    new = _consistent_tile(size // 2, spatial_factor, settings.overlap)
+    if new >= size:
+        return None
+    return dataclasses.replace(settings, tile_px=new * spatial_factor,
+                               stride_px=int(new * (1 - settings.overlap)) * spatial_factor)
 
 
 @dataclass(frozen=True)
@@ -128,9 +166,9 @@ def _auto_tile(model, tiled: bool | None, whole_bytes: Callable[[], int],
     s = model.tiling
     if tiled is False or (tiled is None and whole_bytes() <= s.memory_budget_bytes):
         return None
-    tile = s.tile_latent_size
+    tile = s.tile_px // model.config.spatial_factor
     while tiled is None and tile > MIN_TILE_LATENT and tile_bytes(tile) > s.memory_budget_bytes:
-        tile = _consistent_tile(tile // 2, model.config.spatial_factor, s.overlap_factor)
+        tile = _consistent_tile(tile // 2, model.config.spatial_factor, s.overlap)
     return tile
 
 
@@ -142,7 +180,7 @@ def plan_encode(model, x_shape: tuple[int, ...], tiled: bool | None) -> TilePlan
                       lambda t: estimate_encode_peak_bytes(model, n, min(h, t * f), min(w, t * f)))
     if tile is None or (h <= tile * f and w <= tile * f):
         return None
-    return TilePlan(tile, tile * f, model.tiling.overlap_factor)
+    return TilePlan(tile, tile * f, model.tiling.overlap)
 
 
 def estimate_tiled_peak_bytes(model, n: int, h: int, w: int, tile_latent: int) -> int:
@@ -167,7 +205,7 @@ def plan_decode(model, z_shape: tuple[int, ...], tiled: bool | None) -> TilePlan
                         model.name, z_shape, s.memory_budget_bytes, tile)
     if tile is None or (h <= tile and w <= tile):
         return None
-    return TilePlan(tile, tile * model.config.spatial_factor, s.overlap_factor)
+    return TilePlan(tile, tile * model.config.spatial_factor, s.overlap)
 
 
 def _tiles_consistently(tile: int, f: int, overlap: float) -> bool:
@@ -179,7 +217,7 @@ def _tiles_consistently(tile: int, f: int, overlap: float) -> bool:
 
 
 def _consistent_tile(tile: int, f: int, overlap: float) -> int:
-    """The largest tile size <= `tile` that TileSettings.validate accepts."""
+    """The largest tile size <= `tile` that validate_image_tiles accepts."""
     for t in range(max(tile, 2), 1, -1):
         if _tiles_consistently(t, f, overlap):
             return t
@@ -259,3 +297,76 @@ def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, 
         y0 += crop_h[i]
     assert out is not None
     return out
+
+
+# ---- the video rule (diffusers AutoencoderKLWan) -----------------------------------------------
+# diffusers runs every tile through the whole clip before the next tile; the Wan decoder swaps the
+# loops (latent frame outer, tile inner, one FeatureCache per tile) so frame groups still leave as
+# they finish. Tiles never see each other, so the result is the same. Peak memory is then one
+# tile's chunk activations plus every tile's cache (CACHE_T frames per conv).
+def video_tiles(tile_px: int = 256, stride_px: int = 192) -> TileSettings:
+    """Tiles of `tile_px` output pixels every `stride_px` (diffusers' defaults: 256 / 192)."""
+    return TileSettings(tile_px, stride_px, (tile_px - stride_px) / tile_px if tile_px > 0 else 0.0)
+
+
+def video_tiles_for_size(tile_size: int) -> TileSettings:
+    """Tiles of `tile_size` output pixels a side, overlapping by a quarter (diffusers' 256/192)."""
+    return video_tiles(int(tile_size), max(8, int(tile_size) * 3 // 4))
+
+
+def smaller_video_tiles(settings: TileSettings, spatial_factor: int) -> TileSettings | None:
+    """These settings with tile size and stride halved, or None below two latents a tile (one a
+    stride): a decode that ran out of memory retries in them."""
+    size, stride = settings.tile_px // 2, settings.stride_px // 2
+    if size < 2 * spatial_factor or stride < spatial_factor:
+        return None
+    return video_tiles(size, stride)
+
+
+@dataclass(frozen=True)
+class VideoTilePlan:
+    rows: tuple[int, ...]    # latent start row of each tile row
+    cols: tuple[int, ...]
+    tile_latent: int
+    stride_px: int
+    blend_px: int
+    out_h: int
+    out_w: int
+
+    @property
+    def count(self) -> int:
+        return len(self.rows) * len(self.cols)
+
+
+def plan_video_tiles(latent_h: int, latent_w: int, spatial_factor: int,
+                     settings: TileSettings) -> VideoTilePlan | None:
+    """The tile grid, or None when the frame fits one tile (diffusers does not tile then: a
+    single tile would be cropped to the stride)."""
+    tile_latent = settings.tile_px // spatial_factor
+    stride_latent = settings.stride_px // spatial_factor
+    if tile_latent < 1 or stride_latent < 1:
+        raise ValueError(f"tiles of {settings.tile_px}/{settings.stride_px} px are below one latent "
+                         f"({spatial_factor} px)")
+    if latent_h <= tile_latent and latent_w <= tile_latent:
+        return None
+    return VideoTilePlan(rows=tuple(range(0, latent_h, stride_latent)),
+                         cols=tuple(range(0, latent_w, stride_latent)), tile_latent=tile_latent,
+                         stride_px=settings.stride_px, blend_px=settings.tile_px - settings.stride_px,
+                         out_h=latent_h * spatial_factor, out_w=latent_w * spatial_factor)
+
+
+def stitch_video_tiles(plan: VideoTilePlan, tiles: list[list[np.ndarray]]) -> np.ndarray:
+    """Blend and crop one chunk's decoded tiles (N, f, th, tw, 3 each, row-major grid) into
+    (N, f, H, W, 3). Blends in place in diffusers' order, so each tile blends with its
+    neighbours as already blended."""
+    out_rows = []
+    for i, row in enumerate(tiles):
+        pieces = []
+        for j, tile in enumerate(row):
+            if i > 0:
+                blend_lines(tiles[i - 1][j], tile, plan.blend_px, axis=2)
+            if j > 0:
+                blend_lines(row[j - 1], tile, plan.blend_px, axis=3)
+            pieces.append(tile[:, :, :plan.stride_px, :plan.stride_px])
+        out_rows.append(np.concatenate(pieces, axis=3))
+    return np.ascontiguousarray(np.concatenate(out_rows, axis=2)[:, :, :plan.out_h, :plan.out_w])

@@ -1,4 +1,5 @@
-"""The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`.
+"""The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`: the
+Wan-VAE family (its presets, model and builder; `FAMILY`).
 
 Decoding is chunked and causal exactly as diffusers' `_decode`: one latent frame at a time
 through the decoder with a feature cache of CACHE_T frames per causal conv, so memory does
@@ -19,11 +20,13 @@ import numpy as np
 from convkernels import Backend, pixels_to_uint8
 
 from . import interrupt
-from .wan_checkpoint import normalize_keys
-from .contract import PIXEL_RANGE, card_fields
+from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
+from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
+from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
-from .wan_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
-from .wan_tiling import TileSettings, plan_tiles, stitch
+from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
+from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
+                     video_tiles_for_size)
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
@@ -52,7 +55,6 @@ DESCRIPTIONS = {
                     "(4 latent channels; 4x16x16 latents -> 13x128x128 in ~0.5 s on a quiet 2-core CPU)",
 }
 
-RANDOM_SEED = 0
 #: random init: U(+-1/sqrt(fan_in)) as PyTorch's default, RMS-norm gammas one
 INIT_RULES = ((r"\.gamma$", "ones"), ("", "uniform"))
 
@@ -114,6 +116,19 @@ class WanVAEConfig(DiffusersConfig):
         return 2 ** sum(bool(t) for t in self.temperal_downsample)
 
 
+@dataclass(frozen=True)
+class WanVAEOptions(ModelOptions):
+    """The Wan VAE's own settings, beside ModelOptions' tile_size (which, when given, replaces
+    the tile size and stride below, the stride a quarter smaller), seed and config."""
+
+    #: diffusers' tile_sample_min_height/width: output pixels per tile side
+    tile_sample_min_size: int = 256
+    #: diffusers' tile_sample_stride_height/width: output pixels between tile starts
+    tile_sample_stride: int = 192
+    #: tiled=None tiles only frames above this many output pixels
+    max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS
+
+
 class _VAEDecoderTree(Module):
     """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
 
@@ -129,19 +144,19 @@ class WanVAEDecoder:
     """Video decoder per docs/interfaces.md: normalised latents (N, C, T, h, w) ->
     float32 frames (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]."""
 
-    kind = "video-decoder"
+    kind = VIDEO_DECODER
+    #: Hub weights only; load_model sets it (models/contract.py)
+    weights_provenance: dict | None = None
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
-                 seed: int = RANDOM_SEED, tile_sample_min_size: int = 256, tile_sample_stride: int = 192,
-                 max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS, tile_size: int | None = None):
-        """tile_size: output pixels per tile side (the service's CONVSERVE_TILE_SIZE); when given it
-        replaces tile_sample_min_size/stride, the stride a quarter smaller."""
+                 options: WanVAEOptions | None = None):
+        options = options or WanVAEOptions()
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
-        self.tiling = TileSettings.for_tile_size(tile_size) if tile_size else \
-            TileSettings(int(tile_sample_min_size), int(tile_sample_stride))
-        self.max_untiled_pixels = int(max_untiled_pixels)
+        self.tiling = video_tiles_for_size(options.tile_size) if options.tile_size else \
+            video_tiles(int(options.tile_sample_min_size), int(options.tile_sample_stride))
+        self.max_untiled_pixels = int(options.max_untiled_pixels)
         self.latent_channels = cfg.z_dim
         self.spatial_factor = cfg.spatial_factor
         self.temporal_factor = cfg.temporal_factor
@@ -150,10 +165,11 @@ class WanVAEDecoder:
         self.tree = _VAEDecoderTree(cfg)
         if tensors is None:
             self.weights_source, self.weights_naming = "random init", None
-            tensors = random_state_dict(self.tree.expected_shapes(), seed, INIT_RULES)
+            tensors = random_state_dict(self.tree.expected_shapes(), options.seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
-            tensors, self.weights_naming = normalize_keys(tensors, len(cfg.dim_mult), cfg.num_res_blocks)
+            self.weights_naming = checkpoint_naming(tensors)
+            tensors = normalize_keys(tensors, cfg)
         # the encoder half of a full VAE checkpoint is fine to carry; the decoder must be exact
         naming = "" if self.weights_naming in (None, "diffusers") else \
             f", {self.weights_naming} names shown as diffusers names"
@@ -189,7 +205,7 @@ class WanVAEDecoder:
         sf = self.spatial_factor
         if tiled is None:
             tiled = h * w * sf * sf > self.max_untiled_pixels
-        plan = plan_tiles(h, w, sf, self.tiling) if tiled else None
+        plan = plan_video_tiles(h, w, sf, self.tiling) if tiled else None
         return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
 
     def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
@@ -219,7 +235,7 @@ class WanVAEDecoder:
             interrupt.check()
             tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
-            yield self._to_pixels(stitch(plan, tiles), uint8)
+            yield self._to_pixels(stitch_video_tiles(plan, tiles), uint8)
 
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
@@ -270,7 +286,7 @@ class WanVAEDecoder:
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py
-        return current.halved(self.spatial_factor)
+        return smaller_video_tiles(current, self.spatial_factor)
 
     def card(self) -> dict:
         return card_fields(self, self.architecture, weights_naming=self.weights_naming,
@@ -283,22 +299,23 @@ class WanVAEDecoder:
                            limits={"streaming": True, "frames_per_chunk": [1, self.temporal_factor],
                                    "cache_frames_per_conv": CACHE_T,
                                    "memory": "bounded by one latent frame's activations, not by clip length",
-                                   "tile_sample_min_size": self.tiling.min_size,
-                                   "tile_sample_stride": self.tiling.stride,
+                                   "tile_sample_min_size": self.tiling.tile_px,
+                                   "tile_sample_stride": self.tiling.stride_px,
                                    "max_untiled_pixels": self.max_untiled_pixels},
                            config=self.config.as_dict())
 
 
-_SETTINGS = ("seed", "tile_sample_min_size", "tile_sample_stride", "max_untiled_pixels", "tile_size")
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None, **overrides) -> WanVAEDecoder:
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
+          options: ModelOptions | None = None) -> WanVAEDecoder:
     """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
     config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
     architecture; or a single .safetensors in diffusers or original-Wan naming, read with the
-    preset's config) and overrides (config fields, or the settings in _SETTINGS)."""
+    preset's config) and options (WanVAEOptions; their `config` overrides config fields)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown Wan VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    cfg, tensors, settings = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset],
-                                              overrides, _SETTINGS)
-    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, **settings)
+    options = family_options(options, WanVAEOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset], options.config)
+    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
+
+
+FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build, WanVAEOptions)

@@ -102,17 +102,14 @@ class DiffusersConfig:
 
 
 def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls, preset_cfg: Mapping,
-                     overrides: dict, settings: tuple[str, ...]):
-    """-> (config, tensors or None, settings) for a diffusers model class: `overrides` split into the
-    model settings named in `settings` and config fields (anything else is refused); the config is
-    the preset's, replaced by the checkpoint's config.json (which must name `class_name`), then
-    by the overrides."""
-    picked = {k: overrides.pop(k) for k in list(overrides) if k in settings}
+                     overrides: Mapping[str, Any]):
+    """-> (config, tensors or None) for a diffusers model class: the preset's config, replaced by
+    the checkpoint's config.json (which must name `class_name`), then by `overrides` (config
+    fields; anything else is refused)."""
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
     unknown = sorted(k for k in overrides if k not in fields)
     if unknown:
-        raise ValueError(f"unknown {class_name} overrides {unknown}; config fields: {sorted(fields)}, "
-                         f"settings: {list(settings)}")
+        raise ValueError(f"unknown {class_name} overrides {unknown}; config fields: {sorted(fields)}")
     cfg_dict, tensors = dict(preset_cfg), None
     if weights is not None:
         tensors, file_cfg = read_checkpoint(weights)
@@ -122,7 +119,7 @@ def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls
                 raise WeightsError(f"{weights}: config.json is for {cls}, not {class_name}")
             cfg_dict.update({k: v for k, v in file_cfg.items() if k in fields})
     cfg_dict.update(overrides)
-    return cfg_cls.from_dict(cfg_dict), tensors, picked
+    return cfg_cls.from_dict(cfg_dict), tensors
 
 
 #: names shown per kind of problem; the counts are always complete

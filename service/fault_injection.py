@@ -13,24 +13,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from convkernels import Backend, ConvSpec
 
+from .settings import FaultSettings
+
 log = logging.getLogger("convserve.faults")
 
-
-class FaultSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CONVSERVE_FAULT_", extra="ignore")
-
-    oom_above_bytes: int | None = None
-    poison_value: float | None = None
-    hold_value: float | None = None
-    hold_release_file: str | None = None
-
-    @property
-    def active(self) -> bool:
-        return any(v is not None for v in (self.oom_above_bytes, self.poison_value, self.hold_value))
+__all__ = ["CallCheck", "FaultSettings", "arm", "arm_if_configured"]
 
 
 def _nbytes(shape, itemsize: int = 4) -> int:

@@ -6,14 +6,18 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from models.contract import IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, example_input, forward
+from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, Kind, Model, ServedModel,
+                             VideoDecoder, example_input, forward)
 
 from . import metrics
 from .settings import ModelEntry
+
+if TYPE_CHECKING:  # front ends import this module and never load a backend
+    from convkernels import Backend
 
 log = logging.getLogger("convserve.models")
 
@@ -24,9 +28,10 @@ __all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "Mo
 class ModelView:
     """A served model as an HTTP front end sees it: the attributes of models/contract.py that the
     service reads and the model's card, copied by the model worker that loaded it (the model
-    itself, its weights and its backend stay in that worker's process)."""
+    itself, its weights and its backend stay in that worker's process). It follows the contract's
+    `Model` Protocol; the kind's attributes it copies are None where the kind has none."""
     name: str
-    kind: str
+    kind: Kind
     card_doc: dict
     weights_source: str | None
     weights_provenance: dict | None
@@ -42,7 +47,7 @@ class ModelView:
               "labels")
 
     @classmethod
-    def of(cls, model) -> "ModelView":
+    def of(cls, model: ServedModel) -> "ModelView":
         return cls(model.name, model.kind, model.card(), model.weights_source, model.weights_provenance,
                    **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)})
 
@@ -53,10 +58,18 @@ class ModelView:
 @dataclass
 class HostedModel:
     entry: ModelEntry
-    model: Any
+    #: typed by models/contract.py: in the model worker that loaded it, the model itself (a
+    #: ServedModel: ImageDecoder, VideoDecoder or ImageEncoder, as its `kind` says); on a front end,
+    #: its ModelView (the same attributes and card, no calls)
+    model: Model
     load_seconds: float
     warmup_seconds: float | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, Model):
+            raise TypeError(f"{self.entry.name}: a {type(self.model).__name__} does not follow the model "
+                            "contract (models/contract.py Model)")
 
     @property
     def name(self) -> str:
@@ -121,8 +134,8 @@ class HostedModel:
         """uint8: the pixels come off the device as uint8 (what image and video files hold)."""
         # video decoders always clamp, as diffusers' AutoencoderKLWan does
         if self.is_video:
-            return self.model.decode(latents, tiled=tiled, uint8=uint8)
-        return self.model.decode(latents, tiled=tiled, clamp=clamp, uint8=uint8)
+            return cast(VideoDecoder, self.model).decode(latents, tiled=tiled, uint8=uint8)
+        return cast(ImageDecoder, self.model).decode(latents, tiled=tiled, clamp=clamp, uint8=uint8)
 
     def latent_scaling(self) -> tuple[np.ndarray | float, np.ndarray | float]:
         """(scale, shift) of the model's input normalisation, per channel where it has one: its
@@ -168,11 +181,13 @@ class HostedModel:
         return card
 
 
-def load_entry(entry: ModelEntry, backend, tile_size: int | None = None, device: str = "local") -> HostedModel:
-    from models import load_model  # the models layer; imported late so settings errors come first
+def load_entry(entry: ModelEntry, backend: Backend, tile_size: int | None = None,
+               device: str = "local") -> HostedModel:
+    from models import ModelOptions, load_model  # the models layer; imported late so settings errors come first
 
     t0 = time.perf_counter()
-    model = load_model(entry.name, entry.preset, backend, weights=entry.weights, tile_size=tile_size)
+    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
+                       options=ModelOptions(tile_size=tile_size))
     secs = time.perf_counter() - t0
     metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
     metrics.MODEL_LOADS.labels(entry.name, device).inc()
@@ -189,7 +204,7 @@ def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: 
     each is a new shape for the kernels' plans and graphs): decoders produce it (rounded down to
     their latent grid; video decoders two latent frames, which covers the first-frame and later
     chunk shapes, at batch 1 only), encoders take it, as float and as uint8 pixels."""
-    m = hm.model
+    m = cast(ServedModel, hm.model)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     out = forward(m, example_input(m, rng))

@@ -212,3 +212,25 @@ class Settings(BaseSettings):
                                 "lt_epilogues": self.cuda_lt_epilogues, "lt_gelu_approx": self.cuda_lt_gelu_approx,
                                 "ln_vec": self.cuda_ln_vec}
         return opts
+
+
+class FaultSettings(BaseSettings):
+    """Injected faults for tests and chaos drills (CONVSERVE_FAULT_*, service/fault_injection.py).
+
+    A class of its own rather than fields of Settings: a model worker reads these, and only these,
+    from the environment it inherited, when it arms them after warm-up
+    (fault_injection.arm_if_configured), so a test or drill sets them in a server's environment and
+    no flag or deployment setting carries them. Every other setting reaches the worker as the
+    Settings object the CLI built from its flags and environment; building a second Settings from
+    the environment there could contradict it (a flag wins over its variable)."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVSERVE_FAULT_", extra="ignore")
+
+    oom_above_bytes: int | None = None
+    poison_value: float | None = None
+    hold_value: float | None = None
+    hold_release_file: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.oom_above_bytes, self.poison_value, self.hold_value))

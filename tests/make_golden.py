@@ -29,7 +29,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     sys.path.insert(0, os.path.dirname(HERE))
-    from models.presets import PRESETS
+    from models.autoencoder_kl import PRESETS
 
     cfg = dict(PRESETS["tiny-vae"])
     torch.manual_seed(SEED)

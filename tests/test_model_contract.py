@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models import load_model
+from models import ModelOptions, load_model, tiling
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
                              TiledDecoder, VideoDecoder, example_input, forward)
 
@@ -32,7 +32,7 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-wan-vae"])
 def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset):
-    model = load_model(preset, preset, backend, tile_size=256)
+    model = load_model(preset, preset, backend, options=ModelOptions(tile_size=256))
     chain, t = [], model.tiling
     while (t := model.smaller_tiling(t)) is not None:
         chain.append(t)
@@ -45,7 +45,7 @@ def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset)
     last = chain[-1]
     model.tiling = last
     if model.kind == IMAGE_DECODER:
-        model.tiling.validate(model.spatial_factor)
+        tiling.validate_image_tiles(model.tiling, model.spatial_factor)
         z = rng.standard_normal((1, model.latent_channels, 23, 19)).astype(np.float32)
         assert model.decode(z, tiled=True).shape == (1, 23 * 8, 19 * 8, 3)
     else:
@@ -54,11 +54,11 @@ def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset)
 
 
 def test_tile_size_becomes_each_decoders_own_setting(backend):
-    vae = load_model("v", "tiny-vae", backend, tile_size=96)
-    assert vae.tiling.tile_latent_size == 96 // vae.spatial_factor
-    wan = load_model("w", "tiny-wan-vae", backend, tile_size=96)
-    assert (wan.tiling.min_size, wan.tiling.stride) == (96, 72)
-    enc = load_model("e", "tiny-convnext", backend, tile_size=96)  # encoders do not tile: ignored
+    vae = load_model("v", "tiny-vae", backend, options=ModelOptions(tile_size=96))
+    assert vae.tiling.tile_px // vae.spatial_factor == 96 // vae.spatial_factor
+    wan = load_model("w", "tiny-wan-vae", backend, options=ModelOptions(tile_size=96))
+    assert (wan.tiling.tile_px, wan.tiling.stride_px) == (96, 72)
+    enc = load_model("e", "tiny-convnext", backend, options=ModelOptions(tile_size=96))  # encoders do not tile: ignored
     assert enc.kind == IMAGE_ENCODER
 
 

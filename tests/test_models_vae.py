@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models import PRESETS, WeightsError, load_model
+from models import PRESETS, ModelOptions, WeightsError, load_model
+from models.autoencoder_kl import AutoencoderKLOptions
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
@@ -187,7 +188,8 @@ def test_single_safetensors_with_preset_and_legacy_attention_names(tmp_path, bac
     card = model.card()
     assert card["weights"] == str(path) and card["preset"] == "tiny-vae"
     # the literal upsample-then-conv mode computes the same function as the default sub-pixel one
-    literal = load_model("vae", "tiny-vae", backend, weights=str(path), upsample_mode="nearest")
+    literal = load_model("vae", "tiny-vae", backend, weights=str(path),
+                         options=AutoencoderKLOptions(upsample_mode="nearest"))
     assert literal.card()["upsample_mode"] == "nearest" and card["upsample_mode"] == "subpixel"
     err = rel_l2(literal.decode(lat, tiled=False), diffusers_decode(vae, lat))
     assert err < TOL, f"nearest upsample mode, seed {seed}: rel L2 {err:.2e}"
@@ -258,7 +260,12 @@ def test_bad_inputs_are_refused(backend):
     with pytest.raises(ValueError, match="images"):
         model.encode(np.zeros((1, 3, 16, 16), np.float32))
     with pytest.raises(ValueError, match="unknown AutoencoderKL overrides"):
-        load_model("demo", "tiny-vae", backend, not_a_field=1)
+        load_model("demo", "tiny-vae", backend, options=ModelOptions(config={"not_a_field": 1}))
+    with pytest.raises(TypeError):  # a setting the options do not have is a typo, not ignored
+        AutoencoderKLOptions(tile_latent=8)
+    with pytest.raises(ValueError, match="another family's options"):
+        from models.wan_vae import WanVAEOptions
+        load_model("demo", "tiny-vae", backend, options=WanVAEOptions(tile_sample_stride=48))
     with pytest.raises(KeyError, match="unknown preset"):
         load_model("demo", "no-such-vae", backend)
 
@@ -324,7 +331,7 @@ def test_ldm_single_file_checkpoint(tmp_path, backend):
     path = tmp_path / "sd_vae_ldm.safetensors"
     safetensors_torch.save_file(ldm, str(path))
     arch = {k: SD_LIKE[k] for k in ("block_out_channels", "layers_per_block", "norm_num_groups", "sample_size")}
-    model = load_model("vae", "sd-vae", backend, weights=str(path), **arch)
+    model = load_model("vae", "sd-vae", backend, weights=str(path), options=ModelOptions(config=arch))
     assert model.has_encoder
     rng = np.random.default_rng(seed)
     lat = rng.standard_normal((1, 4, 9, 13)).astype(np.float32)
@@ -338,9 +345,9 @@ def test_ldm_single_file_checkpoint(tmp_path, backend):
 def test_registry_tolerates_a_missing_family(monkeypatch):
     """A family module that is absent (or fails to import) is left out and named, the rest load."""
     from models import registry
-    monkeypatch.setattr(registry, "FAMILIES", {**registry.FAMILIES, "no_such_family": "image-decoder"})
+    monkeypatch.setattr(registry, "FAMILIES", (*registry.FAMILIES, "no_such_family"))
     presets = registry._Presets()
-    assert "tiny-vae" in presets and presets["tiny-vae"].family == "presets"
+    assert "tiny-vae" in presets and presets["tiny-vae"].family == "autoencoder_kl"
     assert presets["tiny-vae"].tiny and not presets["sd-vae"].tiny
     assert presets.unavailable == {"no_such_family": "not installed"}
     # the real registry merges the other families' presets beside ours
@@ -367,7 +374,7 @@ def test_uint8_decode_is_to_uint8_of_the_float_decode(backend_name, tiled):
     from pixel_cases import host_to_uint8
 
     be = _backend_or_skip(backend_name)
-    model = load_model("demo", "tiny-vae", be, tile_latent_size=8)
+    model = load_model("demo", "tiny-vae", be, options=AutoencoderKLOptions(tile_latent_size=8))
     lat = (np.random.default_rng(fresh_seed()).standard_normal((2, model.latent_channels, 13, 19)) * 3).astype(np.float32)
     raw = model.decode(lat, tiled=tiled, clamp=False)
     assert raw.min() < 0 and raw.max() > 1, "nothing to clip; the test would be vacuous"

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models.wan_vae import PRESETS, WanVAEDecoder, build
+from models import ModelOptions
+from models.wan_vae import PRESETS, WanVAEDecoder, WanVAEOptions, build
 from models.weights import WeightsError
 
 torch = pytest.importorskip("torch")
@@ -160,7 +161,8 @@ def test_denormalisation_uses_config_mean_and_std():
     """decode(latents) == decode of the raw latents by a model whose mean/std are 0/1."""
     backend = get_backend("numpy")
     model = build("tiny", "tiny-wan-vae", backend, None)
-    raw = build("raw", "tiny-wan-vae", backend, None, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    raw = build("raw", "tiny-wan-vae", backend, None,
+                options=ModelOptions(config={"latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}))
     latents = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 2, 3, 3)).astype(np.float32)
     mean = np.asarray(PRESETS["tiny-wan-vae"]["latents_mean"], np.float32).reshape(1, 4, 1, 1, 1)
     std = np.asarray(PRESETS["tiny-wan-vae"]["latents_std"], np.float32).reshape(1, 4, 1, 1, 1)
@@ -177,7 +179,7 @@ def test_bad_checkpoint_lists_every_problem(tmp_path):
     bad = tmp_path / "bad.safetensors"
     safetensors_torch.save_file(tensors, str(bad))
     with pytest.raises(WeightsError) as info:
-        build("bad", "tiny-wan-vae", get_backend("numpy"), str(bad), base_dim=16)
+        build("bad", "tiny-wan-vae", get_backend("numpy"), str(bad), ModelOptions(config={"base_dim": 16}))
     msg = str(info.value)
     assert "missing (1): decoder.mid_block.attentions.0.proj.weight" in msg
     assert "unexpected (1): decoder.extra_layer.weight" in msg
@@ -194,7 +196,7 @@ def test_wrong_class_and_unsupported_configs_are_refused(tmp_path):
     with pytest.raises(WeightsError, match="AutoencoderKL, not AutoencoderKLWan"):
         build("x", "wan2.1-vae", get_backend("numpy"), str(folder))
     with pytest.raises(ValueError, match="Wan 2.2"):
-        build("x", "tiny-wan-vae", get_backend("numpy"), None, is_residual=True)
+        build("x", "tiny-wan-vae", get_backend("numpy"), None, ModelOptions(config={"is_residual": True}))
     with pytest.raises(ValueError, match="unknown Wan VAE preset"):
         build("x", "no-such-preset", get_backend("numpy"), None)
 
@@ -236,7 +238,7 @@ def test_tiled_decode_matches_diffusers_tiling(tmp_path):
     vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
                       tile_sample_stride_height=48, tile_sample_stride_width=48)
     model = build("wan-tiled", "tiny-wan-vae", get_backend("numpy"), str(folder),
-                  tile_sample_min_size=64, tile_sample_stride=48)
+                  WanVAEOptions(tile_sample_min_size=64, tile_sample_stride=48))
     rng = np.random.default_rng(seed)
     for t, h, w in ((3, 11, 13),):  # a 2x3 tile grid whose last row and column are partial
         latents = rng.standard_normal((1, config["z_dim"], t, h, w)).astype(np.float32)
@@ -251,8 +253,8 @@ def test_tiled_decode_matches_diffusers_tiling(tmp_path):
 
 
 def test_tiling_auto_threshold_and_single_tile():
-    model = build("tiny", "tiny-wan-vae", get_backend("numpy"), None, tile_sample_min_size=32,
-                  tile_sample_stride=24, max_untiled_pixels=24 * 24)
+    model = build("tiny", "tiny-wan-vae", get_backend("numpy"), None,
+                  WanVAEOptions(tile_sample_min_size=32, tile_sample_stride=24, max_untiled_pixels=24 * 24))
     latents = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 1, 5, 6)).astype(np.float32)
     untiled, tiled = model.decode(latents, tiled=False), model.decode(latents, tiled=True)
     assert rel_l2(untiled, tiled) > 1e-3
@@ -312,7 +314,7 @@ def test_original_wan_checkpoint_names(tmp_path):
     safetensors_torch.save_file(original, str(path))
     overrides = {k: config[k] for k in ("base_dim", "z_dim", "dim_mult", "num_res_blocks",
                                         "latents_mean", "latents_std")}
-    model = build("wan-orig", "wan2.1-vae", get_backend("numpy"), str(path), **overrides)
+    model = build("wan-orig", "wan2.1-vae", get_backend("numpy"), str(path), ModelOptions(config=overrides))
     assert model.card()["weights_naming"] == "original-wan"
     latents = np.random.default_rng(seed).standard_normal((1, 4, 2, 3, 5)).astype(np.float32)
     err = rel_l2(model.decode(latents), reference_decode(vae, config, latents))
@@ -331,7 +333,7 @@ def test_feature_cache_stays_bounded(monkeypatch):
     """Memory must not grow with clip length: every cache slot holds at most CACHE_T frames
     and the number of slots is fixed after the first chunks."""
     import models.wan_vae as wan_vae
-    from models.wan_layers import CACHE_T, FeatureCache
+    from models.wan_vae_layers import CACHE_T, FeatureCache, holds_frames
 
     seen: list[FeatureCache] = []
 
@@ -346,7 +348,7 @@ def test_feature_cache_stays_bounded(monkeypatch):
     sizes = []
     for _ in model.decode_frames(latents):
         state = seen[0]  # the decode's own; later ones are the steady step's views of it
-        frames = [s.shape[1] for s in state.slots if not isinstance(s, str)]
+        frames = [s.shape[1] for s in state.slots if holds_frames(s)]
         assert max(frames) <= CACHE_T
         sizes.append((len(state.slots), sum(frames)))
     assert sizes[1] == sizes[-1] and len(set(sizes[1:])) == 1, sizes
@@ -514,7 +516,7 @@ def test_uint8_frames_are_to_uint8_of_the_float_frames(backend_name, tiled):
     from pixel_cases import host_to_uint8
 
     backend = backend_or_skip(backend_name)
-    model = build("tiny", "tiny-wan-vae", backend, None, tile_sample_min_size=32, tile_sample_stride=24)
+    model = build("tiny", "tiny-wan-vae", backend, None, WanVAEOptions(tile_sample_min_size=32, tile_sample_stride=24))
     latents = (np.random.default_rng(fresh_seed()).standard_normal((1, 4, 3, 5, 7)) * 3).astype(np.float32)
     floats = list(model.decode_frames(latents, tiled=tiled))
     calls = []

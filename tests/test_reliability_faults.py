@@ -61,7 +61,9 @@ def test_device_oom_retries_in_smaller_tiles_and_succeeds(server_factory):
     # the answer is the model's own decode in 8-latent tiles (same seeded random weights)
     from convkernels import get_backend
     from models import load_model
-    ref = load_model("tiny-vae", "tiny-vae", get_backend("numpy"), tile_latent_size=8).decode(x, tiled=True)
+    from models.autoencoder_kl import AutoencoderKLOptions
+    ref = load_model("tiny-vae", "tiny-vae", get_backend("numpy"),
+                     options=AutoencoderKLOptions(tile_latent_size=8)).decode(x, tiled=True)
     assert got.shape == ref.shape == (1, 168, 152, 3)
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"RELIABILITY fault=device_oom outcome=recovered rel_l2_vs_8_latent_tiles={err:.2e}")
@@ -262,12 +264,11 @@ def test_plan_cache_ignores_unreadable_and_lying_files(tmp_path):
 
 
 def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
-    """The same recovery for the Wan video VAE (tiles in pixels, min_size/stride halved), called
-    as the worker calls it; the result equals the model's own decode in those tiles."""
-    import dataclasses
-
+    """The same recovery for the Wan video VAE (tiles in pixels, tile size and stride halved),
+    called as the worker calls it; the result equals the model's own decode in those tiles."""
     from convkernels import get_backend
     from models import load_model
+    from models.tiling import video_tiles
     from service import fault_injection, oom_recovery
     from service.model_host import HostedModel
     from service.settings import ModelEntry
@@ -280,9 +281,9 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
         model.decode(x, tiled=False)
     hm = HostedModel(ModelEntry("tiny-wan-vae", "tiny-wan-vae"), model, load_seconds=0.0)
     out = oom_recovery.decode(hm, x, tiled=None, clamp=True)
-    assert model.tiling.min_size == 256  # the model's own tiles are back after the retry
+    assert model.tiling.tile_px == 256  # the model's own tiles are back after the retry
     ref_model = load_model("tiny-wan-vae", "tiny-wan-vae", get_backend("numpy"))
-    ref_model.tiling = dataclasses.replace(ref_model.tiling, min_size=64, stride=48)
+    ref_model.tiling = video_tiles(64, 48)
     ref = ref_model.decode(x, tiled=True)
     assert out.shape == ref.shape == (1, 5, 96, 96, 3)
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)

@@ -59,6 +59,51 @@ def test_decode_video_to_mp4_and_frames(tmp_path):
     assert len(list((tmp_path / "frames").glob("frame_*.png"))) == 5
 
 
+def test_local_decode_takes_the_servers_tiles_and_oom_recovery(tmp_path, monkeypatch):
+    """A local decode runs as a model worker's does (service/oom_recovery.py): the tile size is the
+    server's setting (--tile-size or CONVSERVE_TILE_SIZE), and a decode that runs out of memory is
+    retried in those tiles; the result is the model's own tiled decode."""
+    from convkernels import get_backend
+    from models import ModelOptions, load_model
+    from models.autoencoder_kl import AutoencoderKLModel
+
+    lat = np.random.default_rng().standard_normal((1, 4, 20, 12)).astype(np.float32)
+    np.save(tmp_path / "lat.npy", lat)
+    real, calls = AutoencoderKLModel.decode, []
+
+    def decode(self, latents, tiled=None, clamp=True, *, uint8=False):
+        calls.append((tiled, self.tiling.tile_px))
+        if tiled is not True:
+            raise MemoryError("injected: only tiles fit")
+        return real(self, latents, tiled, clamp, uint8=uint8)
+
+    monkeypatch.setattr(AutoencoderKLModel, "decode", decode)
+    invoke("decode", tmp_path / "lat.npy", "-o", tmp_path / "flag.npy", "--backend", "numpy", "--tile-size", 64)
+    assert calls == [(None, 64), (True, 64)]
+    monkeypatch.setenv("CONVSERVE_TILE_SIZE", "64")
+    invoke("decode", tmp_path / "lat.npy", "-o", tmp_path / "env.npy", "--backend", "numpy")
+    assert calls[2:] == [(None, 64), (True, 64)]
+    monkeypatch.undo()
+    ref = load_model("ref", "tiny-vae", get_backend("numpy"), options=ModelOptions(tile_size=64)).decode(lat, tiled=True)
+    np.testing.assert_array_equal(np.load(tmp_path / "flag.npy"), ref)
+    np.testing.assert_array_equal(np.load(tmp_path / "env.npy"), ref)
+
+
+def test_flags_build_the_settings_over_the_environment_without_writing_it(monkeypatch):
+    import os
+
+    from service.cli import settings_from_flags
+
+    monkeypatch.setenv("CONVSERVE_MAX_BATCH", "3")
+    monkeypatch.setenv("CONVSERVE_PORT", "9000")
+    monkeypatch.delenv("CONVSERVE_MAX_QUEUE", raising=False)
+    s = settings_from_flags(max_batch=5, port=None, max_queue=7)
+    assert (s.max_batch, s.port, s.max_queue) == (5, 9000, 7)  # a flag wins, an absent one leaves the variable
+    assert os.environ["CONVSERVE_MAX_BATCH"] == "3" and "CONVSERVE_MAX_QUEUE" not in os.environ
+    with pytest.raises(typer.Exit):  # an invalid value is one line, not a traceback
+        settings_from_flags(max_batch=0)
+
+
 def test_encode_and_top_k(tmp_path):
     paths = []
     for i in range(2):

@@ -13,6 +13,7 @@ import pytest
 from convkernels import get_backend
 from models import load_model
 from models import tiling
+from models.autoencoder_kl import AutoencoderKLOptions
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -39,8 +40,7 @@ def vae_and_model(tmp_path_factory, backend):
 @pytest.mark.parametrize("tile_latent,size", [(None, (1, 19, 27)), (12, (2, 29, 17)), (16, (1, 10, 37))])
 def test_tiled_matches_diffusers_tiled(vae_and_model, backend, tile_latent, size):
     vae, path, seed = vae_and_model
-    overrides = {} if tile_latent is None else {"tile_latent_size": tile_latent}
-    model = load_model("vae", "sd-vae", backend, weights=path, **overrides)
+    model = load_model("vae", "sd-vae", backend, weights=path, options=AutoencoderKLOptions(tile_latent_size=tile_latent))
     vae.enable_tiling()
     if tile_latent is not None:
         vae.tile_latent_min_size, vae.tile_sample_min_size = tile_latent, tile_latent * 8
@@ -65,8 +65,7 @@ def test_tiled_matches_diffusers_tiled(vae_and_model, backend, tile_latent, size
 @pytest.mark.parametrize("tile_latent,size", [(None, (1, 130, 90)), (12, (2, 101, 203))])
 def test_tiled_encode_matches_diffusers_tiled(vae_and_model, backend, tile_latent, size):
     vae, path, seed = vae_and_model
-    overrides = {} if tile_latent is None else {"tile_latent_size": tile_latent}
-    model = load_model("vae", "sd-vae", backend, weights=path, **overrides)
+    model = load_model("vae", "sd-vae", backend, weights=path, options=AutoencoderKLOptions(tile_latent_size=tile_latent))
     img = np.random.default_rng(seed + 2).uniform(0, 1, (*size, 3)).astype(np.float32)
     vae.enable_tiling()
     if tile_latent is not None:
@@ -88,19 +87,20 @@ def test_tiled_encode_matches_diffusers_tiled(vae_and_model, backend, tile_laten
 def test_inconsistent_tile_size_is_refused(vae_and_model, backend):
     # diffusers would decode 10x23 latents to 84x196 with 10-latent tiles: we refuse the setting
     with pytest.raises(ValueError, match="inconsistently"):
-        load_model("vae", "sd-vae", backend, weights=vae_and_model[1], tile_latent_size=10)
+        load_model("vae", "sd-vae", backend, weights=vae_and_model[1], options=AutoencoderKLOptions(tile_latent_size=10))
 
 
 def test_auto_tiling_follows_the_budget(vae_and_model, backend):
     vae, path, seed = vae_and_model
     lat = np.random.default_rng(seed + 1).standard_normal((1, 4, 20, 14)).astype(np.float32)
-    roomy = load_model("vae", "sd-vae", backend, weights=path, memory_budget_bytes=1 << 34)
+    roomy = load_model("vae", "sd-vae", backend, weights=path, options=AutoencoderKLOptions(memory_budget_bytes=1 << 34))
     assert tiling.plan_decode(roomy, (1, 20, 14, 4), None) is None
     np.testing.assert_array_equal(roomy.decode(lat), roomy.decode(lat, tiled=False))
     # a budget between one tile's working set and the whole decode's: tiles of the set size
     tight_budget = tiling.estimate_tiled_peak_bytes(roomy, 1, 20, 14, 8) + 1
     assert tight_budget < tiling.estimate_decode_peak_bytes(roomy, 1, 20, 14)
-    tight = load_model("vae", "sd-vae", backend, weights=path, memory_budget_bytes=tight_budget)
+    tight = load_model("vae", "sd-vae", backend, weights=path,
+                       options=AutoencoderKLOptions(memory_budget_bytes=tight_budget))
     plan = tiling.plan_decode(tight, (1, 20, 14, 4), None)
     assert plan is not None and plan.tile_latent == 8
     np.testing.assert_array_equal(tight.decode(lat), tight.decode(lat, tiled=True))
@@ -149,13 +149,14 @@ def test_large_decode_stays_within_budget():
         import numpy as np
         from convkernels import get_backend
         from models import load_model
+        from models.autoencoder_kl import AutoencoderKLOptions
 
         def status(field):  # kB figures of /proc/self/status
             for line in open("/proc/self/status"):
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
 
-        m = load_model("t", "tiny-vae", get_backend("numpy"), memory_budget_bytes={budget})
+        m = load_model("t", "tiny-vae", get_backend("numpy"), options=AutoencoderKLOptions(memory_budget_bytes={budget}))
         lat = np.random.default_rng(0).standard_normal((1, 4, 64, 64)).astype(np.float32)
         m.decode(lat[:, :, :8, :8])
         # ru_maxrss survives exec (it would report pytest's peak): reset the per-process

@@ -243,9 +243,11 @@ def test_tiled_decode_replays_one_graph_per_repeated_tile_shape(saved):
     import torch
 
     from models import load_model
+    from models.autoencoder_kl import AutoencoderKLOptions
 
     tile = 8
-    model = load_model("vae", "tiny-vae", graphed_backend(), weights=str(saved.root / "vae"), tile_latent_size=tile)
+    model = load_model("vae", "tiny-vae", graphed_backend(), weights=str(saved.root / "vae"),
+                       options=AutoencoderKLOptions(tile_latent_size=tile))
     lat = np.random.default_rng(fresh_seed()).standard_normal((1, 4, 21, 19)).astype(np.float32)
     ours = model.decode(lat, tiled=True)
     vae = saved.vae

@@ -121,7 +121,7 @@ def test_sd_vae_uint8_decode(dtype, lat):
     assert stats["ungraphable"] == {} and stats["captures"] == 1 and stats["replays"] == 3, stats
     # tiled: blended in float32 on the host, converted there (no uint8 transfer)
     model.tiling = model.smaller_tiling(model.tiling)
-    latents = rng.standard_normal((1, 4, model.tiling.tile_latent_size + 9, 33)).astype(np.float32)
+    latents = rng.standard_normal((1, 4, model.tiling.tile_px // model.spatial_factor + 9, 33)).astype(np.float32)
     seen = spy_transfers(be)
     try:
         ours = model.decode(latents, tiled=True, uint8=True)

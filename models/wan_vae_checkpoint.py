@@ -10,11 +10,14 @@ Original decoder layout: `conv1` (-> conv_in), `middle.{0,1,2}` (resnet, attenti
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
 from .weights import RenameRules, rename
+
+if TYPE_CHECKING:
+    from .wan_vae import WanVAEConfig
 
 #: a key only the original Wan naming has (diffusers detects the format by the same key)
 ORIGINAL_MARKER = "decoder.middle.0.residual.0.gamma"
@@ -61,14 +64,23 @@ def original_rules(num_up_blocks: int, num_res_blocks: int) -> RenameRules:
     return rules
 
 
-def normalize_keys(tensors: Mapping[str, np.ndarray], num_up_blocks: int,
-                   num_res_blocks: int) -> tuple[dict[str, np.ndarray], str]:
-    """diffusers names from any supported export, and which naming it was: 'diffusers',
-    'original-wan'. A whole-pipeline export's `vae.` prefix is dropped first."""
-    tensors = dict(tensors)
+def _without_pipeline_prefix(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A whole-pipeline export's `vae.` prefix dropped."""
     if tensors and all(k.startswith("vae.") for k in tensors):
-        tensors = {k[len("vae."):]: v for k, v in tensors.items()}
-    if ORIGINAL_MARKER in tensors:
-        rules = original_rules(num_up_blocks, num_res_blocks)
-        return {rename(k, rules): v for k, v in tensors.items()}, "original-wan"
-    return tensors, "diffusers"
+        return {k[len("vae."):]: v for k, v in tensors.items()}
+    return dict(tensors)
+
+
+def checkpoint_naming(tensors: Mapping[str, np.ndarray]) -> str:
+    """Which naming a checkpoint uses: 'diffusers' or 'original-wan'."""
+    return "original-wan" if ORIGINAL_MARKER in _without_pipeline_prefix(tensors) else "diffusers"
+
+
+def normalize_keys(tensors: Mapping[str, np.ndarray], config: WanVAEConfig) -> dict[str, np.ndarray]:
+    """diffusers names from any supported export (checkpoint_naming); a whole-pipeline export's
+    `vae.` prefix is dropped first. The config's depth maps the original flat upsample list."""
+    tensors = _without_pipeline_prefix(tensors)
+    if checkpoint_naming(tensors) == "original-wan":
+        rules = original_rules(len(config.dim_mult), config.num_res_blocks)
+        return {rename(k, rules): v for k, v in tensors.items()}
+    return tensors

@@ -9,11 +9,14 @@ Legacy diffusers attention names: `query`, `key`, `value`, `proj_attn`."""
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
 from .weights import RenameRules, rename
+
+if TYPE_CHECKING:
+    from .autoencoder_kl import AutoencoderKLConfig
 
 _CHECKPOINT_PREFIXES = ("vae.", "first_stage_model.")
 _LDM_RE = re.compile(r"^(encoder|decoder)\.(down|up|mid|norm_out)")
@@ -44,10 +47,11 @@ def _ldm_rules(n_blocks: int) -> RenameRules:
     ]
 
 
-def normalize_keys(tensors: Mapping[str, np.ndarray], n_blocks: int) -> dict[str, np.ndarray]:
+def normalize_keys(tensors: Mapping[str, np.ndarray], config: AutoencoderKLConfig) -> dict[str, np.ndarray]:
     """diffusers names from other exports: original LDM/CompVis names (a whole SD checkpoint's
     other parts are dropped), legacy diffusers attention names, 1x1-conv attention projections
-    (C, C, 1, 1) and a whole-pipeline `vae.` prefix."""
+    (C, C, 1, 1) and a whole-pipeline `vae.` prefix. The config's block count orders LDM's up blocks."""
+    n_blocks = len(config.block_out_channels)
     keys = list(tensors)
     strip = next((p for p in _CHECKPOINT_PREFIXES if any(k.startswith(p) for k in keys)), "")
     if strip == "vae." and not all(k.startswith(strip) for k in keys):

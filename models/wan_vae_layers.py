@@ -7,12 +7,14 @@ models/module.py Modules and run on the backend their parameters were loaded to
 The semantics follow diffusers' `autoencoder_kl_wan.py` (Wan 2.1, `is_residual=False`) line
 for line where it matters: causal time padding with zeros (2*p on the left, none on the
 right), the per-conv feature cache of the last CACHE_T input frames, and the first-chunk
-"Rep" rule of the temporal upsampler, which skips the time conv on the first latent frame.
+rule of the temporal upsampler (diffusers marks its slot "Rep"; FIRST_CHUNK_SEEN here), which
+skips the time conv on the first latent frame.
 """
 from __future__ import annotations
 
+import enum
 import math
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
@@ -26,8 +28,22 @@ Array = Any
 #: frames of causal context each cached conv keeps between chunks (diffusers' CACHE_T)
 CACHE_T = 2
 
-#: marks a temporal upsampler that has seen the first chunk but has no frames cached yet
-REPLICATE_FIRST = "Rep"
+
+class CacheMarker(enum.Enum):
+    """A cache slot's state when it holds no frames but is not empty either."""
+    #: a temporal upsampler that has seen the first chunk but has no frames cached yet
+    #: (diffusers stores the string "Rep" there)
+    FIRST_CHUNK_SEEN = "first chunk seen"
+
+
+FIRST_CHUNK_SEEN = CacheMarker.FIRST_CHUNK_SEEN
+#: what one slot of a FeatureCache holds: cached frames, the marker, or nothing yet
+CacheSlot = Union[Array, CacheMarker, None]
+
+
+def holds_frames(slot: CacheSlot) -> bool:
+    return slot is not None and not isinstance(slot, CacheMarker)
+
 
 #: F.normalize divides by max(||x||, 1e-12); rms_norm's eps (1e-24 / C) plays that role
 RMS_EPS = 1e-12
@@ -39,23 +55,23 @@ class FeatureCache:
     memory does not grow with clip length."""
 
     def __init__(self, slots=()) -> None:
-        self.slots: list[Any] = list(slots)
+        self.slots: list[CacheSlot] = list(slots)
         self.pos = 0
 
     def steady(self) -> bool:
         """Every slot holds frames (no first-chunk marker, none missing): from the third chunk
         on, when each chunk's inputs and cache have the same shapes as the last one's."""
-        return bool(self.slots) and all(s is not None and not isinstance(s, str) for s in self.slots)
+        return bool(self.slots) and all(holds_frames(s) for s in self.slots)
 
     def start_chunk(self) -> None:
         self.pos = 0
 
-    def peek(self):
+    def peek(self) -> CacheSlot:
         if self.pos == len(self.slots):
             self.slots.append(None)
         return self.slots[self.pos]
 
-    def put(self, value) -> None:
+    def put(self, value: CacheSlot) -> None:
         self.slots[self.pos] = value
         self.pos += 1
 
@@ -77,7 +93,7 @@ def cache_tail(backend: Backend, x, prev):
     topped up with the previous chunk's last frame when this chunk is a single frame."""
     t = x.shape[1]
     tail = backend.slice(x, 1, max(0, t - CACHE_T), t)
-    if tail.shape[1] < CACHE_T and prev is not None and not isinstance(prev, str):
+    if tail.shape[1] < CACHE_T and holds_frames(prev):
         last = backend.slice(prev, 1, prev.shape[1] - 1, prev.shape[1])
         return backend.concat([last, tail], axis=1)
     return _own_copy(backend, tail)
@@ -136,7 +152,7 @@ class CausalConv3d(Conv):
         output behind the cached frames (no joined copy of a full chunk)."""
         b = self.backend
         prev = state.peek()
-        if prev is None or isinstance(prev, str) or self.time_pad == 0:
+        if not holds_frames(prev) or self.time_pad == 0:
             if norm is not None:
                 x = norm(x, "silu")
             state.put(cache_tail(b, x, prev))
@@ -217,10 +233,10 @@ class AttentionBlock(Module):
         b = self.backend
         n, t, h, w, c = x.shape
         frames = b.reshape(x, (n * t, h, w, c))
-        qkv = b.reshape(self.to_qkv(b, self.norm(frames)), (n * t, h * w, 3 * c))
+        qkv = b.reshape(self.to_qkv(self.norm(frames)), (n * t, h * w, 3 * c))
         q, k, v = (b.slice(qkv, -1, i * c, (i + 1) * c) for i in range(3))
         attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
-        return b.reshape(self.proj(b, attended, residual=frames), (n, t, h, w, c))
+        return b.reshape(self.proj(attended, residual=frames), (n, t, h, w, c))
 
 
 class Resample(Module):
@@ -243,13 +259,13 @@ class Resample(Module):
         prev = state.peek()
         if prev is None:
             # first chunk: diffusers leaves it at one frame and only marks the slot
-            state.put(REPLICATE_FIRST)
+            state.put(FIRST_CHUNK_SEEN)
             return x
         keep = cache_tail(b, x, prev)
-        if keep.shape[1] < CACHE_T and isinstance(prev, str):
+        if keep.shape[1] < CACHE_T and prev is FIRST_CHUNK_SEEN:
             zeros = b.asarray(np.zeros(tuple(keep.shape), np.float32), dtype=b.dtype_of(keep))
             keep = b.concat([zeros, keep], axis=1)
-        out = self.time_conv(x, None if isinstance(prev, str) else prev)
+        out = self.time_conv(x, prev if holds_frames(prev) else None)
         state.put(keep)
         n, t, h, w, _ = x.shape
         c = self.dim
