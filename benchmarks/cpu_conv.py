@@ -1,5 +1,5 @@
-"""NumPy backend vs PyTorch CPU (and MLX CPU where installed) on the conv shapes of
-../shared/PEERS.md. Prints a ratio table (peer time / ours: > 1 means we are faster).
+"""NumPy backend vs PyTorch CPU (and MLX CPU where installed) on the conv shapes the project
+measures its peers on (docs/peers.md). Prints a ratio table (peer time / ours: > 1 means we are faster).
 
     python benchmarks/cpu_conv.py [--reps 5] [--no-mlx] [--same-process]
 

@@ -109,7 +109,7 @@ def main() -> int:
     print(f"\nPIL JPEG q{args.quality} (libjpeg-turbo, 1 thread): {pil_ips:.0f} img/s, {1e3 * wall / calls:.2f} ms/img, "
           f"{len(ref) / 1024:.1f} KB, PSNR {psnr(host[0], ref):.1f} dB")
 
-    print(f"\n| batch | GPU img/s | host CPU ms/img | KB/img | PSNR dB | GPU / PIL 1 core |")
+    print("\n| batch | GPU img/s | host CPU ms/img | KB/img | PSNR dB | GPU / PIL 1 core |")
     print("| --- | --- | --- | --- | --- | --- |")
     for b in args.batches:
         imgs = dev[:b]

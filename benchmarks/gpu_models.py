@@ -1,4 +1,4 @@
-"""GPU model benchmark, PEERS.md workloads: our CUDA backend (models/ on CuPy + cuDNN frontend)
+"""GPU model benchmark, the docs/peers.md workloads: our CUDA backend (models/ on CuPy + cuDNN frontend)
 with every forward replayed as a CUDA graph (the default) and without (eager), vs the PyTorch
 reference implementation of the same architecture, eager and (with --compile) torch.compile, on the
 same GPU in the same run, printed as ratios (ours / peer; below 1 = we are faster), wall time and
@@ -41,7 +41,7 @@ import numpy as np
 # nearest-upsample + 3x3 decoder; our sub-pixel upsampling does fewer), ConvNeXt-T is 4.47 GMAC/image
 SD_VAE_512_TFLOP = 2.48
 CONVNEXT_T_224_TFLOP = 2 * 4.47e-3
-DENSE_PEAK_TFLOPS = 800.0  # bf16/fp16 dense matmul measured on this H100 (KINDS.md: 769-798)
+DENSE_PEAK_TFLOPS = 800.0  # bf16/fp16 dense matmul measured on this H100 (769-798 TFLOPS measured on the H100 machines)
 
 def wall(fn, warm, reps, sync):
     for _ in range(warm):

@@ -1,5 +1,5 @@
 """GPU op benchmark: the CUDA backend (CuPy + cuDNN frontend, autotuned plans) vs PyTorch
-(cuDNN, benchmark mode, channels-last) on the same GPU in the same run, per PEERS.md's kernel
+(cuDNN, benchmark mode, channels-last) on the same GPU in the same run, per docs/peers.md's kernel
 workloads. Prints ours / torch as a ratio (below 1 = we are faster) and writes JSON to $OUT.
 
 Timing: CUDA events around each call from Python (so per-call Python overhead counts, as it

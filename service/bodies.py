@@ -12,7 +12,7 @@ import asyncio
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from .pipeline import begin_upload, charge_request, end_upload
+from .request_state import begin_upload, charge_request, end_upload
 from .problems import Problem
 
 #: chunked bodies are taken from the memory budget in steps of this many bytes as they arrive

@@ -33,7 +33,6 @@ import selectors
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, Listener
 from multiprocessing.reduction import recv_handle
@@ -41,27 +40,17 @@ from typing import Any
 
 import numpy as np
 
-from . import fault_injection, metrics, oom_recovery
-from .batcher import Batcher, Cancelled, Closed, batch_sizes
-from .model_host import HostedModel, ModelView, load_entry, warm_up
-from .model_stats import ModelStats
-from .settings import Settings
+from . import oom_recovery
+from .batcher import Cancelled, Closed
+from .model_host import HostedModel
 from .shm import ArenaView, TensorRef
+from .stream_steps import GeneratorSteps, StreamClosed
+from .device_host import ModelHost, WorkerSpec
 
 log = logging.getLogger("convserve.worker")
 
 #: how often the worker checks that the process that started it is still there
 PARENT_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What the supervisor tells a worker it starts."""
-    device: str               # "cpu", "cuda:0", ...: the metrics' and cards' device label
-    cuda_visible: str | None  # the physical GPU: its CUDA_VISIBLE_DEVICES entry (narrowed to it here)
-    address: str              # the Unix socket front ends connect to
-    settings: Settings
-    parent_pid: int
 
 
 def error_info(exc: BaseException) -> tuple[str, str, str | None]:
@@ -77,141 +66,6 @@ def error_info(exc: BaseException) -> tuple[str, str, str | None]:
     if isinstance(exc, ValueError):
         return "invalid-input", str(exc), None
     return "model-error", f"{exc.__class__.__name__}: {exc}", getattr(exc, "error_id", None)
-
-
-class StreamClosed(Exception):
-    """A step asked of a decode whose stream has ended."""
-
-
-class GeneratorSteps:
-    """Steps a generator on the device thread; close() from another thread never waits for a
-    running step: the device thread closes the generator when that step ends."""
-
-    def __init__(self, gen):
-        self._gen = gen
-        self._lock = threading.Lock()
-        self._running = False
-        self._closed = False
-        self.steps = 0
-
-    def step(self, _inputs=None):
-        with self._lock:
-            if self._closed:
-                raise StreamClosed("the stream has ended")
-            self._running = True
-        try:
-            out = next(self._gen)
-            self.steps += 1
-            return out
-        except StopIteration:  # never raise StopIteration into a future
-            raise RuntimeError("the decode ended before its last frame group") from None
-        finally:
-            with self._lock:
-                self._running = False
-                release = self._closed
-            if release:
-                self._release()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            if self._running:
-                return
-        self._release()
-
-    @property
-    def released(self) -> bool:
-        return self._gen is None
-
-    def _release(self) -> None:
-        gen, self._gen = self._gen, None
-        if gen is not None:
-            gen.close()  # GeneratorExit at its yield: the frame and its feature cache go
-
-
-class ModelHost:
-    """The backend, the models and the batcher of one device."""
-
-    def __init__(self, spec: WorkerSpec):
-        self.spec = spec
-        self.settings = spec.settings
-        self.backend = None
-        self.models: dict[str, HostedModel] = {}
-        self.failed: dict[str, str] = {}
-        self.load_error: str | None = None
-        self.ready = False
-        self.batcher: Batcher | None = None
-        self.stats = ModelStats()
-        self.on_change = lambda: None
-        self.on_start = lambda batch: None
-        self.device_thread: threading.Thread | None = None
-        #: finished requests, from the device thread to the delivery thread (Worker._deliver)
-        self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
-
-    def load(self) -> None:
-        try:
-            from convkernels import get_backend
-
-            s = self.settings
-            self.backend = get_backend(s.backend, **s.backend_options())
-            log.info("%s: backend %s", self.spec.device, self.backend.describe())
-            for entry in s.model_entries():
-                try:
-                    hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
-                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm,
-                            batches=tuple(batch_sizes(s.max_batch)))
-                except Exception as exc:
-                    metrics.count_fault(entry.name, "load_error", "failed")
-                    if not entry.optional:
-                        raise
-                    self.failed[entry.name] = f"{exc.__class__.__name__}: {exc}"
-                    log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
-                    continue
-                self.models[entry.name] = hm
-            # The front ends bound what waits (admission happens there, before the body): the
-            # worker's own queue only has to hold what they admitted, however many they are.
-            self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
-                                   max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
-                                   name=self.spec.device, on_start=self.on_start,
-                                   # after warm-up: injected faults never stop a start
-                                   before_call=fault_injection.arm_if_configured(self.backend))
-            self.device_thread = self.batcher.thread
-            self.ready = True
-            log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
-        except Exception as exc:  # the worker stays up (live, not ready) and says why
-            self.load_error = f"{exc.__class__.__name__}: {exc}"
-            log.exception("model loading failed")
-        finally:
-            self.on_change()
-
-    def description(self) -> dict:
-        state = "ready" if self.ready else "failed" if self.load_error else "loading"
-        return {"device": self.spec.device, "gpu": self.spec.cuda_visible, "pid": os.getpid(), "state": state,
-                "load_error": self.load_error,
-                "failed": dict(self.failed), "backend": self.backend.name if self.backend is not None else None,
-                "models": {name: (hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
-                                  dict(hm.extra)) for name, hm in self.models.items()},
-                "row_seconds": self.batcher.row_seconds if self.batcher is not None else 0.0}
-
-    def call_for(self, hm: HostedModel, op: str, options: dict):
-        """The model call an op names (the ops a front end may ask for)."""
-        if op == "decode":
-            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
-                                                 uint8=options.get("uint8", False))
-        if op in ("encode", "vae_encode"):
-            return hm.model.encode
-        raise ValueError(f"unknown op {op!r}")
-
-    def query(self, what: str) -> Any:
-        if what == "kernels":
-            be = self.backend
-            if be is None:
-                return None
-            return {"device": self.spec.device, "backend": be.describe(), "conv_choices": be.conv_choices(),
-                    "plan_cache": be.plan_cache_stats()}
-        if what == "stats":
-            return self.stats.records()
-        raise ValueError(f"unknown query {what!r}")
 
 
 def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> None:

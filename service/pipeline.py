@@ -6,7 +6,6 @@ Adapters only parse their wire format into tensors and format the rows that come
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import math
 import os
@@ -25,7 +24,8 @@ from .model_stats import ModelStats, ns
 from .problems import Problem
 from .memory_budget import MemoryBudget, auto_budget_bytes
 from .settings import Settings
-from .uploads import Upload, Uploads
+from .request_state import CURRENT, AdmittedRequest
+from .uploads import Uploads
 from .shm import Arena, ArenaFull, TensorRef, TooLarge
 
 log = logging.getLogger("convserve")
@@ -36,59 +36,14 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_S = 0.1
 #: how often a further front end, starting, looks whether it can serve yet
 SETTLE_POLL_S = 0.02
-#: the compute cap per request (Service.check_work) where CONVSERVE_MAX_REQUEST_PIXELS is 0, by
+#: the compute cap per request (Service.check_work) where CONVSERVE_MAXCURRENT_PIXELS is 0, by
 #: backend: 1024x1024 on the CPU, where a full SD-VAE decodes 512x512 in ~9 s on 2 cores, so the
 #: cap's ~35 s stays inside the default request timeout (a 2048x2048 decode of even the tiny test
 #: VAE outlasted it: docs/reliability.md); GPUs go much further
-AUTO_REQUEST_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
+AUTOCURRENT_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 
-
-class _Request:
-    """What a request holds between admission and its response: a queue place until its first
-    model call (Service._admit), the arena blocks its tensors travel in (engine.Lease), and its
-    share of the memory budget (given back with the lease's blocks)."""
-
-    def __init__(self, service: Service, model: str, lease: Lease):
-        self.service, self.model = service, model
-        self.reserved = True
-        self.lease = lease
-        self.taken = 0  # of the memory budget, over the request's life
-        self.upload: Upload | None = None  # while its body arrives (service/uploads.py)
-
-    def take(self, nbytes: int, what: str) -> None:
-        if nbytes > 0:
-            self.service.take_memory(self.model, self.lease, nbytes, what, held=self.taken)
-            self.taken += nbytes
-
-
-_REQUEST: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("convserve_request", default=None)
-
-
-def begin_upload() -> Upload | None:
-    """The current request's body begins to arrive: tracked, so a full queue may take its place
-    if it is too slow (service/uploads.py). None outside an admitted request."""
-    req = _REQUEST.get()
-    if req is None or not req.reserved:
-        return None
-    svc = req.service
-    req.upload = Upload(asyncio.get_running_loop().time(), release=lambda: svc._unreserve(req))
-    svc.uploads.live.add(req.upload)
-    return req.upload
-
-
-def end_upload(upload: Upload | None) -> None:
-    if upload is not None:
-        _REQUEST.get().service.uploads.live.discard(upload)
-
-
-def charge_request(nbytes: int, what: str) -> None:
-    """Count `nbytes` against the current request's front-end memory budget (503/413 when it
-    does not fit; service/memory_budget.py). Outside an admitted request: nothing to count."""
-    req = _REQUEST.get()
-    if req is not None:
-        req.take(nbytes, what)
 
 #: problems for the worker's failures, by kind (service/model_worker.error_info)
 _FAILURES = {"invalid-input": (422, "model-rejected-input"), "closed": (503, "shutting-down"),
@@ -191,7 +146,7 @@ class Service:
             raise Problem(404, "unknown-model", f"no model named {name!r}; served: {sorted(self.models)}")
         return hm
 
-    def _admit(self, model: str) -> _Request:
+    def _admit(self, model: str) -> AdmittedRequest:
         """Admission before any work: decided from the request line and the queue's state (the
         queue counts the places of admitted requests still reading their bodies), so a full
         queue costs a rejected client no body upload, parsing or NaN scan on the server."""
@@ -202,7 +157,7 @@ class Service:
         if self.queued() >= self.settings.max_queue and not self.uploads.evict_slowest(self.settings.min_body_rate):
             raise self._refused(model, full=True)
         self.reserved += 1
-        return _Request(self, model, Lease(self.arena))
+        return AdmittedRequest(self, model, Lease(self.arena))
 
     def _refused(self, model: str, *, full: bool, close: bool = False) -> Problem:
         """A request the queue did not take: full (429) or refused by a drain (503)."""
@@ -229,7 +184,7 @@ class Service:
         req = None
         try:
             req = self._admit(model)
-            _REQUEST.set(req)
+            CURRENT.set(req)
             yield validation.model_for(hm, endpoint)
         except Problem as p:
             status = p.status
@@ -242,7 +197,7 @@ class Service:
             raise
         finally:
             if req is not None:
-                _REQUEST.set(None)
+                CURRENT.set(None)
                 self._unreserve(req)
                 req.lease.close()
             self.inflight -= 1
@@ -256,19 +211,19 @@ class Service:
         """The current request's arena blocks, for a response that sends straight from them
         (routes_v1.ArenaResponse closes the lease once sent); the request's own end no longer
         frees them."""
-        req = _REQUEST.get()
+        req = CURRENT.get()
         lease, req.lease = req.lease, Lease(self.arena)
         return lease
 
     def check_work(self, hm: HostedModel, pixels: int, what: str) -> None:
         """The compute cap: a request whose work (output pixels over frames and batch; input
         pixels for an encoder) is past the backend's cap is refused before it takes a device."""
-        cap = self.settings.max_request_pixels or AUTO_REQUEST_PIXELS.get(self.backend_name, AUTO_REQUEST_PIXELS["cuda"])
+        cap = self.settings.max_request_pixels or AUTOCURRENT_PIXELS.get(self.backend_name, AUTOCURRENT_PIXELS["cuda"])
         if pixels > cap:
             metrics.REJECTED.labels(hm.name, "too_much_work").inc()
             raise Problem(413, "too-much-work",
                           f"{what} on {hm.name} is {pixels} pixels of work; the {self.backend_name} backend takes "
-                          f"at most {cap} per request (CONVSERVE_MAX_REQUEST_PIXELS): send a smaller or "
+                          f"at most {cap} per request (CONVSERVE_MAXCURRENT_PIXELS): send a smaller or "
                           "shorter request, fewer at a time, or stream a video")
 
     def take_memory(self, model: str, lease: Lease, nbytes: int, what: str, *, held: int = 0,
@@ -288,7 +243,7 @@ class Service:
         if self.budget.give(nbytes):  # a burst ended: hand its freed heap back to the system
             self.codec_pool.submit(self.budget.trim)
 
-    def _unreserve(self, req: _Request) -> None:
+    def _unreserve(self, req: AdmittedRequest) -> None:
         if req.reserved:
             req.reserved = False
             self.reserved -= 1
@@ -314,7 +269,7 @@ class Service:
         until the request's lease is closed (the end of Service.admit's block, or `lease`).
         continuation: a later step of an admitted request (a streamed group): its memory is
         counted but never refused."""
-        req = _REQUEST.get()
+        req = CURRENT.get()
         if req is not None:
             self._unreserve(req)  # the place passes to the engine's count of waiting requests
         lease = lease or req.lease

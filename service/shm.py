@@ -3,7 +3,7 @@
 Each front-end process owns one `Arena`: an anonymous shared-memory file (`memfd_create` on
 Linux; an unlinked temporary file elsewhere) mapped once, with a first-fit allocator over it. The
 file descriptor goes to every model worker over the worker's Unix socket (SCM_RIGHTS, see
-service/engine_link.py), and the worker maps the same pages (`ArenaView`). A request's inputs
+service/engine.py), and the worker maps the same pages (`ArenaView`). A request's inputs
 are written into blocks of its front end's arena; the worker reads them there and writes the
 outputs into blocks the front end allocated beforehand (it knows every output's shape), so each
 tensor crosses the process boundary with no copy beyond the one into the arena.

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 
 import numpy as np

@@ -1,0 +1,114 @@
+"""What a model worker holds for its device: the backend, the models loaded and warmed up on it,
+and the one batcher every front end's requests go through (service/model_worker.py serves the
+front ends around it)."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from . import fault_injection, metrics, oom_recovery
+from .batcher import Batcher, batch_sizes
+from .model_host import HostedModel, ModelView, load_entry, warm_up
+from .model_stats import ModelStats
+from .settings import Settings
+
+log = logging.getLogger("convserve.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the supervisor tells a worker it starts."""
+    device: str               # "cpu", "cuda:0", ...: the metrics' and cards' device label
+    cuda_visible: str | None  # the physical GPU: its CUDA_VISIBLE_DEVICES entry (narrowed to it here)
+    address: str              # the Unix socket front ends connect to
+    settings: Settings
+    parent_pid: int
+
+
+class ModelHost:
+    """The backend, the models and the batcher of one device."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.settings = spec.settings
+        self.backend = None
+        self.models: dict[str, HostedModel] = {}
+        self.failed: dict[str, str] = {}
+        self.load_error: str | None = None
+        self.ready = False
+        self.batcher: Batcher | None = None
+        self.stats = ModelStats()
+        self.on_change = lambda: None
+        self.on_start = lambda batch: None
+        self.device_thread: threading.Thread | None = None
+        #: finished requests, from the device thread to the delivery thread (Worker._deliver)
+        self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
+
+    def load(self) -> None:
+        try:
+            from convkernels import get_backend
+
+            s = self.settings
+            self.backend = get_backend(s.backend, **s.backend_options())
+            log.info("%s: backend %s", self.spec.device, self.backend.describe())
+            for entry in s.model_entries():
+                try:
+                    hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
+                    warm_up(hm, s.warmup_shapes(), calls_per_size=self.backend.calls_to_warm,
+                            batches=tuple(batch_sizes(s.max_batch)))
+                except Exception as exc:
+                    metrics.count_fault(entry.name, "load_error", "failed")
+                    if not entry.optional:
+                        raise
+                    self.failed[entry.name] = f"{exc.__class__.__name__}: {exc}"
+                    log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
+                    continue
+                self.models[entry.name] = hm
+            # The front ends bound what waits (admission happens there, before the body): the
+            # worker's own queue only has to hold what they admitted, however many they are.
+            self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
+                                   max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
+                                   name=self.spec.device, on_start=self.on_start,
+                                   # after warm-up: injected faults never stop a start
+                                   before_call=fault_injection.arm_if_configured(self.backend))
+            self.device_thread = self.batcher.thread
+            self.ready = True
+            log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
+        except Exception as exc:  # the worker stays up (live, not ready) and says why
+            self.load_error = f"{exc.__class__.__name__}: {exc}"
+            log.exception("model loading failed")
+        finally:
+            self.on_change()
+
+    def description(self) -> dict:
+        state = "ready" if self.ready else "failed" if self.load_error else "loading"
+        return {"device": self.spec.device, "gpu": self.spec.cuda_visible, "pid": os.getpid(), "state": state,
+                "load_error": self.load_error,
+                "failed": dict(self.failed), "backend": self.backend.name if self.backend is not None else None,
+                "models": {name: (hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
+                                  dict(hm.extra)) for name, hm in self.models.items()},
+                "row_seconds": self.batcher.row_seconds if self.batcher is not None else 0.0}
+
+    def call_for(self, hm: HostedModel, op: str, options: dict):
+        """The model call an op names (the ops a front end may ask for)."""
+        if op == "decode":
+            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
+                                                 uint8=options.get("uint8", False))
+        if op in ("encode", "vae_encode"):
+            return hm.model.encode
+        raise ValueError(f"unknown op {op!r}")
+
+    def query(self, what: str) -> Any:
+        if what == "kernels":
+            be = self.backend
+            if be is None:
+                return None
+            return {"device": self.spec.device, "backend": be.describe(), "conv_choices": be.conv_choices(),
+                    "plan_cache": be.plan_cache_stats()}
+        if what == "stats":
+            return self.stats.records()
+        raise ValueError(f"unknown query {what!r}")
