@@ -36,11 +36,11 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_S = 0.1
 #: how often a further front end, starting, looks whether it can serve yet
 SETTLE_POLL_S = 0.02
-#: the compute cap per request (Service.check_work) where CONVSERVE_MAXCURRENT_PIXELS is 0, by
+#: the compute cap per request (Service.check_work) where CONVSERVE_MAX_REQUEST_PIXELS is 0, by
 #: backend: 1024x1024 on the CPU, where a full SD-VAE decodes 512x512 in ~9 s on 2 cores, so the
 #: cap's ~35 s stays inside the default request timeout (a 2048x2048 decode of even the tiny test
 #: VAE outlasted it: docs/reliability.md); GPUs go much further
-AUTOCURRENT_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
+AUTO_REQUEST_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 
@@ -218,12 +218,12 @@ class Service:
     def check_work(self, hm: HostedModel, pixels: int, what: str) -> None:
         """The compute cap: a request whose work (output pixels over frames and batch; input
         pixels for an encoder) is past the backend's cap is refused before it takes a device."""
-        cap = self.settings.max_request_pixels or AUTOCURRENT_PIXELS.get(self.backend_name, AUTOCURRENT_PIXELS["cuda"])
+        cap = self.settings.max_request_pixels or AUTO_REQUEST_PIXELS.get(self.backend_name, AUTO_REQUEST_PIXELS["cuda"])
         if pixels > cap:
             metrics.REJECTED.labels(hm.name, "too_much_work").inc()
             raise Problem(413, "too-much-work",
                           f"{what} on {hm.name} is {pixels} pixels of work; the {self.backend_name} backend takes "
-                          f"at most {cap} per request (CONVSERVE_MAXCURRENT_PIXELS): send a smaller or "
+                          f"at most {cap} per request (CONVSERVE_MAX_REQUEST_PIXELS): send a smaller or "
                           "shorter request, fewer at a time, or stream a video")
 
     def take_memory(self, model: str, lease: Lease, nbytes: int, what: str, *, held: int = 0,
