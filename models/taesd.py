@@ -2,7 +2,8 @@
 tiny preview-decoder family (its presets, model and builder; `FAMILY`).
 
 The layer tree mirrors diffusers' names (`decoder.layers.{i}`, `encoder.layers.{i}`, see
-taesd_layers.py), so a diffusers checkpoint loads by name.
+taesd_layers.py), so a diffusers checkpoint loads by name; madebyollin's original
+taesd_{encoder,decoder}.safetensors are renamed onto them (taesd_checkpoint.py).
 
 What `AutoencoderTiny.decode` does, and so what this model does: the pipeline first divides its
 latents by config.json's scaling_factor and adds shift_factor (1 and 0 for the published TAESD
@@ -24,6 +25,7 @@ from . import tiling
 from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
 from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
+from .taesd_checkpoint import checkpoint_naming, normalize_keys
 from .taesd_layers import TinyDecoder, TinyEncoder
 from .weights import DiffusersConfig, diffusers_config
 
@@ -148,12 +150,14 @@ class AutoencoderTinyModel:
         self.encoder = encoder_side.add("encoder", TinyEncoder(cfg.in_channels, cfg.latent_channels,
                                                                cfg.encoder_block_out_channels, cfg.num_encoder_blocks))
         encoder_shapes = encoder_side.expected_shapes()
+        self.checkpoint_naming = None if tensors is None else checkpoint_naming(tensors)
         if tensors is None:
             self.weights_source = "random init"
             wanted = {**self.tree.expected_shapes(), **(encoder_shapes if options.with_encoder else {})}
             tensors = random_state_dict(wanted, options.seed, INIT_RULES)
         else:
             self.weights_source = weights_source or "given tensors"
+            tensors = normalize_keys(tensors, cfg)
         # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
         self.has_encoder = any(k in tensors for k in encoder_shapes)
         if self.has_encoder:
@@ -252,7 +256,7 @@ class AutoencoderTinyModel:
                            limits={"tile_latent_size": t.tile_px // self.spatial_factor,
                                    "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
-                           config=self.config.as_dict())
+                           checkpoint_naming=self.checkpoint_naming, config=self.config.as_dict())
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | None = None,

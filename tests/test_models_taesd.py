@@ -37,7 +37,10 @@ def fresh_seed() -> int:
 
 
 def make_tiny(cfg: dict, seed: int):
-    """A diffusers AutoencoderTiny with every parameter moved off its init (biases nonzero)."""
+    """A diffusers AutoencoderTiny with every parameter moved off its init (biases nonzero), its
+    output conv then rescaled so random latents decode to about 0.5 +- 0.25 per channel: PyTorch's
+    default init shrinks the signal through the plain conv stack, and an image of near-constant
+    values would make the comparisons (and the vacuity guard) weak."""
     torch.manual_seed(seed)
     vae = diffusers.AutoencoderTiny(**cfg).eval()
     with torch.no_grad():
@@ -46,6 +49,15 @@ def make_tiny(cfg: dict, seed: int):
                 p.copy_(0.05 * torch.randn_like(p))
             else:
                 p.mul_(1.0 + 0.1 * torch.randn_like(p))
+        out_conv = vae.decoder.layers[-1]
+        out_conv.bias.zero_()
+        probe = torch.randn(2, cfg["latent_channels"], 8, 8)
+        pre = vae.decoder(probe) / 2 + 0.5  # the conv's output without its bias, in image space
+        mean, std = pre.mean(dim=(0, 2, 3)), pre.std(dim=(0, 2, 3))
+        gain = 0.25 / std
+        out_conv.weight.mul_(gain.view(-1, 1, 1, 1))
+        # decoder output d = 2 * conv - 1 maps to image space as d / 2 + 0.5 = conv: bias in image units
+        out_conv.bias.copy_(0.5 - mean * gain + 0.02 * torch.randn_like(mean))
     return vae
 
 
@@ -93,7 +105,7 @@ def test_decode_matches_diffusers(tmp_path, backend, cfg_name, cfg, sizes):
         ours = model.decode(lat, tiled=False)
         ref = reference_decode(vae, lat)
         assert ours.dtype == np.float32 and ours.shape == (n, 8 * h, 8 * w, 3)
-        assert ((ref > 0) & (ref < 1)).mean() > 0.3, "reference saturated; test would be vacuous"
+        assert ((ref > 0) & (ref < 1)).mean() > 0.5, "reference saturated; test would be vacuous"
         err = rel_l2(ours, ref)
         print(f"{backend.name} {cfg_name} decode {(n, h, w)}: rel L2 {err:.2e}")
         assert err < TOL, f"{cfg_name} {(n, h, w)} seed {seed}: rel L2 {err:.2e}"
@@ -207,3 +219,44 @@ def test_published_presets_are_autoencoder_tiny_defaults(preset, latent_channels
     assert model.card()["limits"]["tile_latent_size"] == 64 and model.tiling.overlap == 0.125
     out = model.decode(np.random.default_rng(0).standard_normal((1, latent_channels, 4, 5)).astype(np.float32))
     assert out.shape == (1, 32, 40, 3) and np.isfinite(out).all()
+
+
+def original_names(state: dict, half: str) -> dict:
+    """madebyollin's taesd_{encoder,decoder}.safetensors naming of one half of a diffusers state
+    dict: bare Sequential indices, the decoder's shifted by its leading clamp layer."""
+    shift = 1 if half == "decoder" else 0
+    out = {}
+    for k, v in state.items():
+        if k.startswith(f"{half}.layers."):
+            index, rest = k[len(f"{half}.layers."):].split(".", 1)
+            out[f"{int(index) + shift}.{rest}"] = v.contiguous()
+    return out
+
+
+def test_original_taesd_files_load(tmp_path):
+    """An original decoder file alone decodes; an original encoder file alone is an encoder-only
+    checkpoint (the decoder is missing); a madebyollin-style folder (diffusers checkpoint plus the
+    original files of the same weights) loads its diffusers names."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    seed = fresh_seed()
+    cfg = dict(PRESETS["tiny-taesd"].config)
+    vae = make_tiny(cfg, seed)
+    state = vae.state_dict()
+    decoder_file = tmp_path / "taesd_decoder.safetensors"
+    safetensors_torch.save_file(original_names(state, "decoder"), str(decoder_file))
+    model = load_model("t", "tiny-taesd", get_backend("numpy"), weights=str(decoder_file))
+    assert model.card()["checkpoint_naming"] == "original-decoder" and not model.has_encoder
+    lat = np.random.default_rng(seed).standard_normal((1, 4, 7, 5)).astype(np.float32)
+    err = rel_l2(model.decode(lat), reference_decode(vae, lat))
+    assert err < TOL, f"original decoder naming, seed {seed}: rel L2 {err:.2e}"
+    encoder_file = tmp_path / "taesd_encoder.safetensors"
+    safetensors_torch.save_file(original_names(state, "encoder"), str(encoder_file))
+    with pytest.raises(WeightsError, match="missing"):
+        load_model("t", "tiny-taesd", get_backend("numpy"), weights=str(encoder_file))
+    folder = tmp_path / "repo"
+    vae.save_pretrained(folder)
+    for name in ("taesd_decoder.safetensors", "taesd_encoder.safetensors"):
+        (folder / name).write_bytes((tmp_path / name).read_bytes())
+    model = load_model("t", "tiny-taesd", get_backend("numpy"), weights=str(folder))
+    assert model.card()["checkpoint_naming"] == "diffusers" and model.has_encoder
+    assert rel_l2(model.decode(lat), reference_decode(vae, lat)) < TOL

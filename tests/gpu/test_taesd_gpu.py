@@ -13,6 +13,9 @@ import pytest
 from gpu_support import cuda_or_skip
 from torch_reference import rel_l2, torch
 
+# the CPU reference and its random weights (every parameter moved, output scaled to mid-range)
+from test_models_taesd import make_tiny as make_reference, reference_decode  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 TOL = {"float32": 1e-4, "float16": 1e-2}
 
@@ -33,26 +36,6 @@ def report(line: str) -> None:
     if out and os.path.isdir(out):
         with open(os.path.join(out, "model_parity.txt"), "a") as f:
             f.write(line + "\n")
-
-
-def make_reference(cfg: dict, seed: int):
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(seed)
-    vae = diffusers.AutoencoderTiny(**cfg).eval()
-    with torch.no_grad():
-        for name, p in vae.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(0.05 * torch.randn_like(p))
-            else:
-                p.mul_(1.0 + 0.1 * torch.randn_like(p))
-    return vae
-
-
-def reference_decode(vae, latents: np.ndarray) -> np.ndarray:
-    cfg = vae.config
-    with torch.no_grad():
-        out = vae.decode(torch.from_numpy(latents) / cfg.scaling_factor + cfg.shift_factor).sample
-    return (out / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
 @pytest.mark.parametrize("preset,cfg,dtype,lat", [
