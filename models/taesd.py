@@ -194,8 +194,7 @@ class AutoencoderTinyModel:
         if tile is None:
             return self._decode_raw(z, PIXEL_RANGE if clamp or uint8 else None, uint8)
         f = self.spatial_factor
-        out = tiling.ramp_blended_map(self._decode_raw, z, tile, self.tiling.overlap, lambda s: s * f,
-                                      self.config.out_channels)
+        out = tiling.ramp_blended_map(self._decode_raw, z, tile, self.tiling.overlap, f, self.config.out_channels)
         if uint8:
             return pixels_to_uint8(out)
         if clamp:
@@ -219,7 +218,7 @@ class AutoencoderTinyModel:
         if tile is None:
             lat = self._encode_raw(img)
         else:
-            lat = tiling.ramp_blended_map(self._encode_raw, img, tile * f, self.tiling.overlap, lambda s: s // f,
+            lat = tiling.ramp_blended_map(self._encode_raw, img, tile * f, self.tiling.overlap, 1 / f,
                                           self.latent_channels)
         lat = (lat - np.float32(self.shift_factor)) * np.float32(self.scaling_factor)
         return np.ascontiguousarray(lat.transpose(0, 3, 1, 2))

@@ -319,19 +319,21 @@ def smaller_tiny_tiles(settings: TileSettings, spatial_factor: int) -> TileSetti
 
 
 def ramp_blended_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, overlap: float,
-                     out_len: Callable[[int], int], out_channels: int) -> np.ndarray:
-    """AutoencoderTiny's _tiled_decode / _tiled_encode on host NHWC: input tiles of `tile` every
-    tile - int(tile * overlap); input offset s maps to output offset out_len(s)."""
+                     scale: float, out_channels: int) -> np.ndarray:
+    """AutoencoderTiny's _tiled_decode (scale = its factor) / _tiled_encode (scale = 1 / factor) on
+    host NHWC: input tiles of `tile` every tile - int(tile * overlap), output offsets floored as
+    diffusers' integer division does, the ramp's slope from the unfloored blend width as its does."""
     n, h, w, _ = x.shape
     blend = int(tile * overlap)
-    ramp = np.arange(out_len(tile), dtype=np.float32) / np.float32(max(out_len(blend) - 1, 1e-30))
+    ramp = np.arange(int(tile * scale), dtype=np.float32) / np.float32(max(blend * scale - 1, 1e-30))
     ramp = np.clip(ramp, 0, 1)
-    out = np.zeros((n, out_len(h), out_len(w), out_channels), np.float32)
+    out = np.zeros((n, int(h * scale), int(w * scale), out_channels), np.float32)
     for si in range(0, h, tile - blend):
         for sj in range(0, w, tile - blend):
             interrupt.check()  # its requesters gone: stop between tiles
             t = fn(np.ascontiguousarray(x[:, si:si + tile, sj:sj + tile]))
-            region = out[:, out_len(si):out_len(si) + t.shape[1], out_len(sj):out_len(sj) + t.shape[2]]
+            y0, x0 = int(si * scale), int(sj * scale)
+            region = out[:, y0:y0 + t.shape[1], x0:x0 + t.shape[2]]
             th, tw = region.shape[1:3]
             mask_y = ramp[:th] if si else np.ones(th, np.float32)
             mask_x = ramp[:tw] if sj else np.ones(tw, np.float32)

@@ -132,22 +132,23 @@ def test_encode_matches_diffusers(tmp_path, backend, cfg_name, cfg):
         assert err < TOL, f"{cfg_name} encode {(n, h, w)} seed {seed}: rel L2 {err:.2e}"
 
 
-def test_tiled_decode_and_encode_equal_diffusers_tiling(tmp_path, backend):
-    """AutoencoderTiny's own tiled rule (ramp-blended, uncropped tiles, overlap 1/8), at 16-latent
-    tiles so a small input spans several; encode with 4 latent channels (diffusers' tiled encode
-    allocates exactly 4)."""
+@pytest.mark.parametrize("tile", [16, 12])
+def test_tiled_decode_and_encode_equal_diffusers_tiling(tmp_path, backend, tile):
+    """AutoencoderTiny's own tiled rule (ramp-blended, uncropped tiles, overlap 1/8), at small
+    tiles so a small input spans several (12: the encode's blend, 12 px, is not whole latents);
+    encode with 4 latent channels (diffusers' tiled encode allocates exactly 4)."""
     seed = fresh_seed()
     vae = make_tiny(SMALL, seed)
     vae.save_pretrained(tmp_path)
-    model = load_model("t", "tiny-taesd", backend, weights=str(tmp_path), options=TAESDOptions(tile_latent_size=16))
+    model = load_model("t", "tiny-taesd", backend, weights=str(tmp_path), options=TAESDOptions(tile_latent_size=tile))
     vae.enable_tiling()
-    vae.tile_sample_min_size, vae.tile_latent_min_size = 128, 16
+    vae.tile_sample_min_size, vae.tile_latent_min_size = tile * 8, tile
     rng = np.random.default_rng(seed)
     lat = rng.standard_normal((1, 4, 37, 23)).astype(np.float32)
     ours = model.decode(lat, tiled=True)
     ref = reference_decode(vae, lat)
     err = rel_l2(ours, ref)
-    print(f"{backend.name} tiled decode: rel L2 {err:.2e}")
+    print(f"{backend.name} tiled decode, tile {tile}: rel L2 {err:.2e}")
     assert err < TOL, f"tiled decode seed {seed}: rel L2 {err:.2e}"
     # tiling changes the result: the comparison above is not the untiled decode's
     assert rel_l2(model.decode(lat, tiled=False), ref) > 10 * TOL
@@ -155,7 +156,7 @@ def test_tiled_decode_and_encode_equal_diffusers_tiling(tmp_path, backend):
     ours = model.encode(img, tiled=True)
     ref = reference_encode(vae, img)
     err = rel_l2(ours, ref)
-    print(f"{backend.name} tiled encode: rel L2 {err:.2e}")
+    print(f"{backend.name} tiled encode, tile {tile}: rel L2 {err:.2e}")
     assert err < TOL, f"tiled encode seed {seed}: rel L2 {err:.2e}"
     assert rel_l2(model.encode(img, tiled=False), ref) > 10 * TOL
 
