@@ -203,7 +203,7 @@ class AutoencoderTinyModel:
 
     # ---- encode ----------------------------------------------------------------------------------
     def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
-        """Images (N, H, W, 3) in [0, 1] -> latents (N, C, H/8, W/8) as the pipeline holds them:
+        """Images (N, H, W, 3) in [0, 1] -> latents (N, C, H//8, W//8) as the pipeline holds them:
         (encoder output - shift_factor) * scaling_factor. tiled: as decode's, with
         AutoencoderTiny's tiled encode."""
         if not self.has_encoder:
@@ -216,7 +216,9 @@ class AutoencoderTinyModel:
         n, h, w = img.shape[:3]
         tile = self._tile_latents((n, -(-h // f), -(-w // f)), tiled, self._decode_peak_bytes(n, h // f, w // f))
         if tile is None:
-            lat = self._encode_raw(img)
+            # sides not a multiple of 8: floored, as the service's encoded shapes and diffusers'
+            # tiled encode are; its untiled encode keeps one more latent that half sees padding
+            lat = self._encode_raw(img)[:, :h // f, :w // f]
         else:
             lat = tiling.ramp_blended_map(self._encode_raw, img, tile * f, self.tiling.overlap, 1 / f,
                                           self.latent_channels)

@@ -126,7 +126,9 @@ def test_encode_matches_diffusers(tmp_path, backend, cfg_name, cfg):
     for n, h, w in [(1, 40, 56), (2, 37, 21)]:
         img = rng.uniform(0, 1, (n, h, w, 3)).astype(np.float32)
         ours = model.encode(img, tiled=False)
-        ref = reference_encode(vae, img)
+        # sides not a multiple of 8 are floored (diffusers' untiled encode rounds up: its last
+        # latent half sees padding; the others are the same)
+        ref = reference_encode(vae, img)[:, :, :h // 8, :w // 8]
         err = rel_l2(ours, ref)
         print(f"{backend.name} {cfg_name} encode {(n, h, w)}: rel L2 {err:.2e}")
         assert err < TOL, f"{cfg_name} encode {(n, h, w)} seed {seed}: rel L2 {err:.2e}"
