@@ -263,3 +263,18 @@ def test_original_taesd_files_load(tmp_path):
     model = load_model("t", "tiny-taesd", get_backend("numpy"), weights=str(folder))
     assert model.card()["checkpoint_naming"] == "diffusers" and model.has_encoder
     assert rel_l2(model.decode(lat), reference_decode(vae, lat)) < TOL
+
+
+def test_auto_tiling_follows_the_memory_budget():
+    """tiled=None: one piece while the estimate fits the budget, AutoencoderTiny's tiles past it."""
+    lat = np.random.default_rng().standard_normal((1, 4, 20, 18)).astype(np.float32)
+    roomy = load_model("t", "tiny-taesd", get_backend("numpy"), options=TAESDOptions(tile_latent_size=8))
+    tight = load_model("t", "tiny-taesd", get_backend("numpy"),
+                       options=TAESDOptions(tile_latent_size=8, memory_budget_bytes=1))
+    untiled, tiled = roomy.decode(lat, tiled=False), roomy.decode(lat, tiled=True)
+    assert rel_l2(tiled, untiled) > 10 * TOL  # the two differ, so which one ran shows
+    assert np.array_equal(roomy.decode(lat), untiled)
+    assert np.array_equal(tight.decode(lat), tiled)
+    img = np.random.default_rng().uniform(0, 1, (1, 160, 144, 3)).astype(np.float32)
+    assert np.array_equal(tight.encode(img), roomy.encode(img, tiled=True))
+    assert np.array_equal(roomy.encode(img), roomy.encode(img, tiled=False))
