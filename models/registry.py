@@ -25,6 +25,7 @@ FAMILIES: tuple[str, ...] = (
     "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
     "wan_vae",         # Wan 2.1 video VAE
     "convnext",        # ConvNeXt vision encoder
+    "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)
 )
 
 TINY_PREFIX = "tiny-"

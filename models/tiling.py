@@ -1,4 +1,4 @@
-"""Spatial tiling of a decode: one settings type, TileSettings, read by two of diffusers' rules.
+"""Spatial tiling of a decode: one settings type, TileSettings, read by three of diffusers' rules.
 
 Image rule, exactly as diffusers' `AutoencoderKL.tiled_decode` does it (tile starts every
 `overlap_size` latents, linear blend of the overlaps with the tile above and to the left, crop to
@@ -120,7 +120,7 @@ def _itemsize(model) -> int:
     return 2 if model.backend.dtype in ("float16", "bfloat16") else 4
 
 
-def _stage_bytes(model, px: int, ch: int) -> int:
+def stage_bytes(model, px: int, ch: int) -> int:
     """One stage's live activations plus its conv scratch: unfold (9 values per pixel and channel)
     or Winograd transforms (about 12), each row-tiled by the backend under its limit, a few such
     buffers alive at once."""
@@ -138,7 +138,7 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
     cfg = model.config
     boc = list(reversed(cfg.block_out_channels))
     # the upsample conv and first resnet of a level still carry the previous level's width
-    peak = max(_stage_bytes(model, n * h * w * 4 ** level, max(ch, boc[level - 1]) if level else ch)
+    peak = max(stage_bytes(model, n * h * w * 4 ** level, max(ch, boc[level - 1]) if level else ch)
                for level, ch in enumerate(boc))
     if cfg.mid_block_add_attention:
         tokens = h * w
@@ -153,7 +153,7 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
 def estimate_encode_peak_bytes(model, n: int, h: int, w: int) -> int:
     """Working memory of one untiled encode of (n, h, w) images, on the decode estimate's terms."""
     boc = list(model.config.block_out_channels)
-    peak = max(_stage_bytes(model, n * -(-h // 2 ** level) * -(-w // 2 ** level),
+    peak = max(stage_bytes(model, n * -(-h // 2 ** level) * -(-w // 2 ** level),
                             max(ch, boc[level - 1]) if level else ch)
                for level, ch in enumerate(boc))
     return int(peak + 2 * n * h * w * model.config.in_channels * 4)
@@ -296,6 +296,49 @@ def tiled_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, 
         prev_strips = strips
         y0 += crop_h[i]
     assert out is not None
+    return out
+
+
+# ---- the tiny-decoder rule (diffusers AutoencoderTiny) -----------------------------------------
+# Tiles are not cropped (unlike AutoencoderKL's rule): each is written whole, its first `blend`
+# rows and columns toward earlier tiles faded in by a clamped ramp. Default: 64 latents, 1/8 overlap.
+def tiny_tiles(tile_latent: int, spatial_factor: int, overlap: float = 0.125,
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET) -> TileSettings:
+    blend = int(tile_latent * overlap)
+    if not 1 <= blend < tile_latent:
+        raise ValueError(f"tiles of {tile_latent} latents at overlap {overlap} blend over {blend}; need 1..tile-1")
+    return TileSettings(tile_latent * spatial_factor, (tile_latent - blend) * spatial_factor, overlap,
+                        memory_budget_bytes)
+
+
+def smaller_tiny_tiles(settings: TileSettings, spatial_factor: int) -> TileSettings | None:
+    half = settings.tile_px // spatial_factor // 2
+    if half < MIN_TILE_LATENT or int(half * settings.overlap) < 1:
+        return None
+    return tiny_tiles(half, spatial_factor, settings.overlap, settings.memory_budget_bytes)
+
+
+def ramp_blended_map(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, tile: int, overlap: float,
+                     scale: float, out_channels: int) -> np.ndarray:
+    """AutoencoderTiny's _tiled_decode (scale = its factor) / _tiled_encode (scale = 1 / factor) on
+    host NHWC: input tiles of `tile` every tile - int(tile * overlap), output offsets floored as
+    diffusers' integer division does, the ramp's slope from the unfloored blend width as its does."""
+    n, h, w, _ = x.shape
+    blend = int(tile * overlap)
+    ramp = np.arange(int(tile * scale), dtype=np.float32) / np.float32(max(blend * scale - 1, 1e-30))
+    ramp = np.clip(ramp, 0, 1)
+    out = np.zeros((n, int(h * scale), int(w * scale), out_channels), np.float32)
+    for si in range(0, h, tile - blend):
+        for sj in range(0, w, tile - blend):
+            interrupt.check()  # its requesters gone: stop between tiles
+            t = fn(np.ascontiguousarray(x[:, si:si + tile, sj:sj + tile]))
+            y0, x0 = int(si * scale), int(sj * scale)
+            region = out[:, y0:y0 + t.shape[1], x0:x0 + t.shape[2]]
+            th, tw = region.shape[1:3]
+            mask_y = ramp[:th] if si else np.ones(th, np.float32)
+            mask_x = ramp[:tw] if sj else np.ones(tw, np.float32)
+            mask = (mask_y[:, None] * mask_x[None, :])[None, :, :, None]
+            region[...] = mask * t[:, :th, :tw] + (1 - mask) * region
     return out
 
 

@@ -70,6 +70,7 @@ def test_non_finite_values_are_named():
     (["first_stage_model.decoder.conv_in.weight", "model.diffusion_model.input_blocks.0.0.weight"], "sd-pipeline"),
     (["convnext.embeddings.patch_embeddings.weight"], "convnext"),
     (["stem.0.weight", "stages.0.blocks.0.conv_dw.weight"], "convnext"),
+    (["decoder.layers.0.weight", "encoder.layers.1.conv.0.weight"], "taesd"),
     (["text_model.embeddings.token_embedding.weight"], None),
 ])
 def test_checkpoint_family(keys, family):
@@ -82,3 +83,10 @@ def test_an_ldm_vae_is_told_to_use_the_diffusers_format():
              "decoder.up.0.block.0.conv1.weight": np.zeros((4, 4), np.float32)}
     with pytest.raises(WeightsError, match="original Stable Diffusion .ldm. naming.*diffusers-format VAE"):
         check_state_dict(expected, given, "demo")
+
+
+def test_a_taesd_checkpoint_under_a_vae_preset_is_told_its_presets():
+    expected = {"decoder.conv_in.weight": (4, 4), "decoder.up_blocks.0.resnets.0.conv1.weight": (4, 4)}
+    given = {"decoder.layers.0.weight": np.zeros((64, 4, 3, 3), np.float32)}
+    with pytest.raises(WeightsError, match=r"TAESD tiny VAE checkpoint.*taesd, taesdxl, taef1"):
+        check_state_dict(expected, given, "tiny-vae")
