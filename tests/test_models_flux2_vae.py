@@ -174,6 +174,9 @@ def test_single_safetensors_preset_names_and_bn_stats(tmp_path):
     safetensors_torch.save_file({f"vae.{k}": v for k, v in sd.items()}, str(path))
     assert rel_l2(load_model("f2", "tiny-flux2-vae", get_backend("numpy"), weights=str(path)).decode(x),
                   pipeline_decode(vae, x)) < TOL
+    # served under FLUX.1's preset, the error names the right one
+    with pytest.raises(WeightsError, match=r"FLUX\.2 VAE checkpoint.*flux2-vae"):
+        load_model("f1", "tiny-flux-vae", get_backend("numpy"), weights=str(path))
     safetensors_torch.save_file({k: v for k, v in sd.items() if not k.startswith("bn.")}, str(path))
     with pytest.raises(WeightsError, match=r"bn\.running_mean"):
         load_model("f2", "tiny-flux2-vae", get_backend("numpy"), weights=str(path))
