@@ -168,7 +168,8 @@ class Flux2VAEModel(AutoencoderKLModel):
 
     def card(self) -> dict:
         # the remote-VAE route unpacks this pipeline's (B, h' * w', 128) tokens by it
-        return {**super().card(), "packed_latents": ROW_MAJOR_TOKENS}
+        # latent_patch: the service checks an encode's image sides give whole patches
+        return {**super().card(), "packed_latents": ROW_MAJOR_TOKENS, "latent_patch": PATCH}
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | None = None,

@@ -112,3 +112,6 @@ def test_remote_encode(served):
     assert tuple(out.shape) == (1, CHANNELS, 3, 5)
     expected = ref.pipeline_encode(served.vae, (rgb.astype(np.float32) / 255.0)[None])
     assert ref.rel_l2(out, expected) < TOL
+    # 72 / 8 = 9 latent rows split into no whole 2x2 patches: refused before the model runs
+    with pytest.raises(RuntimeError, match="whole 2x2 latent patches"):
+        remote_encode(served.remote("encode"), Image.new("RGB", (64, 72)))
