@@ -204,8 +204,9 @@ def test_single_safetensors_preset_names_and_bn_stats(tmp_path):
 
 
 def test_config_json_extra_keys_and_refusals(small_vae, tmp_path):
-    vae, folder, _ = small_vae
-    cfg = json.loads(open(os.path.join(folder, "config.json")).read())
+    _, folder, _ = small_vae
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
     assert cfg["_class_name"] == "AutoencoderKLFlux2"
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "force_upcast": True, "some_future_key": [1, 2]}))
     os.symlink(os.path.join(folder, "diffusion_pytorch_model.safetensors"),

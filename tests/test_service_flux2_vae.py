@@ -12,12 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 pytest.importorskip("requests")
 
+import test_models_flux2_vae as ref  # noqa: E402
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline  # noqa: E402
 from diffusers.utils.remote_utils import remote_decode, remote_encode  # noqa: E402
-from PIL import Image  # noqa: E402
-
-import test_models_flux2_vae as ref  # noqa: E402
 from live_server import from_npy, npy  # noqa: E402
+from PIL import Image  # noqa: E402
 
 TOL = ref.TOL
 CHANNELS = 4 * ref.TINY["latent_channels"]  # the pipeline's patchified latents

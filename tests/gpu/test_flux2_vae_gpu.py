@@ -9,7 +9,6 @@ import os
 
 import numpy as np
 import pytest
-
 from gpu_support import cuda_or_skip
 from torch_reference import rel_l2
 
