@@ -5,10 +5,9 @@ The layer tree mirrors diffusers' module names exactly, so a diffusers checkpoin
 `post_quant_conv`, `decoder.{conv_in, mid_block, up_blocks, conv_norm_out, conv_out}` and, when
 the checkpoint holds it, `encoder.*` + `quant_conv`.
 
-The real presets match the published config.json files (block widths, latent channels, scaling
-and shift factors, sample_size, which sets diffusers' tile size). The tiny ones keep the real block
-structure (4 levels, so the spatial factor stays 8) at widths that decode 32x32 latents in well
-under a second on 2 CPU cores.
+Real presets match the published config.json files (widths, latent channels, scaling and shift,
+sample_size: diffusers' tile size). Tiny ones keep the real 4-level structure (spatial factor 8) at
+widths that decode 32x32 latents in well under a second on 2 CPU cores.
 """
 from __future__ import annotations
 
@@ -122,6 +121,11 @@ class AutoencoderKLConfig(DiffusersConfig):
     def spatial_factor(self) -> int:
         return 2 ** (len(self.block_out_channels) - 1)
 
+    @property
+    def decoder_widths(self) -> tuple[int, ...]:
+        """The decoder's block widths (FLUX.2's config may give it its own)."""
+        return self.block_out_channels
+
 
 @dataclass(frozen=True)
 class AutoencoderKLOptions(ModelOptions):
@@ -184,7 +188,7 @@ def _run_stages(stages, x):
 class Decoder(Module):
     def __init__(self, cfg: AutoencoderKLConfig, upsample_mode: str = "subpixel"):
         super().__init__()
-        boc, groups = cfg.block_out_channels, cfg.norm_num_groups
+        boc, groups = cfg.decoder_widths, cfg.norm_num_groups
         self.conv_in = self.add("conv_in", Conv2d(cfg.latent_channels, boc[-1], 3, padding=1))
         self.mid_block = self.add("mid_block", MidBlock(boc[-1], groups, cfg.mid_block_add_attention))
         self.stages = _add_stages(self, "up_blocks", list(reversed(boc)), cfg.layers_per_block + 1, groups,
@@ -232,6 +236,9 @@ class AutoencoderKLModel:
     kind = IMAGE_DECODER
     #: Hub weights only; load_model sets it (models/contract.py)
     weights_provenance: dict | None = None
+    architecture = "diffusers AutoencoderKL (image VAE)"
+    #: random init and checkpoint names -> ours (a subclass with tensors of its own extends both)
+    init_rules, normalize_keys = INIT_RULES, staticmethod(normalize_keys)
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: AutoencoderKLConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -255,6 +262,8 @@ class AutoencoderKLModel:
         self.post_quant_conv = self.tree.add("post_quant_conv", Conv2d(lc, lc, 1)) \
             if cfg.use_post_quant_conv else None
         self.decoder = self.tree.add("decoder", Decoder(cfg, options.upsample_mode))
+        for part, child in self._latent_parts().items():
+            self.tree.add(part, child)
         self.upsample_mode = options.upsample_mode
         encoder_side = Module()
         self.encoder = encoder_side.add("encoder", Encoder(cfg))
@@ -263,10 +272,10 @@ class AutoencoderKLModel:
         if tensors is None:
             self.weights_source = "random init"
             wanted = {**self.tree.expected_shapes(), **(encoder_shapes if options.with_encoder else {})}
-            tensors = random_state_dict(wanted, options.seed, INIT_RULES)
+            tensors = random_state_dict(wanted, options.seed, self.init_rules)
         else:
             self.weights_source = weights_source or "given tensors"
-            tensors = normalize_keys(tensors, cfg)
+            tensors = self.normalize_keys(tensors, cfg)
         # a decoder-only checkpoint is fine; a partial encoder is an error like any other gap
         self.has_encoder = any(k in tensors for k in encoder_shapes)
         if self.has_encoder:
@@ -280,6 +289,9 @@ class AutoencoderKLModel:
         # device latents -> device images; a backend may record and replay it (CUDA graphs)
         self._decode_device = backend.graphed(self._decoder_forward)
 
+    def _latent_parts(self) -> dict[str, Module]:  # checkpoint parts beside the decoder (FLUX.2's `bn`)
+        return {}
+
     # ---- decode ----------------------------------------------------------------------------------
     def _decoder_forward(self, z):
         if self.post_quant_conv is not None:
@@ -287,10 +299,8 @@ class AutoencoderKLModel:
         return self.decoder(z)
 
     def _decode_raw(self, z_nhwc: np.ndarray, clip=None, uint8: bool = False) -> np.ndarray:
-        """Unscaled latents (host NHWC) -> decoder output mapped to image space (host NHWC float32,
-        about [0, 1]: x / 2 + 0.5 is folded into conv_out), clipped to `clip` on the way out if
-        given (on the device, where there is one); uint8: as 8-bit pixels instead, converted
-        before the copy (pixels_to_uint8)."""
+        """Unscaled latents (host NHWC) -> images (host NHWC float32, about [0, 1]: x / 2 + 0.5 is in
+        conv_out), clipped to `clip` on the device if given; uint8: converted there (pixels_to_uint8)."""
         b = self.backend
         return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip, uint8=uint8).result()
 
@@ -309,9 +319,12 @@ class AutoencoderKLModel:
         # as diffusers pipelines do: latents / scaling_factor + shift_factor
         z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
         z = z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
+        return self._decode_unscaled(z, tiled, clamp, uint8)
+
+    def _decode_unscaled(self, z: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool) -> np.ndarray:
+        """The decoder's own latents (host NHWC float32) -> images, as decode() describes."""
         plan = tiling.plan_decode(self, z.shape, tiled)
-        # diffusers' VaeImageProcessor: (x / 2 + 0.5).clamp(0, 1); the affine part is in conv_out.
-        # Tiles are blended unclipped (as diffusers' tiled decode does), then clipped.
+        # (x / 2 + 0.5).clamp(0, 1) as VaeImageProcessor: tiles blend unclipped (as diffusers'), then clip
         if plan is None:
             return self._decode_raw(z, PIXEL_RANGE if clamp or uint8 else None, uint8)
         out = tiling.tiled_decode(self._decode_raw, z, plan)
@@ -326,6 +339,12 @@ class AutoencoderKLModel:
         """Images (N, H, W, 3) in [0, 1] -> scaled latents (N, C, H/8, W/8): the mean of the
         posterior, then (mean - shift_factor) * scaling_factor as pipelines do, so that
         decode(encode(x)) round-trips. tiled: as decode's, with diffusers' tiled encode."""
+        mean = self._encode_unscaled(images_nhwc01, tiled)
+        lat = (mean - np.float32(self.shift_factor)) * np.float32(self.scaling_factor)
+        return np.ascontiguousarray(lat.transpose(0, 3, 1, 2))
+
+    def _encode_unscaled(self, images_nhwc01: np.ndarray, tiled: bool | None) -> np.ndarray:
+        """Images (N, H, W, 3) in [0, 1] -> the posterior mean, unscaled (host NHWC float32)."""
         if not self.has_encoder:
             raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
         img = np.asarray(images_nhwc01, dtype=np.float32)
@@ -338,8 +357,7 @@ class AutoencoderKLModel:
         else:
             # blending is linear per channel: blending the means equals the mean of the blended moments
             mean = tiling.tiled_encode(self._encode_mean, x, plan, len(self.config.block_out_channels) - 1)
-        lat = (mean - np.float32(self.shift_factor)) * np.float32(self.scaling_factor)
-        return np.ascontiguousarray(lat.transpose(0, 3, 1, 2))
+        return mean
 
     def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
         """Images in [-1, 1] (host NHWC) -> posterior mean (host NHWC, unscaled)."""
@@ -353,14 +371,14 @@ class AutoencoderKLModel:
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: tiling.TileSettings) -> tiling.TileSettings | None:  # models/contract.py
-        return tiling.smaller_image_tiles(current, self.spatial_factor)
+        return tiling.smaller_image_tiles(current, self.config.spatial_factor)
 
     def card(self) -> dict:
         t = self.tiling
-        return card_fields(self, "diffusers AutoencoderKL (image VAE)", has_encoder=self.has_encoder,
+        return card_fields(self, self.architecture, has_encoder=self.has_encoder,
                            latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
                            scaling_factor=self.scaling_factor, shift_factor=self.shift_factor,
-                           limits={"tile_latent_size": t.tile_px // self.spatial_factor,
+                           limits={"tile_latent_size": t.tile_px // self.config.spatial_factor,
                                    "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
                            upsample_mode=self.upsample_mode, config=self.config.as_dict())

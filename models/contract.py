@@ -15,6 +15,9 @@ IMAGE_DECODER, VIDEO_DECODER, IMAGE_ENCODER = "image-decoder", "video-decoder", 
 Kind = Literal["image-decoder", "video-decoder", "image-encoder"]
 #: decoders' output range: diffusers clamps to [-1, 1] and maps x / 2 + 0.5 (conv_out does the map)
 PIXEL_RANGE = (0.0, 1.0)
+#: an image decoder's card field `packed_latents` when its pipeline packs latents as plain row-major
+#: tokens, (B, h * w, C) with token i * w + j at (i, j) (FLUX.2); absent: FLUX.1's 2x2 patches per token
+ROW_MAJOR_TOKENS = "row-major tokens"
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ log = logging.getLogger("convserve.models")
 #: the family modules under models/, each with its FAMILY declaration
 FAMILIES: tuple[str, ...] = (
     "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
+    "flux2_vae",       # diffusers AutoencoderKLFlux2 image VAE (FLUX.2)
     "wan_vae",         # Wan 2.1 video VAE
     "convnext",        # ConvNeXt vision encoder
     "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)

@@ -22,6 +22,8 @@ from typing import Literal
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from models.contract import ROW_MAJOR_TOKENS
+
 from . import codecs, validation
 from .adapters import ERRORS, service
 from .auth import require_api_key
@@ -146,6 +148,25 @@ def unpack_flux_latents(packed: np.ndarray, height: int, width: int, spatial_fac
     return np.ascontiguousarray(x.reshape(b, c4 // 4, h, w))
 
 
+def unpack_row_major_tokens(packed: np.ndarray, height: int, width: int, spatial_factor: int) -> np.ndarray:
+    """(B, h*w, C) tokens in row-major grid order -> (B, C, h, w), as Flux2Pipeline unpacks them
+    (its latent ids enumerate rows, then columns); h, w = the pixel sides / the model's spatial factor."""
+    b, tokens, c = packed.shape
+    h, w = int(height) // spatial_factor, int(width) // spatial_factor
+    if h < 1 or w < 1 or tokens != h * w:
+        raise Problem(422, "bad-packed-latents",
+                      f"packed latents {list(packed.shape)} do not fit height={height}, width={width}: "
+                      f"expected (B, {max(h, 0) * max(w, 0)}, C) tokens, one per {spatial_factor}x{spatial_factor} pixels")
+    return np.ascontiguousarray(packed.reshape(b, h, w, c).transpose(0, 3, 1, 2))
+
+
+def unpack_latents(hm: HostedModel, packed: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Packed (3-D) image latents -> N,C,h,w by the layout the model's pipeline packs them in (its card)."""
+    if hm.model.card().get("packed_latents") == ROW_MAJOR_TOKENS:
+        return unpack_row_major_tokens(packed, height, width, hm.model.spatial_factor)
+    return unpack_flux_latents(packed, height, width, hm.model.spatial_factor)
+
+
 # ---- outputs ---------------------------------------------------------------------------------------
 def to_uint8_round(x01: np.ndarray) -> np.ndarray:
     """[0,1] -> uint8 as diffusers' numpy_to_pil: (x * 255).round()."""
@@ -171,8 +192,9 @@ def _video_rows(x: np.ndarray) -> np.ndarray:
 # ---- routes ----------------------------------------------------------------------------------------
 DECODE_DOC = """The request `diffusers.utils.remote_decode(endpoint=<this URL>, ...)` sends: the raw
 little-endian latents as the body, `shape` (repeated) and `dtype` (`float16`, `bfloat16`, `float32`) as
-query parameters. Image VAEs take N,C,h,w latents, or packed FLUX latents (B, h/2*w/2, 4C) with
-`height`/`width` (pixels). Video VAEs take N,C,T,h,w.
+query parameters. Image VAEs take N,C,h,w latents, or packed latents with `height`/`width` (pixels):
+FLUX.1's (B, h/2*w/2, 4C) 2x2 patches, or, for a FLUX.2 VAE (card `packed_latents`: row-major tokens),
+(B, H/16*W/16, 128) tokens in row-major order. Video VAEs take N,C,T,h,w.
 
 Scaling: `scaling_factor` (+ `shift_factor`) -> the decoder sees `latents / scaling_factor + shift_factor`;
 neither -> the latents are already unscaled; deprecated `do_scaling=True` alone -> the model's own factors.
@@ -224,10 +246,10 @@ async def remote_decode(
         if lat.ndim == 3 and not video:
             if height is None or width is None:
                 raise Problem(422, "missing-height-width", "packed (3-D) latents need height and width")
-            lat = unpack_flux_latents(lat, height, width, hm.model.spatial_factor)
+            lat = unpack_latents(hm, lat, height, width)
         if lat.ndim != hm.latent_ndim:  # no implicit batch axis: 3-D image latents are packed ones
             raise Problem(422, "bad-shape", f"{name} wants latents "
-                          f"{'N,C,T,h,w' if video else 'N,C,h,w or packed B,h/2*w/2,4C'}, got shape {list(lat.shape)}")
+                          f"{'N,C,T,h,w' if video else 'N,C,h,w or packed B,tokens,C'}, got shape {list(lat.shape)}")
         if image_file_fmt and lat.shape[0] != 1:
             raise Problem(422, "one-image-only", f"an image file holds one image, got {lat.shape[0]} latents; "
                           "use output_type=pt for batches")

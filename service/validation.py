@@ -106,10 +106,16 @@ def encoder_pixels(hm: HostedModel, px: np.ndarray, limits: Settings | None = No
     return _finite_f32(px, "non-finite-pixels", "pixels")
 
 
-def vae_images(images: np.ndarray, limits: Settings) -> np.ndarray:
+def vae_images(hm: HostedModel, images: np.ndarray, limits: Settings) -> np.ndarray:
     """Images N,H,W,3 in [0,1] for a VAE encoder (the pixel limit checked as they were read) ->
-    contiguous float32."""
+    contiguous float32. A model whose latents are patchified (card `latent_patch`, FLUX.2's 2) needs
+    its encoder's latent sides to split into whole patches."""
     if images.ndim != 4 or images.shape[-1] != 3 or min(images.shape) < 1:
         raise Problem(422, "bad-shape", f"images must be N,H,W,3, got {list(images.shape)}")
+    patch = int(hm.model.card().get("latent_patch") or 1)
+    encoder_factor = int(hm.model.spatial_factor) // patch
+    if any((side // encoder_factor) % patch for side in images.shape[1:3]):
+        raise Problem(422, "bad-shape", f"{hm.name} encodes images whose sides / {encoder_factor} (floored) are "
+                      f"multiples of {patch}, whole {patch}x{patch} latent patches; got {list(images.shape[1:3])}")
     batch(images.shape[0], "images", limits)
     return _finite_f32(images, "non-finite-pixels", "pixels")

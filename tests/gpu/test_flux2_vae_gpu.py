@@ -1,0 +1,85 @@
+"""The FLUX.2 VAE on the CUDA backend vs diffusers' AutoencoderKLFlux2 + the FLUX.2 pipeline's
+de-normalisation and unpatchify, run by PyTorch on the CPU in float32, identical random weights and
+BatchNorm statistics, through the public models.load_model path: relative L2 < 1e-4 in float32,
+< 1e-2 in float16. Decode runs twice with fresh inputs: eagerly, then captured and replayed as a
+CUDA graph (on by default), which must happen. Skipped without a CUDA GPU + CuPy + cuDNN."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gpu_support import cuda_or_skip
+from torch_reference import rel_l2
+
+pytestmark = pytest.mark.gpu
+TOL = {"float32": 1e-4, "float16": 1e-2}
+
+# the CPU references: the same helpers as the CPU parity tests (tests/test_models_flux2_vae.py)
+flux2_ref = pytest.importorskip("test_models_flux2_vae")
+
+FULL = {k: v for k, v in flux2_ref.PRESETS["flux2-vae"].config.items()
+        if k not in ("down_block_types", "up_block_types")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_backend_available():
+    cuda_or_skip()
+
+
+def backend(dtype):
+    from convkernels import get_backend
+    return get_backend("cuda", dtype=dtype)
+
+
+def report(line: str) -> None:
+    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
+    print(line)
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "model_parity.txt"), "a") as f:
+            f.write(line + "\n")
+
+
+def assert_captured(forward, calls: int) -> None:
+    stats = forward.stats()
+    assert stats["ungraphable"] == {}, f"forward not capturable: {stats['ungraphable']}"
+    assert stats["captures"] == 1 and stats["replays"] == calls - 1, stats
+
+
+@pytest.mark.parametrize("preset,cfg,dtype,grid", [
+    ("tiny-flux2-vae", flux2_ref.TINY, "float32", (2, 128, 5, 7)),
+    ("tiny-flux2-vae", flux2_ref.TINY, "float16", (1, 128, 9, 4)),
+    ("flux2-vae", FULL, "float16", (1, 128, 6, 5)),
+])
+def test_flux2_vae_decode(tmp_path, preset, cfg, dtype, grid):
+    from models import load_model
+
+    s = flux2_ref.fresh_seed()
+    vae = flux2_ref.make_flux2_vae(cfg, s)
+    vae.save_pretrained(tmp_path)
+    model = load_model("f2", preset, backend(dtype), weights=str(tmp_path))
+    rng = np.random.default_rng(s)
+    for call in ("eager", "graph"):
+        x = rng.standard_normal(grid).astype(np.float32)
+        ours = model.decode(x, tiled=False)
+        ref = flux2_ref.pipeline_decode(vae, x)
+        assert 0.02 < float(ref.std()), "reference decode is flat: the check would prove nothing"
+        err = rel_l2(ours, ref)
+        report(f"{preset} {dtype} grid {grid} {call}: rel L2 {err:.2e}")
+        assert err < TOL[dtype], f"seed {s}, {call}: {err:.3e}"
+    assert_captured(model._decode_device, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_flux2_vae_encode(tmp_path, dtype):
+    from models import load_model
+
+    s = flux2_ref.fresh_seed()
+    vae = flux2_ref.make_flux2_vae(flux2_ref.TINY, s)
+    vae.save_pretrained(tmp_path)
+    model = load_model("f2", "tiny-flux2-vae", backend(dtype), weights=str(tmp_path))
+    images = np.random.default_rng(s).uniform(0, 1, (2, 80, 112, 3)).astype(np.float32)
+    err = rel_l2(model.encode(images), flux2_ref.pipeline_encode(vae, images))
+    report(f"tiny-flux2-vae {dtype} encode {images.shape}: rel L2 {err:.2e}")
+    assert err < TOL[dtype], f"seed {s}: {err:.3e}"
