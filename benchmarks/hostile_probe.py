@@ -95,27 +95,44 @@ def _sample(srv: ServerProcess, name: str) -> float:
     return sum(v for _, v in _samples(srv, name))
 
 
+class PeakMemory:
+    """The server's PSS before a block and its peak during it, sampled on a thread."""
+
+    def __init__(self, srv: ServerProcess, every_s: float = 0.02):
+        self.pid, self.every_s = srv.proc.pid, every_s
+
+    def __enter__(self):
+        self.base = self.peak = pss_bytes(self.pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._done.is_set():
+            self.peak = max(self.peak, pss_bytes(self.pid))
+            time.sleep(self.every_s)
+
+    def __exit__(self, *exc):
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
 def check_rss(srv: ServerProcess) -> None:
     body = npy(np.zeros((1, 4096, 4096, 3), np.uint8))  # 48 MiB
-    base = pss_bytes(srv.proc.pid)
-    peak, done = base, threading.Event()
-
-    def sample():
-        nonlocal peak
-        while not done.is_set():
-            peak = max(peak, pss_bytes(srv.proc.pid))
-            time.sleep(0.05)
-
-    threading.Thread(target=sample, daemon=True).start()
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(64) as pool:
-        statuses = list(pool.map(lambda _: post(f"{srv.url}/v1/models/tiny-convnext/encode", body), range(64)))
-    secs = time.monotonic() - t0
-    time.sleep(3)
-    done.set()
+    with PeakMemory(srv, 0.05) as mem:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(64) as pool:
+            statuses = list(pool.map(lambda _: post(f"{srv.url}/v1/models/tiny-convnext/encode", body), range(64)))
+        secs = time.monotonic() - t0
+        time.sleep(3)
     after = pss_bytes(srv.proc.pid)
-    print(f"rss: 64 concurrent 48 MiB encodes in {secs:.1f}s: {count(statuses)}; server PSS {base / GIB:.2f} GiB "
-          f"before, peak +{(peak - base) / GIB:.2f} GiB (bound 2), +{(after - base) / GIB:.2f} GiB 3 s after")
+    print(f"rss: 64 concurrent 48 MiB encodes in {secs:.1f}s: {count(statuses)}; server PSS {mem.base / GIB:.2f} GiB "
+          f"before, peak +{mem.growth / GIB:.2f} GiB (bound 2), +{(after - mem.base) / GIB:.2f} GiB 3 s after")
 
 
 def _png(h: int, w: int) -> bytes:
@@ -140,25 +157,13 @@ def check_kinds(srv: ServerProcess) -> None:
          npy(np.random.default_rng(0).standard_normal((1, 4, 5, 64, 64)).astype(np.float32)), NPY),
     ]
     for name, path, body, headers in kinds:
-        base = pss_bytes(srv.proc.pid)
-        peak, done = base, threading.Event()
-
-        def sample():
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, pss_bytes(srv.proc.pid))
-                time.sleep(0.02)
-
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        try:
-            status = httpx.post(f"{srv.url}{path}", content=body, headers=headers, timeout=300).status_code
-        except httpx.HTTPError as exc:
-            status = type(exc).__name__
-        done.set()
-        t.join()
+        with PeakMemory(srv) as mem:
+            try:
+                status = httpx.post(f"{srv.url}{path}", content=body, headers=headers, timeout=300).status_code
+            except httpx.HTTPError as exc:
+                status = type(exc).__name__
         count([status])
-        print(f"kinds: {name}: {status}, body {len(body) / 2**20:.1f} MiB, peak server memory +{(peak - base) / 2**20:.0f} MiB")
+        print(f"kinds: {name}: {status}, body {len(body) / 2**20:.1f} MiB, peak server memory +{mem.growth / 2**20:.0f} MiB")
 
 
 def check_abandon(srv: ServerProcess) -> None:
