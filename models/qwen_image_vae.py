@@ -23,7 +23,7 @@ import numpy as np
 
 from convkernels import Backend
 
-from .contract import IMAGE_DECODER, card_fields
+from .contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
 from .family import ModelFamily, ModelOptions, family_options
 from .wan_vae import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
 from .wan_vae_checkpoint import normalize_keys
@@ -31,10 +31,6 @@ from .weights import diffusers_config
 
 __all__ = ["FAMILY", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions", "build",
            "normalize_keys"]
-
-#: an image card's field saying the decoder also takes one-frame latents (N, C, 1, h, w), as the
-#: pipeline hands them to the VAE
-SINGLE_FRAME_LATENTS = "single_frame_latents"
 
 PRESETS: dict[str, dict] = {
     # diffusers AutoencoderKLQwenImage defaults == Qwen/Qwen-Image, subfolder vae
