@@ -124,6 +124,19 @@ def test_decode_matches_diffusers_and_the_pipeline(tmp_path, backend_name):
         assert bare > 100 * TOL, f"seed {seed}: the de-normalisation is not what the test sees ({bare:.2e})"
 
 
+def test_published_architecture_matches_diffusers(tmp_path):
+    """The qwen-image-vae preset's own architecture (96 base channels, two resnets per block)."""
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path, dict(PRESETS["qwen-image-vae"]), seed)
+    model = load_model("qi", "qwen-image-vae", get_backend("numpy"), weights=str(folder))
+    latents = np.random.default_rng(seed).standard_normal((1, 16, 6, 5)).astype(np.float32)
+    ref = reference_decode(vae, config, latents)
+    err = rel_l2(model.decode(latents), ref)
+    print(f"qwen-image-vae (1, 16, 6, 5): rel L2 {err:.2e}")
+    assert err < TOL, f"seed {seed}: relative L2 {err:.2e}"
+    assert rel_l2(model.decode(latents), reference_decode(vae, config, latents, denormalise=False)) > 100 * TOL
+
+
 def test_tiled_decode_matches_diffusers_tiling(tmp_path):
     seed = fresh_seed()
     vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
