@@ -1,4 +1,4 @@
-"""diffusers `AutoencoderKLQwenImage` (the Qwen-Image VAE) as an image decoder: the Qwen-Image VAE
+"""diffusers `AutoencoderKLQwenImage` (the Qwen-Image VAE) as an image VAE: the Qwen-Image VAE
 family (its presets, model and builder; `FAMILY`).
 
 Qwen-Image's VAE is a fine-tuned Wan 2.1 video VAE: its decoder has the Wan 2.1 blocks and
@@ -11,8 +11,13 @@ pipeline's latent handling around it:
             -> x / (1 / latents_std) + latents_mean     (the pipeline's de-normalisation, per channel)
             -> the Wan causal decoder on that one frame -> frame 0 -> images (N, 8h, 8w, 3) in [0, 1]
 
-Tiling is the Wan VAE's size-and-stride rule (diffusers' AutoencoderKLQwenImage.tiled_decode is
-AutoencoderKLWan's), applied to the one frame. There is no encoder yet (`has_encoder` is False).
+    encode: images (N, H, W, 3) in [0, 1] -> x * 2 - 1 -> the Wan encoder on one frame + quant_conv
+            -> posterior mean -> (mean - latents_mean) / latents_std -> (N, 16, H/8, W/8)
+            (the edit pipeline's _encode_vae_image, argmax latents)
+
+Decode tiling is the Wan VAE's size-and-stride rule (diffusers' AutoencoderKLQwenImage.tiled_decode is
+AutoencoderKLWan's), applied to the one frame; encode is untiled. The encoder is there when the
+checkpoint holds its tensors in diffusers naming (and with random weights); `has_encoder` says so.
 """
 from __future__ import annotations
 
@@ -25,8 +30,10 @@ from convkernels import Backend
 
 from .contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
 from .family import ModelFamily, ModelOptions, family_options
-from .wan_vae import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
+from .module import random_state_dict
+from .wan_vae import INIT_RULES, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
 from .wan_vae_checkpoint import normalize_keys
+from .wan_vae_encoder import EncoderTree
 from .weights import diffusers_config
 
 __all__ = ["FAMILY", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions", "build",
@@ -48,9 +55,9 @@ PRESETS: dict[str, dict] = {
 }
 
 DESCRIPTIONS = {
-    "qwen-image-vae": "Qwen-Image VAE decoder (Qwen/Qwen-Image/vae, AutoencoderKLQwenImage: the Wan 2.1 "
-                      "decoder on one frame; 16 latent channels, 8x space)",
-    "tiny-qwen-image-vae": "tiny Qwen-Image-architecture VAE decoder for tests and CPU demos "
+    "qwen-image-vae": "Qwen-Image VAE (Qwen/Qwen-Image/vae, AutoencoderKLQwenImage: the Wan 2.1 "
+                      "decoder and encoder on one frame; 16 latent channels, 8x space)",
+    "tiny-qwen-image-vae": "tiny Qwen-Image-architecture VAE for tests and CPU demos "
                            "(16 latent channels; 16x16 latents -> 128x128 in well under a second on 2 cores)",
 }
 
@@ -84,19 +91,29 @@ class QwenImageVAEOptions(WanVAEOptions):
 
 class QwenImageVAEDecoder(WanVAEDecoder):
     """Image decoder per docs/interfaces.md: the Qwen-Image pipeline's normalised latents
-    (N, 16, h, w) or (N, 16, 1, h, w) -> float32 images (N, 8h, 8w, 3) in [0, 1]."""
+    (N, 16, h, w) or (N, 16, 1, h, w) -> float32 images (N, 8h, 8w, 3) in [0, 1]; and, when the
+    checkpoint has the encoder (`has_encoder`), images -> normalised latents."""
 
     kind = IMAGE_DECODER
-    has_encoder = False
-    architecture = "diffusers AutoencoderKLQwenImage decoder (Qwen-Image VAE: the Wan 2.1 causal decoder, one frame)"
+    architecture = "diffusers AutoencoderKLQwenImage (Qwen-Image VAE: the Wan 2.1 causal VAE on one frame)"
     reference_class = "AutoencoderKLQwenImage"
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: QwenImageVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  options: QwenImageVAEOptions | None = None):
-        super().__init__(name, preset, backend, cfg, tensors, weights_source, options or QwenImageVAEOptions())
+        options = options or QwenImageVAEOptions()
+        super().__init__(name, preset, backend, cfg, tensors, weights_source, options)
         # the pipeline's own form: latents_std = 1 / std (float32), then latents / latents_std + mean
         self._inv_std = np.float32(1.0) / self._std
+        self.encoder_tree = EncoderTree(cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks,
+                                        cfg.temperal_downsample, cfg.input_channels)
+        wanted = self.encoder_tree.expected_shapes()
+        encoder = random_state_dict(wanted, options.seed + 1, INIT_RULES) if tensors is None else \
+            normalize_keys(tensors, cfg)
+        self.has_encoder = any(k in encoder for k in wanted)
+        if self.has_encoder:
+            self.encoder_tree.load_checked(encoder, backend, f"{self.reference_class} encoder (preset {preset!r})",
+                                           ignore_unexpected=("decoder.", "post_quant_conv."))
 
     def _denormalise(self, lat: np.ndarray) -> np.ndarray:
         return lat / self._inv_std + self._mean
@@ -118,10 +135,23 @@ class QwenImageVAEDecoder(WanVAEDecoder):
         return super().decode(self._one_frame(latents_nchw), tiled, uint8=uint8)[:, 0]
 
     def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
-        raise RuntimeError(f"{self.name}: the Qwen-Image VAE encoder is not implemented (decode only)")
+        """Images (N, H, W, 3) in [0, 1] -> normalised latents (N, 16, H/8, W/8) (sides floored at each
+        2x, as the stride-2 convs do): (posterior mean - latents_mean) / latents_std. Untiled (tiled
+        is accepted and ignored)."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        img = np.asarray(images_nhwc01, dtype=np.float32)
+        f = self.spatial_factor
+        if img.ndim != 4 or img.shape[-1] != 3 or img.shape[0] < 1 or min(img.shape[1:3]) < f:
+            raise ValueError(f"{self.name}: images must be (N, H, W, 3) with H, W >= {f}, got {img.shape}")
+        x = np.ascontiguousarray((np.float32(2.0) * img - np.float32(1.0))[:, None])
+        b = self.backend
+        moments = np.asarray(b.to_host(self.encoder_tree(b.asarray(x))), np.float32)
+        mean = moments[:, 0, :, :, :self.latent_channels].transpose(0, 3, 1, 2)
+        return np.ascontiguousarray((mean - self._mean[:, :, 0]) / self._std[:, :, 0])
 
     def card(self) -> dict:
-        return card_fields(self, self.architecture, weights_naming=self.weights_naming, has_encoder=False,
+        return card_fields(self, self.architecture, weights_naming=self.weights_naming, has_encoder=self.has_encoder,
                            latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
                            input="normalised latents (N, C, h, w) or (N, C, 1, h, w); decode applies "
                                  "latents / (1 / latents_std) + latents_mean",

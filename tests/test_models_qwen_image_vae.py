@@ -97,6 +97,19 @@ def reference_decode(vae, config, latents: np.ndarray, denormalise: bool = True)
     return (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
+def reference_encode(vae, config, images_nhwc01: np.ndarray, normalise: bool = True) -> np.ndarray:
+    """QwenImageEditPipeline._encode_vae_image on preprocessed images (x * 2 - 1, N, 3, 1, H, W):
+    argmax latents, (mean - latents_mean) / latents_std -> N, C, h, w."""
+    x = torch.from_numpy(images_nhwc01).permute(0, 3, 1, 2)[:, :, None]
+    with torch.no_grad():
+        mean = vae.encode(2.0 * x - 1.0).latent_dist.mode()
+    if normalise:
+        c = config["z_dim"]
+        mean = (mean - torch.tensor(config["latents_mean"]).view(1, c, 1, 1, 1)) / \
+            torch.tensor(config["latents_std"]).view(1, c, 1, 1, 1)
+    return mean[:, :, 0].numpy()
+
+
 def assert_informative(ref: np.ndarray) -> None:
     """The decode must not be saturated, or the clamp would hide errors."""
     assert 0.02 < float(ref.std()) and float(np.mean((ref <= 0) | (ref >= 1))) < 0.5
@@ -135,6 +148,41 @@ def test_published_architecture_matches_diffusers(tmp_path):
     print(f"qwen-image-vae (1, 16, 6, 5): rel L2 {err:.2e}")
     assert err < TOL, f"seed {seed}: relative L2 {err:.2e}"
     assert rel_l2(model.decode(latents), reference_decode(vae, config, latents, denormalise=False)) > 100 * TOL
+
+
+@pytest.mark.parametrize("backend_name", backends())
+def test_encode_matches_diffusers_and_the_edit_pipeline(tmp_path, backend_name):
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
+    model = build("qwen-test", "tiny-qwen-image-vae", get_backend(backend_name), str(folder))
+    assert model.has_encoder and model.card()["has_encoder"] is True
+    rng = np.random.default_rng(seed)
+    for shape in [(2, 40, 56, 3), (1, 37, 45, 3)]:  # a multiple of 8; odd sides (floored at each 2x)
+        images = rng.random(shape, dtype=np.float32)
+        ours = model.encode(images)
+        ref = reference_encode(vae, config, images)
+        assert ours.shape == ref.shape == (shape[0], 16, shape[1] // 8, shape[2] // 8)
+        err = rel_l2(ours, ref)
+        print(f"{backend_name} encode {shape}: rel L2 {err:.2e}")
+        assert err < TOL, f"seed {seed}, {backend_name}, images {shape}: relative L2 {err:.2e}"
+        # vacuity guard: the posterior mean without the pipeline's normalisation is not the answer
+        assert rel_l2(ours, reference_encode(vae, config, images, normalise=False)) > 100 * TOL
+
+
+def test_a_checkpoint_without_the_encoder_decodes_only(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({k: v for k, v in tensors.items() if not k.startswith(("encoder.", "quant_conv."))}, str(weights))
+    model = build("qwen-test", "tiny-qwen-image-vae", get_backend("numpy"), str(folder))
+    assert not model.has_encoder and model.card()["has_encoder"] is False
+    latents = np.random.default_rng(seed).standard_normal((1, 16, 3, 4)).astype(np.float32)
+    assert rel_l2(model.decode(latents), reference_decode(vae, config, latents)) < TOL
+    with pytest.raises(RuntimeError, match="no encoder"):
+        model.encode(np.zeros((1, 16, 16, 3), np.float32))
 
 
 def test_tiled_decode_matches_diffusers_tiling(tmp_path):
@@ -177,9 +225,9 @@ def test_published_preset_is_diffusers_defaults():
 def test_tiny_preset_card_shapes_and_bad_latents():
     model = load_model("q", "tiny-qwen-image-vae", get_backend("numpy"))
     assert isinstance(model, QwenImageVAEDecoder) and model.kind == "image-decoder"
-    assert not model.has_encoder and model.latent_channels == 16 and model.spatial_factor == 8
+    assert model.has_encoder and model.latent_channels == 16 and model.spatial_factor == 8
     card = model.card()
-    assert card["single_frame_latents"] is True and card["has_encoder"] is False
+    assert card["single_frame_latents"] is True and card["has_encoder"] is True
     assert card["config"]["latents_mean"] == PRESETS["tiny-qwen-image-vae"]["latents_mean"]
     x = np.random.default_rng(0).standard_normal((2, 16, 5, 3)).astype(np.float32)
     out = model.decode(x)
@@ -189,5 +237,7 @@ def test_tiny_preset_card_shapes_and_bad_latents():
     for bad in (x[:, :8], np.repeat(x[:, :, None], 2, axis=2), x[0, 0]):
         with pytest.raises(ValueError):
             model.decode(bad)
-    with pytest.raises(RuntimeError, match="not implemented"):
-        model.encode(np.zeros((1, 16, 16, 3), np.float32))
+    assert model.encode(out).shape == (2, 16, 5, 3)
+    for bad in (out[..., :2], out[:, :7], out[0]):
+        with pytest.raises(ValueError):
+            model.encode(bad)

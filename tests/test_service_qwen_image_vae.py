@@ -1,6 +1,6 @@
 """The Qwen-Image VAE served by a real uvicorn convserve: /v1 REST decode and diffusers' own remote VAE
 client (`remote_decode` with N,16,h,w, the pipeline's N,16,1,h,w and its packed 2x2-patch tokens with
-height/width), each against diffusers' AutoencoderKLQwenImage + the Qwen-Image pipeline's latent
+height/width; `remote_encode`), each against diffusers' AutoencoderKLQwenImage + the Qwen-Image pipeline's latent
 handling with the same random weights and non-trivial latents_mean/std."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ pytest.importorskip("requests")
 
 import test_models_qwen_image_vae as ref  # noqa: E402
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline  # noqa: E402
-from diffusers.utils.remote_utils import remote_decode  # noqa: E402
+from diffusers.utils.remote_utils import remote_decode, remote_encode  # noqa: E402
 from live_server import from_npy, npy  # noqa: E402
+from PIL import Image  # noqa: E402
 
 TOL = ref.TOL
 
@@ -24,8 +25,8 @@ class Served:
     def __init__(self, base: str, vae, config: dict):
         self.base, self.vae, self.config = base, vae, config
 
-    def remote(self) -> str:
-        return f"{self.base}/v1/models/qi/vae/decode"
+    def remote(self, op: str = "decode") -> str:
+        return f"{self.base}/v1/models/qi/vae/{op}"
 
     def stats(self):
         mean = torch.tensor(self.config["latents_mean"]).view(1, -1, 1, 1, 1)
@@ -56,7 +57,7 @@ def raw_sample(vae, z_unnormalised: torch.Tensor) -> torch.Tensor:
 def test_card_and_rest_decode(served, shape):
     card = httpx.get(f"{served.base}/v1/models/qi", timeout=30).json()
     assert card["kind"] == "image-decoder" and card["latent_channels"] == 16 and card["spatial_factor"] == 8
-    assert card["single_frame_latents"] is True and card["has_encoder"] is False
+    assert card["single_frame_latents"] is True and card["has_encoder"] is True
     x = grid(*shape)
     r = httpx.post(f"{served.base}/v1/models/qi/decode", content=npy(x), params={"format": "npy"},
                    headers={"content-type": "application/x-npy"}, timeout=60)
@@ -120,3 +121,18 @@ def test_remote_decode_packed_tokens(served, height, width):
                         height=height, width=width)
     assert tuple(out.shape) == tuple(sample.shape) == (2, 3, 8 * h, 8 * w)
     assert ref.rel_l2(out, sample) < TOL
+
+
+def test_remote_encode_png_and_tensor(served):
+    """No factors: the unscaled posterior mean (vae.encode(...).latent_dist.mode()), as remote_encode
+    hands it to a client that normalises it itself."""
+    rgb = np.random.default_rng().integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    x01 = (rgb.astype(np.float32) / 255.0)[None]
+    expected = ref.reference_encode(served.vae, served.config, x01, normalise=False)
+    out = remote_encode(served.remote("encode"), Image.fromarray(rgb))
+    assert tuple(out.shape) == expected.shape == (1, 16, 5, 7)
+    assert ref.rel_l2(out, expected) < TOL
+    # a [-1, 1] tensor, as VaeImageProcessor.preprocess gives it
+    pre = (torch.from_numpy(x01).permute(0, 3, 1, 2) * 2 - 1).contiguous()  # sent as its storage lies
+    out = remote_encode(served.remote("encode"), pre)
+    assert ref.rel_l2(out, expected) < TOL

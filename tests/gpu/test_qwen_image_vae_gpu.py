@@ -1,8 +1,8 @@
 """The Qwen-Image VAE decoder on the CUDA backend vs diffusers' AutoencoderKLQwenImage + the Qwen-Image
-pipeline's de-normalisation, run by PyTorch on the CPU in float32, identical random weights (every
+pipeline's de-normalisation (and the edit pipeline's encode), run by PyTorch on the CPU in float32, identical random weights (every
 parameter drawn afresh) and non-trivial latents_mean/std, through the public models.load_model path:
 relative L2 < 1e-4 in float32 (TF32 is off by default), < 1e-2 in float16 / bfloat16; N,16,h,w and the
-pipeline's N,16,1,h,w, untiled and in the Wan VAE's tiles. Skipped without a CUDA GPU + CuPy + cuDNN."""
+pipeline's N,16,1,h,w, untiled and in the Wan VAE's tiles; encode untiled. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import os
@@ -79,4 +79,20 @@ def test_qwen_image_vae_tiled_decode(tmp_path, dtype):
     ref = qwen_ref.reference_decode(vae, config, latents)
     err = rel_l2(ours, ref)
     report(f"tiny-qwen-image-vae {dtype} tiled: rel L2 {err:.2e}")
+    assert err < TOL[dtype], f"seed {s}: {err:.3e}"
+
+
+@pytest.mark.parametrize("preset,cfg,dtype,images", [
+    ("tiny-qwen-image-vae", qwen_ref.QWEN_SMALL, "float32", (2, 40, 56, 3)),
+    ("qwen-image-vae", FULL, "float16", (1, 48, 40, 3)),
+])
+def test_qwen_image_vae_encode(tmp_path, preset, cfg, dtype, images):
+    from models import load_model
+
+    s = qwen_ref.fresh_seed()
+    vae, folder, config = qwen_ref.make_reference(tmp_path, cfg, s)
+    model = load_model("qi", preset, backend(dtype), weights=str(folder))
+    x = np.random.default_rng(s).random(images, dtype=np.float32)
+    err = rel_l2(model.encode(x), qwen_ref.reference_encode(vae, config, x))
+    report(f"{preset} {dtype} encode {images}: rel L2 {err:.2e}")
     assert err < TOL[dtype], f"seed {s}: {err:.3e}"
