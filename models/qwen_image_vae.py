@@ -17,7 +17,8 @@ pipeline's latent handling around it:
 
 Decode tiling is the Wan VAE's size-and-stride rule (diffusers' AutoencoderKLQwenImage.tiled_decode is
 AutoencoderKLWan's), applied to the one frame; encode is untiled. The encoder is there when the
-checkpoint holds its tensors in diffusers naming (and with random weights); `has_encoder` says so.
+checkpoint holds its tensors (diffusers or original-Wan naming, as ComfyUI's single file) and with
+random weights; `has_encoder` says so.
 """
 from __future__ import annotations
 

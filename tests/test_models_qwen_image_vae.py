@@ -185,6 +185,53 @@ def test_a_checkpoint_without_the_encoder_decodes_only(tmp_path):
         model.encode(np.zeros((1, 16, 16, 3), np.float32))
 
 
+def to_original_wan_names(sd: dict, num_res_blocks: int, num_blocks: int) -> dict:
+    """diffusers names -> the original Wan release's (as ComfyUI ships qwen_image_vae.safetensors):
+    the Wan tests' decoder inverse plus the encoder's, checked against diffusers' converter."""
+    import test_models_wan as wan_ref
+
+    out = wan_ref.to_original_wan_names({k: v for k, v in sd.items() if k.startswith(("decoder.", "post_quant_conv."))},
+                                        num_res_blocks=num_res_blocks, num_up_blocks=num_blocks)
+    resnet = wan_ref._RESNET_TO_ORIGINAL
+    fixed = {"quant_conv.": "conv1.", "encoder.conv_in.": "encoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+             "encoder.conv_out.": "encoder.head.2.", "encoder.mid_block.resnets.0.": "encoder.middle.0.",
+             "encoder.mid_block.attentions.0.": "encoder.middle.1.", "encoder.mid_block.resnets.1.": "encoder.middle.2."}
+    for name, value in sd.items():
+        if name.startswith("encoder.down_blocks."):
+            k, rest = name[len("encoder.down_blocks."):].split(".", 1)
+            out[f"encoder.downsamples.{k}.{resnet.get(rest, rest)}"] = value  # a resampler's names stay
+            continue
+        for old, new in fixed.items():
+            if name.startswith(old):
+                rest = name[len(old):]
+                out[new + (resnet[rest] if ".resnets." in old else rest)] = value
+    return out
+
+
+def test_original_wan_checkpoint_names_with_the_encoder(tmp_path):
+    """A single .safetensors in the original Wan naming, encoder included, at the real depth
+    (diffusers' converter assumes it), read with the preset's config and overrides."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    seed = fresh_seed()
+    vae, _, config = make_reference(tmp_path, dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                                   temperal_downsample=[False, True, True]), seed)
+    sd = {k: v.contiguous() for k, v in vae.state_dict().items()}
+    original = to_original_wan_names(sd, num_res_blocks=2, num_blocks=4)
+    assert len(original) == len(sd)
+    assert set(convert_wan_vae_to_diffusers(original)) == set(sd), "test fixture disagrees with diffusers"
+    path = tmp_path / "qwen_image_vae.safetensors"
+    safetensors_torch.save_file(original, str(path))
+    model = build("qi", "qwen-image-vae", get_backend("numpy"), str(path), QwenImageVAEOptions(config={
+        k: config[k] for k in ("base_dim", "latents_mean", "latents_std")}))
+    assert model.card()["weights_naming"] == "original-wan" and model.has_encoder
+    rng = np.random.default_rng(seed)
+    latents = rng.standard_normal((1, 16, 3, 5)).astype(np.float32)
+    assert rel_l2(model.decode(latents), reference_decode(vae, config, latents)) < TOL
+    images = rng.random((1, 24, 40, 3), dtype=np.float32)
+    assert rel_l2(model.encode(images), reference_encode(vae, config, images)) < TOL
+
+
 def test_tiled_decode_matches_diffusers_tiling(tmp_path):
     seed = fresh_seed()
     vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
