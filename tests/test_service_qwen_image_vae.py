@@ -136,3 +136,8 @@ def test_remote_encode_png_and_tensor(served):
     pre = (torch.from_numpy(x01).permute(0, 3, 1, 2) * 2 - 1).contiguous()  # sent as its storage lies
     out = remote_encode(served.remote("encode"), pre)
     assert ref.rel_l2(out, expected) < TOL
+
+
+def test_remote_encode_of_an_image_below_one_latent_is_refused(served):
+    with pytest.raises(RuntimeError, match="model-rejected-input.*H, W >= 8"):
+        remote_encode(served.remote("encode"), Image.new("RGB", (4, 6)))
