@@ -18,6 +18,9 @@ PIXEL_RANGE = (0.0, 1.0)
 #: an image decoder's card field `packed_latents` when its pipeline packs latents as plain row-major
 #: tokens, (B, h * w, C) with token i * w + j at (i, j) (FLUX.2); absent: FLUX.1's 2x2 patches per token
 ROW_MAJOR_TOKENS = "row-major tokens"
+#: an image decoder's card field, true when it also takes one-frame latents N,C,1,h,w (the Qwen-Image
+#: VAE, a video VAE run on one frame, whose pipeline hands it latents that way)
+SINGLE_FRAME_LATENTS = "single_frame_latents"
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ FAMILIES: tuple[str, ...] = (
     "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
     "flux2_vae",       # diffusers AutoencoderKLFlux2 image VAE (FLUX.2)
     "wan_vae",         # Wan 2.1 video VAE
+    "qwen_image_vae",  # diffusers AutoencoderKLQwenImage (the Qwen-Image VAE: Wan 2.1's decoder on one frame)
     "convnext",        # ConvNeXt vision encoder
     "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)
 )

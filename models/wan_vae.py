@@ -148,6 +148,8 @@ class WanVAEDecoder:
     #: Hub weights only; load_model sets it (models/contract.py)
     weights_provenance: dict | None = None
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
+    #: the diffusers class whose decoder this is (load errors name it)
+    reference_class = "AutoencoderKLWan"
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -175,7 +177,7 @@ class WanVAEDecoder:
             f", {self.weights_naming} names shown as diffusers names"
         # the video processor's x / 2 + 0.5 is done by conv_out itself
         self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), backend,
-                               f"AutoencoderKLWan decoder (preset {preset!r}{naming})",
+                               f"{self.reference_class} decoder (preset {preset!r}{naming})",
                                ignore_unexpected=("encoder.", "quant_conv."))
         self._steady_step = backend.graphed(self._step)
 
@@ -188,10 +190,14 @@ class WanVAEDecoder:
                              f"every size >= 1, got {lat.shape}")
         if lat.dtype.kind != "f":
             raise ValueError(f"{self.name}: latents must be floating point, got {lat.dtype}")
-        z = lat.astype(np.float32) * self._std + self._mean
+        z = self._denormalise(lat.astype(np.float32))
         if not np.isfinite(z).all():
             raise ValueError(f"{self.name}: latents contain NaN or Inf")
         return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
+
+    def _denormalise(self, lat: np.ndarray) -> np.ndarray:
+        """float32 normalised latents (N, C, T, h, w) -> the VAE's own: latents * std + mean."""
+        return lat * self._std + self._mean
 
     def decode_frames(self, latents_ncthw, tiled: bool | None = None, *,
                       uint8: bool = False) -> Iterator[np.ndarray]:

@@ -1,12 +1,14 @@
 """Checkpoint names for the Wan 2.1 VAE: diffusers' AutoencoderKLWan names are ours; the
 original Wan release (`Wan2.1_VAE`, also shipped as a single `wan_2.1_vae.safetensors`) uses
 the names of Wan's own `WanVAE_` module, which are mapped here, as diffusers'
-`convert_wan_vae_to_diffusers` does, but for any decoder depth instead of the 1.3B/14B one.
+`convert_wan_vae_to_diffusers` does, but for any depth instead of the 1.3B/14B one.
 
 Original decoder layout: `conv1` (-> conv_in), `middle.{0,1,2}` (resnet, attention, resnet),
 `upsamples.{k}` a flat list of per-block resnets followed by that block's resampler,
 `head.{0,2}` (norm, conv). Resnets are `residual.{0,2,3,6}` (norm1, conv1, norm2, conv2) plus
-`shortcut`. At top level `conv1`/`conv2` are quant_conv/post_quant_conv."""
+`shortcut`. At top level `conv1`/`conv2` are quant_conv/post_quant_conv. The encoder is laid out
+the same way, its flat `downsamples.{k}` list kept by diffusers as `down_blocks.{k}` (per block
+its resnets, then its downsampler)."""
 from __future__ import annotations
 
 import re
@@ -47,20 +49,36 @@ def upsample_index_map(num_up_blocks: int, num_res_blocks: int) -> dict[int, str
     return out
 
 
+def downsample_kinds(num_blocks: int, num_res_blocks: int) -> list[bool]:
+    """Per flat encoder `downsamples.{k}` / `down_blocks.{k}` index: True for a resnet, False for a resampler."""
+    kinds: list[bool] = []
+    for i in range(num_blocks):
+        kinds += [True] * num_res_blocks + ([False] if i != num_blocks - 1 else [])
+    return kinds
+
+
 def _within(original: str, diffusers: str, parts: RenameRules) -> RenameRules:
     """`parts` anchored under the original module path, renamed to the diffusers one."""
     return [(f"^{re.escape(original)}\\.{pattern}", f"{diffusers}.{replacement}") for pattern, replacement in parts]
 
 
 def original_rules(num_up_blocks: int, num_res_blocks: int) -> RenameRules:
-    """Every original-Wan decoder-side name -> its diffusers name. Encoder tensors keep their
-    names (the decoder ignores them); a name that fits no rule is kept as is, so the state
-    dict check reports it as unexpected instead of it vanishing."""
+    """Every original-Wan name -> its diffusers name (the encoder's too; the decoder ignores
+    those); a name that fits no rule is kept as is, so the state dict check reports it as
+    unexpected instead of it vanishing."""
     rules = [*_TOP, *_within("decoder.middle.0", "decoder.mid_block.resnets.0", _RESNET),
              *_within("decoder.middle.1", "decoder.mid_block.attentions.0", _ATTENTION),
              *_within("decoder.middle.2", "decoder.mid_block.resnets.1", _RESNET)]
     for k, base in upsample_index_map(num_up_blocks, num_res_blocks).items():
         rules += _within(f"decoder.upsamples.{k}", base, _RESNET if ".resnets." in base else _RESAMPLE)
+    rules += [(r"^encoder\.conv1\.(weight|bias)$", r"encoder.conv_in.\1"),
+              (r"^encoder\.head\.0\.gamma$", "encoder.norm_out.gamma"),
+              (r"^encoder\.head\.2\.(weight|bias)$", r"encoder.conv_out.\1"),
+              *_within("encoder.middle.0", "encoder.mid_block.resnets.0", _RESNET),
+              *_within("encoder.middle.1", "encoder.mid_block.attentions.0", _ATTENTION),
+              *_within("encoder.middle.2", "encoder.mid_block.resnets.1", _RESNET)]
+    for k, resnet in enumerate(downsample_kinds(num_up_blocks, num_res_blocks)):
+        rules += _within(f"encoder.downsamples.{k}", f"encoder.down_blocks.{k}", _RESNET if resnet else _RESAMPLE)
     return rules
 
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, Kind, Model, ServedModel,
-                             VideoDecoder, example_input, forward)
+from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, SINGLE_FRAME_LATENTS, VIDEO_DECODER, ImageDecoder, Kind,
+                             Model, ServedModel, VideoDecoder, example_input, forward)
 
 from . import metrics
 from .settings import ModelEntry
@@ -97,6 +97,17 @@ class HostedModel:
         return self.model.labels if self.kind == IMAGE_ENCODER else None
 
     @property
+    def single_frame_latents(self) -> bool:
+        """An image decoder that also takes one-frame latents N,C,1,h,w (card `single_frame_latents`)."""
+        return self.kind == IMAGE_DECODER and bool(self.model.card().get(SINGLE_FRAME_LATENTS))
+
+    @property
+    def per_channel_scaling(self) -> bool:
+        """Wan-family latents (the Wan VAE, the Qwen-Image VAE): normalised by the config's
+        latents_mean/latents_std per channel instead of a scaling/shift factor."""
+        return self.is_video or self.single_frame_latents
+
+    @property
     def latent_ndim(self) -> int:
         return 5 if self.is_video else 4
 
@@ -139,13 +150,14 @@ class HostedModel:
 
     def latent_scaling(self) -> tuple[np.ndarray | float, np.ndarray | float]:
         """(scale, shift) of the model's input normalisation, per channel where it has one: its
-        decode() sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan: the
-        pipeline's latents * std + mean, i.e. scale = 1/std, shift = mean (shaped 1,C,1,1,1)."""
+        decode() sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan and
+        Qwen-Image: the pipeline's latents * std + mean, i.e. scale = 1/std, shift = mean (shaped
+        1,C,1,1,1, or 1,C,1,1 for an image decoder's N,C,h,w)."""
         card = self.model.card()
-        if self.is_video:
-            cfg = card["config"]
-            std = np.asarray(cfg["latents_std"], np.float64).reshape(1, -1, 1, 1, 1)
-            return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(1, -1, 1, 1, 1)
+        if self.per_channel_scaling:
+            cfg, shape = card["config"], (1, -1) + (1,) * (self.latent_ndim - 2)
+            std = np.asarray(cfg["latents_std"], np.float64).reshape(shape)
+            return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(shape)
         return float(card["scaling_factor"]), float(card.get("shift_factor") or 0.0)
 
     def tensors(self) -> tuple[list[dict], list[dict]]:

@@ -115,7 +115,7 @@ class ClientScaling:
 
 
 def _same_as_model(hm: HostedModel, s: ClientScaling) -> bool:
-    return not hm.is_video and s.scale is not None and (s.scale, s.shift or 0.0) == hm.latent_scaling()
+    return not hm.per_channel_scaling and s.scale is not None and (s.scale, s.shift or 0.0) == hm.latent_scaling()
 
 
 def to_model_latents(hm: HostedModel, lat: np.ndarray, s: ClientScaling) -> np.ndarray:
@@ -194,7 +194,8 @@ DECODE_DOC = """The request `diffusers.utils.remote_decode(endpoint=<this URL>, 
 little-endian latents as the body, `shape` (repeated) and `dtype` (`float16`, `bfloat16`, `float32`) as
 query parameters. Image VAEs take N,C,h,w latents, or packed latents with `height`/`width` (pixels):
 FLUX.1's (B, h/2*w/2, 4C) 2x2 patches, or, for a FLUX.2 VAE (card `packed_latents`: row-major tokens),
-(B, H/16*W/16, 128) tokens in row-major order. Video VAEs take N,C,T,h,w.
+(B, H/16*W/16, 128) tokens in row-major order. A Qwen-Image VAE (card `single_frame_latents`) also takes
+the pipeline's N,C,1,h,w, and is normalised per channel as Wan's. Video VAEs take N,C,T,h,w.
 
 Scaling: `scaling_factor` (+ `shift_factor`) -> the decoder sees `latents / scaling_factor + shift_factor`;
 neither -> the latents are already unscaled; deprecated `do_scaling=True` alone -> the model's own factors.
@@ -206,7 +207,7 @@ Answers (`shape` and `dtype` headers on tensors, dtype = the request's float dty
   (video: F,3,H,W).
 - `output_type=pt`, `partial_postprocess=True`: uint8 N,H,W,3 (video: F,H,W,3).
 - `output_type=pt`, `partial_postprocess=False`: the decoder's output as `vae.decode(...).sample`,
-  N,3,H,W about [-1,1], unclamped (video: N,3,F,H,W in [-1,1]).
+  N,3,H,W about [-1,1], unclamped (video: N,3,F,H,W in [-1,1]; one-frame image latents: N,3,1,H,W).
 - video VAE, `output_type=mp4`: H.264 MP4 bytes (`fps`, `quality` tune it).
 Video answers drop the batch axis for one video; several keep it (MP4: a zip of video_000.mp4, ...)."""
 
@@ -243,6 +244,11 @@ async def remote_decode(
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
         body = await read_body(request, svc.settings.max_body_bytes)
         lat = validation.float_latents(read_wire_tensor(body, shape, dtype), "float32, float16 or bfloat16")
+        # one-frame latents N,C,1,h,w (the Qwen-Image pipeline's): decoded as N,C,h,w, a raw answer
+        # keeps the frame axis as vae.decode(...).sample has it
+        frame_axis = lat.ndim == 5 and lat.shape[2] == 1 and hm.single_frame_latents
+        if frame_axis:
+            lat = lat[:, :, 0]
         if lat.ndim == 3 and not video:
             if height is None or width is None:
                 raise Problem(422, "missing-height-width", "packed (3-D) latents need height and width")
@@ -272,7 +278,7 @@ async def remote_decode(
             # NHWC x/2+0.5 -> NCHW (video N,C,F,H,W) in the decoder's own range
             x = out01 * np.float32(2.0) - np.float32(1.0)
             x = x.transpose(0, 4, 1, 2, 3) if video else x.transpose(0, 3, 1, 2)
-            return tensor_response(x, reply)
+            return tensor_response(x[:, :, None] if frame_axis else x, reply)
         # output_type=pil with a processor: postprocessed float [0,1], channels first per frame
         x = out01.transpose(0, 1, 4, 2, 3) if video else out01.transpose(0, 3, 1, 2)
         return tensor_response(_video_rows(x) if video else x, reply)

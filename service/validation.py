@@ -58,6 +58,8 @@ def latents(hm: HostedModel, lat: np.ndarray, limits: Settings | None = None) ->
     """Latents for a decoder (a missing batch axis added) -> contiguous float32 within the limits."""
     m = hm.model
     float_latents(lat)
+    if lat.ndim == 5 and lat.shape[2] == 1 and hm.single_frame_latents:
+        lat = lat[:, :, 0]  # the Qwen-Image pipeline's N,C,1,h,w
     if lat.ndim == hm.latent_ndim - 1:
         lat = lat[None]
     if lat.ndim != hm.latent_ndim:

@@ -1,0 +1,180 @@
+"""diffusers `AutoencoderKLQwenImage` (the Qwen-Image VAE) as an image VAE: the Qwen-Image VAE
+family (its presets, model and builder; `FAMILY`).
+
+Qwen-Image's VAE is a fine-tuned Wan 2.1 video VAE: its decoder has the Wan 2.1 blocks and
+parameter names (`post_quant_conv`, `decoder.*`; no residual up blocks, no patching), and its
+config.json the Wan 2.1 fields, with `input_channels` for the RGB channel count. The model is
+therefore the Wan VAE decoder (models/wan_vae.py) run on one latent frame, with the Qwen-Image
+pipeline's latent handling around it:
+
+    decode: x (N, 16, h, w) or (N, 16, 1, h, w), normalised
+            -> x / (1 / latents_std) + latents_mean     (the pipeline's de-normalisation, per channel)
+            -> the Wan causal decoder on that one frame -> frame 0 -> images (N, 8h, 8w, 3) in [0, 1]
+
+    encode: images (N, H, W, 3) in [0, 1] -> x * 2 - 1 -> the Wan encoder on one frame + quant_conv
+            -> posterior mean -> (mean - latents_mean) / latents_std -> (N, 16, H/8, W/8)
+            (the edit pipeline's _encode_vae_image, argmax latents)
+
+Decode tiling is the Wan VAE's size-and-stride rule (diffusers' AutoencoderKLQwenImage.tiled_decode is
+AutoencoderKLWan's), applied to the one frame; encode is untiled. The encoder is there when the
+checkpoint holds its tensors (diffusers or original-Wan naming, as ComfyUI's single file) and with
+random weights; `has_encoder` says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from convkernels import Backend
+
+from .contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
+from .family import ModelFamily, ModelOptions, family_options
+from .module import random_state_dict
+from .wan_vae import INIT_RULES, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
+from .wan_vae_checkpoint import normalize_keys
+from .wan_vae_encoder import EncoderTree
+from .weights import diffusers_config
+
+__all__ = ["FAMILY", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions", "build",
+           "normalize_keys"]
+
+PRESETS: dict[str, dict] = {
+    # diffusers AutoencoderKLQwenImage defaults == Qwen/Qwen-Image, subfolder vae
+    "qwen-image-vae": {
+        "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+        "temperal_downsample": [False, True, True], "dropout": 0.0, "input_channels": 3,
+        "latents_mean": WAN21_LATENTS_MEAN, "latents_std": WAN21_LATENTS_STD,
+    },
+    "tiny-qwen-image-vae": {
+        "base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1, "attn_scales": [],
+        "temperal_downsample": [False, True, True], "dropout": 0.0, "input_channels": 3,
+        "latents_mean": [round(0.1 * ((7 * i) % 11 - 5), 2) for i in range(16)],
+        "latents_std": [round(0.6 + 0.15 * ((5 * i) % 13), 2) for i in range(16)],
+    },
+}
+
+DESCRIPTIONS = {
+    "qwen-image-vae": "Qwen-Image VAE (Qwen/Qwen-Image/vae, AutoencoderKLQwenImage: the Wan 2.1 "
+                      "decoder and encoder on one frame; 16 latent channels, 8x space)",
+    "tiny-qwen-image-vae": "tiny Qwen-Image-architecture VAE for tests and CPU demos "
+                           "(16 latent channels; 16x16 latents -> 128x128 in well under a second on 2 cores)",
+}
+
+#: Qwen-Image's largest published resolution (1328x1328) decodes untiled unless asked, as in diffusers
+DEFAULT_MAX_UNTILED_PIXELS = 1328 * 1328
+
+
+@dataclass(frozen=True)
+class QwenImageVAEConfig(WanVAEConfig):
+    """The fields of diffusers' AutoencoderKLQwenImage config.json that shape the decoder: the Wan
+    2.1 ones, with `input_channels` (RGB in and out) for Wan's in_channels/out_channels."""
+
+    input_channels: int = 3
+    latents_mean: tuple[float, ...] = tuple(WAN21_LATENTS_MEAN)
+    latents_std: tuple[float, ...] = tuple(WAN21_LATENTS_STD)
+
+    def validate(self) -> None:
+        if self.input_channels != 3:
+            raise ValueError(f"AutoencoderKLQwenImage config: input_channels must be 3 (RGB), "
+                             f"got {self.input_channels}")
+        super().validate()
+
+
+@dataclass(frozen=True)
+class QwenImageVAEOptions(WanVAEOptions):
+    """The Wan VAE's settings (tile size and stride in output pixels), with a larger untiled limit."""
+
+    #: tiled=None tiles only images above this many output pixels
+    max_untiled_pixels: int = DEFAULT_MAX_UNTILED_PIXELS
+
+
+class QwenImageVAEDecoder(WanVAEDecoder):
+    """Image decoder per docs/interfaces.md: the Qwen-Image pipeline's normalised latents
+    (N, 16, h, w) or (N, 16, 1, h, w) -> float32 images (N, 8h, 8w, 3) in [0, 1]; and, when the
+    checkpoint has the encoder (`has_encoder`), images -> normalised latents."""
+
+    kind = IMAGE_DECODER
+    architecture = "diffusers AutoencoderKLQwenImage (Qwen-Image VAE: the Wan 2.1 causal VAE on one frame)"
+    reference_class = "AutoencoderKLQwenImage"
+
+    def __init__(self, name: str, preset: str, backend: Backend, cfg: QwenImageVAEConfig,
+                 tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
+                 options: QwenImageVAEOptions | None = None):
+        options = options or QwenImageVAEOptions()
+        super().__init__(name, preset, backend, cfg, tensors, weights_source, options)
+        # the pipeline's own form: latents_std = 1 / std (float32), then latents / latents_std + mean
+        self._inv_std = np.float32(1.0) / self._std
+        self.encoder_tree = EncoderTree(cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks,
+                                        cfg.temperal_downsample, cfg.input_channels)
+        wanted = self.encoder_tree.expected_shapes()
+        encoder = random_state_dict(wanted, options.seed + 1, INIT_RULES) if tensors is None else \
+            normalize_keys(tensors, cfg)
+        self.has_encoder = any(k in encoder for k in wanted)
+        if self.has_encoder:
+            self.encoder_tree.load_checked(encoder, backend, f"{self.reference_class} encoder (preset {preset!r})",
+                                           ignore_unexpected=("decoder.", "post_quant_conv."))
+
+    def _denormalise(self, lat: np.ndarray) -> np.ndarray:
+        return lat / self._inv_std + self._mean
+
+    def _one_frame(self, latents) -> np.ndarray:
+        lat = np.asarray(latents)
+        if lat.ndim == 4:
+            return lat[:, :, None]
+        if lat.ndim == 5 and lat.shape[2] == 1:
+            return lat
+        raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w) or "
+                         f"(N, {self.latent_channels}, 1, h, w), got {lat.shape}")
+
+    def decode(self, latents_nchw, tiled: bool | None = None, clamp: bool = True, *,
+               uint8: bool = False) -> np.ndarray:
+        """float32 (N, 8h, 8w, 3) in [0, 1]; uint8=True: uint8. The output is always clamped, as
+        diffusers' AutoencoderKLQwenImage.decode clamps (clamp=False changes nothing). tiled: the
+        Wan VAE's tiles (None: only above max_untiled_pixels)."""
+        return super().decode(self._one_frame(latents_nchw), tiled, uint8=uint8)[:, 0]
+
+    def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
+        """Images (N, H, W, 3) in [0, 1] -> normalised latents (N, 16, H/8, W/8) (sides floored at each
+        2x, as the stride-2 convs do): (posterior mean - latents_mean) / latents_std. Untiled (tiled
+        is accepted and ignored)."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        img = np.asarray(images_nhwc01, dtype=np.float32)
+        f = self.spatial_factor
+        if img.ndim != 4 or img.shape[-1] != 3 or img.shape[0] < 1 or min(img.shape[1:3]) < f:
+            raise ValueError(f"{self.name}: images must be (N, H, W, 3) with H, W >= {f}, got {img.shape}")
+        x = np.ascontiguousarray((np.float32(2.0) * img - np.float32(1.0))[:, None])
+        b = self.backend
+        moments = np.asarray(b.to_host(self.encoder_tree(b.asarray(x))), np.float32)
+        mean = moments[:, 0, :, :, :self.latent_channels].transpose(0, 3, 1, 2)
+        return np.ascontiguousarray((mean - self._mean[:, :, 0]) / self._std[:, :, 0])
+
+    def card(self) -> dict:
+        return card_fields(self, self.architecture, weights_naming=self.weights_naming, has_encoder=self.has_encoder,
+                           latent_channels=self.latent_channels, spatial_factor=self.spatial_factor,
+                           input="normalised latents (N, C, h, w) or (N, C, 1, h, w); decode applies "
+                                 "latents / (1 / latents_std) + latents_mean",
+                           output=f"float32 (N, {self.spatial_factor}h, {self.spatial_factor}w, 3) in [0, 1] "
+                                  "(frame 0 of the Wan decoder)",
+                           limits={"tile_sample_min_size": self.tiling.tile_px,
+                                   "tile_sample_stride": self.tiling.stride_px,
+                                   "max_untiled_pixels": self.max_untiled_pixels},
+                           config=self.config.as_dict(), **{SINGLE_FRAME_LATENTS: True})
+
+
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
+          options: ModelOptions | None = None) -> QwenImageVAEDecoder:
+    """A Qwen-Image VAE decoder from a preset, optional weights (a diffusers folder whose config.json
+    names AutoencoderKLQwenImage, replacing the preset's architecture; or a .safetensors in diffusers
+    or original-Wan naming, read with the preset's config) and options (QwenImageVAEOptions)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Qwen-Image VAE preset {preset!r}; known: {sorted(PRESETS)}")
+    options = family_options(options, QwenImageVAEOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKLQwenImage", QwenImageVAEConfig, PRESETS[preset],
+                                    options.config)
+    return QwenImageVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
+
+
+FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, QwenImageVAEOptions)
