@@ -1,0 +1,112 @@
+"""How the shards of one decode talk to each other: the three collectives a spatially sharded
+conv model needs (issue #32), behind one small interface.
+
+A decode split by rows over N devices runs the same model code on every shard; where a layer
+needs what another shard holds, it calls its communicator:
+- `exchange_rows(top, bottom)`: send this shard's first rows up and its last rows down, and get
+  the neighbours' in return (a conv's halo); the first and last shard get None from outside;
+- `allreduce_sum(a)`: the element-wise sum over shards (exact GroupNorm statistics);
+- `allgather(a)`: every shard's array, in rank order (attention over the whole image).
+
+`ThreadShards` is the emulation: N threads of one process, one per shard, meeting at a barrier.
+It has the semantics NCCL collectives have (every rank calls, in the same order, and all return
+together), so code tested against it on the CPU runs unchanged on a communicator over NCCL.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+
+class ShardComm(Protocol):
+    rank: int
+    size: int
+
+    def exchange_rows(self, top: Any, bottom: Any) -> tuple[Any | None, Any | None]: ...
+
+    def allreduce_sum(self, a: Any) -> Any: ...
+
+    def allgather(self, a: Any) -> list[Any]: ...
+
+
+class _Meeting:
+    """The state the threads of one emulated group share: one slot per rank, and a barrier that
+    every collective passes twice (after writing its slot, after reading the others')."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def gather(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        seen = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
+        return seen
+
+
+class ThreadShards:
+    """One rank of an emulated group (see the module docstring)."""
+
+    def __init__(self, meeting: _Meeting, rank: int):
+        self._meeting, self.rank, self.size = meeting, rank, meeting.size
+
+    def exchange_rows(self, top, bottom):
+        seen = self._meeting.gather(self.rank, (top, bottom))
+        from_above = seen[self.rank - 1][1] if self.rank > 0 else None
+        from_below = seen[self.rank + 1][0] if self.rank < self.size - 1 else None
+        return from_above, from_below
+
+    def allreduce_sum(self, a):
+        seen = self._meeting.gather(self.rank, a)
+        total = seen[0]
+        for other in seen[1:]:
+            total = total + other
+        return total
+
+    def allgather(self, a):
+        return self._meeting.gather(self.rank, a)
+
+
+def run_sharded(size: int, fn: Callable[[ThreadShards, int], Any]) -> list[Any]:
+    """fn(comm, rank) on `size` emulated shards at once; their results in rank order. A shard
+    that raises breaks the barrier, so the others raise too instead of waiting forever."""
+    meeting = _Meeting(size)
+
+    def one(rank: int):
+        try:
+            return fn(ThreadShards(meeting, rank), rank)
+        except BaseException:
+            meeting.barrier.abort()
+            raise
+
+    with ThreadPoolExecutor(size) as pool:
+        futures = [pool.submit(one, r) for r in range(size)]
+        return [f.result() for f in futures]
+
+
+def split_rows(height: int, size: int, align: int = 1) -> list[tuple[int, int]]:
+    """[start, stop) rows of each shard: as even as `align` allows (every start a multiple of it,
+    so a stride-`align` layer's output rows fall on whole shards), earlier shards taking the
+    remainder. Every shard gets at least `align` rows."""
+    if height < size * align:
+        raise ValueError(f"{height} rows cannot make {size} shards of at least {align} rows")
+    units, extra = divmod(height // align, size)
+    bounds, start = [], 0
+    for r in range(size):
+        stop = start + (units + (1 if r < extra else 0)) * align
+        bounds.append((start, stop))
+        start = stop
+    bounds[-1] = (bounds[-1][0], height)  # the rows past the last whole unit
+    return bounds
+
+
+def split(a, bounds: Sequence[tuple[int, int]], axis: int = 1) -> list:
+    index = [slice(None)] * a.ndim
+    out = []
+    for lo, hi in bounds:
+        index[axis] = slice(lo, hi)
+        out.append(a[tuple(index)])
+    return out

@@ -1,0 +1,85 @@
+"""Spatial sharding's building blocks (issue #32) on emulated shards: N threads of the NumPy
+backend joined by convkernels.shard_comm.ThreadShards, which has NCCL's collective semantics.
+A conv with its halo exchanged, and GroupNorm with its statistics all-reduced, computed shard by
+shard over odd row splits, must equal torch's conv2d and group_norm of the whole image."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convkernels import get_backend
+from convkernels.shard_comm import run_sharded, split, split_rows
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d
+
+
+def rel_l2(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def nchw(x):
+    return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+
+
+def test_rows_split_evenly_on_aligned_boundaries():
+    assert split_rows(23, 3) == [(0, 8), (8, 16), (16, 23)]
+    assert split_rows(21, 4, align=2) == [(0, 6), (6, 12), (12, 16), (16, 21)]
+    for h, n, a in [(100, 4, 8), (37, 5, 2), (9, 3, 3)]:
+        bounds = split_rows(h, n, a)
+        assert bounds[0][0] == 0 and bounds[-1][1] == h
+        assert all(lo % a == 0 and hi - lo >= a for lo, hi in bounds)
+        assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+    with pytest.raises(ValueError):
+        split_rows(5, 3, align=2)
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4])
+@pytest.mark.parametrize("kernel", [1, 3, 5])
+def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kernel):
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 23, 9, 5)).astype(np.float32)  # odd rows, odd channels
+    w = rng.standard_normal((7, kernel, kernel, 5)).astype(np.float32)
+    b = rng.standard_normal(7).astype(np.float32)
+    backend = get_backend("numpy")
+    parts = split(x, split_rows(23, shards))
+    out = np.concatenate(run_sharded(shards, lambda comm, r: halo_conv2d(backend, np, comm, parts[r], w, b)), axis=1)
+    ref = F.conv2d(nchw(x), torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), torch.from_numpy(b),
+                   padding=kernel // 2).numpy().transpose(0, 2, 3, 1)
+    assert out.shape == ref.shape
+    assert rel_l2(out, ref) < 1e-5
+    if kernel > 1:  # the vacuity guard: shards padded with zeros instead of their neighbours' rows
+        alone = np.concatenate([backend.conv2d(p, w, b, padding=kernel // 2) for p in parts], axis=1)
+        assert rel_l2(alone, ref) > 1e-2
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_group_norm_with_all_reduced_statistics_equals_the_whole_image_norm(shards):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 19, 7, 12)) * 3 + rng.standard_normal(12)).astype(np.float32)
+    gamma, beta = rng.standard_normal(12).astype(np.float32), rng.standard_normal(12).astype(np.float32)
+    parts = split(x, split_rows(19, shards))
+    out = np.concatenate(run_sharded(shards, lambda comm, r: exact_group_norm(
+        np, comm, parts[r], 4, gamma, beta, eps=1e-6, activation="silu")), axis=1)
+    ref = F.silu(F.group_norm(nchw(x), 4, torch.from_numpy(gamma), torch.from_numpy(beta), eps=1e-6))
+    ref = ref.numpy().transpose(0, 2, 3, 1)
+    assert rel_l2(out, ref) < 1e-6
+    # the vacuity guard: each shard normalised by its own statistics is visibly different
+    local = np.concatenate([F.silu(F.group_norm(nchw(p), 4, torch.from_numpy(gamma), torch.from_numpy(beta),
+                                                eps=1e-6)).numpy().transpose(0, 2, 3, 1) for p in parts], axis=1)
+    assert rel_l2(local, ref) > 1e-2
+
+
+def test_a_failing_shard_fails_every_shard_instead_of_hanging():
+    started = threading.Barrier(3)
+
+    def shard(comm, rank):
+        started.wait()
+        if rank == 1:
+            raise RuntimeError("shard 1 lost its device")
+        return comm.allreduce_sum(np.ones(2))  # the others would wait for rank 1 forever
+
+    with pytest.raises((RuntimeError, threading.BrokenBarrierError)):
+        run_sharded(3, shard)
