@@ -17,16 +17,18 @@ from __future__ import annotations
 from .shard_comm import ShardComm
 
 
-def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, activation: str | None = None):
+def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None):
     """A stride-1 "same" 2-D conv (kernel kh x kw, padding (kh-1)/2, (kw-1)/2, as the VAEs' 3x3
     convs) of the whole image, on this shard's rows. Each shard sends its first and last
-    (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding."""
+    (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding.
+    residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip)."""
     kh, kw = int(w.shape[1]), int(w.shape[2])
     if kh % 2 == 0 or kw % 2 == 0:
         raise ValueError(f"halo_conv2d takes odd kernels (a 'same' conv), got {kh}x{kw}")
     halo = (kh - 1) // 2
     if halo == 0:
-        return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), activation=activation)
+        return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
+                              activation=activation)
     if x.shape[1] < halo:
         raise ValueError(f"a shard of {x.shape[1]} rows cannot give a halo of {halo}")
     above, below = comm.exchange_rows(x[:, :halo], x[:, -halo:])
@@ -34,7 +36,8 @@ def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, activation: st
     rows = [above if above is not None else xp.zeros(edge, x.dtype), x,
             below if below is not None else xp.zeros(edge, x.dtype)]
     padded = xp.ascontiguousarray(xp.concatenate(rows, axis=1))
-    return backend.conv2d(padded, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), activation=activation)
+    return backend.conv2d(padded, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
+                          activation=activation)
 
 
 def exact_group_norm(xp, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,
