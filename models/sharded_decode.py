@@ -1,0 +1,115 @@
+"""The image VAE's decode split by rows over shards (issue #32), equal to the unsharded decode.
+
+Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.py), with the
+model's own parameters, on its rows of the latents, and talks to the other shards only through
+its communicator (convkernels.shard_comm.ShardComm):
+- each 3x3 conv (conv_in, the resnets' convs, the upsamplers' convs, conv_out) gets its halo, one
+  row above and one below, from its neighbours (sharded_ops.halo_conv2d); 1x1 convs
+  (post_quant_conv, conv_shortcut) are row-local and run as they are;
+- every GroupNorm takes its statistics over the whole image by two all-reduces
+  (sharded_ops.exact_group_norm);
+- the upsample is nearest 2x of the shard's own rows (rows [a, b) become [2a, 2b)), then the
+  halo conv. The model's default "subpixel" mode computes the same thing as one op (a
+  transposed conv on CUDA); sharded, the nearest + conv form with the same weights is used;
+- the mid-block attention: each shard's queries attend to the keys and values of every token,
+  all-gathered from every shard in rank order, so the softmax runs over the whole image.
+
+conv_out already holds diffusers' output mapping x / 2 + 0.5 (folded at load), so the shard's
+output is clipped to [0, 1] as model.decode clips it. `decode_sharded_emulated` runs the lot on
+threads (ThreadShards, NCCL's collective semantics) and concatenates the shards' rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d
+
+from .contract import PIXEL_RANGE
+
+
+def _group_norm(xp, comm: ShardComm, norm, x, activation: str | None = "silu"):
+    return exact_group_norm(xp, comm, x, norm.groups, norm.weight, norm.bias, norm.eps, activation)
+
+
+def _conv3x3(comm: ShardComm, xp, conv, x, residual=None):
+    return halo_conv2d(conv.backend, xp, comm, x, conv.weight, conv.bias, residual=residual)
+
+
+def _resnet(comm: ShardComm, xp, block, x):
+    """layers.ResnetBlock2D: norm-SiLU-conv twice, the skip added in conv2's epilogue."""
+    h = _conv3x3(comm, xp, block.conv1, _group_norm(xp, comm, block.norm1, x))
+    h = _group_norm(xp, comm, block.norm2, h)
+    skip = block.conv_shortcut(x) if block.conv_shortcut is not None else x  # 1x1: row-local
+    return _conv3x3(comm, xp, block.conv2, h, residual=skip)
+
+
+def _attention(comm: ShardComm, xp, attn, x):
+    """layers.SpatialAttention with this shard's tokens as queries and every shard's as keys and
+    values: K and V travel as one all-gathered array (channels concatenated), split on arrival."""
+    backend = attn.backend
+    n, h, w, c = x.shape
+    tokens = backend.reshape(_group_norm(xp, comm, attn.group_norm, x, activation=None), (n, h * w, c))
+    q = attn.to_q(tokens)
+    kv = xp.concatenate([attn.to_k(tokens), attn.to_v(tokens)], axis=-1)
+    every = xp.concatenate(comm.allgather(kv), axis=1)  # rank order = row order = token order
+    k, v = xp.ascontiguousarray(every[..., :c]), xp.ascontiguousarray(every[..., c:])
+    out = attn.proj(backend.attention(q, k, v), residual=backend.reshape(x, (n, h * w, c)))
+    return backend.reshape(out, (n, h, w, c))
+
+
+def _upsample(comm: ShardComm, xp, upsampler, x):
+    """layers.Upsample2D as nearest 2x of the shard's rows, then the 3x3 conv with its halo."""
+    return _conv3x3(comm, xp, upsampler.conv, upsampler.backend.upsample_nearest(x, 2))
+
+
+def sharded_decoder_forward(model, comm: ShardComm, z, xp):
+    """The model's decoder forward (post_quant_conv, then decoder) on this shard's rows of the
+    unscaled latents (backend array, N, rows, w, C) -> this shard's image rows (backend array,
+    conv_out's x / 2 + 0.5 included, unclipped)."""
+    dec = model.decoder
+    if model.post_quant_conv is not None:
+        z = model.post_quant_conv(z)  # 1x1
+    x = _conv3x3(comm, xp, dec.conv_in, z)
+    mid = dec.mid_block
+    x = _resnet(comm, xp, mid.resnets[0], x)
+    if mid.attention is not None:
+        x = _attention(comm, xp, mid.attention, x)
+    x = _resnet(comm, xp, mid.resnets[1], x)
+    for resnets, upsampler in dec.stages:
+        for block in resnets:
+            x = _resnet(comm, xp, block, x)
+        if upsampler is not None:
+            x = _upsample(comm, xp, upsampler, x)
+    x = _group_norm(xp, comm, dec.conv_norm_out, x)
+    return _conv3x3(comm, xp, dec.conv_out, x)
+
+
+def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> np.ndarray:
+    """This shard's part of model.decode (untiled): z_rows are its rows of the scaled latents as
+    the pipeline hands them, host (N, C, rows, w); the result is its rows of the images, host
+    float32 (N, 8 rows, 8 w, 3), in [0, 1] unless clamp=False (as model.decode's)."""
+    lat = np.asarray(z_rows)
+    if lat.ndim != 4 or lat.shape[1] != model.latent_channels:
+        raise ValueError(f"{model.name}: latent rows must be (N, {model.latent_channels}, rows, w), got {lat.shape}")
+    # model.decode's de-normalisation: latents / scaling_factor + shift_factor, channels-last
+    z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
+    z = z / np.float32(model.scaling_factor) + np.float32(model.shift_factor)
+    backend = model.backend
+    out = sharded_decoder_forward(model, comm, backend.asarray(z), xp)
+    return backend.to_host_async(out, PIXEL_RANGE if clamp else None).result()
+
+
+def decode_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
+                            comm_wrapper=None) -> np.ndarray:
+    """model.decode(latents, tiled=False) computed on `shards` emulated shards (threads, one
+    NumPy backend): the latents split by rows (split_rows), each shard's rows decoded by
+    sharded_decode, the image rows concatenated. comm_wrapper(comm) -> comm, if given, stands
+    between each shard and its communicator (the tests break one collective with it)."""
+    lat = np.asarray(latents)
+    parts = split(lat, split_rows(lat.shape[2], shards), axis=2)
+
+    def shard(comm, rank):
+        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp)
+
+    return np.concatenate(run_sharded(shards, shard), axis=1)
