@@ -50,6 +50,12 @@ def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kern
                    padding=kernel // 2).numpy().transpose(0, 2, 3, 1)
     assert out.shape == ref.shape
     assert rel_l2(out, ref) < 1e-5
+    # a residual (a resnet's skip) added in the epilogue: each shard passes its own output rows
+    skip = rng.standard_normal(ref.shape).astype(np.float32)
+    skips = split(skip, split_rows(23, shards))
+    fused = np.concatenate(run_sharded(shards, lambda comm, r: halo_conv2d(
+        backend, np, comm, parts[r], w, b, residual=skips[r])), axis=1)
+    assert rel_l2(fused, ref + skip) < 1e-5
     if kernel > 1:  # the vacuity guard: shards padded with zeros instead of their neighbours' rows
         alone = np.concatenate([backend.conv2d(p, w, b, padding=kernel // 2) for p in parts], axis=1)
         assert rel_l2(alone, ref) > 1e-2
