@@ -74,3 +74,23 @@ def test_npy_stream_matches_rest_decode_and_diffusers(served):
     err = ref.rel_l2(got, served.reference(lat))
     print(f"stream vs diffusers rel L2 {err:.2e}")
     assert err < TOL
+
+
+def test_remote_decode_raw_sample(served):
+    """diffusers' remote VAE client: de-normalised latents (do_scaling=False) -> a raw `pt` answer equal
+    to vae.decode(...).sample, clamped to [-1, 1] and unpatchified as diffusers does."""
+    pytest.importorskip("requests")
+    from diffusers.utils.remote_utils import remote_decode
+
+    lat = torch.from_numpy(latents(1, 12, 2, 3, 4))
+    mean = torch.tensor(served.config["latents_mean"]).view(1, -1, 1, 1, 1)
+    std = torch.tensor(served.config["latents_std"]).view(1, -1, 1, 1, 1)
+    z = lat / (1.0 / std) + mean
+    with torch.no_grad():
+        sample = served.vae.decode(z).sample  # 1,3,5,48,64 in [-1, 1]
+    out = remote_decode(f"{served.base}/v1/models/{MODEL}/vae/decode", z, do_scaling=False, output_type="pt",
+                        return_type="pt")
+    assert tuple(out.shape) == (1, 3, 5, 48, 64)
+    err = ref.rel_l2(out.numpy(), sample.numpy())
+    print(f"remote_decode vs diffusers rel L2 {err:.2e}")
+    assert err < TOL
