@@ -204,3 +204,11 @@ def test_card_presets_and_refusals(tmp_path):
     safetensors_torch.save_file({"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1)}, str(original))
     with pytest.raises(WeightsError, match="diffusers naming"):
         build("x", "tiny-wan2.2-vae", get_backend("numpy"), str(original))
+
+
+def test_a_wan22_checkpoint_under_a_wan21_preset_is_pointed_to_wan22(tmp_path):
+    vae, _, _ = make_reference(tmp_path, WAN22_SMALL, fresh_seed())
+    path = tmp_path / "wan22.safetensors"
+    safetensors_torch.save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(path))
+    with pytest.raises(WeightsError, match=r"Wan 2\.2 VAE checkpoint.*wan2\.2-vae"):
+        load_model("w", "tiny-wan-vae", get_backend("numpy"), weights=str(path))
