@@ -25,6 +25,7 @@ FAMILIES: tuple[str, ...] = (
     "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
     "flux2_vae",       # diffusers AutoencoderKLFlux2 image VAE (FLUX.2)
     "wan_vae",         # Wan 2.1 video VAE
+    "wan22_vae",       # Wan 2.2 video VAE (TI2V-5B: AutoencoderKLWan is_residual, 48 channels, 16x)
     "qwen_image_vae",  # diffusers AutoencoderKLQwenImage (the Qwen-Image VAE: Wan 2.1's decoder on one frame)
     "convnext",        # ConvNeXt vision encoder
     "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)

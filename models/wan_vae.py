@@ -25,6 +25,7 @@ from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
 from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
 from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
+from .wan22_vae_layers import ResidualDecoder3d
 from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
                      video_tiles_for_size)
 from .weights import DiffusersConfig, diffusers_config, fold_output_affine
@@ -84,14 +85,19 @@ class WanVAEConfig(DiffusersConfig):
     scale_factor_temporal: int | None = 4
     scale_factor_spatial: int | None = 8
 
-    def validate(self) -> None:
+    def variant_problems(self) -> list[str]:
+        """What makes this config not a Wan 2.1 VAE (Wan 2.2's config says so in models/wan22_vae.py)."""
         problems = []
         if self.is_residual:
-            problems.append("is_residual=True is the Wan 2.2 VAE; only Wan 2.1 is supported")
+            problems.append("is_residual=True is the Wan 2.2 VAE: use a wan2.2 preset")
         if self.patch_size not in (None, 1):
-            problems.append(f"patch_size={self.patch_size} (Wan 2.2) is not supported")
+            problems.append(f"patch_size={self.patch_size} is the Wan 2.2 VAE: use a wan2.2 preset")
         if self.out_channels != 3:
             problems.append(f"out_channels must be 3 (RGB), got {self.out_channels}")
+        return problems
+
+    def validate(self) -> None:
+        problems = self.variant_problems()
         if len(self.temperal_downsample) != len(self.dim_mult) - 1:
             problems.append(f"temperal_downsample needs {len(self.dim_mult) - 1} entries, "
                             f"got {len(self.temperal_downsample)}")
@@ -136,8 +142,9 @@ class _VAEDecoderTree(Module):
         super().__init__()
         z = cfg.z_dim
         self.post_quant_conv = self.add("post_quant_conv", CausalConv3d(z, z, 1))
-        self.decoder = self.add("decoder", Decoder3d(cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
-                                                     cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels))
+        decoder = ResidualDecoder3d if cfg.is_residual else Decoder3d  # Wan 2.2 / Wan 2.1
+        self.decoder = self.add("decoder", decoder(cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
+                                                   cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels))
 
 
 class WanVAEDecoder:
@@ -211,7 +218,7 @@ class WanVAEDecoder:
         sf = self.spatial_factor
         if tiled is None:
             tiled = h * w * sf * sf > self.max_untiled_pixels
-        plan = plan_video_tiles(h, w, sf, self.tiling) if tiled else None
+        plan = self._tile_plan(h, w) if tiled else None
         return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
 
     def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
@@ -239,15 +246,29 @@ class WanVAEDecoder:
         states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
         for k in range(z.shape[1]):
             interrupt.check()
-            tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b]).result()
+            tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b], whole=False).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
-            yield self._to_pixels(stitch_video_tiles(plan, tiles), uint8)
+            yield self._to_pixels(self._stitched(plan, tiles), uint8)
 
-    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False):
+    def _tile_plan(self, h: int, w: int):
+        """The tile grid for latents of h x w (None: one tile)."""
+        return plan_video_tiles(h, w, self.spatial_factor, self.tiling)
+
+    def _stitched(self, plan, tiles) -> np.ndarray:
+        """One chunk's decoded tiles (as the decoder gives them) blended into frames."""
+        return stitch_video_tiles(plan, tiles)
+
+    def _frames(self, out):
+        """The decoder's output (on the device) as the frames it stands for (Wan 2.2 unpatchifies)."""
+        return out
+
+    def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False,
+                      whole: bool = True):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
         host (`.result()`: float32, mapped to image space by conv_out's folded x / 2 + 0.5,
         clipped to `clip` if given; uint8: 8-bit pixels, converted on the device), advancing
-        `state`; the device may still be working when this returns.
+        `state`; the device may still be working when this returns. whole=False (a tile): the
+        decoder's output as it is, not yet made frames (_frames; the stitched tiles are, _stitched).
         Steady chunks (the third on) go through the graphed step where the backend records it:
         their shapes repeat, so it replays them; the first two change the cache's layout."""
         b = self.backend
@@ -259,7 +280,7 @@ class WanVAEDecoder:
             state.slots = slots
         else:
             out = self.tree.decoder(self.tree.post_quant_conv(x), state)
-        return b.to_host_async(out, clip, uint8=uint8)
+        return b.to_host_async(self._frames(out) if whole else out, clip, uint8=uint8)
 
     def _step(self, x, *cache):
         """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on

@@ -134,7 +134,8 @@ def _first(names: list[str], n: int = SHOWN) -> str:
 def checkpoint_family(keys) -> str | None:
     """What a state dict's names say it is (a model's expected names or a checkpoint's):
     'convnext', 'vae' (diffusers naming), 'ldm-vae' (original Stable Diffusion naming), 'flux2-vae'
-    (a VAE with FLUX.2's BatchNorm latent statistics, `bn.*`), 'sd-pipeline' (a whole original SD
+    (a VAE with FLUX.2's BatchNorm latent statistics, `bn.*`), 'wan22-vae' (the Wan 2.2 VAE's residual
+    up blocks, `decoder.up_blocks.*.upsampler.*`), 'sd-pipeline' (a whole original SD
     checkpoint), 'taesd' (diffusers AutoencoderTiny), or None when nothing fits."""
     keys = list(keys)
     has = lambda *prefixes: any(k.startswith(prefixes) for k in keys)  # noqa: E731
@@ -150,6 +151,8 @@ def checkpoint_family(keys) -> str | None:
             return "flux2-vae"
         if has("decoder.up.", "decoder.mid.", "encoder.down."):
             return "ldm-vae"
+        if any(k.startswith("decoder.up_blocks.") and ".upsampler." in k for k in keys):
+            return "wan22-vae"  # AutoencoderKLWan is_residual: Wan 2.1's blocks say `upsamplers.0`
         return "vae"
     return None
 
@@ -158,11 +161,13 @@ _FAMILY_TEXT = {"convnext": "a ConvNeXt checkpoint", "vae": "a VAE checkpoint (d
                 "taesd": "a TAESD tiny VAE checkpoint (diffusers AutoencoderTiny)",
                 "ldm-vae": "a VAE in the original Stable Diffusion (ldm) naming, not diffusers'",
                 "flux2-vae": "a FLUX.2 VAE checkpoint (its BatchNorm latent statistics, bn.*)",
+                "wan22-vae": "a Wan 2.2 VAE checkpoint (AutoencoderKLWan is_residual: decoder.up_blocks.*.upsampler.*)",
                 "sd-pipeline": "a whole original Stable Diffusion checkpoint (UNet, text encoder and VAE)"}
 _FAMILY_FIX = {"convnext": "serve it with a ConvNeXt preset (tiny-convnext, convnext-tiny, convnext-base)",
                "taesd": "serve it with a TAESD preset (taesd, taesdxl, taef1, tiny-taesd)",
-               "vae": "serve it with a VAE preset of its kind (sd-vae, sdxl-vae, flux-vae, flux2-vae, wan2.1-vae, ...)",
+               "vae": "serve it with a VAE preset of its kind (sd-vae, sdxl-vae, flux-vae, flux2-vae, wan2.1-vae, wan2.2-vae, ...)",
                "flux2-vae": "serve it with a FLUX.2 VAE preset (flux2-vae, tiny-flux2-vae)",
+               "wan22-vae": "serve it with a Wan 2.2 VAE preset (wan2.2-vae, tiny-wan2.2-vae)",
                "ldm-vae": "use the diffusers-format VAE (the `vae` folder of a diffusers repository) or convert it",
                "sd-pipeline": "serve the diffusers repository's `vae` folder (org/name/vae) instead"}
 

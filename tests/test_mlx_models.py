@@ -1,5 +1,5 @@
 """The tiny presets on the MLX backend (MLX's CPU device here) vs the independent references
-(diffusers AutoencoderKL / AutoencoderKLWan, transformers ConvNext), with fresh random weights
+(diffusers AutoencoderKL / AutoencoderKLWan (Wan 2.1 and 2.2), transformers ConvNext), with fresh random weights
 saved and loaded through `models.load_model`, built the same way as tests/test_models_*.py."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 import test_models_convnext as cnx  # noqa: E402
 import test_models_vae as vae_ref  # noqa: E402
 import test_models_wan as wan_ref  # noqa: E402
+import test_models_wan22_vae as wan22_ref  # noqa: E402
 
 from convkernels import get_backend  # noqa: E402
 from models import PRESETS, load_model  # noqa: E402
@@ -60,6 +61,22 @@ def test_tiny_wan_vae_on_mlx_matches_diffusers(tmp_path, mlx_backend):
     err = wan_ref.rel_l2(ours, ref)
     assert err < 1e-4, f"seed {seed}: rel L2 {err:.2e}"
     assert {c["op"] for c in mlx_backend.conv_choices()} >= {"conv3d"}
+
+
+
+def test_tiny_wan22_vae_on_mlx_matches_diffusers(tmp_path, mlx_backend):
+    """The tiny Wan 2.2 preset's own config (residual up blocks, 2x2 patches) vs diffusers, T = 3."""
+    seed = wan22_ref.fresh_seed()
+    cfg = {k: v for k, v in PRESETS["tiny-wan2.2-vae"].config.items() if k not in ("latents_mean", "latents_std")}
+    ref_vae, folder, cfg = wan22_ref.make_reference(tmp_path, cfg, seed)
+    model = load_model("wan22", "tiny-wan2.2-vae", mlx_backend, weights=str(folder))
+    lat = np.random.default_rng(seed).standard_normal((1, cfg["z_dim"], 3, 3, 5)).astype(np.float32)
+    ours = model.decode(lat)
+    ref = wan22_ref.reference_decode(ref_vae, cfg, lat)
+    assert ours.shape == (1, 9, 48, 80, 3)
+    assert 0.02 < float(ref.std()) and float(np.mean((ref <= 0) | (ref >= 1))) < 0.5
+    err = wan22_ref.rel_l2(ours, ref)
+    assert err < 1e-4, f"seed {seed}: rel L2 {err:.2e}"
 
 
 def test_tiny_convnext_on_mlx_matches_transformers(tmp_path_factory, mlx_backend):

@@ -23,7 +23,7 @@ def backend():
 
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux-vae", "tiny-flux2-vae", "tiny-wan-vae",
-                                    "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd"])
+                                    "tiny-wan2.2-vae", "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd"])
 def test_each_family_follows_its_kinds_protocol(backend, preset):
     model = load_model(preset, preset, backend)
     assert isinstance(model, PROTOCOLS[model.kind])
@@ -31,7 +31,8 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
     assert isinstance(model, TiledDecoder) == (model.kind != IMAGE_ENCODER)
 
 
-@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-qwen-image-vae", "tiny-taesd"])
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
+                                    "tiny-qwen-image-vae", "tiny-taesd"])
 def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset):
     model = load_model(preset, preset, backend, options=ModelOptions(tile_size=256))
     chain, t = [], model.tiling
@@ -56,7 +57,8 @@ def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset)
         assert model.decode(z, tiled=True).shape == (1, 23 * f, 19 * f, 3)
     else:
         z = rng.standard_normal((1, model.latent_channels, 2, 11, 9)).astype(np.float32)
-        assert model.decode(z, tiled=True).shape == (1, 5, 88, 72, 3)
+        f = model.spatial_factor
+        assert model.decode(z, tiled=True).shape == (1, 5, 11 * f, 9 * f, 3)
 
 
 def test_tile_size_becomes_each_decoders_own_setting(backend):
@@ -70,8 +72,8 @@ def test_tile_size_becomes_each_decoders_own_setting(backend):
     assert enc.kind == IMAGE_ENCODER
 
 
-@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-qwen-image-vae",
-                                    "tiny-convnext", "tiny-taesd"])
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
+                                    "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd"])
 def test_example_inputs_are_what_the_model_takes_at_the_asked_size(backend, preset):
     """Warm-up and the CLI bench build their inputs with example_input: a decoder's latents decode
     to the asked pixel size rounded down to its grid; an encoder takes images of that size."""

@@ -71,6 +71,7 @@ def test_non_finite_values_are_named():
     (["convnext.embeddings.patch_embeddings.weight"], "convnext"),
     (["stem.0.weight", "stages.0.blocks.0.conv_dw.weight"], "convnext"),
     (["decoder.layers.0.weight", "encoder.layers.1.conv.0.weight"], "taesd"),
+    (["decoder.up_blocks.0.upsampler.resample.1.weight", "decoder.up_blocks.0.resnets.0.conv1.weight"], "wan22-vae"),
     (["text_model.embeddings.token_embedding.weight"], None),
 ])
 def test_checkpoint_family(keys, family):

@@ -1,0 +1,180 @@
+"""The Wan 2.2 video VAE decoder (TI2V-5B's `Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae`: diffusers
+`AutoencoderKLWan` with `is_residual=True`), `kind == "video-decoder"`: the Wan 2.2 VAE family
+(its presets, model and builder; `FAMILY`), built on the Wan 2.1 family (models/wan_vae.py).
+
+What Wan 2.2 changes in the decoder (models/wan22_vae_layers.py): residual up blocks whose input
+is added back through a parameter-free DupUp3D shortcut, no channel halving between blocks (each
+upsampler keeps its width), its own decoder width (`decoder_base_dim`), and a 2x2 patch: the
+decoder gives 3 * 2 * 2 channels at 8x that unpatchify makes RGB at 16x. Decoding is Wan 2.1's:
+chunked and causal, one latent frame at a time (1 frame, then 4 per later latent frame).
+
+    decode: x (N, 48, T, h, w), normalised
+            -> x / (1 / latents_std) + latents_mean     (the Wan pipelines' de-normalisation, per channel)
+            -> post_quant_conv, the residual decoder one latent frame at a time -> unpatchify
+            -> clamp to [-1, 1], x / 2 + 0.5 -> frames (N, 1 + 4 (T - 1), 16h, 16w, 3) in [0, 1]
+
+Tiled decoding follows diffusers' tiled_decode: tiles of `tile_sample_min_size` output pixels
+(16 per latent) every `tile_sample_stride`, blended in the decoder's patched pixels (half those
+sizes), unpatchified after stitching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from convkernels import Backend
+
+from .contract import VIDEO_DECODER
+from .family import ModelFamily, ModelOptions, family_options
+from .tiling import plan_video_tiles, stitch_video_tiles, video_tiles
+from .wan22_vae_layers import unpatchify
+from .wan_vae import WanVAEConfig, WanVAEDecoder, WanVAEOptions
+from .wan_vae_checkpoint import checkpoint_naming
+from .weights import WeightsError, diffusers_config
+
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder vae, config.json (the same 48 values as the original
+# Wan 2.2 release's Wan2_2_VAE and diffusers' conversion script vae22_diffusers_config)
+WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+]
+WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+]
+
+PRESETS: dict[str, dict] = {
+    "wan2.2-vae": {
+        "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+        "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": True,
+        "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_temporal": 4,
+        "scale_factor_spatial": 16, "latents_mean": WAN22_LATENTS_MEAN, "latents_std": WAN22_LATENTS_STD,
+    },
+    "tiny-wan2.2-vae": {
+        "base_dim": 8, "decoder_base_dim": 8, "z_dim": 12, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+        "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": True,
+        "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_temporal": 4,
+        "scale_factor_spatial": 16,
+        "latents_mean": [round(0.1 * ((7 * i) % 11 - 5), 2) for i in range(12)],
+        "latents_std": [round(0.4 + 0.15 * ((5 * i) % 13), 2) for i in range(12)],
+    },
+}
+
+DESCRIPTIONS = {
+    "wan2.2-vae": "Wan 2.2 video VAE decoder (Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae, AutoencoderKLWan "
+                  "is_residual; 48 latent channels, 16x space, 4x time)",
+    "tiny-wan2.2-vae": "tiny Wan-2.2-architecture video VAE decoder for tests and CPU demos "
+                       "(12 latent channels, 16x space; 3x4x4 latents -> 9x64x64 in well under a second)",
+}
+
+
+@dataclass(frozen=True)
+class Wan22VAEConfig(WanVAEConfig):
+    """diffusers AutoencoderKLWan's config.json fields, Wan 2.2's values by default."""
+
+    base_dim: int = 160
+    decoder_base_dim: int | None = 256
+    z_dim: int = 48
+    latents_mean: tuple[float, ...] = tuple(WAN22_LATENTS_MEAN)
+    latents_std: tuple[float, ...] = tuple(WAN22_LATENTS_STD)
+    is_residual: bool = True
+    in_channels: int = 12
+    out_channels: int = 12
+    patch_size: int | None = 2
+    scale_factor_spatial: int | None = 16
+    #: older diffusers' switch for decode's clamp to [-1, 1]; the pipeline clamps its x / 2 + 0.5
+    #: to [0, 1] either way, so the frames do not depend on it (read and ignored)
+    clip_output: bool = False
+
+    @property
+    def patch(self) -> int:
+        return self.patch_size or 1
+
+    def variant_problems(self) -> list[str]:
+        problems = []
+        if not self.is_residual:
+            problems.append("is_residual=False is the Wan 2.1 VAE: use the wan2.1-vae preset")
+        if self.patch < 1:
+            problems.append(f"patch_size must be >= 1, got {self.patch_size}")
+        elif self.out_channels != 3 * self.patch ** 2:
+            problems.append(f"out_channels must be 3 * patch_size^2 = {3 * self.patch ** 2} (RGB patches), "
+                            f"got {self.out_channels}")
+        return problems
+
+    @property
+    def spatial_factor(self) -> int:
+        """Output pixels per latent: the decoder's 2x per upsampling block, times the patch."""
+        return 2 ** (len(self.dim_mult) - 1) * self.patch
+
+
+class Wan22VAEDecoder(WanVAEDecoder):
+    """Video decoder per docs/interfaces.md: normalised latents (N, 48, T, h, w) -> float32 frames
+    (N, 1 + 4*(T-1), 16h, 16w, 3) in [0, 1]."""
+
+    architecture = ("diffusers AutoencoderKLWan decoder, is_residual (Wan 2.2 video VAE: residual up blocks "
+                    "with DupUp3D shortcuts, 2x2 patches)")
+
+    def __init__(self, name: str, preset: str, backend: Backend, cfg: Wan22VAEConfig,
+                 tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
+                 options: WanVAEOptions | None = None):
+        if tensors is not None and checkpoint_naming(tensors) != "diffusers":
+            raise WeightsError(f"{weights_source or 'checkpoint'}: original-Wan tensor names are read for the "
+                               "Wan 2.1 VAE only; give the Wan 2.2 VAE in diffusers naming "
+                               "(Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder vae)")
+        super().__init__(name, preset, backend, cfg, tensors, weights_source, options)
+        # the pipelines' own form: latents_std = 1 / std (float32), then latents / latents_std + mean
+        self._inv_std = np.float32(1.0) / self._std
+
+    def _denormalise(self, lat: np.ndarray) -> np.ndarray:
+        return lat / self._inv_std + self._mean
+
+    def _frames(self, out):
+        return unpatchify(self.backend, out, self.config.patch)
+
+    def _tile_plan(self, h: int, w: int):
+        # diffusers tiles by latents of the full factor and blends in the patched pixels
+        p = self.config.patch
+        patched = video_tiles(self.tiling.tile_px // p, self.tiling.stride_px // p)
+        return plan_video_tiles(h, w, self.spatial_factor // p, patched)
+
+    def _stitched(self, plan, tiles) -> np.ndarray:
+        return host_unpatchify(stitch_video_tiles(plan, tiles), self.config.patch)
+
+    def card(self) -> dict:
+        card = super().card()
+        card["input"] = "normalised latents (N, C, T, h, w); decode applies latents / (1 / latents_std) + latents_mean"
+        return card
+
+
+def host_unpatchify(x: np.ndarray, patch: int) -> np.ndarray:
+    """wan22_vae_layers.unpatchify on host arrays (stitched tiles)."""
+    n, t, h, w, cp = x.shape
+    c = cp // (patch * patch)
+    x = x.reshape(n, t, h, w, c, patch, patch).transpose(0, 1, 2, 6, 3, 5, 4)
+    return np.ascontiguousarray(x.reshape(n, t, h * patch, w * patch, c))
+
+
+def build(name: str, preset: str, backend: Backend, weights: str | None = None,
+          options: ModelOptions | None = None) -> Wan22VAEDecoder:
+    """A Wan 2.2 video VAE decoder from a preset name, optional weights (a diffusers folder with
+    config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
+    architecture; or a single .safetensors in diffusers naming, read with the preset's config) and
+    options (WanVAEOptions; their `config` overrides config fields)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Wan 2.2 VAE preset {preset!r}; known: {sorted(PRESETS)}")
+    options = family_options(options, WanVAEOptions)
+    cfg, tensors = diffusers_config(weights, "AutoencoderKLWan", Wan22VAEConfig, PRESETS[preset], options.config)
+    return Wan22VAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
+
+
+FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build, WanVAEOptions)

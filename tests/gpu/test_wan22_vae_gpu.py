@@ -1,0 +1,84 @@
+"""The Wan 2.2 VAE decoder on the CUDA backend vs diffusers' AutoencoderKLWan(is_residual=True,
+patch_size=2) + the Wan 2.2 pipeline's de-normalisation, run by PyTorch on the CPU in float32, identical
+random weights (every parameter drawn afresh) and non-trivial latents_mean/std, through the public
+models.load_model path: relative L2 < 1e-4 in float32 (TF32 is off by default), < 1e-2 in float16 /
+bfloat16; untiled and in the Wan VAE's tiles; T = 3 latent frames (the steady, graphed chunk included).
+Skipped without a CUDA GPU + CuPy + cuDNN."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gpu_support import cuda_or_skip
+from torch_reference import rel_l2
+
+pytestmark = pytest.mark.gpu
+TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2}
+
+# the CPU references: the same helpers as the CPU parity tests (tests/test_models_wan22_vae.py)
+wan22_ref = pytest.importorskip("test_models_wan22_vae")
+
+FULL = dict(wan22_ref.PRESETS["wan2.2-vae"])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_backend_available():
+    cuda_or_skip()
+
+
+def backend(dtype):
+    from convkernels import get_backend
+    return get_backend("cuda", dtype=dtype)
+
+
+def report(line: str) -> None:
+    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
+    print(line)
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "model_parity.txt"), "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.mark.parametrize("preset,cfg,dtype,lat", [
+    ("tiny-wan2.2-vae", wan22_ref.WAN22_SMALL, "float32", (2, 12, 3, 5, 7)),
+    ("tiny-wan2.2-vae", wan22_ref.WAN22_ODD, "float16", (1, 7, 3, 3, 5)),
+    ("wan2.2-vae", FULL, "float32", (1, 48, 3, 3, 4)),
+    ("wan2.2-vae", FULL, "bfloat16", (1, 48, 3, 4, 6)),
+])
+def test_wan22_vae_decode(tmp_path, preset, cfg, dtype, lat):
+    from models import load_model
+
+    s = wan22_ref.fresh_seed()
+    vae, folder, config = wan22_ref.make_reference(tmp_path, cfg, s)
+    model = load_model("w22", preset, backend(dtype), weights=str(folder))
+    latents = np.random.default_rng(s).standard_normal(lat).astype(np.float32)
+    ours = model.decode(latents, tiled=False)
+    ref = wan22_ref.reference_decode(vae, config, latents)
+    assert 0.02 < float(ref.std()), "reference decode is flat: the check would prove nothing"
+    err = rel_l2(ours, ref)
+    report(f"{preset} {dtype} latents {lat}: rel L2 {err:.2e}")
+    assert err < TOL[dtype], f"seed {s}: {err:.3e}"
+    # vacuity guard: the reference without the pipeline's de-normalisation is clearly further away
+    bare = rel_l2(ours, wan22_ref.reference_decode(vae, config, latents, denormalise=False))
+    assert bare > max(3 * err, 100 * TOL["float32"]), f"seed {s}: without de-normalisation {bare:.3e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_wan22_vae_tiled_decode(tmp_path, dtype):
+    from models.wan22_vae import build
+    from models.wan_vae import WanVAEOptions
+
+    s = wan22_ref.fresh_seed()
+    vae, folder, config = wan22_ref.make_reference(tmp_path, wan22_ref.WAN22_SMALL, s)
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
+                      tile_sample_stride_height=48, tile_sample_stride_width=48)
+    model = build("w22", "tiny-wan2.2-vae", backend(dtype), str(folder),
+                  WanVAEOptions(tile_sample_min_size=64, tile_sample_stride=48))
+    latents = np.random.default_rng(s).standard_normal((1, 12, 3, 7, 5)).astype(np.float32)
+    ours = model.decode(latents, tiled=True)
+    ref = wan22_ref.reference_decode(vae, config, latents)
+    err = rel_l2(ours, ref)
+    report(f"tiny-wan2.2-vae {dtype} tiled: rel L2 {err:.2e}")
+    assert err < TOL[dtype], f"seed {s}: {err:.3e}"
