@@ -10,3 +10,19 @@ def cuda_or_skip():
     ok, why = cuda_status()
     if not ok:
         pytest.skip(f"CUDA backend unavailable: {why}")
+
+
+def cuda_backend(dtype: str):
+    from convkernels import get_backend
+    return get_backend("cuda", dtype=dtype)
+
+
+def report_parity(line: str) -> None:
+    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
+    import os
+
+    print(line)
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "model_parity.txt"), "a") as f:
+            f.write(line + "\n")

@@ -5,11 +5,10 @@ BatchNorm statistics, through the public models.load_model path: relative L2 < 1
 CUDA graph (on by default), which must happen. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
-from gpu_support import cuda_or_skip
+from gpu_support import cuda_backend as backend, cuda_or_skip, report_parity as report
 from torch_reference import rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -25,20 +24,6 @@ FULL = {k: v for k, v in flux2_ref.PRESETS["flux2-vae"].config.items()
 @pytest.fixture(scope="module", autouse=True)
 def cuda_backend_available():
     cuda_or_skip()
-
-
-def backend(dtype):
-    from convkernels import get_backend
-    return get_backend("cuda", dtype=dtype)
-
-
-def report(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
-    print(line)
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "model_parity.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 def assert_captured(forward, calls: int) -> None:

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from gpu_support import cuda_or_skip
+from gpu_support import cuda_backend as backend, cuda_or_skip, report_parity as report
 from torch_reference import rel_l2, torch
 
 pytestmark = pytest.mark.gpu
@@ -27,26 +27,12 @@ def gpu_reference_in_true_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def backend(dtype):
-    from convkernels import get_backend
-    return get_backend("cuda", dtype=dtype)
-
-
 def assert_captured(forward, calls: int) -> None:
     """`calls` calls of a graphed forward: the first eager, every later one a replay of one
     capture. A forward that could not be captured fails here (it would only warn when serving)."""
     stats = forward.stats()
     assert stats["ungraphable"] == {}, f"forward not capturable: {stats['ungraphable']}"
     assert stats["captures"] == 1 and stats["replays"] == calls - 1, stats
-
-
-def report(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
-    print(line)
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "model_parity.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 def seed() -> int:

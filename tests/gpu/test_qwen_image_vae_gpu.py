@@ -5,11 +5,10 @@ relative L2 < 1e-4 in float32 (TF32 is off by default), < 1e-2 in float16 / bflo
 pipeline's N,16,1,h,w, untiled and in the Wan VAE's tiles; encode untiled. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
-from gpu_support import cuda_or_skip
+from gpu_support import cuda_backend as backend, cuda_or_skip, report_parity as report
 from torch_reference import rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -24,20 +23,6 @@ FULL = dict(qwen_ref.PRESETS["qwen-image-vae"])
 @pytest.fixture(scope="module", autouse=True)
 def cuda_backend_available():
     cuda_or_skip()
-
-
-def backend(dtype):
-    from convkernels import get_backend
-    return get_backend("cuda", dtype=dtype)
-
-
-def report(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
-    print(line)
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "model_parity.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.mark.parametrize("preset,cfg,dtype,lat", [

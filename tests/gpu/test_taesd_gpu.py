@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from gpu_support import cuda_or_skip
+from gpu_support import cuda_or_skip, report_parity as report
 from torch_reference import rel_l2, torch
 
 # the CPU reference and its random weights (every parameter moved, output scaled to mid-range)
@@ -27,15 +27,6 @@ TAEF1 = dict(latent_channels=16, scaling_factor=1.3, shift_factor=-0.2)
 @pytest.fixture(scope="module", autouse=True)
 def cuda_backend_present():
     cuda_or_skip()
-
-
-def report(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
-    print(line)
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "model_parity.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.mark.parametrize("preset,cfg,dtype,lat", [
