@@ -16,6 +16,7 @@ from models.autoencoder_kl import AutoencoderKLOptions
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline  # noqa: E402
+from torch_reference import rel_l2, fresh_seed
 
 TOL = 1e-4
 
@@ -23,16 +24,6 @@ TOL = 1e-4
 SMALL = dict(block_out_channels=(8, 16, 16, 24), layers_per_block=1, norm_num_groups=4, latent_channels=8,
              sample_size=64)
 TINY = {k: v for k, v in PRESETS["tiny-flux2-vae"].config.items() if k not in ("down_block_types", "up_block_types")}
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
-    return float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def make_flux2_vae(cfg: dict, seed: int):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from convkernels import get_backend
 from models import PRESETS as ALL_PRESETS
 from models import load_model
 from models.qwen_image_vae import PRESETS, QwenImageVAEDecoder, QwenImageVAEOptions, build
+from torch_reference import rel_l2, fresh_seed
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -46,16 +46,6 @@ def backends() -> list:
     except ImportError:
         pass
     return names
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def make_reference(tmp_path, config: dict, seed: int, extra_config: dict | None = None):

@@ -4,7 +4,6 @@ safetensors reader), on NumPy and on MLX (its CPU device where there is no Metal
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from convkernels import get_backend
 from models import PRESETS, WeightsError, load_model
 from models.taesd import TAESDOptions
+from torch_reference import rel_l2, fresh_seed
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -24,16 +24,6 @@ SMALL = dict(encoder_block_out_channels=(12, 12, 12, 12), decoder_block_out_chan
              num_encoder_blocks=(1, 2, 1, 2), num_decoder_blocks=(2, 1, 2, 1), latent_channels=4,
              scaling_factor=0.7, shift_factor=0.15)
 F1_LIKE = dict(SMALL, latent_channels=16, scaling_factor=1.3, shift_factor=-0.2)
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
-    return float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def make_tiny(cfg: dict, seed: int):

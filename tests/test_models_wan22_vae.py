@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from models.wan22_vae import PRESETS, Wan22VAEDecoder, build
 from models.wan22_vae_layers import dup_up, unpatchify
 from models.wan_vae import WanVAEOptions
 from models.weights import WeightsError
+from torch_reference import rel_l2, fresh_seed
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -39,16 +39,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def rel_l2(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def make_reference(tmp_path, config: dict, seed: int):

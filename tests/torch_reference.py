@@ -18,6 +18,11 @@ def fresh_rng() -> tuple[np.random.Generator, int]:
     return np.random.default_rng(seed), seed
 
 
+def fresh_seed() -> int:
+    """A new seed every run (tests print it with their figures) for fresh random weights."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
 def rel_l2(ours, ref) -> float:
     ours = np.asarray(ours, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
