@@ -18,6 +18,7 @@ import ctypes.util
 import logging
 import os
 import time
+from typing import Callable
 
 from .problems import Problem
 
@@ -64,7 +65,7 @@ def _malloc_trim():
 class MemoryBudget:
     """Bytes taken and given back on the event loop's thread (no lock needed)."""
 
-    def __init__(self, limit: int, retry_after: callable = lambda: "1"):
+    def __init__(self, limit: int, retry_after: Callable[[], str] = lambda: "1"):
         self.limit = limit
         self.used = 0
         self.peak_since_trim = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 #: an upload younger than this is never evicted (its first bytes may still be on the way)
 EVICTABLE_AFTER_S = 1.0
@@ -22,7 +23,7 @@ class Upload:
     deadline: asyncio.Timeout | None = None
     evicted: bool = False
     #: given back when evicted: the request's queue place
-    release: callable = field(default=lambda: None, repr=False)
+    release: Callable[[], None] = field(default=lambda: None, repr=False)
 
     def rate(self, now: float) -> float:
         return self.received / max(now - self.started, 1e-9)
