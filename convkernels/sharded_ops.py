@@ -7,12 +7,16 @@ Both take the shard's rows (channels-last N,H,W,C, rows on axis 1), its communic
 (shard_comm.ShardComm) and the array namespace `xp` the backend's arrays live in (numpy, cupy),
 and return what the unsharded layer returns for those rows.
 
-GroupNorm is exact through two all-reduces, as xDiT's DistVAE does: the per-group sums (and
-element counts) give the global mean; the sums of squared deviations about that mean give the
-variance. Summing squares about a shard's own mean instead would be the one-pass formula whose
-cancellation loses precision in half precision; the second all-reduce costs one small message.
+GroupNorm is exact through one all-reduce of its statistics: each shard's float64 sums of x and
+x*x per group (backend.group_norm_sums, the first of CUDA's two GroupNorm kernels), summed over
+the shards, normalise every shard as the whole image's would (backend.group_norm_apply, the
+second). xDiT's DistVAE all-reduces twice (the sums, then squared deviations about the global
+mean) to avoid the one-pass formula's cancellation; float64 accumulation makes that unnecessary
+here, and it is what the unsharded CUDA kernel does.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from .shard_comm import ShardComm
 
@@ -40,25 +44,22 @@ def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, residual=None,
                           activation=activation)
 
 
-def exact_group_norm(xp, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,
-                     activation: str | None = None):
-    """GroupNorm over the whole image (every shard's rows), on this shard's rows, statistics in
-    float64; the result in x's dtype. activation: None or "silu" (the VAEs' norm + SiLU)."""
+def exact_group_norm(backend, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,
+                     activation: str | None = None, rows: tuple[int, int] | None = None):
+    """GroupNorm over the whole image (every shard's rows), on this shard's rows: the backend's
+    group_norm_sums of the shard, summed over shards by one all-reduce, then group_norm_apply
+    with the whole image's element count per group. rows = (the image's, this shard's) rows at
+    any one scale gives that count by proportion; None all-reduces it (a host round trip)."""
     n, c = x.shape[0], x.shape[-1]
     if c % num_groups:
         raise ValueError(f"{c} channels do not split into {num_groups} groups")
-    groups = x.reshape(n, -1, num_groups, c // num_groups).astype(xp.float64)
-    count = comm.allreduce_sum(xp.asarray(float(groups.shape[1] * groups.shape[3])))
-    mean = comm.allreduce_sum(groups.sum(axis=(1, 3))) / count                      # (n, groups)
-    centred = groups - mean[:, None, :, None]
-    var = comm.allreduce_sum((centred * centred).sum(axis=(1, 3))) / count
-    y = (centred / xp.sqrt(var + eps)[:, None, :, None]).reshape(x.shape)
-    if weight is not None:
-        y = y * weight.astype(xp.float64)
-    if bias is not None:
-        y = y + bias.astype(xp.float64)
-    if activation == "silu":
-        y = y / (1.0 + xp.exp(-y))
-    elif activation is not None:
-        raise ValueError(f"exact_group_norm: activation {activation!r} is not offered (None or 'silu')")
-    return y.astype(x.dtype)
+    sums = comm.allreduce_sum(backend.group_norm_sums(x, num_groups))
+    own = x.size // (n * num_groups)
+    if rows is not None:
+        total, mine = rows
+        if (own * total) % mine:
+            raise ValueError(f"rows {rows} do not scale this shard's {own} elements per group to a whole count")
+        count = float(own * total // mine)
+    else:
+        count = float(comm.allreduce_sum(np.array([own], np.float64))[0])
+    return backend.group_norm_apply(x, sums, count, num_groups, weight, bias, eps, activation)

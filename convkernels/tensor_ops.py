@@ -76,6 +76,55 @@ class TensorOps(ABC):
         self._check_activation(activation, "group_norm")
         return self._group_norm(x, num_groups, weight, bias, float(eps), activation)
 
+    def group_norm_sums(self, x, num_groups: int):
+        """group_norm's statistics alone: (N, G, 2) float64 sums of x and of x*x over each group.
+        Summed over the shards of an image split by rows (convkernels/sharded_ops.py) they are
+        the whole image's, and group_norm_apply then normalises each shard exactly as group_norm
+        normalises the whole. Float64 sums make the one-pass variance (E[x^2] - mean^2) as exact
+        as the two-pass one at these sizes."""
+        if x.ndim < 2 or num_groups < 1 or x.shape[-1] % num_groups:
+            raise ValueError(f"group_norm_sums: {num_groups} groups must divide the channels of N,...,C "
+                             f"input, got shape {tuple(x.shape)}")
+        return self._group_norm_sums(x, num_groups)
+
+    def group_norm_apply(self, x, sums, count: float, num_groups: int, weight=None, bias=None,
+                         eps: float = 1e-5, activation: str | None = None):
+        """group_norm of x with the statistics `sums` (group_norm_sums' layout) of `count`
+        elements per group and sample, which may span more than x (every shard's rows)."""
+        n, c = x.shape[0], x.shape[-1]
+        if tuple(sums.shape) != (n, num_groups, 2) or count <= 0:
+            raise ValueError(f"group_norm_apply: sums must have shape ({n}, {num_groups}, 2) and count be "
+                             f"positive, got {tuple(sums.shape)} and {count}")
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None and tuple(p.shape) != (c,):
+                raise ValueError(f"group_norm_apply: {name} must have shape ({c},), got {tuple(p.shape)}")
+        self._check_activation(activation, "group_norm_apply")
+        return self._group_norm_apply(x, sums, float(count), num_groups, weight, bias, float(eps), activation)
+
+    # the generic route of the split GroupNorm: on the host, in float64 (the readable reference;
+    # CUDA runs its own two kernels). The sums are a host array here.
+    def _group_norm_sums(self, x, num_groups):
+        h = np.asarray(self.to_host(x), np.float64)
+        g = h.reshape(h.shape[0], -1, num_groups, h.shape[-1] // num_groups)
+        return np.stack([g.sum(axis=(1, 3)), np.square(g).sum(axis=(1, 3))], axis=-1)
+
+    def _group_norm_apply(self, x, sums, count, num_groups, weight, bias, eps, activation):
+        sums = np.asarray(sums, np.float64)
+        h = np.asarray(self.to_host(x), np.float64)
+        n, c = h.shape[0], h.shape[-1]
+        mean = sums[..., 0] / count
+        rstd = 1.0 / np.sqrt(np.maximum(sums[..., 1] / count - mean * mean, 0.0) + eps)
+        per_channel = np.repeat(np.arange(num_groups), c // num_groups)
+        scale = rstd[:, per_channel] * (1.0 if weight is None else np.asarray(self.to_host(weight), np.float64))
+        shift = (0.0 if bias is None else np.asarray(self.to_host(bias), np.float64)) - mean[:, per_channel] * scale
+        lead = (n,) + (1,) * (h.ndim - 2) + (c,)
+        y = h * scale.reshape(lead) + shift.reshape(lead)
+        if activation == "silu":
+            y = y / (1.0 + np.exp(-y))
+        elif activation is not None:
+            y = self.to_host(self._activation(self.asarray(y.astype(np.float32)), activation))
+        return self.asarray(np.asarray(y, np.float32), self.dtype_of(x))
+
     def layer_norm(self, x, weight=None, bias=None, eps: float = 1e-5, activation: str | None = None):
         """LayerNorm over the last (channel) axis."""
         c = x.shape[-1]

@@ -6,7 +6,7 @@ its communicator (convkernels.shard_comm.ShardComm):
 - each 3x3 conv (conv_in, the resnets' convs, the upsamplers' convs, conv_out) gets its halo, one
   row above and one below, from its neighbours (sharded_ops.halo_conv2d); 1x1 convs
   (post_quant_conv, conv_shortcut) are row-local and run as they are;
-- every GroupNorm takes its statistics over the whole image by two all-reduces
+- every GroupNorm takes its statistics over the whole image by an all-reduce
   (sharded_ops.exact_group_norm);
 - the upsample is nearest 2x of the shard's own rows (rows [a, b) become [2a, 2b)), then the
   halo conv. The model's default "subpixel" mode computes the same thing as one op (a
@@ -20,6 +20,8 @@ threads (ThreadShards, NCCL's collective semantics) and concatenates the shards'
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
@@ -28,64 +30,77 @@ from convkernels.sharded_ops import exact_group_norm, halo_conv2d
 from .contract import PIXEL_RANGE
 
 
-def _group_norm(xp, comm: ShardComm, norm, x, activation: str | None = "silu"):
-    return exact_group_norm(xp, comm, x, norm.groups, norm.weight, norm.bias, norm.eps, activation)
+@dataclass(frozen=True)
+class Shard:
+    """What every sharded layer needs: the communicator, the backend's array namespace (numpy,
+    cupy) and the share of the image's rows this shard holds (total, own) in latent rows, which
+    turns a GroupNorm's element count into the whole image's without asking the others."""
+    comm: ShardComm
+    xp: object
+    rows: tuple[int, int] | None = None
 
 
-def _conv3x3(comm: ShardComm, xp, conv, x, residual=None):
-    return halo_conv2d(conv.backend, xp, comm, x, conv.weight, conv.bias, residual=residual)
+def _group_norm(sh: Shard, norm, x, activation: str | None = "silu"):
+    return exact_group_norm(norm.backend, sh.comm, x, norm.groups, norm.weight, norm.bias, norm.eps, activation,
+                            rows=sh.rows)
 
 
-def _resnet(comm: ShardComm, xp, block, x):
+def _conv3x3(sh: Shard, conv, x, residual=None):
+    return halo_conv2d(conv.backend, sh.xp, sh.comm, x, conv.weight, conv.bias, residual=residual)
+
+
+def _resnet(sh: Shard, block, x):
     """layers.ResnetBlock2D: norm-SiLU-conv twice, the skip added in conv2's epilogue."""
-    h = _conv3x3(comm, xp, block.conv1, _group_norm(xp, comm, block.norm1, x))
-    h = _group_norm(xp, comm, block.norm2, h)
+    h = _conv3x3(sh, block.conv1, _group_norm(sh, block.norm1, x))
+    h = _group_norm(sh, block.norm2, h)
     skip = block.conv_shortcut(x) if block.conv_shortcut is not None else x  # 1x1: row-local
-    return _conv3x3(comm, xp, block.conv2, h, residual=skip)
+    return _conv3x3(sh, block.conv2, h, residual=skip)
 
 
-def _attention(comm: ShardComm, xp, attn, x):
+def _attention(sh: Shard, attn, x):
     """layers.SpatialAttention with this shard's tokens as queries and every shard's as keys and
     values: K and V travel as one all-gathered array (channels concatenated), split on arrival."""
     backend = attn.backend
     n, h, w, c = x.shape
-    tokens = backend.reshape(_group_norm(xp, comm, attn.group_norm, x, activation=None), (n, h * w, c))
+    tokens = backend.reshape(_group_norm(sh, attn.group_norm, x, activation=None), (n, h * w, c))
     q = attn.to_q(tokens)
+    xp = sh.xp
     kv = xp.concatenate([attn.to_k(tokens), attn.to_v(tokens)], axis=-1)
-    every = xp.concatenate(comm.allgather(kv), axis=1)  # rank order = row order = token order
+    every = xp.concatenate(sh.comm.allgather(kv), axis=1)  # rank order = row order = token order
     k, v = xp.ascontiguousarray(every[..., :c]), xp.ascontiguousarray(every[..., c:])
     out = attn.proj(backend.attention(q, k, v), residual=backend.reshape(x, (n, h * w, c)))
     return backend.reshape(out, (n, h, w, c))
 
 
-def _upsample(comm: ShardComm, xp, upsampler, x):
+def _upsample(sh: Shard, upsampler, x):
     """layers.Upsample2D as nearest 2x of the shard's rows, then the 3x3 conv with its halo."""
-    return _conv3x3(comm, xp, upsampler.conv, upsampler.backend.upsample_nearest(x, 2))
+    return _conv3x3(sh, upsampler.conv, upsampler.backend.upsample_nearest(x, 2))
 
 
-def sharded_decoder_forward(model, comm: ShardComm, z, xp):
+def sharded_decoder_forward(model, sh: Shard, z):
     """The model's decoder forward (post_quant_conv, then decoder) on this shard's rows of the
     unscaled latents (backend array, N, rows, w, C) -> this shard's image rows (backend array,
     conv_out's x / 2 + 0.5 included, unclipped)."""
     dec = model.decoder
     if model.post_quant_conv is not None:
         z = model.post_quant_conv(z)  # 1x1
-    x = _conv3x3(comm, xp, dec.conv_in, z)
+    x = _conv3x3(sh, dec.conv_in, z)
     mid = dec.mid_block
-    x = _resnet(comm, xp, mid.resnets[0], x)
+    x = _resnet(sh, mid.resnets[0], x)
     if mid.attention is not None:
-        x = _attention(comm, xp, mid.attention, x)
-    x = _resnet(comm, xp, mid.resnets[1], x)
+        x = _attention(sh, mid.attention, x)
+    x = _resnet(sh, mid.resnets[1], x)
     for resnets, upsampler in dec.stages:
         for block in resnets:
-            x = _resnet(comm, xp, block, x)
+            x = _resnet(sh, block, x)
         if upsampler is not None:
-            x = _upsample(comm, xp, upsampler, x)
-    x = _group_norm(xp, comm, dec.conv_norm_out, x)
-    return _conv3x3(comm, xp, dec.conv_out, x)
+            x = _upsample(sh, upsampler, x)
+    x = _group_norm(sh, dec.conv_norm_out, x)
+    return _conv3x3(sh, dec.conv_out, x)
 
 
-def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> np.ndarray:
+def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True,
+                   total_rows: int | None = None) -> np.ndarray:
     """This shard's part of model.decode (untiled): z_rows are its rows of the scaled latents as
     the pipeline hands them, host (N, C, rows, w); the result is its rows of the images, host
     float32 (N, 8 rows, 8 w, 3), in [0, 1] unless clamp=False (as model.decode's)."""
@@ -96,7 +111,8 @@ def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> np
     z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
     z = z / np.float32(model.scaling_factor) + np.float32(model.shift_factor)
     backend = model.backend
-    out = sharded_decoder_forward(model, comm, backend.asarray(z), xp)
+    rows = None if total_rows is None else (total_rows, lat.shape[2])
+    out = sharded_decoder_forward(model, Shard(comm, xp, rows), backend.asarray(z))
     return backend.to_host_async(out, PIXEL_RANGE if clamp else None).result()
 
 
@@ -110,6 +126,7 @@ def decode_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool
     parts = split(lat, split_rows(lat.shape[2], shards), axis=2)
 
     def shard(comm, rank):
-        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp)
+        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp,
+                              total_rows=lat.shape[2])
 
     return np.concatenate(run_sharded(shards, shard), axis=1)

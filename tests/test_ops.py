@@ -41,6 +41,35 @@ def test_group_norm(target, shape, groups, activation):
     assert rel_l2(ours, ref) < target.tol, f"seed {seed}"
 
 
+@pytest.mark.parametrize("shape,groups,cut", [((2, 13, 11, 32), 8, 5), ((1, 9, 7, 12), 3, 1),
+                                              ((2, 7, 5, 3, 40), 5, 4)])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_group_norm_split_statistics_normalise_row_parts_as_the_whole(target, shape, groups, cut, activation):
+    """group_norm_sums of two row parts, added, and group_norm_apply on each part with the whole
+    count: the whole tensor's GroupNorm (what a sharded decode does across devices)."""
+    be = backend(target)
+    rng, seed = fresh_rng()
+    c = shape[-1]
+    xh = rng.standard_normal(shape) * 3 + 1.5
+    xh[:, :cut] += 4.0  # the parts' own statistics differ clearly from the whole's (the guard below)
+    w, wh = put(be, rng.standard_normal(c))
+    b, bh = put(be, rng.standard_normal(c))
+    held = [put(be, xh[:, :cut]), put(be, xh[:, cut:])]
+    parts, xh = [d for d, _ in held], np.concatenate([h for _, h in held], axis=1)  # what the device holds
+    sums = [be.group_norm_sums(p, groups) for p in parts]
+    total = sums[0] + sums[1]
+    count = np.prod(shape[1:]) // groups
+    ours = np.concatenate([be.to_host(be.group_norm_apply(p, total, count, groups, w, b, 1e-6, activation))
+                           for p in parts], axis=1)
+    ref = from_t(ref_activation(F.group_norm(to_t(xh), groups, t64(wh), t64(bh), 1e-6),
+                                activation))
+    assert rel_l2(ours, ref) < target.tol, f"seed {seed}"
+    # the vacuity guard: each part normalised by its own statistics is clearly not the whole's
+    alone = np.concatenate([be.to_host(be.group_norm(p, groups, w, b, 1e-6, activation=activation)) for p in parts],
+                           axis=1)
+    assert rel_l2(alone, ref) > 10 * target.tol, f"seed {seed}"
+
+
 @pytest.mark.parametrize("shape", [(3, 5, 7, 13), (2, 7, 9, 96), (3, 5, 37), (1, 1000)])
 @pytest.mark.parametrize("activation", [None, "gelu", "gelu_tanh"])
 def test_layer_norm(target, shape, activation):

@@ -65,7 +65,7 @@ def test_group_norm_with_all_reduced_statistics_equals_the_whole_image_norm(shar
     gamma, beta = rng.standard_normal(12).astype(np.float32), rng.standard_normal(12).astype(np.float32)
     parts = split(x, split_rows(19, shards))
     out = np.concatenate(run_sharded(shards, lambda comm, r: exact_group_norm(
-        np, comm, parts[r], 4, gamma, beta, eps=1e-6, activation="silu")), axis=1)
+        get_backend("numpy"), comm, parts[r], 4, gamma, beta, eps=1e-6, activation="silu")), axis=1)
     ref = F.silu(F.group_norm(nchw(x), 4, torch.from_numpy(gamma), torch.from_numpy(beta), eps=1e-6))
     ref = ref.numpy().transpose(0, 2, 3, 1)
     assert rel_l2(out, ref) < 1e-6

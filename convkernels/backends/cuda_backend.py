@@ -235,6 +235,15 @@ class CudaBackend(BackendBase):
         return self.arrays.kernels(dt).group_norm(self.arrays.contiguous(x), num_groups, cast(weight, dt),
                                                   cast(bias, dt), eps, activation)
 
+    def _group_norm_sums(self, x, num_groups):
+        return self.arrays.kernels(self.dtype_of(x)).group_norm_sums(self.arrays.contiguous(x), num_groups)
+
+    def _group_norm_apply(self, x, sums, count, num_groups, weight, bias, eps, activation):
+        dt, cast = self.dtype_of(x), self.arrays.cast
+        return self.arrays.kernels(dt).group_norm_apply(self.arrays.contiguous(x), self.cp.asarray(sums, np.float64),
+                                                        count, num_groups, cast(weight, dt), cast(bias, dt), eps,
+                                                        activation)
+
     def _layer_norm(self, x, weight, bias, eps, activation):
         dt, cast = self.dtype_of(x), self.arrays.cast
         return self.arrays.kernels(dt).layer_norm(self.arrays.contiguous(x), cast(weight, dt), cast(bias, dt), eps,

@@ -170,20 +170,35 @@ class Kernels:
         normalisation with the finalize folded in. 16-byte loads where C is a multiple of the
         vector width (always for the hosted models); chunks of rows sized so that ~4 blocks per
         SM of the device run in each pass."""
-        cp = self.cp
+        s = x.size // (x.shape[0] * x.shape[-1])
+        sums = self.group_norm_sums(x, groups)
+        return self.group_norm_apply(x, sums, s * (x.shape[-1] // groups), groups, weight, bias, eps, activation)
+
+    def _gn_layout(self, x):
         n, c = x.shape[0], x.shape[-1]
         s = x.size // (n * c)
         vec = int(c % (16 // x.itemsize) == 0 and x.data.ptr % 16 == 0)
         rows_per_chunk, nchunks = gn_chunks(n, s, self.sm_count)
-        acc = cp.zeros((n, groups, 2), dtype=cp.float64)
-        i64, i32 = np.int64, np.int32
+        return n, c, s, vec, rows_per_chunk, nchunks
+
+    def group_norm_sums(self, x, groups):
+        """group_norm's first launch: (N, G, 2) float64 sums of x and x*x over each group."""
+        n, c, s, vec, rows_per_chunk, nchunks = self._gn_layout(x)
+        acc = self.cp.zeros((n, groups, 2), dtype=self.cp.float64)
         self.fn("gn_stats")((nchunks, n), (BLOCK,), (
-            x, acc, i64(s), i32(c), i32(groups), i64(rows_per_chunk), i32(vec)),
+            x, acc, np.int64(s), np.int32(c), np.int32(groups), np.int64(rows_per_chunk), np.int32(vec)),
             shared_mem=2 * groups * 8)
-        y = cp.empty_like(x)
+        return acc
+
+    def group_norm_apply(self, x, sums, count, groups, weight, bias, eps, activation):
+        """group_norm's second launch: x normalised with `sums` (group_norm_sums' layout) over
+        `count` elements per group: x's own, or those of every shard of an image split by rows."""
+        n, c, s, vec, rows_per_chunk, nchunks = self._gn_layout(x)
+        i32 = np.int32
+        y = self.cp.empty_like(x)
         self.fn("gn_norm")((nchunks, n), (BLOCK,), (
-            x, y, acc, weight if weight is not None else x, bias if bias is not None else x,
-            i64(s), i32(c), i32(groups), i64(rows_per_chunk), np.float64(s * (c // groups)), np.float32(eps),
+            x, y, sums, weight if weight is not None else x, bias if bias is not None else x,
+            np.int64(s), i32(c), i32(groups), np.int64(rows_per_chunk), np.float64(count), np.float32(eps),
             i32(weight is not None), i32(bias is not None), i32(ACT_CODES[activation]), i32(vec)),
             shared_mem=2 * groups * 4)
         return y

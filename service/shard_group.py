@@ -1,0 +1,120 @@
+"""One image-VAE decode across several GPUs (issue #32): a group of processes, one per GPU and
+narrowed to it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), each
+decoding its band of latent rows with models.sharded_decode; the bands' images are joined here.
+
+This is the standalone form (a fresh group per call: the GPU tests and benchmarks/sharded_decode.py
+use it); the service's per-GPU workers joining one group for a `shards=` request is the next step.
+Every rank loads the same model: the same weights file, or the same seeded random init.
+
+A rank that fails fails the call: its error comes back, and the group's other processes, which
+would wait in NCCL for it forever, are killed.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_errors
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: how long a rank may take to load, decode and answer before the group is given up (seconds)
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ShardedResult:
+    images: np.ndarray              # N, 8H, 8W, 3 float32 in [0, 1], as model.decode(latents, tiled=False)
+    seconds: list[float]            # per timed repeat: the slowest rank's wall time
+    pool_bytes: list[int]           # per rank: the CuPy pool's bytes after the decodes (its high-water mark)
+    bands: list[tuple[int, int]] = field(default_factory=list)  # latent rows per rank
+
+
+def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before CuPy is imported: this process sees one GPU
+    try:
+        import cupy as cp
+
+        from convkernels import get_backend
+        from convkernels.nccl_comm import NcclShards
+        from models import ModelOptions, load_model
+        from models.sharded_decode import sharded_decode
+
+        backend = get_backend("cuda", dtype=job["dtype"])
+        model = load_model("sharded", job["preset"], backend, weights=job["weights"],
+                           options=ModelOptions(seed=job["seed"]))
+        rows, total = job["rows"], job["total_rows"]
+        comm = NcclShards.join(uid, rank, size) if size > 1 else None
+        if job.get("fail_rank") == rank:  # test-only fault: this rank dies while the others wait in NCCL
+            raise RuntimeError("injected failure (fail_rank)")
+
+        def once():
+            if comm is None and job["whole"]:
+                return model.decode(rows, tiled=False)  # the single-GPU baseline, as served
+            from convkernels.shard_comm import run_sharded
+            if comm is None:
+                return run_sharded(1, lambda c, r: sharded_decode(model, c, rows, cp, total_rows=total))[0]
+            return sharded_decode(model, comm, rows, cp, total_rows=total)
+
+        once()  # builds the plans
+        out = once()  # the whole decode captures its CUDA graph on its second call
+        times = []
+        for _ in range(job["reps"]):
+            if comm is not None:
+                comm.allreduce_sum(np.zeros(1))  # every rank starts together (a host result: synchronised)
+            cp.cuda.get_current_stream().synchronize()
+            t0 = time.perf_counter()
+            out = once()
+            times.append(time.perf_counter() - t0)
+        answers.put((rank, "ok", out, times, cp.get_default_memory_pool().total_bytes()))
+        if comm is not None:
+            comm.close()
+    except BaseException as e:  # the parent reports it and stops the others
+        answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0))
+
+
+def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
+                   weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None) -> ShardedResult:
+    """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
+    CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
+    decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault."""
+    from convkernels.nccl_comm import NcclShards
+    from convkernels.shard_comm import split, split_rows
+
+    lat = np.ascontiguousarray(latents, np.float32)
+    size = len(gpus)
+    if whole and size != 1:
+        raise ValueError("whole=True is the one-GPU baseline: give one GPU")
+    bands = split_rows(lat.shape[2], size)
+    parts = split(lat, bands, axis=2)
+    ctx = mp.get_context("spawn")
+    answers = ctx.Queue()
+    uid = NcclShards.unique_id() if size > 1 else None
+    procs = [ctx.Process(target=_rank_main, daemon=True, args=(
+        r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
+                                    total_rows=lat.shape[2], reps=reps, whole=whole, fail_rank=fail_rank),
+        answers)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < size:
+            try:
+                rank, status, out, times, pool = answers.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_errors.Empty:
+                raise TimeoutError(f"sharded decode: ranks {sorted(set(range(size)) - set(got))} gave no answer "
+                                   f"in {timeout_s:.0f} s") from None
+            if status != "ok":
+                raise RuntimeError(f"sharded decode: rank {rank} (GPU {gpus[rank]}) failed: {out}")
+            got[rank] = (out, times, pool)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == size else 0)
+            if p.is_alive():
+                p.kill()
+    images = np.concatenate([got[r][0] for r in range(size)], axis=1)
+    seconds = [max(got[r][1][i] for r in range(size)) for i in range(reps)]
+    return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands)

@@ -1,0 +1,52 @@
+"""Issue #32 on real GPUs: the image VAE's decode split by latent rows over two GPUs, one process
+each, joined by NCCL (service.shard_group, convkernels.nccl_comm), equals the unsharded decode on
+one GPU; a rank that fails fails the call without hanging the others. Skipped with fewer than two
+GPUs (the CPU emulation of the same code: tests/test_sharded_decode_emulated.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_support import cuda_or_skip, report_parity
+from torch_reference import fresh_seed, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_gpus():
+    cuda_or_skip()
+    import cupy as cp
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (a multi-GPU device kind)")
+    from cupy.cuda import nccl  # noqa: F401  (CuPy built without NCCL: skip with the import error)
+
+
+@pytest.mark.parametrize("preset,lat", [("tiny-vae", (2, 4, 13, 9)),   # uneven bands (7, 6), batch 2
+                                        ("sd-vae", (1, 4, 24, 20))])   # the real SD decoder, attention
+def test_two_gpu_decode_equals_one_gpu(preset, lat):
+    from service.shard_group import decode_on_gpus
+
+    seed = fresh_seed()
+    latents = np.random.default_rng(seed).standard_normal(lat).astype(np.float32)
+    errors = {}
+    whole32 = decode_on_gpus(preset, latents, ["0"], "float32", seed=seed, whole=True).images
+    for dtype in ("float32", "float16"):
+        sharded = decode_on_gpus(preset, latents, ["0", "1"], dtype, seed=seed).images
+        assert sharded.shape == whole32.shape
+        errors[dtype] = rel_l2(sharded, whole32)
+        if dtype == "float16":
+            whole16 = decode_on_gpus(preset, latents, ["0"], "float16", seed=seed, whole=True).images
+            own = rel_l2(whole16, whole32)
+            report_parity(f"sharded {preset} {lat} on 2 GPUs: float32 vs one GPU {errors['float32']:.2e}; "
+                          f"float16 vs one GPU's float32 {errors['float16']:.2e} (one GPU's own float16: {own:.2e})")
+            assert errors["float16"] < 1.5 * own + 1e-4, f"seed {seed}: {errors}"
+    assert errors["float32"] < 1e-5, f"seed {seed}: {errors}"
+    assert 0.02 < float(whole32.std()), "a flat image would prove nothing"
+
+
+def test_a_failing_rank_fails_the_call_and_stops_the_others():
+    from service.shard_group import decode_on_gpus
+
+    latents = np.zeros((1, 4, 8, 8), np.float32)
+    with pytest.raises(RuntimeError, match="rank 1 .*injected failure"):
+        decode_on_gpus("tiny-vae", latents, ["0", "1"], "float32", fail_rank=1, timeout_s=300)
