@@ -23,6 +23,16 @@ def cuda_available():
     return True
 
 
+def pytest_runtest_logreport(report):
+    """On a device run ($OUT set), each failure is written to $OUT/failures.txt as it happens: a
+    run stopped at the device's time limit never prints pytest's summary."""
+    out = os.environ.get("OUT")
+    if not report.failed or not out or not os.path.isdir(out):
+        return
+    with open(os.path.join(out, "failures.txt"), "a") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """On a device run ($OUT set), keep the CUDA kernel metrics the tests produced: which path
     each op ran on, plan cache events, build times."""

@@ -1,0 +1,80 @@
+"""Issue #32's image rows: one SD-VAE decode, untiled and exact, on 1 GPU and split by rows over
+2 (and 4) GPUs, in one run: wall time (the slowest rank, host latents to host pixels), the CuPy
+pool's bytes per GPU, and the sharded output's distance from the one-GPU decode.
+
+The one-GPU row is model.decode(latents, tiled=False) as the service runs it (CUDA graphs);
+the sharded rows are service.shard_group.decode_on_gpus (one process per GPU, NCCL; no graphs).
+Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
+
+Run (repo root, a multi-GPU machine): PYTHONPATH=. python3 benchmarks/sharded_decode.py
+[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3]. Writes $OUT/sharded_decode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="sd-vae")
+    ap.add_argument("--size", type=int, default=4096, help="image side in pixels (latent side = size / 8)")
+    ap.add_argument("--gpus", default="1,2,4", help="group sizes to run (those above the GPU count are skipped)")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    from service.shard_group import decode_on_gpus
+
+    visible = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
+    latents = np.random.default_rng(0).standard_normal((1, 4, args.size // 8, args.size // 8)).astype(np.float32)
+    rows, base = [], None
+    for n in map(int, args.gpus.split(",")):
+        if n > len(visible):
+            print(f"skipping {n} GPUs: {len(visible)} visible", flush=True)
+            continue
+        t0 = time.time()
+        res = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
+                             whole=(n == 1))
+        ms = 1e3 * statistics.median(res.seconds)
+        if base is None:
+            base = (ms, res.images, max(res.pool_bytes))
+        err = rel_l2(res.images, base[1])
+        row = dict(gpus=n, ms=ms, vs_one=ms / base[0], pool_gib_per_gpu=max(res.pool_bytes) / 2**30,
+                   memory_vs_one=max(res.pool_bytes) / base[2], rel_l2_vs_one=err, bands=res.bands,
+                   call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds])
+        rows.append(row)
+        print(f"{args.preset} {args.size}x{args.size} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
+              f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
+              f"{err:.2e}  [call {row['call_s']:.0f} s]", flush=True)
+    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
+               size=args.size, dtype=args.dtype)
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sharded_decode.json"), "w") as f:
+        json.dump(dict(env=env, rows=rows), f, indent=1)
+    print(f"\n# sharded decode, {env['date']}, {len(visible)}x {visible[0] if visible else '?'}")
+    print("| GPUs | ms | vs one GPU | pool GiB per GPU | memory vs one | rel L2 vs one GPU |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['gpus']} | {r['ms']:.1f} | {r['vs_one']:.2f} | {r['pool_gib_per_gpu']:.2f} | "
+              f"{r['memory_vs_one']:.2f} | {r['rel_l2_vs_one']:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
