@@ -3,7 +3,7 @@ the same random weights, in the same run, interleaved rep by rep (the box is sha
 ratio means anything). Prints a ratio table (peer / ours: > 1 means we are faster), each row's
 parity error, and the machine.
 
-    python benchmarks/models_cpu.py [--reps 3] [--only tiny-vae sd-vae convnext] [--sizes 32 64] [--memory]
+    python benchmarks/models_cpu.py [--reps 3] [--only tiny-vae sd-vae taesd convnext] [--sizes 32 64] [--memory]
     python benchmarks/models_cpu.py --profile sd-vae   # cProfile of our 32x32 SD-VAE decode
 
 --memory adds the 2048x2048 tiny-vae decode (256x256 latents) under a memory budget, peak RSS
@@ -79,6 +79,38 @@ def vae_rows(preset: str, sizes, reps: int, backend):
                 to.append(timed(mine))
             rows.append((f"{preset} decode {s}x{s} -> {s * 8}x{s * 8}", statistics.median(to),
                          statistics.median(tp), "diffusers AutoencoderKL", err))
+    return rows
+
+
+def taesd_rows(sizes, reps: int, backend):
+    """TAESD (diffusers AutoencoderTiny, its default config = madebyollin/taesd) at each latent size."""
+    import diffusers
+    import torch
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        vae = diffusers.AutoencoderTiny().eval()
+        vae.save_pretrained(tmp)
+        ours = load_model("taesd", "taesd", backend, weights=tmp)
+        for s in sizes:
+            lat = np.random.default_rng(s).standard_normal((1, 4, s, s)).astype(np.float32)
+            zt = torch.from_numpy(lat) / vae.config.scaling_factor + vae.config.shift_factor
+
+            def peer():
+                with torch.no_grad():
+                    return (vae.decode(zt).sample / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+            def mine():
+                return ours.decode(lat, tiled=False)
+
+            err = rel_l2(mine(), peer())
+            tp, to = [], []
+            for _ in range(reps):
+                tp.append(timed(peer))
+                time.sleep(0.2)
+                to.append(timed(mine))
+            rows.append((f"taesd decode {s}x{s} -> {s * 8}x{s * 8}", statistics.median(to), statistics.median(tp),
+                         "diffusers AutoencoderTiny", err))
     return rows
 
 
@@ -199,6 +231,8 @@ def main() -> None:
         if preset in args.only:
             for size in args.sizes:
                 emit(vae_rows(preset, (size,), args.reps, backend))
+    if "taesd" in args.only:
+        emit(taesd_rows(args.sizes, args.reps, backend))
     if "convnext" in args.only:
         emit(convnext_rows(("tiny-convnext", "convnext-tiny"), args.reps, backend))
     if args.memory:
