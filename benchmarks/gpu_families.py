@@ -8,8 +8,9 @@ published checkpoints' (AutoencoderTiny = taesd, AutoencoderKLFlux2 = FLUX.2-dev
 
 What is timed: ours is `model.decode(latents)` from host latents to host pixels (uint8 where the
 service would send uint8: Wan 2.2), so it includes both copies; PyTorch's is `vae.decode(z)` with z
-on the device and the output left there. Memory: ours is the CuPy pool's peak in use during the call,
-PyTorch's is max_memory_allocated; both less what was in use before.
+on the device and the output left there. Memory: ours is the CuPy pool's peak in use during the call
+plus the bytes the model's CUDA graphs hold in their own pool; PyTorch's is max_memory_allocated;
+both less what was in use before.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_families.py [--only taesd,flux2,qwen,wan22]
 [--compile] [--wan22-latent 31x44x80] [--reps 5]. Writes $OUT/gpu_families_<sections>.json.
@@ -99,6 +100,12 @@ def main() -> None:
         tsync()
         return (torch.cuda.max_memory_allocated() - base) / 2**30
 
+    def graph_pool_gib(model) -> float:
+        """The bytes a model's CUDA graphs keep in their own pool, which the CuPy pool's count misses
+        (2026-11-26's first run reported 0.02 GiB for the graphed image decoders without it)."""
+        forward = getattr(model, "_decode_device", None) or getattr(model, "_steady_step", None)
+        return forward.stats()["pool_bytes"] / 2**30 if forward is not None else 0.0
+
     def weights_gib(vae) -> float:
         return sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**30
 
@@ -133,7 +140,7 @@ def main() -> None:
         model.decode(lat, tiled=False, **kw)  # plans, then the capture on the second call
         first_s = time.time() - t0
         ours = wall(lambda: model.decode(lat, tiled=False, **kw), 2, args.reps, csync)
-        ours_gib = ours_peak_gib(lambda: model.decode(lat, tiled=False, **kw))
+        ours_gib = ours_peak_gib(lambda: model.decode(lat, tiled=False, **kw)) + graph_pool_gib(model)
         tdt = dict(float16=torch.float16, bfloat16=torch.bfloat16, float32=torch.float32)[dtype]
         vae = ref_vae.to("cuda", tdt).eval()
         z = torch.from_numpy(torch_latents(lat) if torch_latents else lat).to("cuda", tdt)
@@ -184,7 +191,7 @@ def main() -> None:
         model.decode(lat, tiled=False, uint8=True)
         first_s = time.time() - t0
         ours = wall(lambda: model.decode(lat, tiled=False, uint8=True), 1, max(2, args.reps // 2), csync)
-        ours_gib = ours_peak_gib(lambda: model.decode(lat, tiled=False, uint8=True))
+        ours_gib = ours_peak_gib(lambda: model.decode(lat, tiled=False, uint8=True)) + graph_pool_gib(model)
 
         def first_group_ms() -> float:
             csync()
