@@ -99,11 +99,26 @@ def sharded_decoder_forward(model, sh: Shard, z):
     return _conv3x3(sh, dec.conv_out, x)
 
 
+#: the family whose decoder this module shards (SD, SDXL, FLUX.1 and the tiny presets of that form)
+SHARDABLE_FAMILY = "autoencoder_kl"
+
+
+def check_shardable(model) -> None:
+    """A model of another family (FLUX.2's BatchNorm-normalised patches, TAESD, Wan) would be
+    decoded wrongly by this module's layer walk: refuse it by name."""
+    from .autoencoder_kl import AutoencoderKLModel
+
+    if type(model) is not AutoencoderKLModel:
+        raise ValueError(f"{model.name}: a sharded decode is offered for the AutoencoderKL image VAEs (SD, SDXL, "
+                         f"FLUX.1), not {type(model).__name__}")
+
+
 def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True,
                    total_rows: int | None = None) -> np.ndarray:
     """This shard's part of model.decode (untiled): z_rows are its rows of the scaled latents as
     the pipeline hands them, host (N, C, rows, w); the result is its rows of the images, host
     float32 (N, 8 rows, 8 w, 3), in [0, 1] unless clamp=False (as model.decode's)."""
+    check_shardable(model)
     lat = np.asarray(z_rows)
     if lat.ndim != 4 or lat.shape[1] != model.latent_channels:
         raise ValueError(f"{model.name}: latent rows must be (N, {model.latent_channels}, rows, w), got {lat.shape}")

@@ -217,6 +217,22 @@ def test_local_errors_are_one_line(tmp_path, monkeypatch):
     assert "PyAV" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.mp4", "--backend", "numpy")
 
 
+def test_sharded_decode_refusals_are_one_line_and_come_first(tmp_path):
+    """--shards N: what cannot run sharded is refused before any model loads (the GPU run itself:
+    tests/gpu/test_sharded_decode_gpus.py)."""
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.zeros((1, 4, 6, 6), np.float32))
+    out = tmp_path / "o.png"
+    assert "cuda backend" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--backend", "numpy")
+    assert "not an AutoencoderKL" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--preset",
+                                                       "tiny-taesd")
+    assert "local decode option" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--url",
+                                                      "http://127.0.0.1:9")
+    vid = tmp_path / "v.npy"
+    np.save(vid, np.zeros((1, 4, 2, 4, 5), np.float32))
+    assert "video VAEs" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.npy", "--shards", "2")
+
+
 def test_server_errors_are_one_line(live_server, tmp_path):
     lat = tmp_path / "lat.npy"
     np.save(lat, np.zeros((1, 4, 3, 3), np.float32))

@@ -102,3 +102,14 @@ def test_each_exchange_matters(case, local):
 def test_one_shard_is_the_unsharded_decode(case):
     _, _, model, lat, ours, *_ = case
     assert rel_l2(decode_sharded_emulated(model, lat, 1, clamp=False), ours) < UNSHARDED_TOL
+
+
+def test_a_model_of_another_family_is_refused_by_name():
+    """FLUX.2's decoder is an AutoencoderKL subclass whose latents need BatchNorm statistics and
+    unpatchifying first: walking its layers as SD's would decode it wrongly, so it is refused."""
+    from convkernels.shard_comm import run_sharded
+    from models.sharded_decode import sharded_decode
+
+    model = load_model("f2", "tiny-flux2-vae", get_backend("numpy"))
+    with pytest.raises(ValueError, match="AutoencoderKL image VAEs"):
+        run_sharded(1, lambda comm, r: sharded_decode(model, comm, np.zeros((1, 128, 2, 2), np.float32), np))

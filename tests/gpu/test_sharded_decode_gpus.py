@@ -50,3 +50,19 @@ def test_a_failing_rank_fails_the_call_and_stops_the_others():
     latents = np.zeros((1, 4, 8, 8), np.float32)
     with pytest.raises(RuntimeError, match="rank 1 .*injected failure"):
         decode_on_gpus("tiny-vae", latents, ["0", "1"], "float32", fail_rank=1, timeout_s=300)
+
+
+def test_the_cli_decodes_on_two_gpus_as_on_one(tmp_path):
+    """`convserve decode --shards 2` writes what the one-GPU local decode writes (float32 .npy)."""
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    lat = tmp_path / "lat.npy"
+    np.save(lat, np.random.default_rng(fresh_seed()).standard_normal((1, 4, 11, 9)).astype(np.float32))
+    env = {"CONVSERVE_DTYPE": "float32"}
+    runner = CliRunner()
+    for name, extra in (("one.npy", []), ("two.npy", ["--shards", "2"])):
+        res = runner.invoke(app, ["decode", str(lat), "-o", str(tmp_path / name), "--backend", "cuda", *extra], env=env)
+        assert res.exit_code == 0, res.output
+    assert rel_l2(np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")) < 1e-5

@@ -1,0 +1,51 @@
+"""`convserve decode --shards N`: one image's decode split by rows over N local GPUs
+(service.shard_group; docs/sharding.md). Every refusal comes before any GPU work, in one line."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .cli_checks import check_model_entries, fail
+from .settings import ModelEntry
+
+
+def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: str, shards: int,
+                   settings) -> tuple[np.ndarray, float]:
+    """(images N,H,W,3 float32 in [0, 1], seconds) of the latents decoded on the first `shards`
+    GPUs a server would use."""
+    from models.registry import PRESETS
+    from models.sharded_decode import SHARDABLE_FAMILY
+
+    check_model_entries([ModelEntry(preset, preset, weights)])
+    if backend not in ("auto", "cuda"):
+        fail(f"--shards {shards} runs on the cuda backend (one GPU per shard), not {backend}")
+    if lat.ndim != 4:
+        fail(f"--shards {shards}: sharded decode takes image latents (N, C, h, w); video VAEs are not sharded yet")
+    if PRESETS[preset].family != SHARDABLE_FAMILY:
+        fail(f"--shards {shards}: preset {preset} is not an AutoencoderKL image VAE (SD, SDXL, FLUX.1); "
+             f"only those decode sharded")
+    from convkernels.registry import cuda_status
+
+    ok, why = cuda_status()
+    if not ok:
+        fail(f"--shards {shards} needs CUDA: {why}")
+    from .supervisor import plan_devices
+
+    try:  # the GPUs a server would use: CONVSERVE_DEVICES, within CUDA_VISIBLE_DEVICES
+        gpus = [d.cuda_visible for d in plan_devices(settings) if d.cuda_visible is not None]
+    except ValueError as exc:
+        fail(str(exc))
+    if len(gpus) < shards:
+        fail(f"--shards {shards} needs {shards} GPUs; {len(gpus)} usable")
+    if lat.shape[2] < shards:
+        fail(f"--shards {shards}: {lat.shape[2]} latent rows cannot make {shards} bands")
+    from .shard_group import decode_on_gpus
+
+    t0 = time.perf_counter()
+    try:
+        res = decode_on_gpus(preset, lat, gpus[:shards], settings.dtype or "float16",
+                             weights=weights)
+    except (RuntimeError, TimeoutError) as exc:
+        fail(str(exc), 1)
+    return res.images, time.perf_counter() - t0
