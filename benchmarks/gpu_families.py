@@ -1,8 +1,7 @@
 """Issue #31's GPU rows: the 2026 VAE families (TAESD, FLUX.2, Qwen-Image, Wan 2.2) on the CUDA
 backend against the diffusers class on PyTorch, eager and torch.compile, in one process.
 
-Both sides use random weights (timing only; parity is tests/gpu/test_{taesd,flux2_vae,qwen_image_vae,
-wan22_vae}_gpu.py). The diffusers classes are built with their default configs, which are the
+Both sides use random weights (timing only; parity is in the GPU tests of each family, tests/gpu/). The diffusers classes are built with their default configs, which are the
 published checkpoints' (AutoencoderTiny = taesd, AutoencoderKLFlux2 = FLUX.2-dev, AutoencoderKLQwenImage
 = Qwen-Image), and Wan 2.2 with the TI2V-5B config our preset holds.
 
