@@ -3,9 +3,11 @@ devices (issue #32), computed exactly: a conv, which needs its neighbours' edge 
 and GroupNorm, whose statistics cover the whole image. Everything else in a VAE decoder (RMS
 norm over channels, activations, pointwise convs) is row-local and runs on a shard as it is.
 
-Both take the shard's rows (channels-last N,H,W,C, rows on axis 1), its communicator
-(shard_comm.ShardComm) and the array namespace `xp` the backend's arrays live in (numpy, cupy),
-and return what the unsharded layer returns for those rows.
+They take the shard's rows (channels-last: images N,H,W,C with rows on axis 1, videos N,T,H,W,C
+with rows on axis 2), its communicator (shard_comm.ShardComm) and the array namespace `xp` the
+backend's arrays live in (numpy, cupy), and return what the unsharded layer returns for those
+rows. A video's causal conv (halo_conv3d) needs only rows from its neighbours, never frames: its
+time padding, and the cache of earlier frames a chunked decode keeps, are the shard's own.
 
 GroupNorm is exact through one all-reduce of its statistics: each shard's float64 sums of x and
 x*x per group (backend.group_norm_sums, the first of CUDA's two GroupNorm kernels), summed over
@@ -21,27 +23,69 @@ import numpy as np
 from .shard_comm import ShardComm
 
 
+def _rows(x, axis: int, start: int, stop: int):
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, stop)
+    return x[tuple(index)]
+
+
+def row_halo(xp, comm: ShardComm, x, halo: int, axis: int = 1):
+    """This shard's rows (on `axis`) with `halo` rows of each neighbour around them: its first
+    and last `halo` rows go up and down, the neighbours' come back; the image's own top and
+    bottom get zero rows (a conv's zero padding). A conv of the result with no row padding gives
+    exactly this shard's rows of the whole image's 'same' conv."""
+    if x.shape[axis] < halo:
+        raise ValueError(f"a shard of {x.shape[axis]} rows cannot give a halo of {halo}")
+    above, below = comm.exchange_rows(_rows(x, axis, 0, halo), _rows(x, axis, x.shape[axis] - halo, x.shape[axis]))
+    edge = tuple(halo if i == axis else n for i, n in enumerate(x.shape))
+    rows = [above if above is not None else xp.zeros(edge, x.dtype), x,
+            below if below is not None else xp.zeros(edge, x.dtype)]
+    return xp.ascontiguousarray(xp.concatenate(rows, axis=axis))
+
+
+def _odd_space_kernel(w, name: str) -> None:
+    space = tuple(int(k) for k in w.shape[-3:-1])
+    if any(k % 2 == 0 for k in space):
+        raise ValueError(f"{name} takes odd spatial kernels (a 'same' conv), got {space}")
+
+
 def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None):
     """A stride-1 "same" 2-D conv (kernel kh x kw, padding (kh-1)/2, (kw-1)/2, as the VAEs' 3x3
     convs) of the whole image, on this shard's rows. Each shard sends its first and last
     (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding.
     residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip)."""
+    _odd_space_kernel(w, "halo_conv2d")
     kh, kw = int(w.shape[1]), int(w.shape[2])
-    if kh % 2 == 0 or kw % 2 == 0:
-        raise ValueError(f"halo_conv2d takes odd kernels (a 'same' conv), got {kh}x{kw}")
     halo = (kh - 1) // 2
-    if halo == 0:
-        return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
-                              activation=activation)
-    if x.shape[1] < halo:
-        raise ValueError(f"a shard of {x.shape[1]} rows cannot give a halo of {halo}")
-    above, below = comm.exchange_rows(x[:, :halo], x[:, -halo:])
-    edge = (x.shape[0], halo, *x.shape[2:])
-    rows = [above if above is not None else xp.zeros(edge, x.dtype), x,
-            below if below is not None else xp.zeros(edge, x.dtype)]
-    padded = xp.ascontiguousarray(xp.concatenate(rows, axis=1))
-    return backend.conv2d(padded, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
+    if halo:
+        x = row_halo(xp, comm, x, halo, axis=1)
+    return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
                           activation=activation)
+
+
+def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, residual=None, activation: str | None = None):
+    """The conv of halo_conv3d on input that already carries its row halo (row_halo on axis 2):
+    `time_pad` zero frames in front (a causal conv's), none behind, width padded 'same', rows
+    not at all. A lone frame padded with kT - 1 zero frames meets only the kernel's last tap,
+    so only that tap is run (what CausalConv3d does on a decode's first frame)."""
+    kt, kw = int(w.shape[1]), int(w.shape[3])
+    if x.shape[1] == 1 and kt > 1 and time_pad == kt - 1:
+        w, time_pad = backend.concat([backend.slice(w, 1, kt - 1, kt)], axis=1), 0
+    return backend.conv3d(x, w, bias, padding=((time_pad, 0), (0, 0), ((kw - 1) // 2,) * 2), residual=residual,
+                          activation=activation)
+
+
+def halo_conv3d(backend, xp, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0, residual=None,
+                activation: str | None = None):
+    """A stride-1 3-D conv of a whole video (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
+    this shard's rows: 'same' in space (halo (kH-1)/2 rows from each neighbour), `time_pad` zero
+    frames in front in time (a causal conv; a conv that keeps a cache of earlier frames gives it
+    row_halo's frames, halo included, and calls haloed_conv3d itself)."""
+    _odd_space_kernel(w, "halo_conv3d")
+    halo = (int(w.shape[2]) - 1) // 2
+    if halo:
+        x = row_halo(xp, comm, x, halo, axis=2)
+    return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, residual=residual, activation=activation)
 
 
 def exact_group_norm(backend, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,

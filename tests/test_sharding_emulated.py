@@ -1,7 +1,8 @@
 """Spatial sharding's building blocks (issue #32) on emulated shards: N threads of the NumPy
 backend joined by convkernels.shard_comm.ThreadShards, which has NCCL's collective semantics.
 A conv with its halo exchanged, and GroupNorm with its statistics all-reduced, computed shard by
-shard over odd row splits, must equal torch's conv2d and group_norm of the whole image."""
+shard over odd row splits, must equal torch's conv2d, causal conv3d and group_norm of the whole
+image or video."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from convkernels import get_backend
 from convkernels.shard_comm import run_sharded, split, split_rows
-from convkernels.sharded_ops import exact_group_norm, halo_conv2d
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_conv3d
 from torch_reference import rel_l2
 
 
@@ -55,6 +56,36 @@ def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kern
     assert rel_l2(fused, ref + skip) < 1e-5
     if kernel > 1:  # the vacuity guard: shards padded with zeros instead of their neighbours' rows
         alone = np.concatenate([backend.conv2d(p, w, b, padding=kernel // 2) for p in parts], axis=1)
+        assert rel_l2(alone, ref) > 1e-2
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("kernel,frames", [((3, 3, 3), 4), ((3, 3, 3), 1), ((1, 5, 3), 3), ((3, 1, 1), 2)],
+                         ids=["3x3x3", "3x3x3-lone-frame", "1x5x3", "time-only"])
+def test_a_causal_conv3d_with_its_halo_exchanged_equals_the_whole_video_conv(shards, kernel, frames):
+    """Videos N,T,H,W,C with rows on axis 2, kT - 1 zero frames in front (Wan's CausalConv3d);
+    a lone frame takes the op's last-tap-only route."""
+    rng = np.random.default_rng()
+    kt, kh, kw = kernel
+    x = rng.standard_normal((2, frames, 11, 7, 5)).astype(np.float32)  # odd rows, width, channels
+    w = rng.standard_normal((6, kt, kh, kw, 5)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    backend = get_backend("numpy")
+    parts = split(x, split_rows(11, shards), axis=2)
+
+    def sharded(comm, r):
+        return halo_conv3d(backend, np, comm, parts[r], w, b, time_pad=kt - 1)
+
+    out = np.concatenate(run_sharded(shards, sharded), axis=2)
+    whole = F.pad(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 4, 1, 2, 3))),
+                  (kw // 2, kw // 2, kh // 2, kh // 2, kt - 1, 0))
+    ref = F.conv3d(whole, torch.from_numpy(w.transpose(0, 4, 1, 2, 3).copy()), torch.from_numpy(b))
+    ref = ref.numpy().transpose(0, 2, 3, 4, 1)
+    assert out.shape == ref.shape
+    assert rel_l2(out, ref) < 1e-5
+    if kh > 1:  # the vacuity guard: every shard's edge rows padded with zeros, not its neighbours'
+        alone = np.concatenate([backend.conv3d(p, w, b, padding=((kt - 1, 0), (kh // 2,) * 2, (kw // 2,) * 2))
+                                for p in parts], axis=2)
         assert rel_l2(alone, ref) > 1e-2
 
 

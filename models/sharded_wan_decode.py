@@ -1,0 +1,159 @@
+"""The Wan 2.1 video VAE's decode split by rows over shards (issue #32), equal to the unsharded,
+untiled decode (models/wan_vae.py).
+
+Every shard runs the decoder of one `WanVAEDecoder` with the model's own parameters on its rows
+of the latents (channels-last N,T,h,w,C, rows on axis 2), one latent frame at a time with its
+own FeatureCache, exactly as the unsharded decode does, and talks to the other shards only
+through its communicator (convkernels.shard_comm.ShardComm):
+- each causal conv with a 3x3 spatial kernel (conv_in, the residual blocks' convs, conv_out)
+  gets one row above and one below from its neighbours (sharded_ops.row_halo) BEFORE its causal
+  cache joins the earlier frames, and the cache keeps those haloed frames: a cached frame's edge
+  rows are then the neighbours' rows of that frame, as the conv of the whole frame needs, with
+  no second exchange for the cached frames (sharded_ops.haloed_conv3d runs the conv);
+- 1x1x1 convs (post_quant_conv, conv_shortcut), the RMS norms over channels, SiLU and the
+  upsamplers' causal (3,1,1) time conv are row-local and run as they are, their cache slots
+  holding the shard's own rows;
+- the spatial upsample is nearest 2x of the shard's own rows (rows [a, b) become [2a, 2b)),
+  then the 3x3 conv with its halo (sharded_ops.halo_conv2d), frame by frame. The unsharded
+  decode computes the same thing as one op (upsample_conv2d: a transposed conv on CUDA);
+- the mid-block attention, within each frame: each shard's queries attend to the keys and
+  values of every position of that frame, all-gathered from every shard in rank order.
+
+The first latent frame gives one frame and every later one `temporal_factor` frames, by the
+same cache rules as the unsharded decode (the layers' with_cache and the upsampler's first-chunk
+marker, shared code). The de-normalisation (latents * std + mean) is per channel, so local.
+conv_out holds x / 2 + 0.5 (folded at load), so each shard clips its frames to [0, 1] as
+model.decode does. The unsharded decode replays steady chunks through a recorded graph where
+the backend records one; the sharded decode runs every chunk eagerly (the collectives sit
+between the kernels). `decode_wan_sharded_emulated` runs the lot on threads (ThreadShards,
+NCCL's collective semantics) and concatenates the shards' rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+
+from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
+from convkernels.sharded_ops import halo_conv2d, haloed_conv3d, row_halo
+
+from .contract import PIXEL_RANGE
+from .sharded_decode import Shard
+from .wan_vae_layers import Decoder3d, FeatureCache
+
+#: rows are axis 2 of the decoder's activations (N, T, H, W, C)
+ROWS = 2
+
+
+def _causal_conv(sh: Shard, conv, x, state: FeatureCache, norm=None, residual=None):
+    """CausalConv3d.cached (or with_cache with a norm + SiLU in front) on this shard's rows: the
+    norm is per position, so applied to the own rows before the halo is fetched; the haloed
+    frames join the cached ones (own rows plus the halo they were cached with)."""
+    if norm is not None:
+        x = norm(x, "silu")
+    halo = (conv.kernel[1] - 1) // 2
+    if halo:
+        x = row_halo(sh.xp, sh.comm, x, halo, axis=ROWS)
+    x, lo = conv.with_cache(x, state)
+    return haloed_conv3d(conv.backend, x, conv.weight, conv.bias, time_pad=lo, residual=residual)
+
+
+def _residual_block(sh: Shard, block, x, state: FeatureCache):
+    """wan_vae_layers.ResidualBlock: norm-SiLU-conv twice, the (1x1x1, row-local) skip added in
+    conv2's epilogue; its two cache slots taken in the same order."""
+    skip = x if block.conv_shortcut is None else block.conv_shortcut(x)
+    h = _causal_conv(sh, block.conv1, x, state, block.norm1)
+    return _causal_conv(sh, block.conv2, h, state, block.norm2, residual=skip)
+
+
+def _attention(sh: Shard, attn, x):
+    """wan_vae_layers.AttentionBlock with this shard's positions of each frame as queries and
+    every shard's as keys and values: K and V travel as one all-gathered array (channels
+    concatenated), tokens in rank order = row order = the frame's own token order."""
+    b = attn.backend
+    n, t, h, w, c = x.shape
+    frames = b.reshape(x, (n * t, h, w, c))
+    qkv = b.reshape(attn.to_qkv(attn.norm(frames)), (n * t, h * w, 3 * c))
+    q = b.slice(qkv, -1, 0, c)
+    every = sh.xp.concatenate(sh.comm.allgather(sh.xp.ascontiguousarray(b.slice(qkv, -1, c, 3 * c))), axis=1)
+    k, v = b.slice(every, -1, 0, c), b.slice(every, -1, c, 2 * c)
+    attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
+    return b.reshape(attn.proj(attended, residual=frames), (n, t, h, w, c))
+
+
+def _resample(sh: Shard, upsampler, x, state: FeatureCache):
+    """wan_vae_layers.Resample: the time doubling (a (3,1,1) conv, row-local, its cache the
+    shard's own rows; the layer's own code), then nearest 2x and the 3x3 conv with its halo,
+    every frame on its own."""
+    b = upsampler.backend
+    if upsampler.time_conv is not None:
+        x = upsampler._double_frames(x, state)
+    n, t, h, w, c = x.shape
+    frames = b.upsample_nearest(b.reshape(x, (n * t, h, w, c)), 2)
+    frames = halo_conv2d(b, sh.xp, sh.comm, frames, upsampler.conv.weight, upsampler.conv.bias)
+    return b.reshape(frames, (n, t, 2 * h, 2 * w, upsampler.out_dim))
+
+
+def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
+    """One latent frame through post_quant_conv and the decoder (Decoder3d.__call__'s layers in
+    its order, so the cache slots line up) on this shard's rows: backend array (N, 1, rows, w, C),
+    de-normalised -> this shard's rows of the chunk's frames (x / 2 + 0.5 included, unclipped)."""
+    dec = model.tree.decoder
+    state.start_chunk()
+    x = _causal_conv(sh, dec.conv_in, model.tree.post_quant_conv(z), state)
+    mid = dec.mid_block
+    x = _residual_block(sh, mid.resnets[0], x, state)
+    x = _attention(sh, mid.attention, x)
+    x = _residual_block(sh, mid.resnets[1], x, state)
+    for up in dec.up_blocks:
+        for block in up.resnets:
+            x = _residual_block(sh, block, x, state)
+        if up.upsampler is not None:
+            x = _resample(sh, up.upsampler, x, state)
+    return _causal_conv(sh, dec.conv_out, x, state, dec.norm_out)
+
+
+def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> Iterator[np.ndarray]:
+    """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
+    latents as the pipeline hands them, host (N, C, T, rows, w); yields its rows of each frame
+    group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
+    clamp=False. Bad latents raise before the first group, as the unsharded decode's do."""
+    if not isinstance(model.tree.decoder, Decoder3d):
+        raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
+                         f"{type(model.tree.decoder).__name__}")
+    z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
+    return _groups(model, Shard(comm, xp), z, clamp)
+
+
+def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray]:
+    b = model.backend
+    state = FeatureCache()
+    # no interrupt.check() between groups, unlike the unsharded decode: a shard that stopped
+    # alone would leave the others waiting in their next collective
+    for k in range(z.shape[1]):
+        out = sharded_decoder_chunk(model, sh, b.asarray(np.ascontiguousarray(z[:, k:k + 1])), state)
+        yield b.to_host_async(out, PIXEL_RANGE if clamp else None).result()
+
+
+def sharded_wan_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> np.ndarray:
+    """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
+    model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
+    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, xp, clamp)), axis=1)
+
+
+def decode_wan_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
+                                comm_wrapper=None) -> np.ndarray:
+    """model.decode(latents, tiled=False) computed on `shards` emulated shards (threads, one
+    NumPy backend): the latents (N, C, T, h, w) split by rows (split_rows), each shard's rows
+    decoded by sharded_wan_decode, the frames' rows concatenated. comm_wrapper(comm) -> comm, if
+    given, stands between each shard and its communicator (the tests break one collective)."""
+    lat = np.asarray(latents)
+    if lat.ndim != 5:
+        raise ValueError(f"{model.name}: latents must be (N, C, T, h, w), got {lat.shape}")
+    parts = split(lat, split_rows(lat.shape[3], shards), axis=3)
+
+    def shard(comm, rank):
+        return sharded_wan_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp)
+
+    return np.concatenate(run_sharded(shards, shard), axis=2)

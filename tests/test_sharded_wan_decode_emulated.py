@@ -1,0 +1,134 @@
+"""The Wan 2.1 video VAE's decode split by rows over N emulated shards (issue #32: threads of the
+NumPy backend joined by ThreadShards, NCCL's collective semantics) equals the unsharded untiled
+decode, ours and diffusers' AutoencoderKLWan with the same weights, over odd row splits and three
+latent frames (so the later frame groups run with a full causal cache). With the conv halo or
+the attention's keys and values kept shard-local, or with the cached frames stripped of their
+halo rows, it visibly does not."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_models_wan import WAN_ODD, WAN_SMALL, make_reference, one_torch_thread, reference_decode  # noqa: F401
+from torch_reference import fresh_seed, rel_l2
+
+from convkernels import get_backend
+from convkernels.shard_comm import run_sharded, split, split_rows
+from models.sharded_wan_decode import decode_wan_sharded_emulated, sharded_wan_frame_groups
+from models.wan22_vae import build as build_wan22
+from models.wan_vae import build
+from models.wan_vae_layers import CausalConv3d
+
+CONFIGS = {"wan-small": WAN_SMALL, "wan-odd-channels": WAN_ODD}
+# batch 2, 3 latent frames (9 frames: groups of 1, 4, 4), 5 latent rows (odd: 3 shards get 2, 2, 1;
+# 5 shards one each), odd width
+LATENT_SHAPE = (2, 3, 5, 3)
+UNSHARDED_TOL, DIFFUSERS_TOL, BROKEN_MIN = 1e-5, 1e-4, 1e-3
+
+
+class _OneLocal:
+    """A shard's communicator with one collective kept shard-local: the vacuity guards."""
+
+    def __init__(self, comm, local: str):
+        self.comm, self.local, self.rank, self.size = comm, local, comm.rank, comm.size
+
+    def exchange_rows(self, top, bottom):  # halo -> the conv's zero padding at every shard edge
+        return (None, None) if self.local == "halo" else self.comm.exchange_rows(top, bottom)
+
+    def allreduce_sum(self, a):
+        return self.comm.allreduce_sum(a)
+
+    def allgather(self, a):  # attention over the shard's own positions of each frame
+        return [a] if self.local == "attention" else self.comm.allgather(a)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request, tmp_path_factory):
+    """(name, seed, model, latents, our unsharded decode, diffusers' decode)."""
+    name = request.param
+    seed = fresh_seed()
+    vae, folder, config = make_reference(tmp_path_factory.mktemp(name), CONFIGS[name], seed)
+    model = build("wan-sharded", "tiny-wan-vae", get_backend("numpy"), str(folder))
+    n, t, h, w = LATENT_SHAPE
+    lat = np.random.default_rng(seed).standard_normal((n, config["z_dim"], t, h, w)).astype(np.float32)
+    ref = reference_decode(vae, config, lat)
+    # not saturated, or the clamp to [0, 1] would hide errors
+    assert 0.02 < float(ref.std()) and float(np.mean((ref <= 0) | (ref >= 1))) < 0.5, f"seed {seed}"
+    return name, seed, model, lat, model.decode(lat, tiled=False), ref
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5])
+def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards):
+    name, seed, model, lat, ours, ref = case
+    out = decode_wan_sharded_emulated(model, lat, shards)
+    assert out.dtype == np.float32 and out.shape == ours.shape == (2, 9, 40, 24, 3)
+    err, err_ref = rel_l2(out, ours), rel_l2(out, ref)
+    assert err < UNSHARDED_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err:.2e} vs unsharded"
+    assert err_ref < DIFFUSERS_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err_ref:.2e} vs diffusers"
+
+
+def test_frame_groups_are_the_unsharded_ones_first_one_frame_then_four(case):
+    name, seed, model, lat, *_ = case
+    parts = split(lat, split_rows(lat.shape[3], 3), axis=3)
+    per_shard = run_sharded(3, lambda comm, r: list(sharded_wan_frame_groups(model, comm, parts[r], np)))
+    groups = [np.concatenate(g, axis=2) for g in zip(*per_shard)]
+    unsharded = list(model.decode_frames(lat, tiled=False))
+    assert [g.shape[1] for g in groups] == [g.shape[1] for g in unsharded] == [1, 4, 4]
+    for k, (g, u) in enumerate(zip(groups, unsharded)):
+        assert rel_l2(g, u) < UNSHARDED_TOL, f"{name} seed {seed}: frame group {k}"
+
+
+def test_unclamped_frames_clip_to_the_clamped_ones(case, monkeypatch):
+    """clamp=False hands out conv_out's values as they are. The decode is seldom saturated at
+    random init, so conv_out's bias is lifted by 0.75 (in image space: x / 2 + 0.5 is folded in)
+    for this test, moving most pixels past 1."""
+    name, seed, model, lat, *_ = case
+    conv_out = model.tree.decoder.conv_out
+    monkeypatch.setattr(conv_out, "bias", conv_out.bias + np.float32(0.75))
+    raw = decode_wan_sharded_emulated(model, lat, 2, clamp=False)
+    clamped = model.decode(lat, tiled=False)
+    assert np.mean(raw > 1) > 0.25, f"{name} seed {seed}: too few pixels past 1 for the check to mean anything"
+    assert rel_l2(np.clip(raw, 0, 1), clamped) < UNSHARDED_TOL
+
+
+@pytest.mark.parametrize("local", ["halo", "attention"])
+def test_each_exchange_matters(case, local):
+    name, seed, model, lat, ours, _ = case
+    out = decode_wan_sharded_emulated(model, lat, 3, comm_wrapper=lambda comm: _OneLocal(comm, local))
+    err = rel_l2(out, ours)
+    assert err > BROKEN_MIN, f"{name} seed {seed}: keeping the {local} exchange local changed nothing ({err:.2e})"
+
+
+def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
+    """Each 3x3 causal conv caches its haloed input frames; with their halo rows zeroed (a cache
+    of the shard's own rows only, the neighbours' rows of earlier frames lost), the later frame
+    groups go wrong on 3 shards and stay right on one (where the halo is the zero padding)."""
+    name, seed, model, lat, ours, _ = case
+    with_cache = CausalConv3d.with_cache
+
+    def own_rows_only(conv, x, state, norm=None):
+        out = with_cache(conv, x, state, norm)
+        if conv.kernel[1] > 1:
+            cached = state.slots[state.pos - 1].copy()
+            cached[:, :, [0, -1]] = 0
+            state.slots[state.pos - 1] = cached
+        return out
+
+    monkeypatch.setattr(CausalConv3d, "with_cache", own_rows_only)
+    assert rel_l2(decode_wan_sharded_emulated(model, lat, 1), ours) < UNSHARDED_TOL
+    out = decode_wan_sharded_emulated(model, lat, 3)
+    first = rel_l2(out[:, :1], ours[:, :1])
+    err = rel_l2(out, ours)
+    assert first < UNSHARDED_TOL, f"{name} seed {seed}: the first group has no cached frames to spoil"
+    assert err > BROKEN_MIN, f"{name} seed {seed}: cached frames without their halo changed nothing ({err:.2e})"
+
+
+def test_one_shard_is_the_unsharded_decode(case):
+    _, _, model, lat, ours, _ = case
+    assert rel_l2(decode_wan_sharded_emulated(model, lat, 1), ours) < UNSHARDED_TOL
+
+
+def test_wan22_is_refused_not_decoded_wrongly():
+    model = build_wan22("w22", "tiny-wan2.2-vae", get_backend("numpy"))
+    lat = np.zeros((1, model.latent_channels, 1, 4, 3), np.float32)
+    with pytest.raises(ValueError, match="Wan 2.1"):
+        decode_wan_sharded_emulated(model, lat, 2)
