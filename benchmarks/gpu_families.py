@@ -1,9 +1,10 @@
 """Issue #31's GPU rows: the 2026 VAE families (TAESD, FLUX.2, Qwen-Image, Wan 2.2) on the CUDA
 backend against the diffusers class on PyTorch, eager and torch.compile, in one process.
 
-Both sides use random weights (timing only; parity is in the GPU tests of each family, tests/gpu/). The diffusers classes are built with their default configs, which are the
-published checkpoints' (AutoencoderTiny = taesd, AutoencoderKLFlux2 = FLUX.2-dev, AutoencoderKLQwenImage
-= Qwen-Image), and Wan 2.2 with the TI2V-5B config our preset holds.
+Both sides use random weights (timing only; parity is in the GPU tests of each family, tests/gpu/).
+The diffusers classes are built with their default configs, which are the published checkpoints'
+(AutoencoderTiny = taesd, AutoencoderKLFlux2 = FLUX.2-dev, AutoencoderKLQwenImage = Qwen-Image), and
+Wan 2.2 with the TI2V-5B config our preset holds.
 
 What is timed: ours is `model.decode(latents)` from host latents to host pixels (uint8 where the
 service would send uint8: Wan 2.2), so it includes both copies; PyTorch's is `vae.decode(z)` with z

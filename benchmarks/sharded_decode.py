@@ -1,5 +1,6 @@
-"""Issue #32's image rows: one SD-VAE decode, untiled and exact, on 1 GPU and split by rows over
-2 (and 4) GPUs, in one run: wall time (the slowest rank, host latents to host pixels), the CuPy
+"""Issue #32's rows: one decode (SD-VAE by default; Wan 2.1 with --preset wan2.1-vae --latent
+16x21x60x104 --dtype bfloat16), untiled and exact, on 1 GPU and split by rows over 2 (and 4) GPUs,
+in one run: wall time (the slowest rank, host latents to host pixels), the CuPy
 pool's bytes per GPU, and the sharded output's distance from the one-GPU decode.
 
 The one-GPU row is model.decode(latents, tiled=False) as the service runs it (CUDA graphs);
@@ -33,6 +34,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="sd-vae")
     ap.add_argument("--size", type=int, default=4096, help="image side in pixels (latent side = size / 8)")
+    ap.add_argument("--latent", help="the latents' shape without the batch, e.g. 16x21x60x104 for Wan 2.1 "
+                                     "81x480x832 (overrides --size)")
     ap.add_argument("--gpus", default="1,2,4", help="group sizes to run (those above the GPU count are skipped)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--reps", type=int, default=3)
@@ -42,7 +45,9 @@ def main() -> None:
 
     visible = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True).stdout.strip().splitlines()
-    latents = np.random.default_rng(0).standard_normal((1, 4, args.size // 8, args.size // 8)).astype(np.float32)
+    shape = tuple(map(int, args.latent.split("x"))) if args.latent else (4, args.size // 8, args.size // 8)
+    latents = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
+    what = f"latents {'x'.join(map(str, shape))}" if args.latent else f"{args.size}x{args.size}"
     rows, base = [], None
     for n in map(int, args.gpus.split(",")):
         if n > len(visible):
@@ -59,11 +64,11 @@ def main() -> None:
                    memory_vs_one=max(res.pool_bytes) / base[2], rel_l2_vs_one=err, bands=res.bands,
                    call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds])
         rows.append(row)
-        print(f"{args.preset} {args.size}x{args.size} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
+        print(f"{args.preset} {what} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
               f"{err:.2e}  [call {row['call_s']:.0f} s]", flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
-               size=args.size, dtype=args.dtype)
+               workload=what, dtype=args.dtype)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "sharded_decode.json"), "w") as f:

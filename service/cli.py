@@ -201,8 +201,8 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
            fps: float = typer.Option(16.0),
            url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
-           shards: int = typer.Option(1, min=1, help="split each image's decode by rows over this many GPUs, "
-                                      "exactly (CUDA; SD, SDXL, FLUX.1 VAEs; docs/sharding.md)"),
+           shards: int = typer.Option(1, min=1, help="split the decode by rows over this many GPUs, exactly "
+                                      "(CUDA; SD, SDXL, FLUX.1 and Wan 2.1 VAEs; docs/sharding.md)"),
            api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
     """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the
     server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
@@ -221,8 +221,9 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
         return
     if shards > 1:
         from .cli_sharded import decode_sharded
-        out, secs = decode_sharded(lat, preset or "tiny-vae", weights, backend, shards, settings_from_flags())
-        written = validated(write_decoded, out, output, False, quality, fps)
+        out, secs = decode_sharded(lat, preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend,
+                                   shards, settings_from_flags())
+        written = validated(write_decoded, out, output, video, quality, fps)
         typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} on {shards} GPUs in {secs:.2f}s; wrote "
                    f"{len(written)} file(s)")
         return

@@ -12,7 +12,7 @@ from .settings import ModelEntry
 
 def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: str, shards: int,
                    settings) -> tuple[np.ndarray, float]:
-    """(images N,H,W,3 float32 in [0, 1], seconds) of the latents decoded on the first `shards`
+    """(pixels N,(F,)H,W,3 float32 in [0, 1], seconds) of the latents decoded on the first `shards`
     GPUs a server would use."""
     from models.registry import PRESETS
     from models.sharded_decode import SHARDABLE_FAMILY
@@ -20,11 +20,13 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
     check_model_entries([ModelEntry(preset, preset, weights)])
     if backend not in ("auto", "cuda"):
         fail(f"--shards {shards} runs on the cuda backend (one GPU per shard), not {backend}")
-    if lat.ndim != 4:
-        fail(f"--shards {shards}: sharded decode takes image latents (N, C, h, w); video VAEs are not sharded yet")
-    if PRESETS[preset].family != SHARDABLE_FAMILY:
-        fail(f"--shards {shards}: preset {preset} is not an AutoencoderKL image VAE (SD, SDXL, FLUX.1); "
-             f"only those decode sharded")
+    # image latents: the AutoencoderKL VAEs; video latents: the Wan 2.1 decoder
+    family, wants = (SHARDABLE_FAMILY, "an AutoencoderKL image VAE (SD, SDXL, FLUX.1)") if lat.ndim == 4 else (
+        "wan_vae", "the Wan 2.1 video VAE (wan2.1-vae, tiny-wan-vae)")
+    if PRESETS[preset].family != family:
+        fail(f"--shards {shards}: preset {preset} is not {wants}; only those decode sharded "
+             f"{'images' if lat.ndim == 4 else 'video'}")
+    rows = lat.shape[-2]
     from convkernels.registry import cuda_status
 
     ok, why = cuda_status()
@@ -38,8 +40,8 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
         fail(str(exc))
     if len(gpus) < shards:
         fail(f"--shards {shards} needs {shards} GPUs; {len(gpus)} usable")
-    if lat.shape[2] < shards:
-        fail(f"--shards {shards}: {lat.shape[2]} latent rows cannot make {shards} bands")
+    if rows < shards:
+        fail(f"--shards {shards}: {rows} latent rows cannot make {shards} bands")
     from .shard_group import decode_on_gpus
 
     t0 = time.perf_counter()

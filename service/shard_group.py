@@ -1,6 +1,7 @@
-"""One image-VAE decode across several GPUs (issue #32): a group of processes, one per GPU and
-narrowed to it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), each
-decoding its band of latent rows with models.sharded_decode; the bands' images are joined here.
+"""One decode across several GPUs (issue #32): a group of processes, one per GPU and narrowed to
+it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), each decoding its
+band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wan_decode for the
+Wan 2.1 video VAE); the bands' pixels are joined here.
 
 This is the standalone form (a fresh group per call: the GPU tests and benchmarks/sharded_decode.py
 use it); the service's per-GPU workers joining one group for a `shards=` request is the next step.
@@ -25,7 +26,7 @@ DEFAULT_TIMEOUT_S = 600.0
 
 @dataclass
 class ShardedResult:
-    images: np.ndarray              # N, 8H, 8W, 3 float32 in [0, 1], as model.decode(latents, tiled=False)
+    images: np.ndarray              # N, (F,) H, W, 3 float32 in [0, 1], as model.decode(latents, tiled=False)
     seconds: list[float]            # per timed repeat: the slowest rank's wall time
     pool_bytes: list[int]           # per rank: the CuPy pool's bytes after the decodes (its high-water mark)
     bands: list[tuple[int, int]] = field(default_factory=list)  # latent rows per rank
@@ -40,6 +41,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         from convkernels.nccl_comm import NcclShards
         from models import ModelOptions, load_model
         from models.sharded_decode import sharded_decode
+        from models.sharded_wan_decode import sharded_wan_decode
 
         backend = get_backend("cuda", dtype=job["dtype"])
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
@@ -53,9 +55,12 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
             if comm is None and job["whole"]:
                 return model.decode(rows, tiled=False)  # the single-GPU baseline, as served
             from convkernels.shard_comm import run_sharded
-            if comm is None:
-                return run_sharded(1, lambda c, r: sharded_decode(model, c, rows, cp, total_rows=total))[0]
-            return sharded_decode(model, comm, rows, cp, total_rows=total)
+
+            def one(c):  # video latents (N, C, T, h, w): the Wan decoder; images: the image VAE's
+                if rows.ndim == 5:
+                    return sharded_wan_decode(model, c, rows, cp)
+                return sharded_decode(model, c, rows, cp, total_rows=total)
+            return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
         once()  # builds the plans
         out = once()  # the whole decode captures its CUDA graph on its second call
@@ -87,14 +92,15 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     size = len(gpus)
     if whole and size != 1:
         raise ValueError("whole=True is the one-GPU baseline: give one GPU")
-    bands = split_rows(lat.shape[2], size)
-    parts = split(lat, bands, axis=2)
+    rows_axis = lat.ndim - 2  # images N,C,h,w; videos N,C,T,h,w
+    bands = split_rows(lat.shape[rows_axis], size)
+    parts = split(lat, bands, axis=rows_axis)
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
     uid = NcclShards.unique_id() if size > 1 else None
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
-                                    total_rows=lat.shape[2], reps=reps, whole=whole, fail_rank=fail_rank),
+                                    total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank),
         answers)) for r in range(size)]
     for p in procs:
         p.start()
@@ -115,6 +121,6 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
             p.join(timeout=5 if len(got) == size else 0)
             if p.is_alive():
                 p.kill()
-    images = np.concatenate([got[r][0] for r in range(size)], axis=1)
+    images = np.concatenate([got[r][0] for r in range(size)], axis=rows_axis - 1)  # N,(F,)H,W,3
     seconds = [max(got[r][1][i] for r in range(size)) for i in range(reps)]
     return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands)

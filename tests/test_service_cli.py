@@ -230,7 +230,8 @@ def test_sharded_decode_refusals_are_one_line_and_come_first(tmp_path):
                                                       "http://127.0.0.1:9")
     vid = tmp_path / "v.npy"
     np.save(vid, np.zeros((1, 4, 2, 4, 5), np.float32))
-    assert "video VAEs" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.npy", "--shards", "2")
+    assert "not the Wan 2.1 video VAE" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.npy", "--shards", "2",
+                                                            "--preset", "tiny-wan2.2-vae")
 
 
 def test_server_errors_are_one_line(live_server, tmp_path):
