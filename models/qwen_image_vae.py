@@ -16,7 +16,7 @@ pipeline's latent handling around it:
             (the edit pipeline's _encode_vae_image, argmax latents)
 
 Decode tiling is the Wan VAE's size-and-stride rule (diffusers' AutoencoderKLQwenImage.tiled_decode is
-AutoencoderKLWan's), applied to the one frame; encode is untiled. The encoder is there when the
+AutoencoderKLWan's), applied to the one frame; encode tiles as its tiled_encode does. The encoder is there when the
 checkpoint holds its tensors (diffusers or original-Wan naming, as ComfyUI's single file) and with
 random weights; `has_encoder` says so.
 """
@@ -32,6 +32,7 @@ from convkernels import Backend
 from .contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
 from .family import ModelFamily, ModelOptions, family_options
 from .module import random_state_dict
+from .tiling import tiled_map
 from .wan_vae import INIT_RULES, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
 from .wan_vae_checkpoint import normalize_keys
 from .wan_vae_encoder import EncoderTree
@@ -64,6 +65,14 @@ DESCRIPTIONS = {
 
 #: Qwen-Image's largest published resolution (1328x1328) decodes untiled unless asked, as in diffusers
 DEFAULT_MAX_UNTILED_PIXELS = 1328 * 1328
+
+
+def encoded_side(size: int, spatial_factor: int) -> int:
+    """The latent side the encoder makes of `size` pixels: each 2x down is a 3x3 stride-2 conv after
+    a (0, 1) zero pad, floor((n - 2) / 2) + 1."""
+    while spatial_factor > 1:
+        size, spatial_factor = (size - 2) // 2 + 1, spatial_factor // 2
+    return size
 
 
 @dataclass(frozen=True)
@@ -137,19 +146,37 @@ class QwenImageVAEDecoder(WanVAEDecoder):
 
     def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
         """Images (N, H, W, 3) in [0, 1] -> normalised latents (N, 16, H/8, W/8) (sides floored at each
-        2x, as the stride-2 convs do): (posterior mean - latents_mean) / latents_std. Untiled (tiled
-        is accepted and ignored)."""
+        2x, as the stride-2 convs do): (posterior mean - latents_mean) / latents_std. tiled: True =
+        diffusers' tiled_encode (the decode's tile size and stride, in pixels; blended over their
+        difference in latents) when larger than one tile, False = never, None = only above
+        max_untiled_pixels."""
         if not self.has_encoder:
             raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
         img = np.asarray(images_nhwc01, dtype=np.float32)
         f = self.spatial_factor
         if img.ndim != 4 or img.shape[-1] != 3 or img.shape[0] < 1 or min(img.shape[1:3]) < f:
             raise ValueError(f"{self.name}: images must be (N, H, W, 3) with H, W >= {f}, got {img.shape}")
-        x = np.ascontiguousarray((np.float32(2.0) * img - np.float32(1.0))[:, None])
+        x = np.ascontiguousarray(np.float32(2.0) * img - np.float32(1.0))
+        h, w = x.shape[1:3]
+        t = self.tiling
+        if tiled is None:
+            tiled = h * w > self.max_untiled_pixels
+        if tiled and (h > t.tile_px or w > t.tile_px):
+            blend = (t.tile_px - t.stride_px) // f
+            mean = tiled_map(self._encode_mean, x, t.tile_px, t.stride_px, blend, t.stride_px // f,
+                             lambda size: encoded_side(size, f))
+        else:
+            mean = self._encode_mean(x)
+        return np.ascontiguousarray((mean.transpose(0, 3, 1, 2) - self._mean[:, :, 0]) / self._std[:, :, 0])
+
+    def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
+        """Images (N, H, W, 3) in [-1, 1] -> the posterior mean (N, h, w, C), host float32: the Wan
+        encoder on one frame, quant_conv included. Linear in what a tile blend mixes, so blending
+        the means is blending the moments, as diffusers does."""
         b = self.backend
-        moments = np.asarray(b.to_host(self.encoder_tree(b.asarray(x))), np.float32)
-        mean = moments[:, 0, :, :, :self.latent_channels].transpose(0, 3, 1, 2)
-        return np.ascontiguousarray((mean - self._mean[:, :, 0]) / self._std[:, :, 0])
+        moments = np.asarray(b.to_host(self.encoder_tree(b.asarray(np.ascontiguousarray(x_nhwc[:, None])))),
+                             np.float32)
+        return moments[:, 0, :, :, :self.latent_channels]
 
     def card(self) -> dict:
         return card_fields(self, self.architecture, weights_naming=self.weights_naming, has_encoder=self.has_encoder,
