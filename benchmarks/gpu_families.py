@@ -27,21 +27,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_models import wall  # noqa: E402  (median ms of timed calls after warm ones)
 from machine import describe_machine  # noqa: E402  (loads torch before convkernels, see machine.py)
-
-
-def wall(fn, warm: int, reps: int, sync) -> float:
-    """Median ms of reps calls after warm untimed ones."""
-    for _ in range(warm):
-        fn()
-    sync()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(ts)
 
 
 def main() -> None:

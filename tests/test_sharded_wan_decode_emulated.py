@@ -17,28 +17,13 @@ from models.sharded_wan_decode import decode_wan_sharded_emulated, sharded_wan_f
 from models.wan22_vae import build as build_wan22
 from models.wan_vae import build
 from models.wan_vae_layers import CausalConv3d
+from test_sharded_decode_emulated import _OneLocal  # one collective kept shard-local (the guards)
 
 CONFIGS = {"wan-small": WAN_SMALL, "wan-odd-channels": WAN_ODD}
 # batch 2, 3 latent frames (9 frames: groups of 1, 4, 4), 5 latent rows (odd: 3 shards get 2, 2, 1;
 # 5 shards one each), odd width
 LATENT_SHAPE = (2, 3, 5, 3)
 UNSHARDED_TOL, DIFFUSERS_TOL, BROKEN_MIN = 1e-5, 1e-4, 1e-3
-
-
-class _OneLocal:
-    """A shard's communicator with one collective kept shard-local: the vacuity guards."""
-
-    def __init__(self, comm, local: str):
-        self.comm, self.local, self.rank, self.size = comm, local, comm.rank, comm.size
-
-    def exchange_rows(self, top, bottom):  # halo -> the conv's zero padding at every shard edge
-        return (None, None) if self.local == "halo" else self.comm.exchange_rows(top, bottom)
-
-    def allreduce_sum(self, a):
-        return self.comm.allreduce_sum(a)
-
-    def allgather(self, a):  # attention over the shard's own positions of each frame
-        return [a] if self.local == "attention" else self.comm.allgather(a)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
