@@ -43,6 +43,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def interleaved(mine, peer, reps: int) -> tuple[float, float]:
+    """Median seconds of mine and of peer, timed rep by rep in turn (the box is shared)."""
+    tp, to = [], []
+    for _ in range(reps):
+        tp.append(timed(peer))
+        time.sleep(0.2)  # let torch's OpenMP workers stop spinning before BLAS starts
+        to.append(timed(mine))
+    return statistics.median(to), statistics.median(tp)
+
+
 def diffusers_vae(preset: str, folder: Path):
     import diffusers
     import torch
@@ -72,13 +82,8 @@ def vae_rows(preset: str, sizes, reps: int, backend):
                 return ours.decode(lat, tiled=False)
 
             err = rel_l2(mine(), peer())  # also the warm-up of both
-            tp, to = [], []
-            for _ in range(reps):
-                tp.append(timed(peer))
-                time.sleep(0.2)  # let torch's OpenMP workers stop spinning before BLAS starts
-                to.append(timed(mine))
-            rows.append((f"{preset} decode {s}x{s} -> {s * 8}x{s * 8}", statistics.median(to),
-                         statistics.median(tp), "diffusers AutoencoderKL", err))
+            to, tp = interleaved(mine, peer, reps)
+            rows.append((f"{preset} decode {s}x{s} -> {s * 8}x{s * 8}", to, tp, "diffusers AutoencoderKL", err))
     return rows
 
 
@@ -104,12 +109,8 @@ def taesd_rows(sizes, reps: int, backend):
                 return ours.decode(lat, tiled=False)
 
             err = rel_l2(mine(), peer())
-            tp, to = [], []
-            for _ in range(reps):
-                tp.append(timed(peer))
-                time.sleep(0.2)
-                to.append(timed(mine))
-            rows.append((f"taesd decode {s}x{s} -> {s * 8}x{s * 8}", statistics.median(to), statistics.median(tp),
+            to, tp = interleaved(mine, peer, reps)
+            rows.append((f"taesd decode {s}x{s} -> {s * 8}x{s * 8}", to, tp,
                          "diffusers AutoencoderTiny", err))
     return rows
 
@@ -143,12 +144,8 @@ def convnext_rows(presets, reps: int, backend):
                 return ours.encode(img)["embedding"]
 
             err = rel_l2(mine(), peer())
-            tp, to = [], []
-            for _ in range(reps):
-                tp.append(timed(peer))
-                time.sleep(0.2)
-                to.append(timed(mine))
-            rows.append((f"{preset} {size} batch 1 (embedding)", statistics.median(to), statistics.median(tp),
+            to, tp = interleaved(mine, peer, reps)
+            rows.append((f"{preset} {size} batch 1 (embedding)", to, tp,
                          "transformers ConvNextModel", err))
     return rows
 
