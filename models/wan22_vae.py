@@ -1,6 +1,7 @@
-"""The Wan 2.2 video VAE decoder (TI2V-5B's `Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae`: diffusers
-`AutoencoderKLWan` with `is_residual=True`), `kind == "video-decoder"`: the Wan 2.2 VAE family
-(its presets, model and builder; `FAMILY`), built on the Wan 2.1 family (models/wan_vae.py).
+"""The Wan 2.2 video VAE (TI2V-5B's `Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae`: diffusers
+`AutoencoderKLWan` with `is_residual=True`), `kind == "video-decoder"`, with its encoder when the
+checkpoint holds it: the Wan 2.2 VAE family (its presets, model and builder; `FAMILY`), built on the
+Wan 2.1 family (models/wan_vae.py).
 
 What Wan 2.2 changes in the decoder (models/wan22_vae_layers.py): residual up blocks whose input
 is added back through a parameter-free DupUp3D shortcut, no channel halving between blocks (each
@@ -12,6 +13,12 @@ chunked and causal, one latent frame at a time (1 frame, then 4 per later latent
             -> x / (1 / latents_std) + latents_mean     (the Wan pipelines' de-normalisation, per channel)
             -> post_quant_conv, the residual decoder one latent frame at a time -> unpatchify
             -> clamp to [-1, 1], x / 2 + 0.5 -> frames (N, 1 + 4 (T - 1), 16h, 16w, 3) in [0, 1]
+
+    encode: frames (N, 1 + 4k, H, W, 3) in [0, 1] -> x * 2 - 1 -> patchify (2x2 -> 12 channels)
+            -> the residual encoder (AvgDown3D shortcuts, models/wan22_vae_encoder.py) chunk by chunk,
+               1 frame then 4, with the causal cache -> quant_conv -> posterior mean
+            -> (mean - latents_mean) * (1 / latents_std)   (the TI2V pipeline's prepare_latents)
+            -> (N, 48, 1 + k, H/16, W/16)
 
 Tiled decoding follows diffusers' tiled_decode: tiles of `tile_sample_min_size` output pixels
 (16 per latent) every `tile_sample_stride`, blended in the decoder's patched pixels (half those
@@ -26,12 +33,17 @@ import numpy as np
 
 from convkernels import Backend
 
+from . import interrupt
 from .contract import VIDEO_DECODER
 from .family import ModelFamily, ModelOptions, family_options
+from .module import random_state_dict
 from .tiling import plan_video_tiles, stitch_video_tiles, video_tiles
+from .wan22_vae_encoder import ResidualEncoder3d, patchify
 from .wan22_vae_layers import unpatchify
-from .wan_vae import WanVAEConfig, WanVAEDecoder, WanVAEOptions
-from .wan_vae_checkpoint import checkpoint_naming
+from .wan_vae import INIT_RULES, WanVAEConfig, WanVAEDecoder, WanVAEOptions
+from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
+from .wan_vae_encoder import EncoderTree
+from .wan_vae_layers import FeatureCache
 from .weights import WeightsError, diffusers_config
 
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder vae, config.json (the same 48 values as the original
@@ -71,11 +83,14 @@ PRESETS: dict[str, dict] = {
 }
 
 DESCRIPTIONS = {
-    "wan2.2-vae": "Wan 2.2 video VAE decoder (Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae, AutoencoderKLWan "
+    "wan2.2-vae": "Wan 2.2 video VAE decoder and encoder (Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae, AutoencoderKLWan "
                   "is_residual; 48 latent channels, 16x space, 4x time)",
-    "tiny-wan2.2-vae": "tiny Wan-2.2-architecture video VAE decoder for tests and CPU demos "
+    "tiny-wan2.2-vae": "tiny Wan-2.2-architecture video VAE decoder and encoder for tests and CPU demos "
                        "(12 latent channels, 16x space; 3x4x4 latents -> 9x64x64 in well under a second)",
 }
+
+#: frames per chunk of diffusers' AutoencoderKLWan._encode after the first (lone) frame
+ENCODE_CHUNK_FRAMES = 4
 
 
 @dataclass(frozen=True)
@@ -106,9 +121,11 @@ class Wan22VAEConfig(WanVAEConfig):
             problems.append("is_residual=False is the Wan 2.1 VAE: use the wan2.1-vae preset")
         if self.patch < 1:
             problems.append(f"patch_size must be >= 1, got {self.patch_size}")
-        elif self.out_channels != 3 * self.patch ** 2:
-            problems.append(f"out_channels must be 3 * patch_size^2 = {3 * self.patch ** 2} (RGB patches), "
-                            f"got {self.out_channels}")
+        else:
+            for what in ("in_channels", "out_channels"):
+                if getattr(self, what) != 3 * self.patch ** 2:
+                    problems.append(f"{what} must be 3 * patch_size^2 = {3 * self.patch ** 2} (RGB patches), "
+                                    f"got {getattr(self, what)}")
         return problems
 
     @property
@@ -119,10 +136,11 @@ class Wan22VAEConfig(WanVAEConfig):
 
 class Wan22VAEDecoder(WanVAEDecoder):
     """Video decoder per docs/interfaces.md: normalised latents (N, 48, T, h, w) -> float32 frames
-    (N, 1 + 4*(T-1), 16h, 16w, 3) in [0, 1]."""
+    (N, 1 + 4*(T-1), 16h, 16w, 3) in [0, 1]; and, when the checkpoint has the encoder
+    (`has_encoder`), frames -> normalised latents."""
 
-    architecture = ("diffusers AutoencoderKLWan decoder, is_residual (Wan 2.2 video VAE: residual up blocks "
-                    "with DupUp3D shortcuts, 2x2 patches)")
+    architecture = ("diffusers AutoencoderKLWan, is_residual (Wan 2.2 video VAE: residual up and down blocks "
+                    "with DupUp3D and AvgDown3D shortcuts, 2x2 patches)")
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: Wan22VAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -131,9 +149,20 @@ class Wan22VAEDecoder(WanVAEDecoder):
             raise WeightsError(f"{weights_source or 'checkpoint'}: original-Wan tensor names are read for the "
                                "Wan 2.1 VAE only; give the Wan 2.2 VAE in diffusers naming "
                                "(Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder vae)")
+        options = options or WanVAEOptions()
         super().__init__(name, preset, backend, cfg, tensors, weights_source, options)
         # the pipelines' own form: latents_std = 1 / std (float32), then latents / latents_std + mean
         self._inv_std = np.float32(1.0) / self._std
+        self.encoder_tree = EncoderTree(cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks,
+                                        cfg.temperal_downsample, cfg.in_channels, ResidualEncoder3d)
+        wanted = self.encoder_tree.expected_shapes()
+        # random init makes the encoder too (seeded apart from the decoder); a checkpoint has it or not
+        encoder = random_state_dict(wanted, options.seed + 1, INIT_RULES) if tensors is None else \
+            normalize_keys(tensors, cfg)
+        self.has_encoder = any(k in encoder for k in wanted)
+        if self.has_encoder:  # a partial encoder is an error like any other gap
+            self.encoder_tree.load_checked(encoder, backend, f"{self.reference_class} encoder (preset {preset!r})",
+                                           ignore_unexpected=("decoder.", "post_quant_conv."))
 
     def _denormalise(self, lat: np.ndarray) -> np.ndarray:
         return lat / self._inv_std + self._mean
@@ -150,10 +179,57 @@ class Wan22VAEDecoder(WanVAEDecoder):
     def _stitched(self, plan, tiles) -> np.ndarray:
         return host_unpatchify(stitch_video_tiles(plan, tiles), self.config.patch)
 
+    # ---- encode -----------------------------------------------------------------------------------
+    def encode(self, video_nfhw01: np.ndarray) -> np.ndarray:
+        """Frames (N, 1 + 4k, H, W, 3) in [0, 1], H and W multiples of 16 -> the Wan 2.2 pipelines'
+        normalised latents (N, z_dim, 1 + k, H/16, W/16), float32: the posterior mean, then
+        (mean - latents_mean) * (1 / latents_std). Chunked as diffusers' _encode (1 frame, then 4
+        at a time through the causal cache), so memory is bounded by one chunk; untiled."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        x = self._encoder_input(video_nfhw01)
+        b, z = self.backend, self.latent_channels
+        state = FeatureCache()
+        means = []
+        for start, stop in encode_chunks(x.shape[1]):
+            interrupt.check()  # its requesters gone: stop between chunks
+            chunk = patchify(b, b.asarray(np.ascontiguousarray(x[:, start:stop])), self.config.patch)
+            means.append(np.asarray(b.to_host(self.encoder_tree(chunk, state)), np.float32)[..., :z])
+        mean = np.concatenate(means, axis=1).transpose(0, 4, 1, 2, 3)
+        return np.ascontiguousarray((mean - self._mean) * self._inv_std)
+
+    def _encoder_input(self, video) -> np.ndarray:
+        """Validated frames as the encoder takes them: float32 x * 2 - 1 (the video processor's map
+        to [-1, 1]), N,F,H,W,3."""
+        v = np.asarray(video)
+        f, step = self.spatial_factor, ENCODE_CHUNK_FRAMES
+        if v.ndim != 5 or v.shape[-1] != 3 or min(v.shape) < 1:
+            raise ValueError(f"{self.name}: video must be (N, F, H, W, 3) with every size >= 1, got {v.shape}")
+        if (v.shape[1] - 1) % step:
+            raise ValueError(f"{self.name}: the frame count must be 1 + {step}k (1, 5, 9, ...), got {v.shape[1]}")
+        if v.shape[2] % f or v.shape[3] % f:
+            raise ValueError(f"{self.name}: height and width must be multiples of {f}, got {v.shape[2]}x{v.shape[3]}")
+        if v.dtype.kind != "f":
+            raise ValueError(f"{self.name}: video must be floating point in [0, 1], got {v.dtype}")
+        x = np.float32(2.0) * v.astype(np.float32) - np.float32(1.0)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{self.name}: video contains NaN or Inf")
+        return x
+
     def card(self) -> dict:
         card = super().card()
         card["input"] = "normalised latents (N, C, T, h, w); decode applies latents / (1 / latents_std) + latents_mean"
+        card["has_encoder"] = self.has_encoder
+        if self.has_encoder:
+            card["encode"] = (f"frames (N, 1 + {ENCODE_CHUNK_FRAMES}k, H, W, 3) in [0, 1], H and W multiples of "
+                              f"{self.spatial_factor} -> normalised latents (N, C, 1 + k, H/{self.spatial_factor}, "
+                              f"W/{self.spatial_factor}): (mean - latents_mean) * (1 / latents_std)")
         return card
+
+
+def encode_chunks(frames: int) -> list[tuple[int, int]]:
+    """diffusers' _encode chunks of a 1 + 4k frame clip: the first frame alone, then 4 at a time."""
+    return [(0, 1)] + [(s, s + ENCODE_CHUNK_FRAMES) for s in range(1, frames, ENCODE_CHUNK_FRAMES)]
 
 
 def host_unpatchify(x: np.ndarray, patch: int) -> np.ndarray:

@@ -124,9 +124,10 @@ def test_single_safetensors_in_diffusers_naming_loads(tmp_path):
     vae, _, config = make_reference(tmp_path, WAN22_SMALL, seed)
     path = tmp_path / "wan22.safetensors"
     safetensors_torch.save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, str(path))
-    cfg = {k: config[k] for k in ("decoder_base_dim", "latents_mean", "latents_std")}
+    # the encoder is read too: its width (base_dim) must be the checkpoint's as well
+    cfg = {k: config[k] for k in ("base_dim", "decoder_base_dim", "latents_mean", "latents_std")}
     model = build("wan22-file", "tiny-wan2.2-vae", get_backend("numpy"), str(path), ModelOptions(config=cfg))
-    assert model.weights_naming == "diffusers"
+    assert model.weights_naming == "diffusers" and model.has_encoder
     check_parity(model, vae, config, [(1, 2, 3, 3)], seed)
 
 

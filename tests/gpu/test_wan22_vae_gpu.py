@@ -3,7 +3,8 @@ patch_size=2) + the Wan 2.2 pipeline's de-normalisation, run by PyTorch on the C
 random weights (every parameter drawn afresh) and non-trivial latents_mean/std, through the public
 models.load_model path: relative L2 < 1e-4 in float32 (TF32 is off by default), < 1e-2 in float16 /
 bfloat16; untiled and in the Wan VAE's tiles; T = 3 latent frames (the steady, graphed chunk included).
-Skipped without a CUDA GPU + CuPy + cuDNN."""
+Encode (the TI2V pipeline's normalised latents) untiled, over 1 + 4 + 4 frames. Skipped without a CUDA
+GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 
@@ -17,6 +18,7 @@ TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-2}
 
 # the CPU references: the same helpers as the CPU parity tests (tests/test_models_wan22_vae.py)
 wan22_ref = pytest.importorskip("test_models_wan22_vae")
+wan22_enc_ref = pytest.importorskip("test_models_wan22_vae_encoder")
 
 FULL = dict(wan22_ref.PRESETS["wan2.2-vae"])
 
@@ -67,3 +69,23 @@ def test_wan22_vae_tiled_decode(tmp_path, dtype):
     err = rel_l2(ours, ref)
     report(f"tiny-wan2.2-vae {dtype} tiled: rel L2 {err:.2e}")
     assert err < TOL[dtype], f"seed {s}: {err:.3e}"
+
+
+@pytest.mark.parametrize("preset,cfg,dtype,video", [
+    ("tiny-wan2.2-vae", wan22_ref.WAN22_SMALL, "float32", (2, 9, 32, 48, 3)),
+    ("tiny-wan2.2-vae", wan22_enc_ref.WAN22_ODD_ENCODER, "float16", (1, 9, 48, 16, 3)),
+    ("wan2.2-vae", FULL, "float32", (1, 5, 32, 48, 3)),
+])
+def test_wan22_vae_encode(tmp_path, preset, cfg, dtype, video):
+    from models import load_model
+
+    s = wan22_ref.fresh_seed()
+    vae, folder, config = wan22_ref.make_reference(tmp_path, cfg, s)
+    model = load_model("w22", preset, backend(dtype), weights=str(folder))
+    x = np.random.default_rng(s).random(video, dtype=np.float32)
+    ours = model.encode(x)
+    err = rel_l2(ours, wan22_enc_ref.reference_encode(vae, config, x))
+    report(f"{preset} {dtype} encode {video}: rel L2 {err:.2e}")
+    assert err < TOL[dtype], f"seed {s}: {err:.3e}"
+    bare = rel_l2(ours, wan22_enc_ref.reference_encode(vae, config, x, normalise=False))
+    assert bare > max(3 * err, 100 * TOL["float32"]), f"seed {s}: without the normalisation {bare:.3e}"
