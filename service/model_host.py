@@ -89,8 +89,8 @@ class HostedModel:
 
     @property
     def can_encode(self) -> bool:
-        """Images -> latents: an image VAE whose checkpoint holds the encoder."""
-        return self.kind == IMAGE_DECODER and bool(self.model.has_encoder)
+        """Pixels -> latents: a VAE (images, or a video VAE's frames) whose checkpoint holds the encoder."""
+        return self.is_decoder and bool(getattr(self.model, "has_encoder", False))
 
     @property
     def labels(self) -> list[str] | None:
@@ -126,13 +126,19 @@ class HostedModel:
         frames = (1 + m.temporal_factor * (latent_shape[2] - 1),) if self.is_video else ()
         return (n, *frames, hw[0] * m.spatial_factor, hw[1] * m.spatial_factor, 3)
 
-    def encoded_shape(self, images_shape: tuple[int, ...]) -> tuple[int, ...]:
+    def encoded_shape(self, pixels_shape: tuple[int, ...]) -> tuple[int, ...]:
         """What a VAE encoder gives images N,H,W,3: N,C,h,w, each side halved (floored) once per
-        2x of the spatial factor, as its stride-2 downsamplers do."""
-        n, h, w = images_shape[0], images_shape[1], images_shape[2]
-        for _ in range(int(self.model.spatial_factor).bit_length() - 1):
+        2x of the spatial factor, as its stride-2 downsamplers do; a video VAE's frames N,F,H,W,3
+        (F = 1 + tk, sides multiples of the spatial factor s): N,C,1+k,H/s,W/s."""
+        m = self.model
+        if self.is_video:
+            n, f, h, w = pixels_shape[:4]
+            t, s = int(m.temporal_factor), int(m.spatial_factor)
+            return (n, m.latent_channels, 1 + (f - 1) // t, h // s, w // s)
+        n, h, w = pixels_shape[0], pixels_shape[1], pixels_shape[2]
+        for _ in range(int(m.spatial_factor).bit_length() - 1):
             h, w = h // 2, w // 2
-        return (n, self.model.latent_channels, h, w)
+        return (n, m.latent_channels, h, w)
 
     def encoder_outputs(self, rows: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """An image encoder's outputs for `rows` images: name -> (shape, dtype)."""

@@ -370,8 +370,11 @@ class Service:
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
                          disconnected: DisconnectCheck | None = None) -> np.ndarray:
-        """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder."""
-        px = validation.vae_images(hm, images, self.settings)
+        """Images N,H,W,3 in [0,1] -> scaled latents N,C,H/8,W/8 through an image VAE's encoder; a
+        video VAE's frames N,F,H,W,3 -> its latents N,C,T,h,w (hm.encoded_shape). The compute cap
+        counts every frame's pixels."""
+        check = validation.vae_frames if hm.is_video else validation.vae_images
+        px = await self.offload(images.nbytes, check, hm, images, self.settings)  # NaN scan
         self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
         sub = await self.run(hm, "vae_encode", {}, px, {"out": (hm.encoded_shape(px.shape), "float32")}, disconnected)
         return sub.arrays()["out"]

@@ -24,13 +24,13 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from models.contract import ROW_MAJOR_TOKENS
 
-from . import codecs, validation
+from . import codecs, validation, vae_pixels
 from .adapters import ERRORS, service
 from .auth import require_api_key
 from .bodies import read_body
 from .model_host import HostedModel
-from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
+from .settings import Settings
 from .video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
@@ -286,31 +286,33 @@ async def remote_decode(
 
 ENCODE_DOC = """The request `diffusers.utils.remote_encode(endpoint=<this URL>, image=...)` sends: a PIL
 image as PNG bytes, or a tensor as raw little-endian bytes with `shape`/`dtype` query parameters (float:
-N,3,H,W or 3,H,W in [-1,1] as `VaeImageProcessor.preprocess` gives it; uint8: N,H,W,3 or H,W,3).
+N,3,H,W or 3,H,W in [-1,1] as `VaeImageProcessor.preprocess` gives it; uint8: N,H,W,3 or H,W,3). Also
+JPEG/WebP files, and .npy pixels (`application/x-npy`: N,H,W,3 or H,W,3, uint8 or float in [0,1]).
 Answers the posterior mean latents N,C,H/8,W/8 (deterministic) with `shape`/`dtype` headers, scaled as
 asked: `(mean - shift_factor) * scaling_factor`; neither factor -> the unscaled mean; deprecated
 `do_scaling=True` alone -> the model's own factors. Needs a checkpoint with the VAE encoder
-(`has_encoder` in the model card)."""
+(`has_encoder` in the model card).
+
+A video VAE with an encoder (Wan 2.2) takes clips of F = 1 + 4k frames, sides multiples of 16: an
+image file is one frame; .npy N,F,H,W,3 (N,H,W,3 and H,W,3: one frame each); a float tensor
+N,3,F,H,W in [-1,1] (`VideoProcessor.preprocess_video`'s layout, what `vae.encode` takes) or N,3,H,W,
+3,H,W; uint8 N,F,H,W,3, N,H,W,3, H,W,3. It answers N,48,1+k,H/16,W/16: with `do_scaling=True` the TI2V
+pipeline's normalised latents `(mean - latents_mean) * (1 / latents_std)`; with no factors the unscaled
+posterior mean. The compute cap counts every frame's pixels."""
 
 
-def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: str) -> tuple[np.ndarray, str]:
-    """Body -> float32 N,H,W,3 in [0,1] and the dtype to answer in."""
+def _encode_pixels(hm: HostedModel, limits: Settings, body: bytes, content_type: str | None,
+                   shape: list[int] | None, dtype: str) -> tuple[np.ndarray, str]:
+    """Body -> float32 pixels in [0,1] in the model's layout (images N,H,W,3, a video VAE's frames
+    N,F,H,W,3: service/vae_pixels.py) and the dtype to answer in."""
     if not shape:
-        rgb = codecs.open_image(body, svc.settings.max_pixels, "image")
-        return (rgb.astype(np.float32) / np.float32(255.0))[None], "float32"
+        if codecs.media_type(content_type) == codecs.NPY_MEDIA or codecs.sniff(body) == codecs.NPY_MEDIA:
+            return vae_pixels.npy_pixels(hm, body, limits), "float32"
+        return vae_pixels.image_pixels(hm, body, limits), "float32"
     x = read_wire_tensor(body, shape, dtype)
-    x = x[None] if x.ndim == 3 else x
-    # the pixel limit before the float copy, which is 4x the body for uint8 pixels
-    if x.ndim >= 4:
-        validation.pixel_limit(*(x.shape[-3:-1] if x.dtype == np.uint8 else x.shape[-2:]), svc.settings)
-    if x.dtype == np.uint8:
-        if x.ndim != 4 or x.shape[-1] != 3:
-            raise Problem(422, "bad-shape", f"uint8 pixels must be N,H,W,3 or H,W,3, got {list(x.shape)}")
-        return x.astype(np.float32) / np.float32(255.0), "float32"
-    if x.ndim != 4 or x.shape[1] != 3:
-        raise Problem(422, "bad-shape", f"float pixels must be N,3,H,W or 3,H,W in [-1, 1], got {list(x.shape)}")
-    images01 = (x.astype(np.float32).transpose(0, 2, 3, 1) + np.float32(1.0)) * np.float32(0.5)
-    return images01, float_reply_dtype(dtype)
+    if hm.is_video:
+        return vae_pixels.frames_pixels(x, limits, channels_first=True), float_reply_dtype(dtype)
+    return vae_pixels.tensor_pixels(x, limits), float_reply_dtype(dtype)
 
 
 @router.post("/models/{name}/vae/encode", summary="diffusers remote_encode protocol", description=ENCODE_DOC,
@@ -318,6 +320,9 @@ def _encode_pixels(svc: Service, body: bytes, shape: list[int] | None, dtype: st
                                                                  "content": {TENSOR_MEDIA: {}}}},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "image/png": {"schema": {"type": "string", "format": "binary"}},
+                 "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+                 "image/webp": {"schema": {"type": "string", "format": "binary"}},
+                 codecs.NPY_MEDIA: {"schema": {"type": "string", "format": "binary"}},
                  TENSOR_MEDIA: {"schema": {"type": "string", "format": "binary"}}}}})
 async def remote_encode(
         name: str, request: Request,
@@ -329,6 +334,7 @@ async def remote_encode(
     async with svc.admit(name, "vae_encode") as hm:
         scaling = ClientScaling.from_query(scaling_factor, shift_factor, do_scaling)
         body = await read_body(request, svc.settings.max_body_bytes)
-        images01, reply = await svc.in_pool(_encode_pixels, svc, body, shape, dtype)
+        images01, reply = await svc.in_pool(_encode_pixels, hm, svc.settings, body,
+                                            request.headers.get("content-type"), shape, dtype)
         lat = await svc.vae_encode(hm, images01, disconnected=request.is_disconnected)
         return tensor_response(from_model_latents(hm, np.asarray(lat), scaling), reply)

@@ -19,8 +19,8 @@ _ROUTES = {
                       "{name} is an {kind}; streaming decode is for video decoders"),
     "vae_decode": (lambda hm: hm.is_decoder, "wrong-model-kind", "{name} is an {kind}; remote_decode needs a VAE decoder"),
     "vae_encode": (lambda hm: hm.can_encode, "no-vae-encoder",
-                   "{name} ({kind}) serves no VAE encoder: remote_encode takes an image VAE whose checkpoint "
-                   "holds the encoder weights"),
+                   "{name} ({kind}) serves no VAE encoder: remote_encode takes an image VAE or a Wan 2.2 video "
+                   "VAE whose checkpoint holds the encoder weights"),
 }
 
 
@@ -122,3 +122,27 @@ def vae_images(hm: HostedModel, images: np.ndarray, limits: Settings) -> np.ndar
                       f"multiples of {patch}, whole {patch}x{patch} latent patches; got {list(images.shape[1:3])}")
     batch(images.shape[0], "images", limits)
     return _finite_f32(images, "non-finite-pixels", "pixels")
+
+
+def vae_frames(hm: HostedModel, frames: np.ndarray, limits: Settings) -> np.ndarray:
+    """Frames N,F,H,W,3 in [0,1] for a video VAE's encoder (the pixel limit checked per frame as
+    they were read) -> contiguous float32: F = 1 + tk for its temporal factor t (the first frame
+    alone, then t per latent frame), H and W multiples of its spatial factor."""
+    if frames.ndim != 5 or frames.shape[-1] != 3 or min(frames.shape) < 1:
+        raise Problem(422, "bad-shape", f"frames must be N,F,H,W,3, got {list(frames.shape)}")
+    t, s = int(hm.model.temporal_factor), int(hm.model.spatial_factor)
+    n, f, h, w = frames.shape[:4]
+    if (f - 1) % t:
+        raise Problem(422, "bad-frame-count", f"{hm.name} encodes 1 + {t}k frames (1, {1 + t}, {1 + 2 * t}, ...), "
+                      f"got {f}")
+    if h % s or w % s:
+        raise Problem(422, "bad-frame-size", f"{hm.name} encodes frames whose height and width are multiples of "
+                      f"{s}, got {h}x{w} (HxW)")
+    frame_limit(f, limits)
+    batch(n, "videos", limits)
+    return _finite_f32(frames, "non-finite-pixels", "pixels")
+
+
+def frame_limit(frames: int, limits: Settings) -> None:
+    if frames > limits.max_frames:
+        raise Problem(422, "too-many-frames", f"{frames} frames exceed the limit of {limits.max_frames}")

@@ -225,6 +225,22 @@ def test_sd_remote_encode_png_and_tensor(server):
     assert rel_l2(out, mean_t) < TOL
 
 
+def test_sd_encode_of_npy_pixels_equals_the_png(server):
+    """.npy pixels (channels last, uint8 or float in [0,1], as /v1's encode takes them) give the bytes
+    the same image as a PNG gives."""
+    rgb = np.random.default_rng(fresh_seed()).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    want = requests.post(server.url("sd", "encode"), data=buf.getvalue())
+    assert want.status_code == 200 and want.headers["shape"] == "[1, 4, 3, 5]", want.text
+    for arr in (rgb, rgb[None], (rgb.astype(np.float32) / 255)[None]):
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        r = requests.post(server.url("sd", "encode"), data=buf.getvalue(), headers={"content-type": "application/x-npy"})
+        assert r.status_code == 200 and r.headers["shape"] == want.headers["shape"], r.text
+        assert r.content == want.content, f"{arr.dtype} {arr.shape}"
+
+
 # ---- FLUX-style image VAE ------------------------------------------------------------------------
 def test_flux_packed_latents(server):
     height, width = 50, 70  # the pipeline rounds down to whole 2x2 latent patches: 6 x 8 latents

@@ -1,7 +1,7 @@
 """The Wan 2.2 VAE decoder served by a real uvicorn convserve: the card, /v1 REST decode and the
 streamed decode (.npy stream), each against diffusers' AutoencoderKLWan(is_residual=True,
-patch_size=2) + the Wan 2.2 pipeline's de-normalisation with the same random weights. Its encoder
-is a library call (models' encode) only: no route serves video encode."""
+patch_size=2) + the Wan 2.2 pipeline's de-normalisation with the same random weights. Its encoder,
+served through remote_encode, is tests/test_service_wan22_vae_encode.py's."""
 from __future__ import annotations
 
 import httpx
@@ -50,10 +50,8 @@ def test_card_and_rest_decode(served):
     card = httpx.get(f"{served.base}/v1/models/{MODEL}", timeout=30).json()
     assert card["kind"] == "video-decoder" and card["latent_channels"] == 12
     assert (card["spatial_factor"], card["temporal_factor"]) == (16, 4)
-    # the checkpoint holds the encoder, but remote_encode takes images for an image VAE: refused
+    # the checkpoint holds the encoder: served by remote_encode (tests/test_service_wan22_vae_encode.py)
     assert card["has_encoder"] is True
-    r = httpx.post(f"{served.base}/v1/models/{MODEL}/vae/encode", content=b"", timeout=30)
-    assert r.status_code == 409 and r.json()["type"].endswith("no-vae-encoder"), r.text
     lat = latents(2, 12, 3, 3, 5)
     r = httpx.post(f"{served.base}/v1/models/{MODEL}/decode", content=npy(lat), headers=NPY,
                    params={"format": "npy"}, timeout=120)
