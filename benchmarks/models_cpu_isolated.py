@@ -25,6 +25,8 @@ WORKLOADS = [  # name, kind, preset, shape (ours: NHWC pixels or NCHW latents)
     ("sd-vae decode 64x64 -> 512x512", "decoder", "sd-vae", (1, 4, 64, 64)),
     ("wan2.1-vae decode 2x16x16 -> 5x128x128", "video", "wan2.1-vae", (1, 16, 2, 16, 16)),
     ("wan2.1-vae decode 5x16x16 -> 17x128x128", "video", "wan2.1-vae", (1, 16, 5, 16, 16)),
+    ("taesd decode 64x64 -> 512x512", "tiny", "taesd", (1, 4, 64, 64)),
+    ("taesd decode 128x128 -> 1024x1024", "tiny", "taesd", (1, 4, 128, 128)),
 ]
 
 OURS = """
@@ -51,6 +53,11 @@ if kind == "video":
     from diffusers import AutoencoderKLWan
     from models.wan_vae import PRESETS
     model = AutoencoderKLWan(**PRESETS[preset]).eval()
+    x = torch.rand(*shape)
+    run = lambda: model.decode(x)
+elif kind == "tiny":  # diffusers AutoencoderTiny's defaults are taesd's
+    from diffusers import AutoencoderTiny
+    model = AutoencoderTiny().eval()
     x = torch.rand(*shape)
     run = lambda: model.decode(x)
 elif kind == "encoder":
