@@ -24,7 +24,7 @@ def cuda_available():
 
 
 def pytest_runtest_logreport(report):
-    """On a device run ($OUT set), each failure is written to $OUT/failures.txt as it happens: a
+    """When $OUT names an output folder (a GPU machine's run), each failure is written to $OUT/failures.txt as it happens: a
     run stopped at the device's time limit never prints pytest's summary."""
     out = os.environ.get("OUT")
     if not report.failed or not out or not os.path.isdir(out):
@@ -34,7 +34,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """On a device run ($OUT set), keep the CUDA kernel metrics the tests produced: which path
+    """When $OUT names an output folder (a GPU machine's run), keep the CUDA kernel metrics the tests produced: which path
     each op ran on, plan cache events, build times."""
     out = os.environ.get("OUT")
     if not out or not os.path.isdir(out):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, print the stack, run the GPU tests and benchmarks.
-# Usage on the device machine (repo root): bash tests/gpu/device_run.sh [pytest args...]
-# Logs go to $OUT (set by the device tool) or ./out.
+# One run on a GPU machine: print the stack, run the GPU tests and the chosen benchmarks.
+# Usage (repo root, with the cuda and test extras installed): bash tests/gpu/device_run.sh [pytest args...]
+# Logs go to the folder $OUT names (default ./out).
 # Switches (environment): SKIP_TESTS=1, WORKERS=8 (pytest-xdist), TEST_TIMEOUT=300 (per test), SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
-# PEERS=sd_vae,convnext,wan_vae (.gpuextra/torch_baseline.py), COMPILE=1 (gpu_models with torch.compile),
+# COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
 # shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
 # e.g. '--workers 6 --devices 0,1'), COLD=1 (cold vs warm start),
@@ -13,8 +13,11 @@
 # (benchmarks/gpu_families.py), SHARDED='--size 4096 --gpus 1,2,4' (benchmarks/sharded_decode.py).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 3
+# a machine without network: wheels placed in .whl/ (git-ignored) are installed aside first
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 3
+fi
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/env.txt"
 python3 - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
@@ -43,10 +46,6 @@ fi
 if [ -n "${MODELS:-}" ]; then
   timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu_models.py --only "$MODELS" ${MODELS_ARGS:-} 2>&1 \
     | tee "$OUT/gpu_models.log" | tail -n 30
-fi
-if [ -n "${PEERS:-}" ]; then  # the shared PyTorch baseline, carried in .gpuextra/
-  PEER_ONLY="$PEERS" timeout ${PEERS_TIMEOUT:-240} python3 .gpuextra/torch_baseline.py 2>&1 \
-    | tee "$OUT/torch_baseline.log" | grep -v "^dw" | tail -n 30
 fi
 if [ "${COMPILE:-0}" = 1 ]; then  # the same table with torch.compile beside (adds its compile time per shape)
   timeout ${COMPILE_TIMEOUT:-600} python3 benchmarks/gpu_models.py --only "${MODELS:-sd,convnext}" --compile \

@@ -18,7 +18,7 @@ def cuda_backend(dtype: str):
 
 
 def report_parity(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt on a device run."""
+    """Errors of passing runs too: appended to $OUT/model_parity.txt when $OUT names an output folder."""
     import os
 
     print(line)

@@ -21,7 +21,7 @@ DTYPE = "float16"
 
 
 def report(lines: list[str]) -> None:
-    """Errors of passing runs too: appended to $OUT/service_parity.txt on a device run."""
+    """Errors of passing runs too: appended to $OUT/service_parity.txt when $OUT names an output folder."""
     print("\n".join(lines))
     out = os.environ.get("OUT")
     if out and os.path.isdir(out):
