@@ -4,9 +4,9 @@ and GroupNorm, whose statistics cover the whole image. Everything else in a VAE 
 norm over channels, activations, pointwise convs) is row-local and runs on a shard as it is.
 
 They take the shard's rows (channels-last: images N,H,W,C with rows on axis 1, videos N,T,H,W,C
-with rows on axis 2), its communicator (shard_comm.ShardComm) and the array namespace `xp` the
-backend's arrays live in (numpy, cupy), and return what the unsharded layer returns for those
-rows. A video's causal conv (halo_conv3d) needs only rows from its neighbours, never frames: its
+with rows on axis 2), its communicator (shard_comm.ShardComm) and its backend, whose ops
+(slice, concat, pad, conv) they are written in, once for every backend; and return what the
+unsharded layer returns for those rows. A video's causal conv (halo_conv3d) needs only rows from its neighbours, never frames: its
 time padding, and the cache of earlier frames a chunked decode keeps, are the shard's own.
 
 GroupNorm is exact through one all-reduce of its statistics: each shard's float64 sums of x and
@@ -23,24 +23,22 @@ import numpy as np
 from .shard_comm import ShardComm
 
 
-def _rows(x, axis: int, start: int, stop: int):
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(start, stop)
-    return x[tuple(index)]
-
-
-def row_halo(xp, comm: ShardComm, x, halo: int, axis: int = 1):
+def row_halo(backend, comm: ShardComm, x, halo: int, axis: int = 1):
     """This shard's rows (on `axis`) with `halo` rows of each neighbour around them: its first
     and last `halo` rows go up and down, the neighbours' come back; the image's own top and
     bottom get zero rows (a conv's zero padding). A conv of the result with no row padding gives
     exactly this shard's rows of the whole image's 'same' conv."""
     if x.shape[axis] < halo:
         raise ValueError(f"a shard of {x.shape[axis]} rows cannot give a halo of {halo}")
-    above, below = comm.exchange_rows(_rows(x, axis, 0, halo), _rows(x, axis, x.shape[axis] - halo, x.shape[axis]))
-    edge = tuple(halo if i == axis else n for i, n in enumerate(x.shape))
-    rows = [above if above is not None else xp.zeros(edge, x.dtype), x,
-            below if below is not None else xp.zeros(edge, x.dtype)]
-    return xp.ascontiguousarray(xp.concatenate(rows, axis=axis))
+    n = x.shape[axis]
+    above, below = comm.exchange_rows(backend.slice(x, axis, 0, halo), backend.slice(x, axis, n - halo, n))
+    rows = backend.concat([r for r in (above, x, below) if r is not None], axis=axis)
+    missing = (0 if above is not None else halo, 0 if below is not None else halo)
+    if missing == (0, 0):
+        return rows
+    pads = [(0, 0)] * (x.ndim - 2)  # the spatial axes of N, *spatial, C
+    pads[axis - 1] = missing
+    return backend.pad(rows, tuple(pads))
 
 
 def _odd_space_kernel(w, name: str) -> None:
@@ -49,7 +47,7 @@ def _odd_space_kernel(w, name: str) -> None:
         raise ValueError(f"{name} takes odd spatial kernels (a 'same' conv), got {space}")
 
 
-def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None):
+def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None):
     """A stride-1 "same" 2-D conv (kernel kh x kw, padding (kh-1)/2, (kw-1)/2, as the VAEs' 3x3
     convs) of the whole image, on this shard's rows. Each shard sends its first and last
     (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding.
@@ -58,7 +56,7 @@ def halo_conv2d(backend, xp, comm: ShardComm, x, w, bias=None, *, residual=None,
     kh, kw = int(w.shape[1]), int(w.shape[2])
     halo = (kh - 1) // 2
     if halo:
-        x = row_halo(xp, comm, x, halo, axis=1)
+        x = row_halo(backend, comm, x, halo, axis=1)
     return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
                           activation=activation)
 
@@ -75,7 +73,7 @@ def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, residual=None,
                           activation=activation)
 
 
-def halo_conv3d(backend, xp, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0, residual=None,
+def halo_conv3d(backend, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0, residual=None,
                 activation: str | None = None):
     """A stride-1 3-D conv of a whole video (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
     this shard's rows: 'same' in space (halo (kH-1)/2 rows from each neighbour), `time_pad` zero
@@ -84,7 +82,7 @@ def halo_conv3d(backend, xp, comm: ShardComm, x, w, bias=None, *, time_pad: int 
     _odd_space_kernel(w, "halo_conv3d")
     halo = (int(w.shape[2]) - 1) // 2
     if halo:
-        x = row_halo(xp, comm, x, halo, axis=2)
+        x = row_halo(backend, comm, x, halo, axis=2)
     return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, residual=residual, activation=activation)
 
 

@@ -32,11 +32,10 @@ from .contract import PIXEL_RANGE
 
 @dataclass(frozen=True)
 class Shard:
-    """What every sharded layer needs: the communicator, the backend's array namespace (numpy,
-    cupy) and the share of the image's rows this shard holds (total, own) in latent rows, which
-    turns a GroupNorm's element count into the whole image's without asking the others."""
+    """What every sharded layer needs besides its own backend: the communicator, and the share of
+    the image's rows this shard holds (total, own) in latent rows, which turns a GroupNorm's element
+    count into the whole image's without asking the others."""
     comm: ShardComm
-    xp: object
     rows: tuple[int, int] | None = None
 
 
@@ -46,7 +45,7 @@ def _group_norm(sh: Shard, norm, x, activation: str | None = "silu"):
 
 
 def _conv3x3(sh: Shard, conv, x, residual=None):
-    return halo_conv2d(conv.backend, sh.xp, sh.comm, x, conv.weight, conv.bias, residual=residual)
+    return halo_conv2d(conv.backend, sh.comm, x, conv.weight, conv.bias, residual=residual)
 
 
 def _resnet(sh: Shard, block, x):
@@ -64,10 +63,9 @@ def _attention(sh: Shard, attn, x):
     n, h, w, c = x.shape
     tokens = backend.reshape(_group_norm(sh, attn.group_norm, x, activation=None), (n, h * w, c))
     q = attn.to_q(tokens)
-    xp = sh.xp
-    kv = xp.concatenate([attn.to_k(tokens), attn.to_v(tokens)], axis=-1)
-    every = xp.concatenate(sh.comm.allgather(kv), axis=1)  # rank order = row order = token order
-    k, v = xp.ascontiguousarray(every[..., :c]), xp.ascontiguousarray(every[..., c:])
+    kv = backend.concat([attn.to_k(tokens), attn.to_v(tokens)], axis=-1)
+    every = backend.concat(sh.comm.allgather(kv), axis=1)  # rank order = row order = token order
+    k, v = backend.slice(every, -1, 0, c), backend.slice(every, -1, c, 2 * c)
     out = attn.proj(backend.attention(q, k, v), residual=backend.reshape(x, (n, h * w, c)))
     return backend.reshape(out, (n, h, w, c))
 
@@ -113,7 +111,7 @@ def check_shardable(model) -> None:
                          f"FLUX.1), not {type(model).__name__}")
 
 
-def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True,
+def sharded_decode(model, comm: ShardComm, z_rows, clamp: bool = True,
                    total_rows: int | None = None) -> np.ndarray:
     """This shard's part of model.decode (untiled): z_rows are its rows of the scaled latents as
     the pipeline hands them, host (N, C, rows, w); the result is its rows of the images, host
@@ -127,7 +125,7 @@ def sharded_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True,
     z = z / np.float32(model.scaling_factor) + np.float32(model.shift_factor)
     backend = model.backend
     rows = None if total_rows is None else (total_rows, lat.shape[2])
-    out = sharded_decoder_forward(model, Shard(comm, xp, rows), backend.asarray(z))
+    out = sharded_decoder_forward(model, Shard(comm, rows), backend.asarray(z))
     return backend.to_host_async(out, PIXEL_RANGE if clamp else None).result()
 
 
@@ -141,7 +139,7 @@ def decode_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool
     parts = split(lat, split_rows(lat.shape[2], shards), axis=2)
 
     def shard(comm, rank):
-        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp,
+        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], clamp,
                               total_rows=lat.shape[2])
 
     return np.concatenate(run_sharded(shards, shard), axis=1)

@@ -54,7 +54,7 @@ def _causal_conv(sh: Shard, conv, x, state: FeatureCache, norm=None, residual=No
         x = norm(x, "silu")
     halo = (conv.kernel[1] - 1) // 2
     if halo:
-        x = row_halo(sh.xp, sh.comm, x, halo, axis=ROWS)
+        x = row_halo(conv.backend, sh.comm, x, halo, axis=ROWS)
     x, lo = conv.with_cache(x, state)
     return haloed_conv3d(conv.backend, x, conv.weight, conv.bias, time_pad=lo, residual=residual)
 
@@ -76,7 +76,7 @@ def _attention(sh: Shard, attn, x):
     frames = b.reshape(x, (n * t, h, w, c))
     qkv = b.reshape(attn.to_qkv(attn.norm(frames)), (n * t, h * w, 3 * c))
     q = b.slice(qkv, -1, 0, c)
-    every = sh.xp.concatenate(sh.comm.allgather(sh.xp.ascontiguousarray(b.slice(qkv, -1, c, 3 * c))), axis=1)
+    every = b.concat(sh.comm.allgather(b.slice(qkv, -1, c, 3 * c)), axis=1)
     k, v = b.slice(every, -1, 0, c), b.slice(every, -1, c, 2 * c)
     attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
     return b.reshape(attn.proj(attended, residual=frames), (n, t, h, w, c))
@@ -91,7 +91,7 @@ def _resample(sh: Shard, upsampler, x, state: FeatureCache):
         x = upsampler._double_frames(x, state)
     n, t, h, w, c = x.shape
     frames = b.upsample_nearest(b.reshape(x, (n * t, h, w, c)), 2)
-    frames = halo_conv2d(b, sh.xp, sh.comm, frames, upsampler.conv.weight, upsampler.conv.bias)
+    frames = halo_conv2d(b, sh.comm, frames, upsampler.conv.weight, upsampler.conv.bias)
     return b.reshape(frames, (n, t, 2 * h, 2 * w, upsampler.out_dim))
 
 
@@ -114,7 +114,7 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
     return _causal_conv(sh, dec.conv_out, x, state, dec.norm_out)
 
 
-def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> Iterator[np.ndarray]:
+def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True) -> Iterator[np.ndarray]:
     """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
     latents as the pipeline hands them, host (N, C, T, rows, w); yields its rows of each frame
     group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
@@ -123,7 +123,7 @@ def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, xp, clamp: bool = T
         raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
                          f"{type(model.tree.decoder).__name__}")
     z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
-    return _groups(model, Shard(comm, xp), z, clamp)
+    return _groups(model, Shard(comm), z, clamp)
 
 
 def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray]:
@@ -136,10 +136,10 @@ def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray
         yield b.to_host_async(out, PIXEL_RANGE if clamp else None).result()
 
 
-def sharded_wan_decode(model, comm: ShardComm, z_rows, xp, clamp: bool = True) -> np.ndarray:
+def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True) -> np.ndarray:
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
-    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, xp, clamp)), axis=1)
+    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp)), axis=1)
 
 
 def decode_wan_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
@@ -154,6 +154,6 @@ def decode_wan_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: 
     parts = split(lat, split_rows(lat.shape[3], shards), axis=3)
 
     def shard(comm, rank):
-        return sharded_wan_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], np, clamp)
+        return sharded_wan_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], clamp)
 
     return np.concatenate(run_sharded(shards, shard), axis=2)

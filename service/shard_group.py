@@ -35,8 +35,6 @@ class ShardedResult:
 def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before CuPy is imported: this process sees one GPU
     try:
-        import cupy as cp
-
         from convkernels import get_backend
         from convkernels.nccl_comm import NcclShards
         from models import ModelOptions, load_model
@@ -58,8 +56,8 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
 
             def one(c):  # video latents (N, C, T, h, w): the Wan decoder; images: the image VAE's
                 if rows.ndim == 5:
-                    return sharded_wan_decode(model, c, rows, cp)
-                return sharded_decode(model, c, rows, cp, total_rows=total)
+                    return sharded_wan_decode(model, c, rows)
+                return sharded_decode(model, c, rows, total_rows=total)
             return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
         once()  # builds the plans
@@ -68,11 +66,11 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         for _ in range(job["reps"]):
             if comm is not None:
                 comm.allreduce_sum(np.zeros(1))  # every rank starts together (a host result: synchronised)
-            cp.cuda.get_current_stream().synchronize()
+            backend.synchronize()
             t0 = time.perf_counter()
             out = once()
             times.append(time.perf_counter() - t0)
-        answers.put((rank, "ok", out, times, cp.get_default_memory_pool().total_bytes()))
+        answers.put((rank, "ok", out, times, backend.describe().get("pool_bytes", 0)))
         if comm is not None:
             comm.close()
     except BaseException as e:  # the parent reports it and stops the others

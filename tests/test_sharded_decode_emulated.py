@@ -112,4 +112,4 @@ def test_a_model_of_another_family_is_refused_by_name():
 
     model = load_model("f2", "tiny-flux2-vae", get_backend("numpy"))
     with pytest.raises(ValueError, match="AutoencoderKL image VAEs"):
-        run_sharded(1, lambda comm, r: sharded_decode(model, comm, np.zeros((1, 128, 2, 2), np.float32), np))
+        run_sharded(1, lambda comm, r: sharded_decode(model, comm, np.zeros((1, 128, 2, 2), np.float32)))

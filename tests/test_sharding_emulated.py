@@ -43,7 +43,7 @@ def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kern
     b = rng.standard_normal(7).astype(np.float32)
     backend = get_backend("numpy")
     parts = split(x, split_rows(23, shards))
-    out = np.concatenate(run_sharded(shards, lambda comm, r: halo_conv2d(backend, np, comm, parts[r], w, b)), axis=1)
+    out = np.concatenate(run_sharded(shards, lambda comm, r: halo_conv2d(backend, comm, parts[r], w, b)), axis=1)
     ref = F.conv2d(nchw(x), torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), torch.from_numpy(b),
                    padding=kernel // 2).numpy().transpose(0, 2, 3, 1)
     assert out.shape == ref.shape
@@ -52,7 +52,7 @@ def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kern
     skip = rng.standard_normal(ref.shape).astype(np.float32)
     skips = split(skip, split_rows(23, shards))
     fused = np.concatenate(run_sharded(shards, lambda comm, r: halo_conv2d(
-        backend, np, comm, parts[r], w, b, residual=skips[r])), axis=1)
+        backend, comm, parts[r], w, b, residual=skips[r])), axis=1)
     assert rel_l2(fused, ref + skip) < 1e-5
     if kernel > 1:  # the vacuity guard: shards padded with zeros instead of their neighbours' rows
         alone = np.concatenate([backend.conv2d(p, w, b, padding=kernel // 2) for p in parts], axis=1)
@@ -74,7 +74,7 @@ def test_a_causal_conv3d_with_its_halo_exchanged_equals_the_whole_video_conv(sha
     parts = split(x, split_rows(11, shards), axis=2)
 
     def sharded(comm, r):
-        return halo_conv3d(backend, np, comm, parts[r], w, b, time_pad=kt - 1)
+        return halo_conv3d(backend, comm, parts[r], w, b, time_pad=kt - 1)
 
     out = np.concatenate(run_sharded(shards, sharded), axis=2)
     whole = F.pad(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 4, 1, 2, 3))),

@@ -386,4 +386,6 @@ class CudaBackend(BackendBase):
                 "force_fallback": self.paths.forced == "gemm_fallback",
                 "unfold_limit_bytes": self.unfold_limit_bytes, "plan_cache_capacity": self.plan_cache.capacity,
                 "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir,
-                "fusions": o.fusions()}
+                "fusions": o.fusions(),
+                # what CuPy's pool holds now, free blocks included: its high-water mark unless freed
+                "pool_bytes": int(self.cp.get_default_memory_pool().total_bytes())}
