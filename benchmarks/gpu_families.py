@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_models import wall  # noqa: E402  (median ms of timed calls after warm ones)
+from gpu_models import pool_in_use_peak, wall  # noqa: E402  (shared timing and memory helpers)
 from machine import describe_machine  # noqa: E402  (loads torch before convkernels, see machine.py)
 
 
@@ -44,7 +44,6 @@ def main() -> None:
     import cupy as cp
     import diffusers
     import torch
-    from cupy.cuda import memory_hook
 
     from convkernels import get_backend
     from models import load_model
@@ -62,21 +61,8 @@ def main() -> None:
 
     def ours_peak_gib(fn) -> float:
         """The most bytes the CuPy pool had handed out at once during fn, less what was in use before."""
-        class Peak(memory_hook.MemoryHook):
-            name = "peak"
-
-            def __init__(self):
-                self.base = self.peak = pool.used_bytes()
-
-            def malloc_postprocess(self, **kw):
-                self.peak = max(self.peak, pool.used_bytes())
-
-        csync()
-        hook = Peak()
-        with hook:
-            fn()
-            csync()
-        return (hook.peak - hook.base) / 2**30
+        base, peak = pool_in_use_peak(fn)
+        return (peak - base) / 2**30
 
     def torch_peak_gib(fn) -> float:
         tsync()

@@ -56,6 +56,32 @@ def wall(fn, warm, reps, sync):
     return statistics.median(ts)
 
 
+def pool_in_use_peak(fn) -> tuple[int, int]:
+    """(bytes CuPy's pool had in use before fn, the most it had in use at once during fn):
+    torch.cuda.max_memory_allocated's counterpart (the pool's total also counts cached free blocks)."""
+    import cupy as cp
+    from cupy.cuda import memory_hook
+
+    pool = cp.get_default_memory_pool()
+
+    class Peak(memory_hook.MemoryHook):
+        name = "in_use_peak"
+
+        def __init__(self):
+            self.peak = pool.used_bytes()
+
+        def malloc_postprocess(self, **kw):
+            self.peak = max(self.peak, pool.used_bytes())
+
+    cp.cuda.get_current_stream().synchronize()
+    hook = Peak()
+    base = hook.peak
+    with hook:
+        fn()
+        cp.cuda.get_current_stream().synchronize()
+    return base, hook.peak
+
+
 def kernel_ms(fn, sync, reps=3, top=None):
     """Summed GPU kernel time of one call of fn (mean of reps calls), from CUPTI. `top`: a list that
     receives the 30 costliest kernels as (name, launches per call, us per call), to explain a missed target."""
@@ -119,25 +145,7 @@ def main():
         return pool.total_bytes() / 2**30
 
     def ours_in_use_peak(fn):
-        """The most bytes the CuPy pool had handed out at once during fn (torch's max_memory_allocated
-        counterpart; the pool's total also counts cached free blocks)."""
-        from cupy.cuda import memory_hook
-
-        class Peak(memory_hook.MemoryHook):
-            name = "in_use_peak"
-
-            def __init__(self):
-                self.peak = pool.used_bytes()
-
-            def malloc_postprocess(self, **kw):
-                self.peak = max(self.peak, pool.used_bytes())
-
-        csync()
-        hook = Peak()
-        with hook:
-            fn()
-            csync()
-        return hook.peak / 2**30
+        return pool_in_use_peak(fn)[1] / 2**30
 
     def peer_peak(fn):
         """PyTorch's peak GiB of one call from an emptied cache: (allocated, reserved)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: print the stack, run the GPU tests and the chosen benchmarks.
-# Usage (repo root, with the cuda and test extras installed): bash tests/gpu/device_run.sh [pytest args...]
+# Usage (repo root, with the cuda and test extras installed): bash tests/gpu/run_gpu_suite.sh [pytest args...]
 # Logs go to the folder $OUT names (default ./out).
 # Switches (environment): SKIP_TESTS=1, WORKERS=8 (pytest-xdist), TEST_TIMEOUT=300 (per test), SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # COMPILE=1 (gpu_models with torch.compile),
