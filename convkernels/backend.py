@@ -246,12 +246,13 @@ class BackendBase(TensorOps):
         return self._conv_t_nd(3, x, w, bias, stride, padding, output_padding, dilation, groups,
                                residual, activation)
 
-    def upsample_conv2d(self, x, weight, bias=None):
+    def upsample_conv2d(self, x, weight, bias=None, *, residual=None):
         """Nearest 2x upsample of (N, H, W, C), then a 3x3 conv with padding 1 (weight O,3,3,C):
         diffusers' Upsample2D and Wan's Resample. One op so that each backend computes it its
         fastest way: literally (NumPy: the 3x3 conv on the upsampled input runs on Winograd), or
         as the equivalent stride-2 transposed conv writing its four phases interleaved (MLX,
-        CUDA; spec.upsample_conv_as_transpose)."""
+        CUDA; spec.upsample_conv_as_transpose). residual (N, 2H, 2W, O), if given, is added to
+        the result in the conv's epilogue (Wan 2.2's DupUp3D shortcut)."""
         if x.ndim != 4:
             raise ValueError(f"upsample_conv2d: input must be N,H,W,C, got shape {tuple(x.shape)}")
         c = x.shape[-1]
@@ -259,13 +260,16 @@ class BackendBase(TensorOps):
             raise ValueError(f"upsample_conv2d: weight must be (O, 3, 3, {c}), got {tuple(weight.shape)}")
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"upsample_conv2d: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        want = (x.shape[0], 2 * x.shape[1], 2 * x.shape[2], weight.shape[0])
+        if residual is not None and tuple(residual.shape) != want:
+            raise ValueError(f"upsample_conv2d: residual must have shape {want}, got {tuple(residual.shape)}")
         self._check_dtype(x, "upsample_conv2d")
         self._check_dtype(weight, "upsample_conv2d")
-        return self._upsample_conv2d(x, weight, bias)
+        return self._upsample_conv2d(x, weight, bias, residual)
 
-    def _upsample_conv2d(self, x, weight, bias):
+    def _upsample_conv2d(self, x, weight, bias, residual=None):
         """The literal form (a backend overrides this where another one is faster)."""
-        return self.conv2d(self._upsample_nearest(x, (2, 2)), weight, bias, padding=1)
+        return self.conv2d(self._upsample_nearest(x, (2, 2)), weight, bias, padding=1, residual=residual)
 
     # ---- introspection ----------------------------------------------------------------------
     def conv_choices(self) -> list[dict]:

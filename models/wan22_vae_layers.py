@@ -69,10 +69,9 @@ class ResidualUpBlock(Module):
             x = resnet(x, state)
         if self.upsampler is None:
             return x
-        x = self.upsampler(x, state)
         short = dup_up(self.backend, skip, self.cout, self.factor_t, 2, first_chunk)
         del skip
-        return self.backend.add(x, short)
+        return self.upsampler(x, state, residual=short)  # the shortcut joins in the conv's epilogue
 
 
 class ResidualDecoder3d(Module):

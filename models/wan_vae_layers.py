@@ -273,12 +273,17 @@ class Resample(Module):
         out = b.transpose(b.reshape(out, (n, t, h, w, 2, c)), (0, 1, 4, 2, 3, 5))
         return b.reshape(out, (n, 2 * t, h, w, c))
 
-    def __call__(self, x, state: FeatureCache):
+    def __call__(self, x, state: FeatureCache, residual=None):
+        """residual (N, T', 2H, 2W, out_dim), if given, is added in the conv's epilogue (Wan 2.2's
+        shortcut: no separate add pass over the block's largest activation)."""
         b = self.backend
         if self.time_conv is not None:
             x = self._double_frames(x, state)
         n, t, h, w, c = x.shape
-        frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias)
+        if residual is not None:
+            residual = b.reshape(residual, (n * t, 2 * h, 2 * w, self.out_dim))
+        frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias,
+                                   residual=residual)
         return b.reshape(frames, (n, t, 2 * h, 2 * w, self.out_dim))
 
 

@@ -111,6 +111,14 @@ def test_upsample_conv2d_matches_torch(target, shape, cout):
     for _ in range(2):
         ours = be.to_host(be.upsample_conv2d(x, w, b))
         assert rel_l2(ours, ref_upsample_conv(xh, wh, bh)) < target.tol, f"seed {seed}"
+    # a residual joins in the epilogue (Wan 2.2's shortcut); without a bias too
+    n, h, wd, _ = shape
+    r, rh = put(be, rng.standard_normal((n, 2 * h, 2 * wd, cout)))
+    for bias, bias_h in ((b, bh), (None, None)):
+        ours = be.to_host(be.upsample_conv2d(x, w, bias, residual=r))
+        assert rel_l2(ours, ref_upsample_conv(xh, wh, bias_h) + rh) < target.tol, f"seed {seed}"
+    with pytest.raises(ValueError, match="residual must"):
+        be.upsample_conv2d(x, w, b, residual=be.slice(r, 1, 0, 2 * h - 1))
     with pytest.raises(ValueError, match="weight must be"):
         be.upsample_conv2d(x, be.slice(w, 1, 0, 2), b)
     with pytest.raises(ValueError, match="bias must"):

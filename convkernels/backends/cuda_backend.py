@@ -189,14 +189,14 @@ class CudaBackend(BackendBase):
                     self._pending = self._pending[-MAX_PENDING_TIMINGS:]
         return out
 
-    def _upsample_conv2d(self, x, weight, bias):
+    def _upsample_conv2d(self, x, weight, bias, residual=None):
         # the equivalent stride-2 transposed conv: one cuDNN dgrad writes the four output phases
         # interleaved, 4 instead of 9 taps per output and no 4x-size upsampled input (measured:
         # conv_transpose2d k4 s2 2.3-3.6x faster than nearest + 3x3 on the H100)
         dt = self.dtype_of(x)
         w4 = self.weights.get("upsample_as_transpose", weight, lambda v: self.arrays.cast(
             upsample_conv_as_transpose(self.cp, self.arrays.f32(v)), dt))
-        return self.conv_transpose2d(x, w4, bias, stride=2, padding=1)
+        return self.conv_transpose2d(x, w4, bias, stride=2, padding=1, residual=residual)
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         return self.fusions.depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps)
