@@ -230,6 +230,8 @@ class FaultSettings(BaseSettings):
     poison_value: float | None = None
     hold_value: float | None = None
     hold_release_file: str | None = None
+    #: rank k of every sharded decode fails at its first collective (service/shard_leader.py)
+    shard_fail_rank: int | None = None
 
     @property
     def active(self) -> bool:
