@@ -101,11 +101,18 @@ class _FailingComm:
 
 
 def shard_fault():
-    """With CONVSERVE_FAULT_SHARD_FAIL_RANK=k: a wrapper (comm, rank) -> comm that makes rank k of
+    """With CONVSERVE_FAULT_SHARD_FAIL_RANK=k (and CONVSERVE_FAULT_SHARD_FAIL_FILE, only while that
+    file exists): a wrapper (comm, rank) -> comm that makes rank k of
     every sharded decode fail at its first collective, as a shard's GPU failing mid-decode would;
     else None. Read once, when a worker starts."""
-    rank = FaultSettings().shard_fail_rank
+    settings = FaultSettings()
+    rank, gate = settings.shard_fail_rank, settings.shard_fail_file
     if rank is None:
         return None
-    log.warning("fault injection armed: shard %d of every sharded decode fails", rank)
-    return lambda comm, r: _FailingComm(r) if r == rank else comm
+    log.warning("fault injection armed: shard %d of every sharded decode fails%s", rank,
+                f" while {gate} exists" if gate else "")
+
+    def wrap(comm, r):
+        failing = r == rank and (gate is None or Path(gate).exists())
+        return _FailingComm(r) if failing else comm
+    return wrap

@@ -113,6 +113,7 @@ class _Group:
         self.size = len(addresses) + 1
         self.arena = arena
         self.inflight = False
+        self.broken = False  # a follower went while the group was idle
         deadline = time.monotonic() + DEADLINE_S
         self.followers = [_Follower(a, arena, deadline) for a in addresses]
         threading.Thread(target=self._read, name=f"convserve-shards-{self.size}", daemon=True).start()
@@ -126,7 +127,10 @@ class _Group:
         token = np.zeros((1, 1), np.uint8)  # every submit names an input; a join has none of its own
         rids = self._send_all(model, "shard_join",
                               lambda r: ({"rank": r, "size": self.size, "uid": uid}, token, (1, 1), "uint8"))
-        self.comm = NcclShards.join(uid, 0, self.size)  # returns once every follower has joined too
+        try:
+            self.comm = NcclShards.join(uid, 0, self.size)  # returns once every follower has joined too
+        except Exception as exc:  # the followers wait in their join: they go too
+            end_group(f"joining the {self.size}-shard group failed: {type(exc).__name__}: {exc}")
         self._collect(rids)
 
     def _read(self) -> None:
@@ -140,7 +144,14 @@ class _Group:
                 try:
                     f.read_one()
                 except (EOFError, OSError):
-                    end_group(f"the shard follower at {f.address} went away")
+                    if self.inflight:
+                        end_group(f"the shard follower at {f.address} went away")
+                    # idle: the next request makes a new group (this one's communicator is left
+                    # as it is: destroying it could wait for the rank that is gone)
+                    log.warning("shard follower at %s went away; its %d-shard group is dropped", f.address,
+                                self.size)
+                    self.broken = True
+                    return
 
     def _send_all(self, model: str, op: str, part):
         """op to every follower: part(rank) -> (options, input, output shape, output dtype)."""
@@ -214,7 +225,7 @@ class ShardLeader:
         if shards > len(self.addresses):
             raise ValueError(f"shards={shards}, but this server runs {len(self.addresses)} devices")
         group = self.groups.get(shards)
-        if group is None:
+        if group is None or group.broken:
             self.arena = self.arena or Arena(ARENA_BYTES)
             group = self.groups[shards] = _Group(list(self.addresses[1:shards]), hm.name, self.arena)
         return group.decode(hm, latents, clamp, uint8)
