@@ -8,7 +8,7 @@ the sharded rows are service.shard_group.decode_on_gpus (one process per GPU, NC
 Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
 
 Run (repo root, a multi-GPU machine): PYTHONPATH=. python3 benchmarks/sharded_decode.py
-[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3]. Writes $OUT/sharded_decode.json.
+[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3]. Writes $OUT/sharded_decode_<preset>_<shape>_<dtype>.json.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def main() -> None:
                workload=what, dtype=args.dtype)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "sharded_decode.json"), "w") as f:
+    tag = f"{args.preset}_{'x'.join(map(str, shape))}_{args.dtype}"
+    with open(os.path.join(out, f"sharded_decode_{tag}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n# sharded decode, {env['date']}, {len(visible)}x {visible[0] if visible else '?'}")
     print("| GPUs | ms | vs one GPU | pool GiB per GPU | memory vs one | rel L2 vs one GPU |")

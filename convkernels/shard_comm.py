@@ -72,7 +72,8 @@ class ThreadShards:
 
 def run_sharded(size: int, fn: Callable[[ThreadShards, int], Any]) -> list[Any]:
     """fn(comm, rank) on `size` emulated shards at once; their results in rank order. A shard
-    that raises breaks the barrier, so the others raise too instead of waiting forever."""
+    that raises breaks the barrier, so the others raise too instead of waiting forever; its
+    error is the one raised here."""
     meeting = _Meeting(size)
 
     def one(rank: int):
@@ -84,7 +85,12 @@ def run_sharded(size: int, fn: Callable[[ThreadShards, int], Any]) -> list[Any]:
 
     with ThreadPoolExecutor(size) as pool:
         futures = [pool.submit(one, r) for r in range(size)]
-        return [f.result() for f in futures]
+        errors = [f.exception() for f in futures]
+    # the shard that failed first, not the others' broken barriers
+    causes = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if causes or any(errors):
+        raise (causes or [e for e in errors if e is not None])[0]
+    return [f.result() for f in futures]
 
 
 def split_rows(height: int, size: int, align: int = 1) -> list[tuple[int, int]]:

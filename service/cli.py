@@ -201,8 +201,9 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
            fps: float = typer.Option(16.0),
            url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
-           shards: int = typer.Option(1, min=1, help="split the decode by rows over this many GPUs, exactly "
-                                      "(CUDA; SD, SDXL, FLUX.1 and Wan 2.1 VAEs; docs/sharding.md)"),
+           shards: str = typer.Option("1", help="split the decode by rows over this many GPUs, exactly "
+                                      "(CUDA; SD, SDXL, FLUX.1 and Wan 2.1 VAEs; docs/sharding.md); with --url "
+                                      "also auto: the server's rule"),
            api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
     """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the
     server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
@@ -213,12 +214,13 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
     lat = read_tensor(latents, "latents")
     video = lat.ndim == 5
     check_output(output, video, local=not url)
-    if url and shards > 1:
-        fail("--shards is a local decode option: the server does not take it yet (docs/sharding.md)")
     if url:
         remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
-                       tiled, quality, fps, api_key)
+                       tiled, quality, fps, api_key, shards)
         return
+    if not shards.isdigit() or int(shards) < 1:
+        fail(f"--shards {shards}: locally a whole number of GPUs (auto is the server's rule, with --url)")
+    shards = int(shards)
     if shards > 1:
         from .cli_sharded import decode_sharded
         out, secs = decode_sharded(lat, preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend,

@@ -15,6 +15,7 @@ from .batcher import Batcher, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
 from .settings import Settings
+from .shard_leader import ShardLeader, ShardMember
 
 log = logging.getLogger("convserve.worker")
 
@@ -27,6 +28,8 @@ class WorkerSpec:
     address: str              # the Unix socket front ends connect to
     settings: Settings
     parent_pid: int
+    #: every worker's address in device order: shards=N groups the first N (service/shard_leader.py)
+    group: tuple[str, ...] = ()
 
 
 class ModelHost:
@@ -47,6 +50,9 @@ class ModelHost:
         self.device_thread: threading.Thread | None = None
         #: finished requests, from the device thread to the delivery thread (Worker._deliver)
         self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
+        #: sharded decodes: led here on the first device's worker, followed on the others
+        self.shard_leader: ShardLeader | None = None
+        self.shard_member = ShardMember(fault_injection.shard_fault())
 
     def load(self) -> None:
         try:
@@ -55,6 +61,8 @@ class ModelHost:
             s = self.settings
             self.backend = get_backend(s.backend, **s.backend_options())
             log.info("%s: backend %s", self.spec.device, self.backend.describe())
+            if self.spec.group and self.spec.group[0] == self.spec.address:
+                self.shard_leader = ShardLeader(self.backend, self.spec.group, self.shard_member.fault)
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
@@ -93,8 +101,18 @@ class ModelHost:
                                   dict(hm.extra)) for name, hm in self.models.items()},
                 "row_seconds": self.batcher.row_seconds if self.batcher is not None else 0.0}
 
-    def call_for(self, hm: HostedModel, op: str, options: dict):
-        """The model call an op names (the ops a front end may ask for)."""
+    def call_for(self, hm: HostedModel, op: str, options: dict, link=None):
+        """The model call an op names (the ops a front end may ask for). link: the connection it
+        came on (a shard group's leader, for the shard ops)."""
+        if op == "decode" and options.get("shards", 1) > 1:
+            if self.shard_leader is None:
+                raise ValueError(f"{self.spec.device} does not lead shard groups; the first device's worker does")
+            return lambda x: self.shard_leader.decode(hm, x, options["shards"], options.get("clamp", True),
+                                                      options.get("uint8", False))
+        if op == "shard_join":
+            return lambda x: self.shard_member.join(link, options)
+        if op == "shard_decode":
+            return lambda x: self.shard_member.decode(link, hm, x, options)
         if op == "decode":
             return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
                                                  uint8=options.get("uint8", False))

@@ -194,6 +194,18 @@ class Engine:
         return min(speeds) / len(speeds) if speeds else 0.0
 
     # ---- requests ----------------------------------------------------------------------------------
+    @property
+    def device_count(self) -> int:
+        return len(self.links)
+
+    def shard_leader(self, model: str, shards: int) -> Link:
+        """The link a `shards`-device decode goes to: the first device's worker, which leads the
+        first `shards` devices (service/shard_leader.py); NoWorker unless all of them are ready."""
+        group = self.links[:shards]
+        if len(group) < shards or not all(link.serves(model) for link in group):
+            raise NoWorker(model)
+        return group[0]
+
     def _pick(self, model: str) -> Link:
         live = [link for link in self.links if link.serves(model)]
         if not live:

@@ -20,7 +20,7 @@ from .settings import FaultSettings
 
 log = logging.getLogger("convserve.faults")
 
-__all__ = ["CallCheck", "FaultSettings", "arm", "arm_if_configured"]
+__all__ = ["CallCheck", "FaultSettings", "arm", "arm_if_configured", "shard_fault"]
 
 
 def _nbytes(shape, itemsize: int = 4) -> int:
@@ -86,3 +86,33 @@ def _call_faults(inputs: np.ndarray, settings: FaultSettings) -> None:
         deadline = time.monotonic() + HOLD_MAX_S
         while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
             time.sleep(0.005)
+
+
+class _FailingComm:
+    """A shard's communicator that fails every collective (CONVSERVE_FAULT_SHARD_FAIL_RANK)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def _fail(self, *_):
+        raise RuntimeError(f"injected failure of shard {self.rank} (CONVSERVE_FAULT_SHARD_FAIL_RANK)")
+
+    exchange_rows = allreduce_sum = allgather = _fail
+
+
+def shard_fault():
+    """With CONVSERVE_FAULT_SHARD_FAIL_RANK=k (and CONVSERVE_FAULT_SHARD_FAIL_FILE, only while that
+    file exists): a wrapper (comm, rank) -> comm that makes rank k of
+    every sharded decode fail at its first collective, as a shard's GPU failing mid-decode would;
+    else None. Read once, when a worker starts."""
+    settings = FaultSettings()
+    rank, gate = settings.shard_fail_rank, settings.shard_fail_file
+    if rank is None:
+        return None
+    log.warning("fault injection armed: shard %d of every sharded decode fails%s", rank,
+                f" while {gate} exists" if gate else "")
+
+    def wrap(comm, r):
+        failing = r == rank and (gate is None or Path(gate).exists())
+        return _FailingComm(r) if failing else comm
+    return wrap

@@ -8,7 +8,7 @@ import math
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
-from . import validation
+from . import shard_option, validation
 from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
@@ -171,7 +171,10 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
         "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "parameters": {"type": "object", "properties": {
                 "binary_data": {"type": "boolean"}}}}}},
-        "parameters": {"type": "object", "properties": {"binary_data_output": {"type": "boolean"}}}}}},
+        "parameters": {"type": "object", "properties": {
+            "binary_data_output": {"type": "boolean"},
+            "shards": {"description": "decoders: 1, N or 'auto' (service/shard_option.py)",
+                       "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "enum": ["auto"]}]}}}}}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
                                  "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) "
                                                 "then the tensors' raw bytes"}}}}
@@ -188,7 +191,9 @@ async def infer(name: str, request: Request, version: str | None = None):
         body = await read_body(request, svc.settings.max_body_bytes)
         doc, tensors = await svc.in_pool(_parse, body, request.headers.get(HEADER_LENGTH))
         if hm.is_decoder:
-            out = await svc.decode(hm, _only_input(tensors, "latents"), disconnected=request.is_disconnected)
+            shards = shard_option.parse((doc.get("parameters") or {}).get("shards"))
+            out = await svc.decode(hm, _only_input(tensors, "latents"), shards=shards,
+                                   disconnected=request.is_disconnected)
             results = {hm.output_name: out}
         else:
             px = await svc.in_pool(validation.source_pixels, _only_input(tensors, "pixels"), svc.settings)

@@ -42,14 +42,19 @@ class ModelView:
     input_size: int | None = None
     embed_dim: int | None = None
     labels: list[str] | None = None
+    #: models.sharding's family (a decode can be split over devices), None where none is written
+    shard_family: str | None = None
 
     _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
               "labels")
 
     @classmethod
     def of(cls, model: ServedModel) -> "ModelView":
+        from models import sharding
+
         return cls(model.name, model.kind, model.card(), model.weights_source, model.weights_provenance,
-                   **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)})
+                   **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)},
+                   shard_family=sharding.family(model))
 
     def card(self) -> dict:
         return dict(self.card_doc)

@@ -13,7 +13,9 @@ HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
 The wire protocol, front end -> worker (tuples, pickled by multiprocessing.connection):
   ("hello", frontend_pid, arena_size) followed by the arena's descriptor (SCM_RIGHTS)
   ("submit", rid, model, op, options, input_ref, {output name: ref})
-      op: decode | encode | vae_encode (batched); stream_open (a streamed decode of input_ref's
+      op: decode | encode | vae_encode (batched; decode's option shards=N: a shard group's, led
+      here, service/shard_leader.py); shard_join, shard_decode (a shard leader's, to its
+      followers); stream_open (a streamed decode of input_ref's
       latents; answers its stream id), stream_next (options {"stream": id}: its next frame group)
   ("cancel", rid)
   ("stream_close", stream_id)
@@ -44,6 +46,7 @@ from . import oom_recovery
 from .batcher import Cancelled, Closed
 from .model_host import HostedModel
 from .shm import ArenaView, TensorRef
+from .shard_leader import ShardFailed
 from .stream_steps import GeneratorSteps, StreamClosed
 from .device_host import ModelHost, WorkerSpec
 
@@ -63,6 +66,8 @@ def error_info(exc: BaseException) -> tuple[str, str, str | None]:
         return "closed", "the worker stopped before this request ran", None
     if isinstance(exc, StreamClosed):
         return "stream-closed", str(exc), None
+    if isinstance(exc, ShardFailed):
+        return "shard-failed", str(exc), None
     if isinstance(exc, ValueError):
         return "invalid-input", str(exc), None
     return "model-error", f"{exc.__class__.__name__}: {exc}", getattr(exc, "error_id", None)
@@ -139,6 +144,7 @@ class FrontendLink:
     def close(self) -> None:
         self.closed = True
         self._drop_all()
+        self.host.shard_member.link_closed(self)
         self.conn.close()
 
     def handle(self, msg: tuple) -> None:
@@ -169,14 +175,15 @@ class FrontendLink:
         if op == "stream_open":
             return self._stream_open(rid, model, in_ref, options)
         host = self.host
-        solo = op == "stream_next"
+        # a stream's next group and a shard group's steps run alone: nothing to batch with
+        solo = op in ("stream_next", "shard_join", "shard_decode")
         try:
             hm = host.models[model]
             if solo:  # a stream's step runs on its latents (what the model-call faults inspect)
                 _, steps, inputs = self._stream(options["stream"])
                 call = steps.step
             else:
-                call, inputs = host.call_for(hm, op, options), self.view.array(in_ref)
+                call, inputs = host.call_for(hm, op, options, link=self), self.view.array(in_ref)
             key = (model, op, inputs.shape[1:], inputs.dtype.str, tuple(sorted(options.items())))
             item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
         except Exception as exc:

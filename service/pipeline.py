@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import metrics, validation
+from . import metrics, shard_option, validation
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .model_host import HostedModel
 from .model_stats import ModelStats, ns
@@ -347,6 +347,9 @@ class Service:
             metrics.count_fault(hm.name, "worker_died", "failed")
             return Problem(503, "worker-died", f"{exc.message}; it is being restarted",
                            headers={"Retry-After": "2"})
+        if exc.kind == "shard-failed":
+            metrics.count_fault(hm.name, "shard_failed", "failed")
+            return Problem(503, "shard-failed", exc.message, headers={"Retry-After": self.retry_after()})
         if exc.kind in _FAILURES:
             status, kind = _FAILURES[exc.kind]
             return Problem(status, kind, exc.message)
@@ -354,18 +357,35 @@ class Service:
         return Problem(500, "model-error", f"{exc.message} (error id {exc.error_id}; "
                        "the server log has the traceback)", error_id=exc.error_id)
 
+    def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str,
+                   tiled: bool | None) -> int:
+        """How many devices decode these latents (service/shard_option.py; a Problem if it cannot)."""
+        return shard_option.decide(shards, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
+                                   hm.output_shape(latents_shape), self.engine.device_count, tiled)
+
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
-                     clamp: bool = True, uint8: bool = False,
+                     clamp: bool = True, uint8: bool = False, shards: int | str = 1,
                      disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """Latents -> float32 images N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1].
         clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`).
         uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
-        and nothing left to convert for an image or video file)."""
+        and nothing left to convert for an image or video file). shards: 1, N or "auto"
+        (service/shard_option.py): N > 1 decodes untiled on the first N devices together."""
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         out_shape = hm.output_shape(lat.shape)
         self.check_work(hm, math.prod(out_shape[:-1]), f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
-        sub = await self.run(hm, "decode", {"tiled": tiled, "clamp": clamp, "uint8": uint8}, lat,
-                             {"out": (out_shape, "uint8" if uint8 else "float32")}, disconnected)
+        n = self.shards_for(hm, lat.shape, shards, tiled)
+        options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}
+        link = None
+        if n > 1:
+            options.update(tiled=False, shards=n)
+            try:
+                link = self.engine.shard_leader(hm.name, n)
+            except NoWorker:
+                raise Problem(503, "shard-group-not-ready", f"the first {n} devices' workers are not all up; "
+                              "retry shortly", headers={"Retry-After": "2"}) from None
+        sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
+                             disconnected, link=link)
         return sub.arrays()["out"]
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,

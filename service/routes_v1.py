@@ -10,7 +10,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import codecs, validation
+from . import codecs, shard_option, validation
 from .auth import require_api_key
 from .adapters import ERRORS, TENSOR_BODY, service
 from .bodies import read_body
@@ -130,19 +130,27 @@ async def decode(name: str, request: Request,
                  tiled: Literal["on", "off", "auto"] = Query("auto", description="tiled decode (bounded memory); auto = the model's rule"),
                  fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
                  dtype: Literal["float32", "float16", "uint8"] = Query(
-                     "float32", description="npy: the pixels' type (uint8: 0..255, rounded on the device)")):
+                     "float32", description="npy: the pixels' type (uint8: 0..255, rounded on the device)"),
+                 shards: str = Query("1", description="devices that decode it together, untiled and exact: 1, N "
+                                     "(the first N devices) or auto (only where measured to pay); "
+                                     "SD/SDXL/FLUX.1 image VAEs and Wan 2.1")):
     started = time.perf_counter()
     svc = service(request)
     tracking = svc.admit(name, "decode")
     hm = await tracking.__aenter__()
     try:
         fmt = _decode_format(hm, format)
+        requested = shard_option.parse(shards)
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
+        tiled_opt = {"on": True, "off": False}.get(tiled)
         if hm.is_video:
             lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
-            if lat.shape[0] == 1:  # one clip: sent as its frame groups are decoded; it ends `tracking`
+            requested = svc.shards_for(hm, lat.shape, requested, tiled_opt)
+            # one clip on one device: sent as its frame groups are decoded; it ends `tracking`
+            # (a sharded clip is sent whole: streaming over a shard group is not built)
+            if lat.shape[0] == 1 and requested == 1:
                 return await whole_clip_response(
                     svc, hm, lat, fmt=fmt, dtype=dtype, tiled={"on": True, "off": False}.get(tiled), fps=fps,
                     quality=quality, tracking=tracking, disconnected=request.is_disconnected, started=started)
@@ -152,7 +160,7 @@ async def decode(name: str, request: Request,
     async with _continue(tracking):
         # files hold uint8 pixels: they leave the device so (a quarter of float32's bytes)
         uint8 = fmt != "npy" or dtype == "uint8"
-        out = await svc.decode(hm, latents, tiled={"on": True, "off": False}.get(tiled), uint8=uint8,
+        out = await svc.decode(hm, latents, tiled=tiled_opt, uint8=uint8, shards=requested,
                                disconnected=request.is_disconnected)
         headers = {"X-Output-Shape": ",".join(map(str, out.shape))}
         if fmt == "npy":

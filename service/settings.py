@@ -230,6 +230,10 @@ class FaultSettings(BaseSettings):
     poison_value: float | None = None
     hold_value: float | None = None
     hold_release_file: str | None = None
+    #: rank k of every sharded decode fails at its first collective (service/shard_leader.py);
+    #: with shard_fail_file, only while that file exists (a test ends the fault by removing it)
+    shard_fail_rank: int | None = None
+    shard_fail_file: str | None = None
 
     @property
     def active(self) -> bool:

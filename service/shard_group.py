@@ -3,8 +3,9 @@ it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), e
 band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wan_decode for the
 Wan 2.1 video VAE); the bands' pixels are joined here.
 
-This is the standalone form (a fresh group per call: the GPU tests and benchmarks/sharded_decode.py
-use it); the service's per-GPU workers joining one group for a `shards=` request is the next step.
+This is the standalone form (a fresh group per call: `convserve decode --shards`, the GPU tests and
+benchmarks/sharded_decode.py use it); the service's `shards=` requests use its per-GPU workers,
+led by the first (service/shard_leader.py).
 Every rank loads the same model: the same weights file, or the same seeded random init.
 
 A rank that fails fails the call: its error comes back, and the group's other processes, which
@@ -37,9 +38,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
     try:
         from convkernels import get_backend
         from convkernels.nccl_comm import NcclShards
-        from models import ModelOptions, load_model
-        from models.sharded_decode import sharded_decode
-        from models.sharded_wan_decode import sharded_wan_decode
+        from models import ModelOptions, load_model, sharding
 
         backend = get_backend("cuda", dtype=job["dtype"])
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
@@ -54,10 +53,8 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
                 return model.decode(rows, tiled=False)  # the single-GPU baseline, as served
             from convkernels.shard_comm import run_sharded
 
-            def one(c):  # video latents (N, C, T, h, w): the Wan decoder; images: the image VAE's
-                if rows.ndim == 5:
-                    return sharded_wan_decode(model, c, rows)
-                return sharded_decode(model, c, rows, total_rows=total)
+            def one(c):
+                return sharding.decode_band(model, c, rows, total)
             return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
         once()  # builds the plans

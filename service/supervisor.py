@@ -120,8 +120,9 @@ class Supervisor:
 
     # ---- workers ---------------------------------------------------------------------------------
     def start_workers(self) -> None:
+        group = tuple(address for _, address in self.endpoints)  # shards=N: the first N (service/shard_leader.py)
         for device, (label, address) in zip(self.devices, self.endpoints):
-            spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid())
+            spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group)
             self.workers.append(_Child(f"convserve-worker-{label}", worker_main, (spec,)))
         for child in self.workers:
             child.start(self.ctx)

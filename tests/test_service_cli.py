@@ -217,17 +217,18 @@ def test_local_errors_are_one_line(tmp_path, monkeypatch):
     assert "PyAV" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.mp4", "--backend", "numpy")
 
 
-def test_sharded_decode_refusals_are_one_line_and_come_first(tmp_path):
+def test_sharded_decode_refusals_are_one_line_and_come_first(tmp_path, live_server):
     """--shards N: what cannot run sharded is refused before any model loads (the GPU run itself:
-    tests/gpu/test_sharded_decode_gpus.py)."""
+    tests/gpu/test_sharded_decode_gpus.py); with --url, the server's refusal is the line."""
     lat = tmp_path / "lat.npy"
     np.save(lat, np.zeros((1, 4, 6, 6), np.float32))
     out = tmp_path / "o.png"
     assert "cuda backend" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--backend", "numpy")
     assert "not an AutoencoderKL" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--preset",
                                                        "tiny-taesd")
-    assert "local decode option" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--url",
-                                                      "http://127.0.0.1:9")
+    assert "whole number of GPUs" in fails_in_one_line("decode", lat, "-o", out, "--shards", "auto")
+    line = fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--url", live_server.url, code=1)
+    assert "422" in line and "runs 1 device" in line, line
     vid = tmp_path / "v.npy"
     np.save(vid, np.zeros((1, 4, 2, 4, 5), np.float32))
     assert "not the Wan 2.1 video VAE" in fails_in_one_line("decode", vid, "-o", tmp_path / "v.npy", "--shards", "2",

@@ -1,0 +1,271 @@
+"""A `shards=N` decode inside the service (issue #32): the model worker of the first device leads,
+the workers of the next N-1 devices follow, joined by NCCL (convkernels.nccl_comm).
+
+Why one leader: every member of a group must run the group's collectives in the same order, or
+NCCL pairs the wrong operations and hangs. The front ends are many processes; the first device's
+worker is one, and its device thread runs one sharded decode at a time, so the order in which it
+hands bands to its followers is the order. It talks to each follower as a front end does (the same
+Unix socket, messages naming tensors in an arena of its own, service/shm.py); a follower runs a
+band on its own device thread between its other batches.
+
+The rules a group keeps:
+- **Groups are prefixes.** shards=N uses devices 0..N-1 of the worker list, always led by worker
+  0; its communicator is made on the first N-shard request and kept (`_Group`), the followers
+  keeping theirs (`ShardMember`) until the leader's connection goes.
+- **Any failure ends the group's processes.** A rank that fails leaves the others waiting in a
+  collective that will never complete, and NCCL offers no safe way out of that wait from Python.
+  So: a follower whose band raises exits; the leader exits when a follower fails, goes
+  or is late past the deadline; a follower exits when its leader goes mid-band. The supervisor
+  starts each again; the front ends answer the request, and any other in flight on those workers,
+  503 with Retry-After (`worker-died`): the request fails cleanly and the GPUs come back.
+- **Without NCCL** (the numpy and mlx backends) the leader decodes the N shards itself on
+  emulated shards (threads, models.sharding.decode_emulated): the same arithmetic, no speed-up.
+  That is how CI checks the request path; the GPU tests check the NCCL one.
+
+The leader's messages to a follower (the front-end protocol of service/model_worker.py):
+  ("submit", rid, model, "shard_join", {"rank", "size", "uid": NCCL's id}, <(1, 1) uint8>, {"out": (1, 1) uint8})
+  ("submit", rid, model, "shard_decode", {"rank", "size", "total_rows", "clamp", "uint8"}, <band>, {"out": <pixels>})
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import threading
+import time
+from multiprocessing.connection import Client, Connection
+from multiprocessing.reduction import send_handle
+
+import numpy as np
+
+from convkernels.host import pixels_to_uint8
+from convkernels.shard_comm import split
+from models import sharding
+
+from .shm import Arena
+
+log = logging.getLogger("convserve.shards")
+
+#: exit status of a worker that ended its shard group (the supervisor starts it again)
+GROUP_FAILED_EXIT = 75
+#: how long a follower may take to connect, get ready, join or answer a band before the group ends
+DEADLINE_S = 300.0
+#: the leader's arena for the bands it hands out and the pixels it gets back (sparse: pages are
+#: only touched by the tensors in flight)
+ARENA_BYTES = 16 << 30
+
+
+class ShardFailed(RuntimeError):
+    """A sharded decode that failed on its emulated shards (the worker stays up)."""
+
+
+def end_group(why: str) -> None:
+    """This worker's part in a shard group cannot complete: log why and exit at once (see the
+    module docstring); threads waiting in NCCL are not unwound."""
+    log.error("shard group failed: %s; this worker exits and is started again", why)
+    logging.shutdown()
+    os._exit(GROUP_FAILED_EXIT)
+
+
+def _pixels(out: np.ndarray, uint8: bool) -> np.ndarray:
+    return pixels_to_uint8(out) if uint8 else out
+
+
+class _Follower:
+    """The leader's connection to one follower: its socket, the answers it is waiting for."""
+
+    def __init__(self, address: str, arena: Arena, deadline: float):
+        while True:
+            try:
+                self.conn: Connection = Client(address, family="AF_UNIX")
+                break
+            except (FileNotFoundError, ConnectionRefusedError, OSError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no shard follower at {address}") from None
+                time.sleep(0.1)
+        self.conn.send(("hello", os.getpid(), arena.size))
+        send_handle(self.conn, arena.fd, 0)
+        self.address = address
+        self.state = None
+        self.answers: dict[int, tuple] = {}
+        self.cond = threading.Condition()
+
+    def read_one(self) -> None:
+        """One message (the reader thread). EOF propagates."""
+        msg = self.conn.recv()
+        with self.cond:
+            if msg[0] == "status":
+                self.state = msg[1].get("state")
+            elif msg[0] == "done":
+                self.answers[msg[1]] = msg[2:]
+            elif msg[0] == "done_many":
+                for rid, error, payload in msg[1]:
+                    self.answers[rid] = (error, payload)
+            self.cond.notify_all()
+
+
+class _Group:
+    """The leader's side of one N-shard group: followers 1..N-1 and the NCCL communicator."""
+
+    def __init__(self, addresses: list[str], model: str, arena: Arena):
+        from convkernels.nccl_comm import NcclShards
+
+        self.size = len(addresses) + 1
+        self.arena = arena
+        self.inflight = False
+        self.broken = False  # a follower went while the group was idle
+        deadline = time.monotonic() + DEADLINE_S
+        self.followers = [_Follower(a, arena, deadline) for a in addresses]
+        threading.Thread(target=self._read, name=f"convserve-shards-{self.size}", daemon=True).start()
+        for f in self.followers:
+            with f.cond:
+                if not f.cond.wait_for(lambda f=f: f.state in ("ready", "failed"), deadline - time.monotonic()):
+                    end_group(f"the shard follower at {f.address} was not ready in {DEADLINE_S:.0f} s")
+                if f.state != "ready":
+                    raise RuntimeError(f"the shard follower at {f.address} failed to load its models")
+        uid = NcclShards.unique_id()  # a picklable tuple: it travels in the options
+        token = np.zeros((1, 1), np.uint8)  # every submit names an input; a join has none of its own
+        rids = self._send_all(model, "shard_join",
+                              lambda r: ({"rank": r, "size": self.size, "uid": uid}, token, (1, 1), "uint8"))
+        try:
+            self.comm = NcclShards.join(uid, 0, self.size)  # returns once every follower has joined too
+        except Exception as exc:  # the followers wait in their join: they go too
+            end_group(f"joining the {self.size}-shard group failed: {type(exc).__name__}: {exc}")
+        self._collect(rids)
+
+    def _read(self) -> None:
+        """The watchdog: every follower's answers; a follower gone while the group is busy ends it."""
+        sel = selectors.DefaultSelector()
+        for f in self.followers:
+            sel.register(f.conn, selectors.EVENT_READ, f)
+        while True:
+            for key, _ in sel.select(1.0):
+                f = key.data
+                try:
+                    f.read_one()
+                except (EOFError, OSError):
+                    if self.inflight:
+                        end_group(f"the shard follower at {f.address} went away")
+                    # idle: the next request makes a new group (this one's communicator is left
+                    # as it is: destroying it could wait for the rank that is gone)
+                    log.warning("shard follower at %s went away; its %d-shard group is dropped", f.address,
+                                self.size)
+                    self.broken = True
+                    return
+
+    def _send_all(self, model: str, op: str, part):
+        """op to every follower: part(rank) -> (options, input, output shape, output dtype)."""
+        self.inflight = True
+        rids = []
+        for rank, f in enumerate(self.followers, start=1):
+            options, inputs, out_shape, out_dtype = part(rank)
+            in_ref = self.arena.put(np.ascontiguousarray(inputs))
+            out_ref = self.arena.reserve(out_shape, out_dtype)
+            rid = int(in_ref.offset)  # unique while the block is held
+            f.conn.send(("submit", rid, model, op, options, in_ref, {"out": out_ref}))
+            rids.append((f, rid, in_ref, out_ref))
+        return rids
+
+    def _collect(self, rids) -> list[np.ndarray]:
+        """Every follower's answer (copied out of the arena), or the group ends."""
+        deadline = time.monotonic() + DEADLINE_S
+        outs = []
+        for f, rid, in_ref, out_ref in rids:
+            with f.cond:
+                if not f.cond.wait_for(lambda f=f, rid=rid: rid in f.answers, max(0.0, deadline - time.monotonic())):
+                    end_group(f"the shard follower at {f.address} gave no answer in {DEADLINE_S:.0f} s")
+                error, _ = f.answers.pop(rid)
+            if error is not None:
+                end_group(f"the shard follower at {f.address} failed: {error[1]}")
+            outs.append(np.array(self.arena.array(out_ref)))
+            self.arena.free(in_ref.offset)
+            self.arena.free(out_ref.offset)
+        self.inflight = False
+        return outs
+
+    def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
+        model = hm.model
+        axis = sharding.rows_axis(sharding.check(model))
+        total = latents.shape[axis]
+        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=axis)
+        pixel_shape = hm.output_shape
+
+        def part(rank):
+            options = {"rank": rank, "size": self.size, "total_rows": total, "clamp": clamp, "uint8": uint8}
+            return options, bands[rank], pixel_shape(bands[rank].shape), "uint8" if uint8 else "float32"
+
+        rids = self._send_all(hm.name, "shard_decode", part)
+        try:
+            own = _pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
+        except Exception as exc:
+            end_group(f"the leader's band failed: {type(exc).__name__}: {exc}")
+        return np.concatenate([own, *self._collect(rids)], axis=axis - 1)
+
+
+class ShardLeader:
+    """Worker 0's sharded decodes (ModelHost.call_for's `shards` option)."""
+
+    def __init__(self, backend, addresses: tuple[str, ...], fault=None):
+        self.backend = backend
+        self.fault = fault  # fault_injection.shard_fault(): a test-only wrapper of one rank's communicator
+        self.addresses = addresses  # every worker's, in device order; this worker's is the first
+        self.groups: dict[int, _Group] = {}
+        self.arena: Arena | None = None
+
+    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool) -> np.ndarray:
+        sharding.check(hm.model)
+        if self.backend.name != "cuda":
+            try:
+                out = sharding.decode_emulated(hm.model, latents, shards, clamp,
+                                               comm_wrapper=self.fault)
+            except Exception as exc:
+                raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            return _pixels(out, uint8)
+        if shards > len(self.addresses):
+            raise ValueError(f"shards={shards}, but this server runs {len(self.addresses)} devices")
+        group = self.groups.get(shards)
+        if group is None or group.broken:
+            self.arena = self.arena or Arena(ARENA_BYTES)
+            group = self.groups[shards] = _Group(list(self.addresses[1:shards]), hm.name, self.arena)
+        return group.decode(hm, latents, clamp, uint8)
+
+
+class ShardMember:
+    """A follower's side: its communicators (one per group size, made when the leader asks) and
+    the bands it decodes on its device thread."""
+
+    def __init__(self, fault=None):
+        self.fault = fault  # as ShardLeader's
+        self.comms: dict[int, tuple[object, object]] = {}  # size -> (communicator, the leader's link)
+        self.running_for = None  # the leader's link while a band runs
+
+    def join(self, link, options: dict) -> np.ndarray:
+        from convkernels.nccl_comm import NcclShards
+
+        size = int(options["size"])
+        comm = NcclShards.join(options["uid"], int(options["rank"]), size)
+        self.comms[size] = (comm, link)
+        return np.ones((1, 1), np.uint8)
+
+    def decode(self, link, hm, band: np.ndarray, options: dict) -> np.ndarray:
+        entry = self.comms.get(int(options["size"]))
+        if entry is None or entry[1] is not link:
+            raise RuntimeError(f"no {options['size']}-shard group joined with this leader")
+        comm = entry[0]
+        if self.fault is not None:
+            comm = self.fault(comm, int(options["rank"]))
+        self.running_for = link
+        try:
+            out = sharding.decode_band(hm.model, comm, band, int(options["total_rows"]), bool(options["clamp"]))
+        except Exception as exc:
+            end_group(f"band {options['rank']} of {options['size']} failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.running_for = None
+        return _pixels(out, bool(options["uint8"]))
+
+    def link_closed(self, link) -> None:
+        """A front end (perhaps a leader) went: its groups are over; mid-band, so is this worker."""
+        if self.running_for is link:
+            end_group("the shard leader went away mid-band")
+        self.comms = {size: e for size, e in self.comms.items() if e[1] is not link}

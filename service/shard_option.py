@@ -1,0 +1,88 @@
+"""A decode's `shards` option (issue #32): `1` (the default: one device), `N` (the first N devices
+decode it together, exactly, service/shard_leader.py) or `auto` (the rule below decides). Read on
+REST (`?shards=`), in KServe's request parameters, and by the CLI's `decode --shards`.
+
+`auto` shards a request only where sharding was measured to pay: one GPU's decode has to be long
+enough for the halo exchanges and statistics all-reduces to be a small part of it. The rule is data
+(`AUTO_RULES`), each row naming the measurement behind it; a shape below every row stays on one
+device, as it also does on a server with one device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models import sharding
+
+from .problems import Problem
+
+AUTO = "auto"
+#: the most shards a request may name (one per GPU of the largest hosts)
+MAX_SHARDS = 64
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    family: str       # models.sharding.IMAGE or VIDEO
+    min_pixels: int   # decoded pixels of the whole request (N x frames x H x W) from which it pays
+    shards: int       # the most devices worth using from there
+    evidence: str     # the measurement behind the row (benchmarks/RESULTS.md, "Sharded decode")
+
+
+AUTO_RULES: tuple[AutoRule, ...] = (
+    AutoRule(sharding.IMAGE, 4096 * 4096, 2,
+             "SD-VAE 4096x4096 fp16, 2x H200, 2026-11-26: 2 GPUs take 0.59x one GPU's time"),
+)
+
+
+def parse(value) -> int | str:
+    """The option as a client sent it (query text, a JSON value, None) -> 1..MAX_SHARDS or AUTO."""
+    if value is None or value == "":
+        return 1
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        n = int(value)
+        if isinstance(value, float) and value != n or isinstance(value, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise Problem(422, "bad-shards", f"shards must be 'auto' or a whole number 1..{MAX_SHARDS}, "
+                      f"not {value!r}") from None
+    if not 1 <= n <= MAX_SHARDS:
+        raise Problem(422, "bad-shards", f"shards must be 'auto' or 1..{MAX_SHARDS}, not {n}")
+    return n
+
+
+def auto_shards(family: str | None, pixels: int, devices: int) -> int:
+    """AUTO_RULES' choice for a request of `pixels` decoded pixels on a server of `devices`."""
+    if family is None:
+        return 1
+    best = max((r.shards for r in AUTO_RULES if r.family == family and pixels >= r.min_pixels), default=1)
+    return max(1, min(best, devices))
+
+
+def decide(requested: int | str, model_name: str, family: str | None, latents_shape: tuple[int, ...],
+           out_shape: tuple[int, ...], devices: int, tiled: bool | None) -> int:
+    """How many devices decode the request: 1, or N > 1 after checking the model, the server and
+    the latents can take it (a Problem 422 naming what cannot)."""
+    if requested == AUTO:
+        if tiled:
+            return 1  # tiled=on asks for one device's bounded memory
+        n = auto_shards(family, math.prod(out_shape[:-1]), devices)
+    else:
+        n = int(requested)
+    if n == 1:
+        return 1
+    if family is None:
+        raise Problem(422, "not-shardable", f"{model_name}: a sharded decode is offered for the AutoencoderKL "
+                      "image VAEs (SD, SDXL, FLUX.1) and the Wan 2.1 video VAE")
+    if n > devices:
+        raise Problem(422, "too-many-shards", f"shards={n}, but this server runs {devices} device"
+                      f"{'s' if devices != 1 else ''} (CONVSERVE_DEVICES)")
+    if tiled:
+        raise Problem(422, "tiled-and-sharded", "a sharded decode is untiled and exact: ask for tiled=off "
+                      "or auto with shards")
+    rows = latents_shape[sharding.rows_axis(family)]
+    if rows < n:
+        raise Problem(422, "too-many-shards", f"shards={n}, but the latents have only {rows} rows to split")
+    return n

@@ -1,0 +1,98 @@
+"""Issue #32 through the service on real GPUs: `shards=2` requests to a real `convserve serve` on
+two GPUs, where the first GPU's model worker leads an NCCL group with the second's
+(service/shard_leader.py). Skipped with fewer than two GPUs (the same request path on emulated
+shards: tests/test_service_shards.py).
+
+- float32, a diffusers AutoencoderKL's saved weights: shards=2 equals diffusers' decode and the
+  server's own unsharded decode; the group made by the first request serves the next;
+- a Wan 2.1 clip: shards=2 equals the unsharded decode;
+- a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK=1, while a file exists) fails its request
+  with 503 and Retry-After; both workers of the group are started again, and once the fault is
+  gone a sharded request succeeds on a new group.
+"""
+from __future__ import annotations
+
+import io
+import time
+
+import httpx
+import numpy as np
+import pytest
+from gpu_support import cuda_or_skip, report_parity
+
+pytestmark = pytest.mark.gpu
+NPY = {"content-type": "application/x-npy"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_gpus():
+    cuda_or_skip()
+    import cupy as cp
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs (a multi-GPU device kind)")
+    from cupy.cuda import nccl  # noqa: F401
+
+
+def decode(url, model, x, **params):
+    from live_server import npy
+    return httpx.post(f"{url}/v1/models/{model}/decode", content=npy(x), headers=NPY,
+                      params={"format": "npy", **params}, timeout=300)
+
+
+def pixels(r):
+    assert r.status_code == 200, r.text[:400]
+    return np.load(io.BytesIO(r.content))
+
+
+def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_factory):
+    from live_server import start_server
+    from service_parity import rel_l2, save_models, vae_decode_ref
+
+    saved = save_models(tmp_path_factory.mktemp("shards_gpu"))
+    server = start_server(tmp_path_factory.mktemp("servers"), ready_timeout=240, backend="cuda", dtype="float32",
+                          devices="0,1", models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae")
+    try:
+        rng = np.random.default_rng()
+        errs = []
+        for shape in [(2, 4, 9, 13), (1, 4, 16, 11)]:  # the second request reuses the group
+            lat = rng.standard_normal(shape).astype(np.float32)
+            sharded = pixels(decode(server.url, "vae", lat, shards="2"))
+            whole = pixels(decode(server.url, "vae", lat))
+            ref = vae_decode_ref(saved.vae, lat)
+            errs.append((rel_l2(sharded, ref), rel_l2(sharded, whole)))
+            assert errs[-1][0] < 1e-4 and errs[-1][1] < 1e-5, errs
+        clip = rng.standard_normal((1, 4, 3, 9, 7)).astype(np.float32)
+        wan_err = rel_l2(pixels(decode(server.url, "wan", clip, shards="2")), pixels(decode(server.url, "wan", clip)))
+        report_parity(f"service shards=2 on 2 GPUs, float32: vs diffusers {errs[0][0]:.2e} / {errs[1][0]:.2e}, "
+                      f"vs unsharded {errs[0][1]:.2e} / {errs[1][1]:.2e}; Wan vs unsharded {wan_err:.2e}")
+        assert wan_err < 1e-5
+    finally:
+        server.stop()
+
+
+def test_a_failing_shard_fails_the_request_and_the_group_comes_back(tmp_path_factory):
+    from live_server import metric, scrape, start_server
+
+    gate = tmp_path_factory.mktemp("fault") / "failing"
+    gate.write_text("rank 1 fails while this file exists")
+    server = start_server(tmp_path_factory.mktemp("servers_fault"), ready_timeout=240, backend="cuda",
+                          dtype="float32", devices="0,1", models="tiny-vae", fault_shard_fail_rank=1,
+                          fault_shard_fail_file=str(gate))
+    try:
+        lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
+        r = decode(server.url, "tiny-vae", lat, shards="2")
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
+        gate.unlink()
+        deadline = time.monotonic() + 240
+        while True:  # both workers started again and ready: the sharded request is served
+            r = decode(server.url, "tiny-vae", lat, shards="2")
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
+            assert time.monotonic() < deadline, "the shard group did not come back"
+            time.sleep(1)
+        np.testing.assert_allclose(pixels(r), pixels(decode(server.url, "tiny-vae", lat)), atol=1e-5)
+        s = scrape(server.url)
+        assert metric(s, "convserve_worker_restarts_total", device="cuda:1") >= 1
+    finally:
+        server.stop()

@@ -1,0 +1,120 @@
+"""The `shards` option of a decode through a real `convserve serve` (issue #32, service/shard_option.py,
+service/shard_leader.py), on the NumPy backend with two emulated devices (CONVSERVE_DEVICES=0,1):
+the first device's worker leads and, without NCCL, decodes the shards on emulated shards itself.
+The NCCL group of real GPUs is tests/gpu/test_sharded_decode_gpus.py's.
+
+- shards=2 on REST and in KServe's parameters equals diffusers' AutoencoderKL decode of the same
+  saved weights, and the unsharded decode of the same server;
+- a Wan 2.1 clip decoded with shards=2 equals its unsharded decode (the sharded Wan decoder's own
+  parity against diffusers is tests/test_sharded_wan_decode.py's);
+- what cannot be sharded is a 422 naming why, and the server goes on serving;
+- a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK) fails its request with 503 and
+  Retry-After, counted in convserve_faults_total; unsharded requests go on being served.
+"""
+from __future__ import annotations
+
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from live_server import metric, npy, scrape
+from service_parity import rel_l2, save_models, vae_decode_ref
+
+NPY = {"content-type": "application/x-npy"}
+
+
+def decode(url: str, model: str, x: np.ndarray, **params) -> httpx.Response:
+    return httpx.post(f"{url}/v1/models/{model}/decode", content=npy(x), headers=NPY,
+                      params={"format": "npy", **params}, timeout=120)
+
+
+def pixels(r: httpx.Response) -> np.ndarray:
+    assert r.status_code == 200, r.text[:400]
+    return np.load(io.BytesIO(r.content))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    return save_models(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.fixture(scope="module")
+def two_devices(server_factory, saved):
+    return server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd",
+                          devices="0,1", max_queue_delay_ms=0)
+
+
+def test_two_shards_equal_diffusers_and_the_unsharded_decode(two_devices, saved):
+    rng = np.random.default_rng()
+    lat = rng.standard_normal((2, 4, 9, 13)).astype(np.float32)  # odd rows: unequal bands
+    ref = vae_decode_ref(saved.vae, lat)
+    sharded = pixels(decode(two_devices.url, "vae", lat, shards="2"))
+    whole = pixels(decode(two_devices.url, "vae", lat))
+    assert ((ref > 0) & (ref < 1)).mean() > 0.5, "reference saturated"
+    assert rel_l2(sharded, ref) < 1e-4, rel_l2(sharded, ref)
+    assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
+    # KServe v2: the option in the request's parameters
+    doc = {"inputs": [{"name": "latents", "datatype": "FP32", "shape": list(lat.shape),
+                       "data": lat.reshape(-1).tolist()}], "parameters": {"shards": 2}}
+    r = httpx.post(f"{two_devices.url}/v2/models/vae/infer", json=doc, timeout=120)
+    assert r.status_code == 200, r.text[:400]
+    out = r.json()["outputs"][0]
+    kserve = np.asarray(out["data"], np.float32).reshape(out["shape"])
+    assert rel_l2(kserve, ref) < 1e-4
+    # auto on a small image stays on one device (AUTO_RULES start at 4096x4096): the same pixels
+    assert rel_l2(pixels(decode(two_devices.url, "vae", lat, shards="auto")), whole) < 1e-6
+
+
+def test_the_cli_sends_shards_to_a_server(two_devices, tmp_path):
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    lat = np.random.default_rng().standard_normal((1, 4, 6, 7)).astype(np.float32)
+    np.save(tmp_path / "lat.npy", lat)
+    for shards in ("1", "2"):
+        r = CliRunner().invoke(app, ["decode", str(tmp_path / "lat.npy"), "-o", str(tmp_path / f"{shards}.npy"),
+                                     "--url", two_devices.url, "--model", "vae", "--shards", shards])
+        assert r.exit_code == 0, r.output
+    assert rel_l2(np.load(tmp_path / "2.npy"), np.load(tmp_path / "1.npy")) < 1e-5
+
+
+def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
+    lat = np.random.default_rng().standard_normal((1, 4, 3, 7, 9)).astype(np.float32)
+    whole = pixels(decode(two_devices.url, "wan", lat))
+    sharded = pixels(decode(two_devices.url, "wan", lat, shards="2"))
+    assert sharded.shape == whole.shape == (1, 9, 56, 72, 3)
+    assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
+
+
+@pytest.mark.parametrize("model,shape,params,kind", [
+    ("vae", (1, 4, 9, 13), {"shards": "3"}, "too-many-shards"),
+    ("vae", (1, 4, 9, 13), {"shards": "two"}, "bad-shards"),
+    ("vae", (1, 4, 9, 13), {"shards": "0"}, "bad-shards"),
+    ("vae", (1, 4, 9, 13), {"shards": "2", "tiled": "on"}, "tiled-and-sharded"),
+    ("vae", (1, 4, 1, 13), {"shards": "2"}, "too-many-shards"),
+    ("taesd", (1, 4, 9, 13), {"shards": "2"}, "not-shardable"),
+])
+def test_what_cannot_be_sharded_is_a_422_naming_why(two_devices, model, shape, params, kind):
+    lat = np.random.default_rng().standard_normal(shape).astype(np.float32)
+    r = decode(two_devices.url, model, lat, **params)
+    assert r.status_code == 422 and r.json()["type"].endswith(kind), (r.status_code, r.text[:300])
+    assert decode(two_devices.url, model, lat).status_code == 200  # still serving
+
+
+def test_a_failing_shard_fails_its_request_with_503_and_the_server_goes_on(server_factory):
+    srv = server_factory(models="tiny-vae", devices="0,1", fault_shard_fail_rank=1)
+    lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
+    s0 = scrape(srv.url)
+    r = decode(srv.url, "tiny-vae", lat, shards="2")
+    assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
+    assert "shard 1" in json.loads(r.text)["detail"]
+    assert decode(srv.url, "tiny-vae", lat).status_code == 200
+    assert httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 200
+    s1 = scrape(srv.url)
+    assert metric(s1, "convserve_faults_total", model="tiny-vae", fault="shard_failed", outcome="failed") - \
+        metric(s0, "convserve_faults_total", model="tiny-vae", fault="shard_failed", outcome="failed") == 1

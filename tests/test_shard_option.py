@@ -1,0 +1,46 @@
+"""The `shards` option's parsing and the `auto` rule (service/shard_option.py): pure functions, no server."""
+from __future__ import annotations
+
+import pytest
+
+from models import sharding
+from service import shard_option
+from service.problems import Problem
+
+
+@pytest.mark.parametrize("value,want", [(None, 1), ("", 1), ("1", 1), ("4", 4), (2, 2), ("auto", "auto"),
+                                        (" AUTO ", "auto"), (3.0, 3)])
+def test_parse_accepts_auto_and_whole_numbers(value, want):
+    assert shard_option.parse(value) == want
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "65", "2.5", 2.5, "x", True, [2]])
+def test_parse_refuses_the_rest_with_a_422(value):
+    with pytest.raises(Problem) as e:
+        shard_option.parse(value)
+    assert e.value.status == 422 and e.value.kind == "bad-shards"
+
+
+def test_auto_follows_the_rules_and_the_device_count():
+    rule = min((r for r in shard_option.AUTO_RULES if r.family == sharding.IMAGE), key=lambda r: r.min_pixels)
+    below, at = rule.min_pixels - 1, rule.min_pixels
+    assert shard_option.auto_shards(sharding.IMAGE, below, 8) == 1
+    assert shard_option.auto_shards(sharding.IMAGE, at, 8) == rule.shards
+    assert shard_option.auto_shards(sharding.IMAGE, at, 1) == 1  # never more than the server has
+    assert shard_option.auto_shards(None, 10 * at, 8) == 1       # a family without a sharded decode
+
+
+def test_decide_names_what_cannot_be_sharded():
+    def kind(requested, family=sharding.IMAGE, lat=(1, 4, 9, 13), devices=2, tiled=None):
+        try:
+            return shard_option.decide(requested, "m", family, lat, (1, 72, 104, 3), devices, tiled)
+        except Problem as e:
+            assert e.status == 422
+            return e.kind
+    assert kind(2) == 2 and kind(1) == 1 and kind("auto") == 1
+    assert kind(3) == "too-many-shards"
+    assert kind(2, family=None) == "not-shardable"
+    assert kind(2, tiled=True) == "tiled-and-sharded"
+    assert kind("auto", tiled=True) == 1
+    assert kind(2, lat=(1, 4, 1, 13)) == "too-many-shards"
+    assert kind(2, family=sharding.VIDEO, lat=(1, 4, 3, 1, 9)) == "too-many-shards"  # video rows: axis 3
