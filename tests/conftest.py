@@ -3,7 +3,16 @@ free localhost ports in subprocesses, with the tiny presets and random weights; 
 the op suite runs on (op_backends.py)."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# CONVSERVE_TEST_GPU_SPREAD=N on a machine of N GPUs: pytest-xdist worker gwK sees only GPU K mod N,
+# so the GPU suite runs N times as wide (set before anything starts CUDA; tests needing two GPUs
+# then skip, and run in a pass of their own)
+if os.environ.get("CONVSERVE_TEST_GPU_SPREAD") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:])
+                                             % int(os.environ["CONVSERVE_TEST_GPU_SPREAD"]))
 
 # tests import helpers from live_server and op_backends, never `from conftest` (tests/gpu has a
 # conftest too)
