@@ -357,11 +357,8 @@ class Service:
         return Problem(500, "model-error", f"{exc.message} (error id {exc.error_id}; "
                        "the server log has the traceback)", error_id=exc.error_id)
 
-    def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str,
-                   tiled: bool | None) -> int:
-        """How many devices decode these latents (service/shard_option.py; a Problem if it cannot)."""
-        return shard_option.decide(shards, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
-                                   hm.output_shape(latents_shape), self.engine.device_count, tiled)
+    def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
+        return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count)
 
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
                      clamp: bool = True, uint8: bool = False, shards: int | str = 1,
@@ -374,16 +371,9 @@ class Service:
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         out_shape = hm.output_shape(lat.shape)
         self.check_work(hm, math.prod(out_shape[:-1]), f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
-        n = self.shards_for(hm, lat.shape, shards, tiled)
         options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}
-        link = None
-        if n > 1:
-            options.update(tiled=False, shards=n)
-            try:
-                link = self.engine.shard_leader(hm.name, n)
-            except NoWorker:
-                raise Problem(503, "shard-group-not-ready", f"the first {n} devices' workers are not all up; "
-                              "retry shortly", headers={"Retry-After": "2"}) from None
+        n = self.shards_for(hm, lat.shape, shards, tiled)
+        link = shard_option.leader_link(self.engine, hm.name, n, options)  # None: any worker
         sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
                              disconnected, link=link)
         return sub.arrays()["out"]

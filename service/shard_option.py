@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from models import sharding
 
+from .engine import NoWorker
 from .problems import Problem
 
 AUTO = "auto"
@@ -86,3 +87,22 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
     if rows < n:
         raise Problem(422, "too-many-shards", f"shards={n}, but the latents have only {rows} rows to split")
     return n
+
+
+def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: bool | None, devices: int) -> int:
+    """decide() for a served model (its card's shard family and output shape)."""
+    return decide(requested, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
+                  hm.output_shape(latents_shape), devices, tiled)
+
+
+def leader_link(engine, model: str, shards: int, options: dict):
+    """For shards > 1: the decode's options made untiled and sharded, and the link to the group's
+    leader (503 with Retry-After while any of its workers is not ready); None for one device."""
+    if shards == 1:
+        return None
+    options.update(tiled=False, shards=shards)
+    try:
+        return engine.shard_leader(model, shards)
+    except NoWorker:
+        raise Problem(503, "shard-group-not-ready", f"the first {shards} devices' workers are not all up; "
+                      "retry shortly", headers={"Retry-After": "2"}) from None
