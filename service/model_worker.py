@@ -28,6 +28,7 @@ worker -> front end:
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -360,6 +361,8 @@ def main(spec: WorkerSpec) -> None:
     # keeps the device thread from waiting up to 5 ms to launch the next batch
     sys.setswitchinterval(0.001)
     worker = Worker(spec)
+    # `kill -USR1 <worker pid>` writes every thread's stack to the log: where a stuck device thread waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Ctrl-C reaches the whole process group: the front ends drain, and only then stop the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())

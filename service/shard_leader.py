@@ -90,18 +90,21 @@ class _Follower:
         self.answers: dict[int, tuple] = {}
         self.cond = threading.Condition()
 
-    def read_one(self) -> None:
-        """One message (the reader thread). EOF propagates."""
+    def read_one(self) -> list:
+        """One message (the reader thread); the errors it answers. EOF propagates."""
         msg = self.conn.recv()
+        answers = []
+        if msg[0] == "done":
+            answers = [(msg[1], msg[2], msg[3])]
+        elif msg[0] == "done_many":
+            answers = list(msg[1])
         with self.cond:
             if msg[0] == "status":
                 self.state = msg[1].get("state")
-            elif msg[0] == "done":
-                self.answers[msg[1]] = msg[2:]
-            elif msg[0] == "done_many":
-                for rid, error, payload in msg[1]:
-                    self.answers[rid] = (error, payload)
+            for rid, error, payload in answers:
+                self.answers[rid] = (error, payload)
             self.cond.notify_all()
+        return [error for _, error, _ in answers if error is not None]
 
 
 class _Group:
@@ -142,7 +145,9 @@ class _Group:
             for key, _ in sel.select(1.0):
                 f = key.data
                 try:
-                    f.read_one()
+                    errors = f.read_one()
+                    if errors:  # the leader's own band may be waiting in NCCL for that rank: no way back
+                        end_group(f"the shard follower at {f.address} failed: {errors[0][1]}")
                 except (EOFError, OSError):
                     if self.inflight:
                         end_group(f"the shard follower at {f.address} went away")
@@ -244,14 +249,17 @@ class ShardMember:
         from convkernels.nccl_comm import NcclShards
 
         size = int(options["size"])
-        comm = NcclShards.join(options["uid"], int(options["rank"]), size)
+        try:
+            comm = NcclShards.join(options["uid"], int(options["rank"]), size)
+        except Exception as exc:  # the leader waits in its join
+            end_group(f"joining rank {options['rank']} of a {size}-shard group failed: {type(exc).__name__}: {exc}")
         self.comms[size] = (comm, link)
         return np.ones((1, 1), np.uint8)
 
     def decode(self, link, hm, band: np.ndarray, options: dict) -> np.ndarray:
         entry = self.comms.get(int(options["size"]))
-        if entry is None or entry[1] is not link:
-            raise RuntimeError(f"no {options['size']}-shard group joined with this leader")
+        if entry is None or entry[1] is not link:  # the leader waits in its band for this one
+            end_group(f"band {options['rank']}: no {options['size']}-shard group joined with this leader")
         comm = entry[0]
         if self.fault is not None:
             comm = self.fault(comm, int(options["rank"]))

@@ -6,7 +6,7 @@ The NCCL group of real GPUs is tests/gpu/test_sharded_decode_gpus.py's.
 - shards=2 on REST and in KServe's parameters equals diffusers' AutoencoderKL decode of the same
   saved weights, and the unsharded decode of the same server;
 - a Wan 2.1 clip decoded with shards=2 equals its unsharded decode (the sharded Wan decoder's own
-  parity against diffusers is tests/test_sharded_wan_decode.py's);
+  parity against diffusers is tests/test_sharded_wan_decode_emulated.py's);
 - what cannot be sharded is a 422 naming why, and the server goes on serving;
 - a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK) fails its request with 503 and
   Retry-After, counted in convserve_faults_total; unsharded requests go on being served.

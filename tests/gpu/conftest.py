@@ -23,11 +23,28 @@ def cuda_available():
     return True
 
 
-def pytest_runtest_logreport(report):
-    """When $OUT names an output folder (a GPU machine's run), each failure is written to $OUT/failures.txt as it happens: a
-    run stopped at the device's time limit never prints pytest's summary."""
+def _out():
     out = os.environ.get("OUT")
-    if not report.failed or not out or not os.path.isdir(out):
+    return out if out and os.path.isdir(out) else None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """$OUT/started.txt: every test as it starts, so a run cut off at its time limit shows which never finished
+    (started.txt less timings.txt)."""
+    if _out():
+        with open(os.path.join(_out(), "started.txt"), "a") as f:
+            f.write(nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    """When $OUT names an output folder (a GPU machine's run), each test's duration goes to $OUT/timings.txt and each
+    failure to $OUT/failures.txt as it happens: a run stopped at the device's time limit never prints pytest's
+    summary."""
+    out = _out()
+    if out and report.when == "call":
+        with open(os.path.join(out, "timings.txt"), "a") as f:
+            f.write(f"{report.duration:8.1f} {report.outcome} {report.nodeid}\n")
+    if not report.failed or not out:
         return
     with open(os.path.join(out, "failures.txt"), "a") as f:
         f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")

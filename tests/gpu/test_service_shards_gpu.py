@@ -39,9 +39,26 @@ def decode(url, model, x, **params):
                       params={"format": "npy", **params}, timeout=300)
 
 
-def pixels(r):
-    assert r.status_code == 200, r.text[:400]
+def pixels(r, server=None):
+    assert r.status_code == 200, r.text[:400] + (diagnose(server) if server is not None else "")
     return np.load(io.BytesIO(r.content))
+
+
+def diagnose(server) -> str:
+    """Every model worker's thread stacks (SIGUSR1, model_worker.main) and the server log's tail."""
+    import os
+    import signal
+
+    for d in httpx.get(f"{server.url}/v1/models", timeout=10).json()["models"][0].get("devices", []):
+        if d.get("pid"):
+            os.kill(d["pid"], signal.SIGUSR1)
+    time.sleep(2)
+    text = server.log_path.read_text(errors="replace")[-60000:]
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "shard_diagnosis.txt"), "a") as f:
+            f.write(text)
+    return "\n--- server log ---\n" + text[-3000:]
 
 
 def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_factory):
@@ -50,13 +67,14 @@ def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_fact
 
     saved = save_models(tmp_path_factory.mktemp("shards_gpu"))
     server = start_server(tmp_path_factory.mktemp("servers"), ready_timeout=240, backend="cuda", dtype="float32",
-                          devices="0,1", models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae")
+                          devices="0,1", models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae", log_level="info",
+                          request_timeout_s=150)
     try:
         rng = np.random.default_rng()
         errs = []
         for shape in [(2, 4, 9, 13), (1, 4, 16, 11)]:  # the second request reuses the group
             lat = rng.standard_normal(shape).astype(np.float32)
-            sharded = pixels(decode(server.url, "vae", lat, shards="2"))
+            sharded = pixels(decode(server.url, "vae", lat, shards="2"), server)
             whole = pixels(decode(server.url, "vae", lat))
             ref = vae_decode_ref(saved.vae, lat)
             errs.append((rel_l2(sharded, ref), rel_l2(sharded, whole)))
@@ -81,7 +99,7 @@ def test_a_failing_shard_fails_the_request_and_the_group_comes_back(tmp_path_fac
     try:
         lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
         r = decode(server.url, "tiny-vae", lat, shards="2")
-        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300], diagnose(server))
         gate.unlink()
         deadline = time.monotonic() + 240
         while True:  # both workers started again and ready: the sharded request is served
