@@ -41,7 +41,7 @@ def pytest_runtest_logreport(report):
     failure to $OUT/failures.txt as it happens: a run stopped at the device's time limit never prints pytest's
     summary."""
     out = _out()
-    if out and report.when == "call":
+    if out and (report.when == "call" or report.skipped):
         with open(os.path.join(out, "timings.txt"), "a") as f:
             f.write(f"{report.duration:8.1f} {report.outcome} {report.nodeid}\n")
     if not report.failed or not out:
