@@ -3,9 +3,10 @@ decode it together, exactly, service/shard_leader.py) or `auto` (the rule below 
 REST (`?shards=`), in KServe's request parameters, and by the CLI's `decode --shards`.
 
 `auto` shards a request only where sharding was measured to pay: one GPU's decode has to be long
-enough for the halo exchanges and statistics all-reduces to be a small part of it. The rule is data
-(`AUTO_RULES`), each row naming the measurement behind it; a shape below every row stays on one
-device, as it also does on a server with one device.
+enough for the halo exchanges, statistics all-reduces and eager launches of the sharded path to be
+a small part of it. The rule is data (`AUTO_RULES`), each row naming the measurement behind it; a
+shape below every row stays on one device, as it also does on a server with one device. The rows
+were measured on H200s; an H100's one-GPU decode is slower, so they are on the safe side there.
 """
 from __future__ import annotations
 
@@ -25,14 +26,19 @@ MAX_SHARDS = 64
 @dataclass(frozen=True)
 class AutoRule:
     family: str       # models.sharding.IMAGE or VIDEO
-    min_pixels: int   # decoded pixels of the whole request (N x frames x H x W) from which it pays
-    shards: int       # the most devices worth using from there
-    evidence: str     # the measurement behind the row (benchmarks/RESULTS.md, "Sharded decode")
+    min_pixels: int   # decoded pixels of the whole request (N x frames x H x W) from which it paid
+    shards: int       # how many devices paid there
+    evidence: str     # the measurement behind the row (benchmarks/RESULTS.md, "sharded_decode")
 
 
+_H200X4 = "4x H200, 2026-11-26, benchmarks/sharded_decode.py"
 AUTO_RULES: tuple[AutoRule, ...] = (
-    AutoRule(sharding.IMAGE, 4096 * 4096, 2,
-             "SD-VAE 4096x4096 fp16, 2x H200, 2026-11-26: 2 GPUs take 0.59x one GPU's time"),
+    AutoRule(sharding.IMAGE, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.60x one GPU's time ({_H200X4})"),
+    AutoRule(sharding.IMAGE, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.30x ({_H200X4})"),
+    # 81x480x832 on 2 GPUs took 0.98x: no row for it
+    AutoRule(sharding.VIDEO, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.63x ({_H200X4})"),
+    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.84x ({_H200X4})"),
+    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.50x ({_H200X4})"),
 )
 
 
@@ -55,11 +61,11 @@ def parse(value) -> int | str:
 
 
 def auto_shards(family: str | None, pixels: int, devices: int) -> int:
-    """AUTO_RULES' choice for a request of `pixels` decoded pixels on a server of `devices`."""
-    if family is None:
-        return 1
-    best = max((r.shards for r in AUTO_RULES if r.family == family and pixels >= r.min_pixels), default=1)
-    return max(1, min(best, devices))
+    """AUTO_RULES' choice for a request of `pixels` decoded pixels on a server of `devices`: the
+    most devices a row measured to pay at that size or smaller, and that the server has; else 1.
+    A count no row names is never chosen (2 GPUs did not pay for 81x480x832 where 4 did)."""
+    return max((r.shards for r in AUTO_RULES
+                if r.family == family and pixels >= r.min_pixels and r.shards <= devices), default=1)
 
 
 def decide(requested: int | str, model_name: str, family: str | None, latents_shape: tuple[int, ...],

@@ -21,13 +21,18 @@ def test_parse_refuses_the_rest_with_a_422(value):
     assert e.value.status == 422 and e.value.kind == "bad-shards"
 
 
-def test_auto_follows_the_rules_and_the_device_count():
-    rule = min((r for r in shard_option.AUTO_RULES if r.family == sharding.IMAGE), key=lambda r: r.min_pixels)
-    below, at = rule.min_pixels - 1, rule.min_pixels
-    assert shard_option.auto_shards(sharding.IMAGE, below, 8) == 1
-    assert shard_option.auto_shards(sharding.IMAGE, at, 8) == rule.shards
-    assert shard_option.auto_shards(sharding.IMAGE, at, 1) == 1  # never more than the server has
-    assert shard_option.auto_shards(None, 10 * at, 8) == 1       # a family without a sharded decode
+def test_auto_follows_the_measured_rows_and_the_device_count():
+    image, video = sharding.IMAGE, sharding.VIDEO
+    px4k, px480, px720 = 4096 * 4096, 81 * 480 * 832, 121 * 720 * 1280
+    assert shard_option.auto_shards(image, px4k - 1, 8) == 1
+    assert shard_option.auto_shards(image, px4k, 8) == 4   # the most devices a row names
+    assert shard_option.auto_shards(image, px4k, 3) == 2   # never more than the server has
+    assert shard_option.auto_shards(image, px4k, 1) == 1
+    assert shard_option.auto_shards(video, px480, 4) == 4
+    assert shard_option.auto_shards(video, px480, 2) == 1  # measured not to pay on 2 GPUs
+    assert shard_option.auto_shards(video, px720, 2) == 2
+    assert shard_option.auto_shards(None, 10 * px720, 8) == 1  # a family without a sharded decode
+    assert all(r.evidence for r in shard_option.AUTO_RULES)
 
 
 def test_decide_names_what_cannot_be_sharded():
