@@ -15,7 +15,7 @@ from .batcher import Batcher, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
 from .settings import Settings
-from .shard_leader import ShardLeader, ShardMember
+from .shard_leader import DEADLINE_S, ShardLeader, ShardMember, comm_class
 
 log = logging.getLogger("convserve.worker")
 
@@ -61,8 +61,10 @@ class ModelHost:
             s = self.settings
             self.backend = get_backend(s.backend, **s.backend_options())
             log.info("%s: backend %s", self.spec.device, self.backend.describe())
+            self.shard_member.comm_cls = comm_class(self.backend, s)
             if self.spec.group and self.spec.group[0] == self.spec.address:
-                self.shard_leader = ShardLeader(self.backend, self.spec.group, self.shard_member.fault)
+                self.shard_leader = ShardLeader(self.spec.group, self.shard_member.comm_cls, self.shard_member.fault,
+                                                deadline_s=max(DEADLINE_S, 2 * s.request_timeout_s))
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
@@ -108,7 +110,7 @@ class ModelHost:
             if self.shard_leader is None:
                 raise ValueError(f"{self.spec.device} does not lead shard groups; the first device's worker does")
             return lambda x: self.shard_leader.decode(hm, x, options["shards"], options.get("clamp", True),
-                                                      options.get("uint8", False))
+                                                      options.get("uint8", False), self.backend.name)
         if op == "shard_join":
             return lambda x: self.shard_member.join(link, options)
         if op == "shard_decode":

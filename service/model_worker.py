@@ -177,10 +177,11 @@ class FrontendLink:
             return self._stream_open(rid, model, in_ref, options)
         host = self.host
         # a stream's next group and a shard group's steps run alone: nothing to batch with
-        solo = op in ("stream_next", "shard_join", "shard_decode")
+        stream_step = op == "stream_next"
+        solo = stream_step or op in ("shard_join", "shard_decode")
         try:
             hm = host.models[model]
-            if solo:  # a stream's step runs on its latents (what the model-call faults inspect)
+            if stream_step:  # a stream's step runs on its latents (what the model-call faults inspect)
                 _, steps, inputs = self._stream(options["stream"])
                 call = steps.step
             else:

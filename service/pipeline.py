@@ -358,7 +358,8 @@ class Service:
                        "the server log has the traceback)", error_id=exc.error_id)
 
     def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
-        return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count)
+        return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count,
+                                      self.settings.shard_groups or self.engine.backend_name != "cuda")
 
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
                      clamp: bool = True, uint8: bool = False, shards: int | str = 1,
@@ -371,9 +372,8 @@ class Service:
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         out_shape = hm.output_shape(lat.shape)
         self.check_work(hm, math.prod(out_shape[:-1]), f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
-        options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}
-        n = self.shards_for(hm, lat.shape, shards, tiled)
-        link = shard_option.leader_link(self.engine, hm.name, n, options)  # None: any worker
+        options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}  # leader_link adds shards (None: any worker)
+        link = shard_option.leader_link(self.engine, hm.name, self.shards_for(hm, lat.shape, shards, tiled), options)
         sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
                              disconnected, link=link)
         return sub.arrays()["out"]

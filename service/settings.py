@@ -149,6 +149,14 @@ class Settings(BaseSettings):
     #: each front end's shared-memory arena (inputs and outputs in flight travel in it): a sparse
     #: file, so memory is taken only as requests use it; a request needing more is refused (413)
     shm_bytes: int = Field(4 << 30, ge=1 << 20)
+    #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
+    #: Off by default while it is experimental: on CPU backends a sharded request is always
+    #: served (on emulated shards, or through `shard_comm`)
+    shard_groups: bool = False
+    #: CPU backends: "module:Class" of a shard communicator (unique_id, join) that joins the CPU
+    #: workers into a real multi-process group instead of emulating shards in the first worker;
+    #: the tests' is "gloo_shards:GlooShards" (tests/gloo_shards.py, torch's gloo)
+    shard_comm: str | None = None
     #: image sizes to run once per model before /readyz turns true ("512,1024x768"): decoders
     #: produce them, encoders take them. A new shape pays for path choice (measured on the CPU
     #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.

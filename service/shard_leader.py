@@ -28,6 +28,7 @@ The leader's messages to a follower (the front-end protocol of service/model_wor
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import selectors
@@ -48,8 +49,9 @@ log = logging.getLogger("convserve.shards")
 
 #: exit status of a worker that ended its shard group (the supervisor starts it again)
 GROUP_FAILED_EXIT = 75
-#: how long a follower may take to connect, get ready, join or answer a band before the group ends
-DEADLINE_S = 300.0
+#: how long a group may take to connect, get ready, join or decode before it ends (the service
+#: passes twice its request timeout, at least this much: a first call builds plans)
+DEADLINE_S = 120.0
 #: the leader's arena for the bands it hands out and the pixels it gets back (sparse: pages are
 #: only touched by the tensors in flight)
 ARENA_BYTES = 16 << 30
@@ -57,6 +59,20 @@ ARENA_BYTES = 16 << 30
 
 class ShardFailed(RuntimeError):
     """A sharded decode that failed on its emulated shards (the worker stays up)."""
+
+
+def comm_class(backend, settings):
+    """The communicator a worker's groups use: NCCL on CUDA (when `shard_groups` is on); on CPU
+    backends the `shard_comm` setting's class, if any; None: the leader emulates the shards."""
+    if backend.name == "cuda":
+        if not settings.shard_groups:
+            return None
+        from convkernels.nccl_comm import NcclShards
+        return NcclShards
+    if not settings.shard_comm:
+        return None
+    module, _, name = settings.shard_comm.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def end_group(why: str) -> None:
@@ -110,28 +126,28 @@ class _Follower:
 class _Group:
     """The leader's side of one N-shard group: followers 1..N-1 and the NCCL communicator."""
 
-    def __init__(self, addresses: list[str], model: str, arena: Arena):
-        from convkernels.nccl_comm import NcclShards
-
+    def __init__(self, addresses: list[str], model: str, arena: Arena, comm_cls, deadline_s: float = DEADLINE_S):
         self.size = len(addresses) + 1
         self.arena = arena
+        self.deadline_s = deadline_s
         self.inflight = False
+        self.inflight_since = 0.0
         self.broken = False  # a follower went while the group was idle
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = time.monotonic() + self.deadline_s
         self.followers = [_Follower(a, arena, deadline) for a in addresses]
         threading.Thread(target=self._read, name=f"convserve-shards-{self.size}", daemon=True).start()
         for f in self.followers:
             with f.cond:
                 if not f.cond.wait_for(lambda f=f: f.state in ("ready", "failed"), deadline - time.monotonic()):
-                    end_group(f"the shard follower at {f.address} was not ready in {DEADLINE_S:.0f} s")
+                    end_group(f"the shard follower at {f.address} was not ready in {self.deadline_s:.0f} s")
                 if f.state != "ready":
                     raise RuntimeError(f"the shard follower at {f.address} failed to load its models")
-        uid = NcclShards.unique_id()  # a picklable tuple: it travels in the options
+        uid = comm_cls.unique_id()  # picklable: it travels in the options
         token = np.zeros((1, 1), np.uint8)  # every submit names an input; a join has none of its own
         rids = self._send_all(model, "shard_join",
                               lambda r: ({"rank": r, "size": self.size, "uid": uid}, token, (1, 1), "uint8"))
         try:
-            self.comm = NcclShards.join(uid, 0, self.size)  # returns once every follower has joined too
+            self.comm = comm_cls.join(uid, 0, self.size)  # returns once every follower has joined too
         except Exception as exc:  # the followers wait in their join: they go too
             end_group(f"joining the {self.size}-shard group failed: {type(exc).__name__}: {exc}")
         self._collect(rids)
@@ -142,6 +158,10 @@ class _Group:
         for f in self.followers:
             sel.register(f.conn, selectors.EVENT_READ, f)
         while True:
+            # the leader's own band may wait in a collective for a rank that never comes: the
+            # watchdog, not that band, notices the deadline
+            if self.inflight and time.monotonic() - self.inflight_since > self.deadline_s:
+                end_group(f"the {self.size}-shard group did not finish in {self.deadline_s:.0f} s")
             for key, _ in sel.select(1.0):
                 f = key.data
                 try:
@@ -160,7 +180,7 @@ class _Group:
 
     def _send_all(self, model: str, op: str, part):
         """op to every follower: part(rank) -> (options, input, output shape, output dtype)."""
-        self.inflight = True
+        self.inflight, self.inflight_since = True, time.monotonic()
         rids = []
         for rank, f in enumerate(self.followers, start=1):
             options, inputs, out_shape, out_dtype = part(rank)
@@ -173,12 +193,12 @@ class _Group:
 
     def _collect(self, rids) -> list[np.ndarray]:
         """Every follower's answer (copied out of the arena), or the group ends."""
-        deadline = time.monotonic() + DEADLINE_S
+        deadline = self.inflight_since + self.deadline_s
         outs = []
         for f, rid, in_ref, out_ref in rids:
             with f.cond:
                 if not f.cond.wait_for(lambda f=f, rid=rid: rid in f.answers, max(0.0, deadline - time.monotonic())):
-                    end_group(f"the shard follower at {f.address} gave no answer in {DEADLINE_S:.0f} s")
+                    end_group(f"the shard follower at {f.address} gave no answer in {self.deadline_s:.0f} s")
                 error, _ = f.answers.pop(rid)
             if error is not None:
                 end_group(f"the shard follower at {f.address} failed: {error[1]}")
@@ -210,16 +230,20 @@ class _Group:
 class ShardLeader:
     """Worker 0's sharded decodes (ModelHost.call_for's `shards` option)."""
 
-    def __init__(self, backend, addresses: tuple[str, ...], fault=None):
-        self.backend = backend
+    def __init__(self, addresses: tuple[str, ...], comm_cls=None, fault=None, deadline_s: float = DEADLINE_S):
+        self.comm_cls = comm_cls  # comm_class(): None emulates the shards here
+        self.deadline_s = deadline_s  # a group busy longer than this ends (its first call builds plans)
         self.fault = fault  # fault_injection.shard_fault(): a test-only wrapper of one rank's communicator
         self.addresses = addresses  # every worker's, in device order; this worker's is the first
         self.groups: dict[int, _Group] = {}
         self.arena: Arena | None = None
 
-    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool) -> np.ndarray:
+    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool,
+               backend_name: str = "numpy") -> np.ndarray:
         sharding.check(hm.model)
-        if self.backend.name != "cuda":
+        if self.comm_cls is None and backend_name == "cuda":  # the front ends refuse these first
+            raise ValueError("sharded requests on GPUs are off (CONVSERVE_SHARD_GROUPS)")
+        if self.comm_cls is None:
             try:
                 out = sharding.decode_emulated(hm.model, latents, shards, clamp,
                                                comm_wrapper=self.fault)
@@ -232,7 +256,8 @@ class ShardLeader:
         group = self.groups.get(shards)
         if group is None or group.broken:
             self.arena = self.arena or Arena(ARENA_BYTES)
-            group = self.groups[shards] = _Group(list(self.addresses[1:shards]), hm.name, self.arena)
+            group = self.groups[shards] = _Group(list(self.addresses[1:shards]), hm.name, self.arena, self.comm_cls,
+                                                        self.deadline_s)
         return group.decode(hm, latents, clamp, uint8)
 
 
@@ -242,15 +267,16 @@ class ShardMember:
 
     def __init__(self, fault=None):
         self.fault = fault  # as ShardLeader's
+        self.comm_cls = None  # comm_class(), set once the backend is up
         self.comms: dict[int, tuple[object, object]] = {}  # size -> (communicator, the leader's link)
         self.running_for = None  # the leader's link while a band runs
 
     def join(self, link, options: dict) -> np.ndarray:
-        from convkernels.nccl_comm import NcclShards
-
         size = int(options["size"])
         try:
-            comm = NcclShards.join(options["uid"], int(options["rank"]), size)
+            if self.comm_cls is None:
+                raise RuntimeError("this worker has no shard communicator (shard_groups / shard_comm)")
+            comm = self.comm_cls.join(options["uid"], int(options["rank"]), size)
         except Exception as exc:  # the leader waits in its join
             end_group(f"joining rank {options['rank']} of a {size}-shard group failed: {type(exc).__name__}: {exc}")
         self.comms[size] = (comm, link)

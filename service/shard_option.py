@@ -95,8 +95,15 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
     return n
 
 
-def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: bool | None, devices: int) -> int:
-    """decide() for a served model (its card's shard family and output shape)."""
+def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: bool | None, devices: int,
+              groups: bool = True) -> int:
+    """decide() for a served model (its card's shard family and output shape). groups=False: this
+    server has no shard groups (GPUs with `shard_groups` off): auto is 1, N > 1 a 501."""
+    if not groups:
+        if requested == AUTO or int(requested) == 1:
+            return 1
+        raise Problem(501, "shard-groups-off", "sharded requests on GPUs are off on this server: it runs with "
+                      "CONVSERVE_SHARD_GROUPS unset (experimental, docs/sharding.md)")
     return decide(requested, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
                   hm.output_shape(latents_shape), devices, tiled)
 

@@ -60,14 +60,17 @@ class LiveServer:
         return self.proc.returncode
 
 
-def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple = (), **settings) -> LiveServer:
-    """Start `convserve serve [cli_args]` with CONVSERVE_<KEY>=value settings and wait for /readyz."""
+def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple = (), env_extra: dict | None = None,
+                 **settings) -> LiveServer:
+    """Start `convserve serve [cli_args]` with CONVSERVE_<KEY>=value settings (and env_extra's
+    variables) and wait for /readyz."""
     import httpx
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
     env.update({"CONVSERVE_BACKEND": "numpy", "CONVSERVE_LOG_LEVEL": "warning", "PYTHONUNBUFFERED": "1"})
     env.update({f"CONVSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+    env.update(env_extra or {})
     log_path = log_dir / f"server-{port}.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
@@ -134,3 +137,19 @@ def wait_for(cond, timeout: float = 60, what: str = "") -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def wait_until_every_device_is_ready(url: str, model: str, timeout: float = 120) -> None:
+    """/readyz is true once any worker is; a group needs every one of its workers."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            devices = httpx.get(f"{url}/v1/models/{model}", timeout=5).json().get("devices", [])
+            if len(devices) >= 2 and all(d["state"] == "ready" for d in devices):
+                return
+        except (httpx.TransportError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"the devices of {model} did not all get ready"
+        time.sleep(0.1)

@@ -1,7 +1,11 @@
 """The `shards` option of a decode through a real `convserve serve` (issue #32, service/shard_option.py,
-service/shard_leader.py), on the NumPy backend with two emulated devices (CONVSERVE_DEVICES=0,1):
-the first device's worker leads and, without NCCL, decodes the shards on emulated shards itself.
-The NCCL group of real GPUs is tests/gpu/test_sharded_decode_gpus.py's.
+service/shard_leader.py), on the NumPy backend with two CPU devices (CONVSERVE_DEVICES=0,1), each
+server in two forms:
+- "emulated": the first device's worker decodes the shards itself on emulated shards (threads);
+- "gloo": the two workers form a real multi-process shard group, as on GPUs, with torch's gloo
+  in NCCL's place (CONVSERVE_SHARD_COMM=gloo_shards:GlooShards, tests/gloo_shards.py): the leader
+  connects to the follower, joins it, hands it its band and joins the pixel rows.
+The NCCL group of real GPUs is tests/gpu/test_service_shards_gpu.py's.
 
 - shards=2 on REST and in KServe's parameters equals diffusers' AutoencoderKL decode of the same
   saved weights, and the unsharded decode of the same server;
@@ -9,21 +13,35 @@ The NCCL group of real GPUs is tests/gpu/test_sharded_decode_gpus.py's.
   parity against diffusers is tests/test_sharded_wan_decode_emulated.py's);
 - what cannot be sharded is a 422 naming why, and the server goes on serving;
 - a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK) fails its request with 503 and
-  Retry-After, counted in convserve_faults_total; unsharded requests go on being served.
+  Retry-After: emulated, counted in convserve_faults_total while unsharded requests go on being
+  served; in a group, both workers are started again and, once the fault is gone, a sharded
+  request is served by a new group.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from live_server import metric, npy, scrape
+from live_server import metric, npy, scrape, wait_until_every_device_is_ready
 from service_parity import rel_l2, save_models, vae_decode_ref
 
 NPY = {"content-type": "application/x-npy"}
+TESTS = Path(__file__).resolve().parent
+
+
+def group_settings(comm: str) -> dict:
+    """The server settings of one form (see the module docstring)."""
+    if comm == "emulated":
+        return {}
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    return {"shard_comm": "gloo_shards:GlooShards", "env_extra": {"PYTHONPATH": path}}
 
 
 def decode(url: str, model: str, x: np.ndarray, **params) -> httpx.Response:
@@ -42,10 +60,14 @@ def saved(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("shards"))
 
 
-@pytest.fixture(scope="module")
-def two_devices(server_factory, saved):
-    return server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd",
-                          devices="0,1", max_queue_delay_ms=0)
+@pytest.fixture(scope="module", params=["emulated", "gloo"])
+def two_devices(request, server_factory, saved):
+    if request.param == "gloo":
+        pytest.importorskip("torch.distributed")
+    srv = server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd",
+                         devices="0,1", max_queue_delay_ms=0, **group_settings(request.param))
+    wait_until_every_device_is_ready(srv.url, "vae")
+    return srv
 
 
 def test_two_shards_equal_diffusers_and_the_unsharded_decode(two_devices, saved):
@@ -108,6 +130,7 @@ def test_what_cannot_be_sharded_is_a_422_naming_why(two_devices, model, shape, p
 
 def test_a_failing_shard_fails_its_request_with_503_and_the_server_goes_on(server_factory):
     srv = server_factory(models="tiny-vae", devices="0,1", fault_shard_fail_rank=1)
+    wait_until_every_device_is_ready(srv.url, "tiny-vae")
     lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
     s0 = scrape(srv.url)
     r = decode(srv.url, "tiny-vae", lat, shards="2")
@@ -118,3 +141,33 @@ def test_a_failing_shard_fails_its_request_with_503_and_the_server_goes_on(serve
     s1 = scrape(srv.url)
     assert metric(s1, "convserve_faults_total", model="tiny-vae", fault="shard_failed", outcome="failed") - \
         metric(s0, "convserve_faults_total", model="tiny-vae", fault="shard_failed", outcome="failed") == 1
+
+
+def test_a_failing_rank_ends_its_group_and_a_new_group_serves_once_it_is_back(server_factory, tmp_path):
+    """The multi-process group (gloo): rank 1 fails mid-decode while the gate file exists. Both
+    workers exit and are started again; the request gets 503 with Retry-After; once the fault is
+    gone, a sharded request is served by a new group and equals the unsharded decode."""
+    pytest.importorskip("torch.distributed")
+    gate = tmp_path / "failing"
+    gate.write_text("rank 1 fails while this file exists")
+    srv = server_factory(models="tiny-vae", devices="0,1", fault_shard_fail_rank=1, fault_shard_fail_file=str(gate),
+                         **group_settings("gloo"))
+    wait_until_every_device_is_ready(srv.url, "tiny-vae")
+    lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
+    s0 = scrape(srv.url)
+    r = decode(srv.url, "tiny-vae", lat, shards="2")
+    assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300], srv.log())
+    gate.unlink()
+    deadline = time.monotonic() + 120
+    while True:
+        r = decode(srv.url, "tiny-vae", lat, shards="2")
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300], srv.log())
+        assert time.monotonic() < deadline, f"no new group in 120 s:\n{srv.log()}"
+        time.sleep(0.2)
+    assert rel_l2(pixels(r), pixels(decode(srv.url, "tiny-vae", lat))) < 1e-5
+    s1 = scrape(srv.url)
+    for device in ("cpu:0", "cpu:1"):
+        assert metric(s1, "convserve_worker_restarts_total", device=device) - \
+            metric(s0, "convserve_worker_restarts_total", device=device) >= 1, device

@@ -49,3 +49,19 @@ def test_decide_names_what_cannot_be_sharded():
     assert kind("auto", tiled=True) == 1
     assert kind(2, lat=(1, 4, 1, 13)) == "too-many-shards"
     assert kind(2, family=sharding.VIDEO, lat=(1, 4, 3, 1, 9)) == "too-many-shards"  # video rows: axis 3
+
+
+def test_without_shard_groups_auto_is_one_device_and_n_a_501():
+    class Hm:  # what for_model reads of a served model
+        name, model = "m", type("View", (), {"shard_family": sharding.IMAGE})()
+
+        @staticmethod
+        def output_shape(shape):
+            return (shape[0], 8 * shape[2], 8 * shape[3], 3)
+    lat = (1, 4, 512, 512)  # 4096x4096: auto would shard it where groups exist
+    assert shard_option.for_model(Hm, lat, "auto", None, 4, groups=True) == 4
+    assert shard_option.for_model(Hm, lat, "auto", None, 4, groups=False) == 1
+    assert shard_option.for_model(Hm, lat, 1, None, 4, groups=False) == 1
+    with pytest.raises(Problem) as e:
+        shard_option.for_model(Hm, lat, 2, None, 4, groups=False)
+    assert e.value.status == 501 and "CONVSERVE_SHARD_GROUPS" in e.value.detail

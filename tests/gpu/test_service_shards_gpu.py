@@ -1,6 +1,6 @@
 """Issue #32 through the service on real GPUs: `shards=2` requests to a real `convserve serve` on
-two GPUs, where the first GPU's model worker leads an NCCL group with the second's
-(service/shard_leader.py). Skipped with fewer than two GPUs (the same request path on emulated
+two GPUs (CONVSERVE_SHARD_GROUPS=1), where the first GPU's model worker leads an NCCL group with the
+second's (service/shard_leader.py). Skipped with fewer than two GPUs (the same request path on emulated
 shards: tests/test_service_shards.py).
 
 - float32, a diffusers AutoencoderKL's saved weights: shards=2 equals diffusers' decode and the
@@ -62,13 +62,14 @@ def diagnose(server) -> str:
 
 
 def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_factory):
-    from live_server import start_server
+    from live_server import start_server, wait_until_every_device_is_ready
     from service_parity import rel_l2, save_models, vae_decode_ref
 
     saved = save_models(tmp_path_factory.mktemp("shards_gpu"))
     server = start_server(tmp_path_factory.mktemp("servers"), ready_timeout=240, backend="cuda", dtype="float32",
                           devices="0,1", models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae", log_level="info",
-                          request_timeout_s=150)
+                          request_timeout_s=150, shard_groups=1)
+    wait_until_every_device_is_ready(server.url, "vae", timeout=240)
     try:
         rng = np.random.default_rng()
         errs = []
@@ -89,13 +90,14 @@ def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_fact
 
 
 def test_a_failing_shard_fails_the_request_and_the_group_comes_back(tmp_path_factory):
-    from live_server import metric, scrape, start_server
+    from live_server import metric, scrape, start_server, wait_until_every_device_is_ready
 
     gate = tmp_path_factory.mktemp("fault") / "failing"
     gate.write_text("rank 1 fails while this file exists")
     server = start_server(tmp_path_factory.mktemp("servers_fault"), ready_timeout=240, backend="cuda",
                           dtype="float32", devices="0,1", models="tiny-vae", fault_shard_fail_rank=1,
-                          fault_shard_fail_file=str(gate))
+                          fault_shard_fail_file=str(gate), shard_groups=1)
+    wait_until_every_device_is_ready(server.url, "tiny-vae", timeout=240)
     try:
         lat = np.random.default_rng().standard_normal((1, 4, 9, 13)).astype(np.float32)
         r = decode(server.url, "tiny-vae", lat, shards="2")
