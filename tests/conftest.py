@@ -14,6 +14,17 @@ if os.environ.get("CONVSERVE_TEST_GPU_SPREAD") and os.environ.get("PYTEST_XDIST_
     os.environ["CUDA_VISIBLE_DEVICES"] = str(int(os.environ["PYTEST_XDIST_WORKER"][2:])
                                              % int(os.environ["CONVSERVE_TEST_GPU_SPREAD"]))
 
+# Under pytest-xdist each worker's PyTorch (the references) takes its share of the cores, not all
+# of them (16 workers of 16 threads on 16 cores): the GPU suite's unfinished tail on 2026-11-26 was
+# its full-size CPU references (Wan 2.2's full preset in float32)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # tests import helpers from live_server and op_backends, never `from conftest` (tests/gpu has a
 # conftest too)
 from live_server import LiveServer, start_server
