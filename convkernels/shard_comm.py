@@ -70,21 +70,35 @@ class ThreadShards:
         return self._meeting.gather(self.rank, a)
 
 
+def thread_group(size: int) -> list[ThreadShards]:
+    """The communicators of one emulated group, rank order (for work done in several steps,
+    run_together each step; run_sharded does a single one)."""
+    meeting = _Meeting(size)
+    return [ThreadShards(meeting, r) for r in range(size)]
+
+
 def run_sharded(size: int, fn: Callable[[ThreadShards, int], Any]) -> list[Any]:
     """fn(comm, rank) on `size` emulated shards at once; their results in rank order. A shard
     that raises breaks the barrier, so the others raise too instead of waiting forever; its
     error is the one raised here."""
-    meeting = _Meeting(size)
+    comms = thread_group(size)
+    return run_together(comms, [lambda c=c: fn(c, c.rank) for c in comms])
 
-    def one(rank: int):
+
+def run_together(comms: Sequence[ThreadShards], calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """calls[r]() on its own thread for every rank of one emulated group (comms), at once: their
+    results in rank order, or the first shard's error (see run_sharded)."""
+    meeting = comms[0]._meeting
+
+    def one(call):
         try:
-            return fn(ThreadShards(meeting, rank), rank)
+            return call()
         except BaseException:
             meeting.barrier.abort()
             raise
 
-    with ThreadPoolExecutor(size) as pool:
-        futures = [pool.submit(one, r) for r in range(size)]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(one, call) for call in calls]
         errors = [f.exception() for f in futures]
     # the shard that failed first, not the others' broken barriers
     causes = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
+from typing import Iterator
+
+from convkernels.shard_comm import ShardComm, run_sharded, run_together, split, split_rows, thread_group
 
 from .autoencoder_kl import AutoencoderKLModel
 from .sharded_decode import sharded_decode
-from .sharded_wan_decode import sharded_wan_decode
+from .sharded_wan_decode import sharded_wan_decode, sharded_wan_frame_groups
 from .wan_vae import WanVAEDecoder
 
 IMAGE, VIDEO = "image", "video"
@@ -74,3 +76,27 @@ def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
                            lat.shape[axis], clamp)
 
     return np.concatenate(run_sharded(shards, shard), axis=axis - 1)
+
+
+def frame_groups_band(model, comm: ShardComm, band: np.ndarray, clamp: bool = True) -> Iterator[np.ndarray]:
+    """A video decoder's frame groups, this shard's rows of each (every shard steps together)."""
+    if check(model) != VIDEO:
+        raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
+    return sharded_wan_frame_groups(model, comm, band, clamp)
+
+
+def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
+                          comm_wrapper=None) -> Iterator[np.ndarray]:
+    """model.decode_frames(latents, tiled=False) on `shards` emulated shards: each group's rows
+    from every shard, joined, as the shards complete it."""
+    lat = np.asarray(latents)
+    parts = split(lat, bands(model, lat.shape, shards), axis=rows_axis(check(model)))
+    comms = thread_group(shards)
+    gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], clamp)
+            for c in comms]
+    try:
+        for _ in range(lat.shape[2]):
+            yield np.concatenate(run_together(comms, [g.__next__ for g in gens]), axis=2)
+    finally:
+        for g in gens:
+            g.close()

@@ -15,7 +15,8 @@ from .batcher import Batcher, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
 from .settings import Settings
-from .shard_leader import DEADLINE_S, ShardLeader, ShardMember, comm_class
+from .shard_leader import DEADLINE_S, ShardLeader, comm_class
+from .shard_member import ShardMember
 
 log = logging.getLogger("convserve.worker")
 
@@ -115,6 +116,10 @@ class ModelHost:
             return lambda x: self.shard_member.join(link, options)
         if op == "shard_decode":
             return lambda x: self.shard_member.decode(link, hm, x, options)
+        if op == "shard_stream_open":
+            return lambda x: self.shard_member.stream_open(link, hm, x, options)
+        if op == "shard_stream_next":
+            return lambda x: self.shard_member.stream_next(link, options)
         if op == "decode":
             return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
                                                  uint8=options.get("uint8", False))

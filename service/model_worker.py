@@ -19,6 +19,7 @@ The wire protocol, front end -> worker (tuples, pickled by multiprocessing.conne
       latents; answers its stream id), stream_next (options {"stream": id}: its next frame group)
   ("cancel", rid)
   ("stream_close", stream_id)
+  ("shard_stream_close", stream)             a shard leader's (service/shard_leader.py)
   ("query", rid, what)                       what: "kernels" | "stats"
 worker -> front end:
   ("status", description)                    on connect and whenever it changes
@@ -160,6 +161,8 @@ class FrontendLink:
             entry = self.streams.pop(msg[1], None)
             if entry is not None:
                 entry[1].close()
+        elif op == "shard_stream_close":  # from a shard group's leader (service/shard_leader.py)
+            self.host.shard_member.stream_close(self, msg[1])
         elif op == "query":
             rid, what = msg[1:]
             try:
@@ -178,7 +181,7 @@ class FrontendLink:
         host = self.host
         # a stream's next group and a shard group's steps run alone: nothing to batch with
         stream_step = op == "stream_next"
-        solo = stream_step or op in ("shard_join", "shard_decode")
+        solo = stream_step or op.startswith("shard_")
         try:
             hm = host.models[model]
             if stream_step:  # a stream's step runs on its latents (what the model-call faults inspect)
@@ -207,7 +210,14 @@ class FrontendLink:
         try:
             hm = self.host.models[model]
             latents = np.array(self.view.array(in_ref))  # the decode outlives the request's input block
-            steps = GeneratorSteps(oom_recovery.frames(hm, latents, options.get("tiled"), options.get("uint8", False)))
+            uint8 = options.get("uint8", False)
+            if options.get("shards", 1) > 1:  # led here over the first N devices (service/shard_leader.py)
+                if self.host.shard_leader is None:
+                    raise ValueError(f"{self.host.spec.device} does not lead shard groups")
+                frames = self.host.shard_leader.frames(hm, latents, options["shards"], uint8, self.host.backend.name)
+            else:
+                frames = oom_recovery.frames(hm, latents, options.get("tiled"), uint8)
+            steps = GeneratorSteps(frames)
         except Exception as exc:
             self._fail(rid, exc)
             return

@@ -148,12 +148,10 @@ async def decode(name: str, request: Request,
         if hm.is_video:
             lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
             requested = svc.shards_for(hm, lat.shape, requested, tiled_opt)
-            # one clip on one device: sent as its frame groups are decoded; it ends `tracking`
-            # (a sharded clip is sent whole: streaming over a shard group is not built)
-            if lat.shape[0] == 1 and requested == 1:
+            if lat.shape[0] == 1:  # one clip: sent as its frame groups are decoded; it ends `tracking`
                 return await whole_clip_response(
-                    svc, hm, lat, fmt=fmt, dtype=dtype, tiled={"on": True, "off": False}.get(tiled), fps=fps,
-                    quality=quality, tracking=tracking, disconnected=request.is_disconnected, started=started)
+                    svc, hm, lat, fmt=fmt, dtype=dtype, tiled=tiled_opt, fps=fps, quality=quality, tracking=tracking,
+                    disconnected=request.is_disconnected, started=started, shards=requested)
     except BaseException:
         await tracking.__aexit__(*sys.exc_info())
         raise

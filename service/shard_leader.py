@@ -11,7 +11,7 @@ band on its own device thread between its other batches.
 The rules a group keeps:
 - **Groups are prefixes.** shards=N uses devices 0..N-1 of the worker list, always led by worker
   0; its communicator is made on the first N-shard request and kept (`_Group`), the followers
-  keeping theirs (`ShardMember`) until the leader's connection goes.
+  keeping theirs (`ShardMember`, service/shard_member.py) until the leader's connection goes.
 - **Any failure ends the group's processes.** A rank that fails leaves the others waiting in a
   collective that will never complete, and NCCL offers no safe way out of that wait from Python.
   So: a follower whose band raises exits; the leader exits when a follower fails, goes
@@ -25,10 +25,14 @@ The rules a group keeps:
 The leader's messages to a follower (the front-end protocol of service/model_worker.py):
   ("submit", rid, model, "shard_join", {"rank", "size", "uid": NCCL's id}, <(1, 1) uint8>, {"out": (1, 1) uint8})
   ("submit", rid, model, "shard_decode", {"rank", "size", "total_rows", "clamp", "uint8"}, <band>, {"out": <pixels>})
+  ("submit", rid, model, "shard_stream_open", {"rank", "size", "stream", "uint8"}, <band>, {"out": (1, 1) uint8})
+  ("submit", rid, model, "shard_stream_next", {"rank", "size", "stream", "step"}, <(1, 1)>, {"out": <its group>})
+  ("shard_stream_close", stream)
 """
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import selectors
@@ -83,7 +87,8 @@ def end_group(why: str) -> None:
     os._exit(GROUP_FAILED_EXIT)
 
 
-def _pixels(out: np.ndarray, uint8: bool) -> np.ndarray:
+def pixels(out: np.ndarray, uint8: bool) -> np.ndarray:
+    """A band's float32 pixels in [0, 1], or as uint8 when the request asked for them."""
     return pixels_to_uint8(out) if uint8 else out
 
 
@@ -101,10 +106,15 @@ class _Follower:
                 time.sleep(0.1)
         self.conn.send(("hello", os.getpid(), arena.size))
         send_handle(self.conn, arena.fd, 0)
+        self._send_lock = threading.Lock()  # the device thread and a stream's close both send
         self.address = address
         self.state = None
         self.answers: dict[int, tuple] = {}
         self.cond = threading.Condition()
+
+    def send(self, msg) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
 
     def read_one(self) -> list:
         """One message (the reader thread); the errors it answers. EOF propagates."""
@@ -187,7 +197,7 @@ class _Group:
             in_ref = self.arena.put(np.ascontiguousarray(inputs))
             out_ref = self.arena.reserve(out_shape, out_dtype)
             rid = int(in_ref.offset)  # unique while the block is held
-            f.conn.send(("submit", rid, model, op, options, in_ref, {"out": out_ref}))
+            f.send(("submit", rid, model, op, options, in_ref, {"out": out_ref}))
             rids.append((f, rid, in_ref, out_ref))
         return rids
 
@@ -221,14 +231,48 @@ class _Group:
 
         rids = self._send_all(hm.name, "shard_decode", part)
         try:
-            own = _pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
+            own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
         except Exception as exc:
             end_group(f"the leader's band failed: {type(exc).__name__}: {exc}")
         return np.concatenate([own, *self._collect(rids)], axis=axis - 1)
 
 
+    def frames(self, hm, latents: np.ndarray, uint8: bool, key: int):
+        """A video's frame groups decoded by the group, each joined as every rank completes it
+        (the leader's stream_next steps it on its device thread, as any stream's)."""
+        model = hm.model
+        axis = sharding.rows_axis(sharding.check(model))
+        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=axis)
+        token = np.zeros((1, 1), np.uint8)
+        self._collect(self._send_all(hm.name, "shard_stream_open", lambda r: (
+            {"rank": r, "size": self.size, "stream": key, "uint8": uint8}, bands[r], (1, 1), "uint8")))
+        own = sharding.frame_groups_band(model, self.comm, bands[0])
+        try:
+            for k in range(latents.shape[2]):
+                frames = 1 if k == 0 else int(model.temporal_factor)
+
+                def part(rank, k=k, frames=frames):
+                    n, _, h, w, c = hm.output_shape(bands[rank].shape)
+                    options = {"rank": rank, "size": self.size, "stream": key, "step": k}
+                    return options, token, (n, frames, h, w, c), "uint8" if uint8 else "float32"
+
+                rids = self._send_all(hm.name, "shard_stream_next", part)
+                try:
+                    mine = pixels(next(own), uint8)
+                except Exception as exc:
+                    end_group(f"the leader's band of frame group {k} failed: {type(exc).__name__}: {exc}")
+                yield np.concatenate([mine, *self._collect(rids)], axis=axis - 1)
+        finally:
+            own.close()
+            for f in self.followers:  # their generators go too (a plain message: nothing runs)
+                try:
+                    f.send(("shard_stream_close", key))
+                except OSError:
+                    pass
+
+
 class ShardLeader:
-    """Worker 0's sharded decodes (ModelHost.call_for's `shards` option)."""
+    """Worker 0's sharded decodes (ModelHost.call_for's `shards` option) and streams."""
 
     def __init__(self, addresses: tuple[str, ...], comm_cls=None, fault=None, deadline_s: float = DEADLINE_S):
         self.comm_cls = comm_cls  # comm_class(): None emulates the shards here
@@ -237,12 +281,47 @@ class ShardLeader:
         self.addresses = addresses  # every worker's, in device order; this worker's is the first
         self.groups: dict[int, _Group] = {}
         self.arena: Arena | None = None
+        self._stream_keys = itertools.count(1)
 
-    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool,
-               backend_name: str = "numpy") -> np.ndarray:
+    def _check(self, hm, backend_name: str) -> None:
         sharding.check(hm.model)
         if self.comm_cls is None and backend_name == "cuda":  # the front ends refuse these first
             raise ValueError("sharded requests on GPUs are off (CONVSERVE_SHARD_GROUPS)")
+
+    def _group(self, model: str, shards: int) -> _Group:
+        if shards > len(self.addresses):
+            raise ValueError(f"shards={shards}, but this server runs {len(self.addresses)} devices")
+        group = self.groups.get(shards)
+        if group is None or group.broken:
+            self.arena = self.arena or Arena(ARENA_BYTES)
+            group = self.groups[shards] = _Group(list(self.addresses[1:shards]), model, self.arena, self.comm_cls,
+                                                 self.deadline_s)
+        return group
+
+    def frames(self, hm, latents: np.ndarray, shards: int, uint8: bool, backend_name: str = "numpy"):
+        """A streamed video decode over `shards` devices: its frame groups, joined (a generator
+        stepped by the worker's stream_next)."""
+        self._check(hm, backend_name)
+        if self.comm_cls is not None:
+            yield from self._group(hm.name, shards).frames(hm, latents, uint8, next(self._stream_keys))
+            return
+        groups = sharding.frame_groups_emulated(hm.model, latents, shards, comm_wrapper=self.fault)
+        try:
+            while True:
+                try:
+                    out = next(groups)
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+                yield pixels(out, uint8)
+        finally:
+            groups.close()
+
+    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool,
+               backend_name: str = "numpy") -> np.ndarray:
+        self._check(hm, backend_name)
         if self.comm_cls is None:
             try:
                 out = sharding.decode_emulated(hm.model, latents, shards, clamp,
@@ -250,56 +329,5 @@ class ShardLeader:
             except Exception as exc:
                 raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
-            return _pixels(out, uint8)
-        if shards > len(self.addresses):
-            raise ValueError(f"shards={shards}, but this server runs {len(self.addresses)} devices")
-        group = self.groups.get(shards)
-        if group is None or group.broken:
-            self.arena = self.arena or Arena(ARENA_BYTES)
-            group = self.groups[shards] = _Group(list(self.addresses[1:shards]), hm.name, self.arena, self.comm_cls,
-                                                        self.deadline_s)
-        return group.decode(hm, latents, clamp, uint8)
-
-
-class ShardMember:
-    """A follower's side: its communicators (one per group size, made when the leader asks) and
-    the bands it decodes on its device thread."""
-
-    def __init__(self, fault=None):
-        self.fault = fault  # as ShardLeader's
-        self.comm_cls = None  # comm_class(), set once the backend is up
-        self.comms: dict[int, tuple[object, object]] = {}  # size -> (communicator, the leader's link)
-        self.running_for = None  # the leader's link while a band runs
-
-    def join(self, link, options: dict) -> np.ndarray:
-        size = int(options["size"])
-        try:
-            if self.comm_cls is None:
-                raise RuntimeError("this worker has no shard communicator (shard_groups / shard_comm)")
-            comm = self.comm_cls.join(options["uid"], int(options["rank"]), size)
-        except Exception as exc:  # the leader waits in its join
-            end_group(f"joining rank {options['rank']} of a {size}-shard group failed: {type(exc).__name__}: {exc}")
-        self.comms[size] = (comm, link)
-        return np.ones((1, 1), np.uint8)
-
-    def decode(self, link, hm, band: np.ndarray, options: dict) -> np.ndarray:
-        entry = self.comms.get(int(options["size"]))
-        if entry is None or entry[1] is not link:  # the leader waits in its band for this one
-            end_group(f"band {options['rank']}: no {options['size']}-shard group joined with this leader")
-        comm = entry[0]
-        if self.fault is not None:
-            comm = self.fault(comm, int(options["rank"]))
-        self.running_for = link
-        try:
-            out = sharding.decode_band(hm.model, comm, band, int(options["total_rows"]), bool(options["clamp"]))
-        except Exception as exc:
-            end_group(f"band {options['rank']} of {options['size']} failed: {type(exc).__name__}: {exc}")
-        finally:
-            self.running_for = None
-        return _pixels(out, bool(options["uint8"]))
-
-    def link_closed(self, link) -> None:
-        """A front end (perhaps a leader) went: its groups are over; mid-band, so is this worker."""
-        if self.running_for is link:
-            end_group("the shard leader went away mid-band")
-        self.comms = {size: e for size, e in self.comms.items() if e[1] is not link}
+            return pixels(out, uint8)
+        return self._group(hm.name, shards).decode(hm, latents, clamp, uint8)

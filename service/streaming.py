@@ -32,7 +32,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from . import codecs, metrics, validation
+from . import codecs, metrics, shard_option, validation
 from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
@@ -73,9 +73,12 @@ class FrameGroups:
     asked of it through Service.run, written into a block of this front end's arena that is let
     go once the group is sent (its own lease)."""
 
-    def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False):
-        """uint8: the groups leave the device as uint8 pixels (for the MP4 encoder)."""
+    def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False,
+                 shards: int = 1):
+        """uint8: the groups leave the device as uint8 pixels (for the MP4 encoder). shards > 1:
+        the first `shards` devices decode each group together (service/shard_leader.py)."""
         self.svc, self.hm, self.latents, self.tiled, self.uint8 = svc, hm, latents, tiled, uint8
+        self.shards = shards
         self.total = int(latents.shape[2])
         n, _, h, w, c = hm.output_shape(latents.shape)
         # the unit of work the stream runs at once (and stops after, when its client goes)
@@ -89,8 +92,9 @@ class FrameGroups:
 
     async def open(self, disconnected=None) -> None:
         """Start the decode on a worker (it checks the latents there); its groups come from it."""
-        sub = await self.svc.run(self.hm, "stream_open", {"tiled": self.tiled, "uint8": self.uint8}, self.latents,
-                                 {}, disconnected)
+        options = {"tiled": self.tiled, "uint8": self.uint8}
+        link = shard_option.leader_link(self.svc.engine, self.hm.name, self.shards, options)  # None: any worker
+        sub = await self.svc.run(self.hm, "stream_open", options, self.latents, {}, disconnected, link=link)
         self.link, self.stream_id = sub.link, sub.future.result()
 
     async def next(self, disconnected=None) -> tuple[np.ndarray, Lease]:
@@ -262,13 +266,16 @@ async def decode_stream(name: str, request: Request,
                         quality: int = Query(90, ge=1, le=100, description="MP4 quality (CRF 51..0)"),
                         tiled: Literal["on", "off", "auto"] = Query("auto",
                                                                     description="tiled decode (bounded memory)"),
-                        fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate")):
+                        fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
+                        shards: str = Query("1", description="devices that decode each group together: 1, N or "
+                                            "auto (docs/sharding.md)")):
     started = time.perf_counter()
     svc = service(request)
     tracking = svc.admit(name, ENDPOINT)
     hm = await tracking.__aenter__()
     groups = None
     try:
+        requested = shard_option.parse(shards)
         if format == "mp4":
             require_av()
         body = await read_body(request, svc.settings.max_body_bytes)
@@ -286,7 +293,9 @@ async def decode_stream(name: str, request: Request,
             encode, media, trailer = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA, b""
         else:
             encode, media, trailer = (lambda grp, last: npy_record(grp)), NPY_STREAM_MEDIA, END_RECORD
-        groups = FrameGroups(svc, hm, lat, {"on": True, "off": False}.get(tiled), uint8=format == "mp4")
+        tiled_opt = {"on": True, "off": False}.get(tiled)
+        groups = FrameGroups(svc, hm, lat, tiled_opt, uint8=format == "mp4",
+                             shards=svc.shards_for(hm, lat.shape, requested, tiled_opt))
         await groups.open(request.is_disconnected)
         first = await groups.next(request.is_disconnected)
     except BaseException:
@@ -301,7 +310,7 @@ async def decode_stream(name: str, request: Request,
 
 async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *, fmt: str, dtype: str,
                               tiled: bool | None, fps: float, quality: int, tracking, disconnected,
-                              started: float) -> FrameStreamResponse:
+                              started: float, shards: int = 1) -> FrameStreamResponse:
     """/decode of one video (not the streaming route): the whole MP4 or .npy file, sent as its
     frame groups are decoded rather than after the last one (the clip's encode and transfer
     overlap its decode). The first group is decoded before the answer starts, so admission,
@@ -326,7 +335,7 @@ async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *,
             sent_head.append(True)
             return head + data
         media = codecs.NPY_MEDIA
-    groups = FrameGroups(svc, hm, lat, tiled, uint8=fmt == "mp4" or dtype == "uint8")
+    groups = FrameGroups(svc, hm, lat, tiled, uint8=fmt == "mp4" or dtype == "uint8", shards=shards)
     try:
         await groups.open(disconnected)
         first = await groups.next(disconnected)

@@ -113,6 +113,21 @@ def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
     assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
 
 
+def test_a_streamed_clip_over_two_shards_sends_every_group_as_the_shards_complete_it(two_devices):
+    """/decode/stream with shards=2: the clip's frame groups, one record each, joined from both
+    shards' rows, equal to the unsharded decode."""
+    from test_streaming import read_records
+
+    lat = np.random.default_rng().standard_normal((1, 4, 4, 9, 7)).astype(np.float32)
+    whole = pixels(decode(two_devices.url, "wan", lat))
+    r = httpx.post(f"{two_devices.url}/v1/models/wan/decode/stream", content=npy(lat), headers=NPY,
+                   params={"format": "npy", "shards": "2"}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-frame-groups"] == "4", r.text[:300]
+    groups, ended = read_records(r.content)
+    assert ended and [g.shape[1] for g in groups] == [1, 4, 4, 4]
+    assert rel_l2(np.concatenate(groups, axis=1), whole) < 1e-5
+
+
 @pytest.mark.parametrize("model,shape,params,kind", [
     ("vae", (1, 4, 9, 13), {"shards": "3"}, "too-many-shards"),
     ("vae", (1, 4, 9, 13), {"shards": "two"}, "bad-shards"),
