@@ -5,7 +5,7 @@ shards: tests/test_service_shards.py).
 
 - float32, a diffusers AutoencoderKL's saved weights: shards=2 equals diffusers' decode and the
   server's own unsharded decode; the group made by the first request serves the next;
-- a Wan 2.1 clip: shards=2 equals the unsharded decode;
+- a Wan 2.1 clip: shards=2 equals the unsharded decode, whole and streamed;
 - a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK=1, while a file exists) fails its request
   with 503 and Retry-After; both workers of the group are started again, and once the fault is
   gone a sharded request succeeds on a new group.
@@ -62,7 +62,7 @@ def diagnose(server) -> str:
 
 
 def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_factory):
-    from live_server import start_server, wait_until_every_device_is_ready
+    from live_server import npy as npy_bytes, start_server, wait_until_every_device_is_ready
     from service_parity import rel_l2, save_models, vae_decode_ref
 
     saved = save_models(tmp_path_factory.mktemp("shards_gpu"))
@@ -81,7 +81,14 @@ def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_fact
             errs.append((rel_l2(sharded, ref), rel_l2(sharded, whole)))
             assert errs[-1][0] < 1e-4 and errs[-1][1] < 1e-5, errs
         clip = rng.standard_normal((1, 4, 3, 9, 7)).astype(np.float32)
-        wan_err = rel_l2(pixels(decode(server.url, "wan", clip, shards="2")), pixels(decode(server.url, "wan", clip)))
+        wan_whole = pixels(decode(server.url, "wan", clip))
+        wan_err = rel_l2(pixels(decode(server.url, "wan", clip, shards="2")), wan_whole)
+        # the streamed route: one record per frame group, joined from both GPUs' rows
+        from test_streaming import read_records
+        r = httpx.post(f"{server.url}/v1/models/wan/decode/stream", content=npy_bytes(clip), headers=NPY,
+                       params={"format": "npy", "shards": "2"}, timeout=300)
+        groups, ended = read_records(r.content)
+        assert r.status_code == 200 and ended and rel_l2(np.concatenate(groups, axis=1), wan_whole) < 1e-5
         report_parity(f"service shards=2 on 2 GPUs, float32: vs diffusers {errs[0][0]:.2e} / {errs[1][0]:.2e}, "
                       f"vs unsharded {errs[0][1]:.2e} / {errs[1][1]:.2e}; Wan vs unsharded {wan_err:.2e}")
         assert wan_err < 1e-5
