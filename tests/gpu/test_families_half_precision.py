@@ -6,11 +6,9 @@ float32 on both sides, as ours does them on the host). The full published config
 every parameter (the CPU parity tests' helpers), small odd latents. Skipped without a CUDA GPU."""
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
-from gpu_support import cuda_backend as backend, cuda_or_skip, report_parity as report
+from gpu_support import OnDevice, cuda_backend as backend, cuda_or_skip, report_parity as report
 from torch_reference import rel_l2, torch
 
 pytestmark = pytest.mark.gpu
@@ -22,27 +20,6 @@ RATIO, FLOOR = 1.5, 2e-4
 @pytest.fixture(scope="module", autouse=True)
 def cuda_available():
     cuda_or_skip()
-
-
-class OnDevice:
-    """The diffusers module's decode run on the GPU in `dtype`, its output back in float32 on the CPU;
-    every other attribute (config, BatchNorm statistics) is the float32 CPU module's, so the
-    reference helpers of the CPU tests run unchanged around it."""
-
-    def __init__(self, vae, dtype):
-        self._vae, self._dtype = vae, dtype
-        self._dev = copy.deepcopy(vae).to("cuda", dtype).eval()
-
-    def __getattr__(self, name):
-        return getattr(self._vae, name)
-
-    def decode(self, z, *args, **kwargs):
-        with torch.no_grad():
-            out = self._dev.decode(z.to("cuda", self._dtype), *args, **kwargs)
-        if isinstance(out, tuple):
-            return tuple(o.float().cpu() for o in out)
-        out.sample = out.sample.float().cpu()
-        return out
 
 
 def _taesd(tmp_path, seed):
@@ -81,8 +58,6 @@ FAMILIES = {"taesd": (_taesd, (1, 4, 23, 19)), "flux2-vae": (_flux2, (1, 128, 7,
 def test_half_precision_within_pytorchs_own_error(tmp_path, preset, dtype):
     from models import load_model
 
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
     seed = int(np.random.default_rng().integers(1 << 31))
     make, shape = FAMILIES[preset]
     vae, folder, decode = make(tmp_path, seed)
