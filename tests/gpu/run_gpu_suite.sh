@@ -43,7 +43,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     status=$?
     python3 -m pytest -q -p no:cacheprovider -p no:benchmark $MULTI_FILES --timeout ${TEST_TIMEOUT:-300} -rfE -n 3 \
       2>&1 | tee "$OUT/pytest_multi.log" | tail -n 12
-    [ $status = 0 ] && status=$?
+    multi_status=$?
+    [ $status = 0 ] && status=$multi_status
   else
     python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/gpu --timeout ${TEST_TIMEOUT:-300} -rfE \
       --durations 15 -n ${WORKERS:-8} \
