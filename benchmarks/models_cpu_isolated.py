@@ -27,6 +27,10 @@ WORKLOADS = [  # name, kind, preset, shape (ours: NHWC pixels or NCHW latents)
     ("wan2.1-vae decode 5x16x16 -> 17x128x128", "video", "wan2.1-vae", (1, 16, 5, 16, 16)),
     ("taesd decode 64x64 -> 512x512", "tiny", "taesd", (1, 4, 64, 64)),
     ("taesd decode 128x128 -> 1024x1024", "tiny", "taesd", (1, 4, 128, 128)),
+    # the other 2026 families (issue #31), at small sizes: the published configs are wide
+    ("flux2-vae decode 128x16x16 -> 256x256", "flux2", "flux2-vae", (1, 128, 16, 16)),
+    ("qwen-image-vae decode 16x32x32 -> 256x256", "qwen", "qwen-image-vae", (1, 16, 32, 32)),
+    ("wan2.2-vae decode 48x2x8x8 -> 5x128x128", "wan22", "wan2.2-vae", (1, 48, 2, 8, 8)),
 ]
 
 OURS = """
@@ -58,6 +62,23 @@ if kind == "video":
 elif kind == "tiny":  # diffusers AutoencoderTiny's defaults are taesd's
     from diffusers import AutoencoderTiny
     model = AutoencoderTiny().eval()
+    x = torch.rand(*shape)
+    run = lambda: model.decode(x)
+elif kind == "flux2":  # the pipeline's grid N,128,h,w -> AutoencoderKLFlux2's N,32,2h,2w (its defaults: FLUX.2-dev)
+    from diffusers import AutoencoderKLFlux2
+    model = AutoencoderKLFlux2().eval()
+    n, c, h, w = shape
+    x = torch.rand(n, c // 4, 2 * h, 2 * w)
+    run = lambda: model.decode(x)
+elif kind == "qwen":  # AutoencoderKLQwenImage's defaults are Qwen-Image's; it takes N,16,1,h,w
+    from diffusers import AutoencoderKLQwenImage
+    model = AutoencoderKLQwenImage().eval()
+    x = torch.rand(shape[0], shape[1], 1, shape[2], shape[3])
+    run = lambda: model.decode(x)
+elif kind == "wan22":
+    from diffusers import AutoencoderKLWan
+    from models.wan22_vae import PRESETS
+    model = AutoencoderKLWan(**PRESETS[preset]).eval()
     x = torch.rand(*shape)
     run = lambda: model.decode(x)
 elif kind == "encoder":
