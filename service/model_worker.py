@@ -362,6 +362,16 @@ class Worker:
                 self.host.batcher.stop()
 
 
+#: how the supervisor stops a worker (SIGTERM is ignored while the supervisor lives, see main)
+STOP_SIGNAL = signal.SIGUSR2
+
+
+def _term(worker: Worker, spec: WorkerSpec) -> None:
+    """SIGTERM: stop only when no supervisor is there to stop this worker after the drain."""
+    if os.getppid() != spec.parent_pid:
+        worker.stop.set()
+
+
 def main(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing, spawn)."""
     if spec.cuda_visible is not None:  # before anything initialises CUDA: this GPU is device 0 here
@@ -374,8 +384,11 @@ def main(spec: WorkerSpec) -> None:
     worker = Worker(spec)
     # `kill -USR1 <worker pid>` writes every thread's stack to the log: where a stuck device thread waits
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # Ctrl-C reaches the whole process group: the front ends drain, and only then stop the workers
+    # Ctrl-C, and a SIGTERM sent to the whole process group (`timeout`, systemd's default KillMode),
+    # reach the workers too: the front ends drain first and need their workers meanwhile, so a
+    # worker ignores both while its supervisor lives. The supervisor stops it with STOP_SIGNAL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: _term(worker, spec))
+    signal.signal(STOP_SIGNAL, lambda *_: worker.stop.set())
     worker.run()
 

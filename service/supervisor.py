@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 from convkernels.registry import visible_cuda_devices
 
 from . import metrics
-from .model_worker import WorkerSpec
+from .model_worker import STOP_SIGNAL, WorkerSpec
 from .model_worker import main as worker_main
 from .settings import Settings, parse_devices
 
@@ -184,9 +184,9 @@ class Supervisor:
                 child.proc.join(max(0.0, deadline - time.monotonic()))
                 if child.proc.is_alive():
                     child.proc.kill()
-        for child in self.workers:
+        for child in self.workers:  # SIGTERM would be ignored (model_worker.main): their own stop signal
             if child.proc is not None and child.proc.is_alive():
-                child.proc.terminate()
+                os.kill(child.proc.pid, STOP_SIGNAL)
         for child in self.workers:
             if child.proc is not None:
                 child.proc.join(10)

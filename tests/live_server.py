@@ -61,9 +61,10 @@ class LiveServer:
 
 
 def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple = (), env_extra: dict | None = None,
-                 **settings) -> LiveServer:
+                 own_group: bool = False, **settings) -> LiveServer:
     """Start `convserve serve [cli_args]` with CONVSERVE_<KEY>=value settings (and env_extra's
-    variables) and wait for /readyz."""
+    variables) and wait for /readyz. own_group: in a process group of its own (a test may signal
+    the whole group)."""
     import httpx
 
     port = free_port()
@@ -74,7 +75,8 @@ def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple 
     log_path = log_dir / f"server-{port}.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), *cli_args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port), *cli_args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=own_group)
     server = LiveServer(proc, port, log_path, env)
     deadline = time.monotonic() + ready_timeout
     while True:

@@ -1,7 +1,10 @@
 """SIGTERM under load: in-flight requests complete, new ones get 503 (the socket stays open while
-draining), /readyz turns false, and the process exits 0."""
+draining), /readyz turns false, and the process exits 0. Also when the SIGTERM reaches the whole
+process group at once (`timeout`, systemd's default KillMode): the model workers wait for the
+drain instead of stopping under the work in flight."""
 from __future__ import annotations
 
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,3 +61,27 @@ def test_sigterm_drains_then_exits_zero(server_factory, tmp_path):
     for r, x in zip(results, latents):
         assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 8 * x.shape[2], 8 * x.shape[3], 3)
     assert srv.proc.wait(30) == 0
+
+
+def test_sigterm_to_the_whole_process_group_still_drains(server_factory, tmp_path):
+    release = tmp_path / "release"
+    srv = server_factory(models="tiny-vae", max_batch=1, shutdown_grace_s=60, own_group=True,
+                         fault_hold_value=HOLD, fault_hold_release_file=release)
+    held = np.random.default_rng().standard_normal((1, 4, 9, 11)).astype(np.float32)
+    held[0, 0, 0, 0] = HOLD
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(lambda: httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=npy(held),
+                                                headers=NPY, params={"format": "npy"}, timeout=120))
+        deadline = time.monotonic() + 30
+        while not release.with_name("release.holding").exists():  # the worker is in the held call
+            assert time.monotonic() < deadline, "the held request never reached the worker"
+            time.sleep(0.02)
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # every process of the server: front ends and workers
+        while httpx.get(f"{srv.url}/readyz").status_code != 503:
+            assert time.monotonic() < deadline, "readyz never turned false after SIGTERM"
+            time.sleep(0.02)
+        release.touch()
+        r = future.result()
+    assert r.status_code == 200, r.text[:300]
+    assert srv.proc.wait(30) == 0
+    assert "died" not in srv.log(), srv.log()
