@@ -15,8 +15,8 @@ its communicator (convkernels.shard_comm.ShardComm):
   all-gathered from every shard in rank order, so the softmax runs over the whole image.
 
 conv_out already holds diffusers' output mapping x / 2 + 0.5 (folded at load), so the shard's
-output is clipped to [0, 1] as model.decode clips it. `decode_sharded_emulated` runs the lot on
-threads (ThreadShards, NCCL's collective semantics) and concatenates the shards' rows.
+output is clipped to [0, 1] as model.decode clips it. models.sharding.decode_emulated runs the lot
+on threads (ThreadShards, NCCL's collective semantics) and joins the shards' rows.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
+from convkernels.shard_comm import ShardComm
 from convkernels.sharded_ops import exact_group_norm, halo_conv2d
 
 from .contract import PIXEL_RANGE
@@ -128,18 +128,3 @@ def sharded_decode(model, comm: ShardComm, z_rows, clamp: bool = True,
     out = sharded_decoder_forward(model, Shard(comm, rows), backend.asarray(z))
     return backend.to_host_async(out, PIXEL_RANGE if clamp else None).result()
 
-
-def decode_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
-                            comm_wrapper=None) -> np.ndarray:
-    """model.decode(latents, tiled=False) computed on `shards` emulated shards (threads, one
-    NumPy backend): the latents split by rows (split_rows), each shard's rows decoded by
-    sharded_decode, the image rows concatenated. comm_wrapper(comm) -> comm, if given, stands
-    between each shard and its communicator (the tests break one collective with it)."""
-    lat = np.asarray(latents)
-    parts = split(lat, split_rows(lat.shape[2], shards), axis=2)
-
-    def shard(comm, rank):
-        return sharded_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], clamp,
-                              total_rows=lat.shape[2])
-
-    return np.concatenate(run_sharded(shards, shard), axis=1)

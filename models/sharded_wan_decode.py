@@ -25,8 +25,8 @@ marker, shared code). The de-normalisation (latents * std + mean) is per channel
 conv_out holds x / 2 + 0.5 (folded at load), so each shard clips its frames to [0, 1] as
 model.decode does. The unsharded decode replays steady chunks through a recorded graph where
 the backend records one; the sharded decode runs every chunk eagerly (the collectives sit
-between the kernels). `decode_wan_sharded_emulated` runs the lot on threads (ThreadShards,
-NCCL's collective semantics) and concatenates the shards' rows.
+between the kernels). models.sharding.decode_emulated runs the lot on threads (ThreadShards,
+NCCL's collective semantics) and joins the shards' rows.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import Iterator
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm, run_sharded, split, split_rows
+from convkernels.shard_comm import ShardComm
 from convkernels.sharded_ops import halo_conv2d, haloed_conv3d, row_halo
 
 from .contract import PIXEL_RANGE
@@ -141,19 +141,3 @@ def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True) -> np
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
     return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp)), axis=1)
 
-
-def decode_wan_sharded_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
-                                comm_wrapper=None) -> np.ndarray:
-    """model.decode(latents, tiled=False) computed on `shards` emulated shards (threads, one
-    NumPy backend): the latents (N, C, T, h, w) split by rows (split_rows), each shard's rows
-    decoded by sharded_wan_decode, the frames' rows concatenated. comm_wrapper(comm) -> comm, if
-    given, stands between each shard and its communicator (the tests break one collective)."""
-    lat = np.asarray(latents)
-    if lat.ndim != 5:
-        raise ValueError(f"{model.name}: latents must be (N, C, T, h, w), got {lat.shape}")
-    parts = split(lat, split_rows(lat.shape[3], shards), axis=3)
-
-    def shard(comm, rank):
-        return sharded_wan_decode(model, comm_wrapper(comm) if comm_wrapper else comm, parts[rank], clamp)
-
-    return np.concatenate(run_sharded(shards, shard), axis=2)

@@ -12,7 +12,7 @@ from test_models_vae import diffusers_decode, diffusers_decode_raw, fresh_seed, 
 from convkernels import get_backend
 from models import load_model
 from models.autoencoder_kl import PRESETS
-from models.sharded_decode import decode_sharded_emulated
+from models.sharding import decode_emulated
 
 _TINY = {k: v for k, v in PRESETS["tiny-vae"].items() if k not in ("down_block_types", "up_block_types")}
 CONFIGS = {
@@ -74,7 +74,7 @@ def test_the_configs_cover_attention_and_its_absence(case):
 @pytest.mark.parametrize("shards", [2, 3, 4])
 def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards):
     name, seed, model, lat, ours, ref_raw, ref = case
-    out = decode_sharded_emulated(model, lat, shards, clamp=False)
+    out = decode_emulated(model, lat, shards, clamp=False)
     assert out.dtype == np.float32 and out.shape == ours.shape
     err = rel_l2(out, ours)
     err_ref = rel_l2(2 * out - 1, ref_raw)
@@ -82,7 +82,7 @@ def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards)
     assert err < UNSHARDED_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err:.2e} vs unsharded"
     assert err_ref < DIFFUSERS_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err_ref:.2e} vs diffusers"
     # clamped, as model.decode hands images out, against diffusers' (x / 2 + 0.5).clamp(0, 1)
-    clamped = decode_sharded_emulated(model, lat, shards)
+    clamped = decode_emulated(model, lat, shards)
     assert clamped.min() >= 0.0 and clamped.max() <= 1.0
     assert ((ref > 0) & (ref < 1)).mean() > 0.5, "reference saturated; the clamped check would be vacuous"
     assert rel_l2(clamped, ref) < DIFFUSERS_TOL
@@ -93,7 +93,7 @@ def test_each_exchange_matters(case, local):
     name, seed, model, lat, ours, *_ = case
     if local == "attention" and model.decoder.mid_block.attention is None:
         pytest.skip("no mid-block attention in this config")
-    out = decode_sharded_emulated(model, lat, 3, clamp=False, comm_wrapper=lambda comm: _OneLocal(comm, local))
+    out = decode_emulated(model, lat, 3, clamp=False, comm_wrapper=lambda comm, rank: _OneLocal(comm, local))
     err = rel_l2(out, ours)
     print(f"{name}, {local} kept shard-local, seed {seed}: rel L2 {err:.2e}")
     assert err > BROKEN_MIN, f"{name}: keeping the {local} exchange local changed nothing ({err:.2e})"
@@ -101,7 +101,7 @@ def test_each_exchange_matters(case, local):
 
 def test_one_shard_is_the_unsharded_decode(case):
     _, _, model, lat, ours, *_ = case
-    assert rel_l2(decode_sharded_emulated(model, lat, 1, clamp=False), ours) < UNSHARDED_TOL
+    assert rel_l2(decode_emulated(model, lat, 1, clamp=False), ours) < UNSHARDED_TOL
 
 
 def test_a_model_of_another_family_is_refused_by_name():

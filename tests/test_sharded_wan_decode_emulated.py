@@ -13,7 +13,8 @@ from torch_reference import fresh_seed, rel_l2
 
 from convkernels import get_backend
 from convkernels.shard_comm import run_sharded, split, split_rows
-from models.sharded_wan_decode import decode_wan_sharded_emulated, sharded_wan_frame_groups
+from models.sharded_wan_decode import sharded_wan_frame_groups
+from models.sharding import decode_emulated
 from models.wan22_vae import build as build_wan22
 from models.wan_vae import build
 from models.wan_vae_layers import CausalConv3d
@@ -44,7 +45,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("shards", [2, 3, 5])
 def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards):
     name, seed, model, lat, ours, ref = case
-    out = decode_wan_sharded_emulated(model, lat, shards)
+    out = decode_emulated(model, lat, shards)
     assert out.dtype == np.float32 and out.shape == ours.shape == (2, 9, 40, 24, 3)
     err, err_ref = rel_l2(out, ours), rel_l2(out, ref)
     assert err < UNSHARDED_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err:.2e} vs unsharded"
@@ -69,7 +70,7 @@ def test_unclamped_frames_clip_to_the_clamped_ones(case, monkeypatch):
     name, seed, model, lat, *_ = case
     conv_out = model.tree.decoder.conv_out
     monkeypatch.setattr(conv_out, "bias", conv_out.bias + np.float32(0.75))
-    raw = decode_wan_sharded_emulated(model, lat, 2, clamp=False)
+    raw = decode_emulated(model, lat, 2, clamp=False)
     clamped = model.decode(lat, tiled=False)
     assert np.mean(raw > 1) > 0.25, f"{name} seed {seed}: too few pixels past 1 for the check to mean anything"
     assert rel_l2(np.clip(raw, 0, 1), clamped) < UNSHARDED_TOL
@@ -78,7 +79,7 @@ def test_unclamped_frames_clip_to_the_clamped_ones(case, monkeypatch):
 @pytest.mark.parametrize("local", ["halo", "attention"])
 def test_each_exchange_matters(case, local):
     name, seed, model, lat, ours, _ = case
-    out = decode_wan_sharded_emulated(model, lat, 3, comm_wrapper=lambda comm: _OneLocal(comm, local))
+    out = decode_emulated(model, lat, 3, comm_wrapper=lambda comm, rank: _OneLocal(comm, local))
     err = rel_l2(out, ours)
     assert err > BROKEN_MIN, f"{name} seed {seed}: keeping the {local} exchange local changed nothing ({err:.2e})"
 
@@ -99,8 +100,8 @@ def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
         return out
 
     monkeypatch.setattr(CausalConv3d, "with_cache", own_rows_only)
-    assert rel_l2(decode_wan_sharded_emulated(model, lat, 1), ours) < UNSHARDED_TOL
-    out = decode_wan_sharded_emulated(model, lat, 3)
+    assert rel_l2(decode_emulated(model, lat, 1), ours) < UNSHARDED_TOL
+    out = decode_emulated(model, lat, 3)
     first = rel_l2(out[:, :1], ours[:, :1])
     err = rel_l2(out, ours)
     assert first < UNSHARDED_TOL, f"{name} seed {seed}: the first group has no cached frames to spoil"
@@ -109,11 +110,11 @@ def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
 
 def test_one_shard_is_the_unsharded_decode(case):
     _, _, model, lat, ours, _ = case
-    assert rel_l2(decode_wan_sharded_emulated(model, lat, 1), ours) < UNSHARDED_TOL
+    assert rel_l2(decode_emulated(model, lat, 1), ours) < UNSHARDED_TOL
 
 
 def test_wan22_is_refused_not_decoded_wrongly():
     model = build_wan22("w22", "tiny-wan2.2-vae", get_backend("numpy"))
     lat = np.zeros((1, model.latent_channels, 1, 4, 3), np.float32)
     with pytest.raises(ValueError, match="Wan 2.1"):
-        decode_wan_sharded_emulated(model, lat, 2)
+        decode_emulated(model, lat, 2)
