@@ -65,7 +65,8 @@ class ModelHost:
             self.shard_member.comm_cls = comm_class(self.backend, s)
             if self.spec.group and self.spec.group[0] == self.spec.address:
                 self.shard_leader = ShardLeader(self.spec.group, self.shard_member.comm_cls, self.shard_member.fault,
-                                                deadline_s=max(DEADLINE_S, 2 * s.request_timeout_s))
+                                                deadline_s=max(DEADLINE_S, 2 * s.request_timeout_s),
+                                                on_gpu=self.backend.name == "cuda")
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)
@@ -111,7 +112,7 @@ class ModelHost:
             if self.shard_leader is None:
                 raise ValueError(f"{self.spec.device} does not lead shard groups; the first device's worker does")
             return lambda x: self.shard_leader.decode(hm, x, options["shards"], options.get("clamp", True),
-                                                      options.get("uint8", False), self.backend.name)
+                                                      options.get("uint8", False))
         if op == "shard_join":
             return lambda x: self.shard_member.join(link, options)
         if op == "shard_decode":

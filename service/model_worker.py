@@ -214,7 +214,7 @@ class FrontendLink:
             if options.get("shards", 1) > 1:  # led here over the first N devices (service/shard_leader.py)
                 if self.host.shard_leader is None:
                     raise ValueError(f"{self.host.spec.device} does not lead shard groups")
-                frames = self.host.shard_leader.frames(hm, latents, options["shards"], uint8, self.host.backend.name)
+                frames = self.host.shard_leader.frames(hm, latents, options["shards"], uint8)
             else:
                 frames = oom_recovery.frames(hm, latents, options.get("tiled"), uint8)
             steps = GeneratorSteps(frames)

@@ -274,8 +274,10 @@ class _Group:
 class ShardLeader:
     """Worker 0's sharded decodes (ModelHost.call_for's `shards` option) and streams."""
 
-    def __init__(self, addresses: tuple[str, ...], comm_cls=None, fault=None, deadline_s: float = DEADLINE_S):
-        self.comm_cls = comm_cls  # comm_class(): None emulates the shards here
+    def __init__(self, addresses: tuple[str, ...], comm_cls=None, fault=None, deadline_s: float = DEADLINE_S,
+                 on_gpu: bool = False):
+        self.comm_cls = comm_cls  # comm_class(): None emulates the shards here (never on GPUs)
+        self.on_gpu = on_gpu
         self.deadline_s = deadline_s  # a group busy longer than this ends (its first call builds plans)
         self.fault = fault  # fault_injection.shard_fault(): a test-only wrapper of one rank's communicator
         self.addresses = addresses  # every worker's, in device order; this worker's is the first
@@ -283,9 +285,9 @@ class ShardLeader:
         self.arena: Arena | None = None
         self._stream_keys = itertools.count(1)
 
-    def _check(self, hm, backend_name: str) -> None:
+    def _check(self, hm) -> None:
         sharding.check(hm.model)
-        if self.comm_cls is None and backend_name == "cuda":  # the front ends refuse these first
+        if self.comm_cls is None and self.on_gpu:  # the front ends refuse these first
             raise ValueError("sharded requests on GPUs are off (CONVSERVE_SHARD_GROUPS)")
 
     def _group(self, model: str, shards: int) -> _Group:
@@ -298,30 +300,25 @@ class ShardLeader:
                                                  self.deadline_s)
         return group
 
-    def frames(self, hm, latents: np.ndarray, shards: int, uint8: bool, backend_name: str = "numpy"):
+    def frames(self, hm, latents: np.ndarray, shards: int, uint8: bool):
         """A streamed video decode over `shards` devices: its frame groups, joined (a generator
         stepped by the worker's stream_next)."""
-        self._check(hm, backend_name)
+        self._check(hm)
         if self.comm_cls is not None:
             yield from self._group(hm.name, shards).frames(hm, latents, uint8, next(self._stream_keys))
             return
         groups = sharding.frame_groups_emulated(hm.model, latents, shards, comm_wrapper=self.fault)
         try:
-            while True:
-                try:
-                    out = next(groups)
-                except StopIteration:
-                    return
-                except Exception as exc:
-                    raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+            for out in groups:  # an error comes from a step of the groups: only they run inside
                 yield pixels(out, uint8)
+        except Exception as exc:
+            raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
         finally:
             groups.close()
 
-    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool,
-               backend_name: str = "numpy") -> np.ndarray:
-        self._check(hm, backend_name)
+    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool) -> np.ndarray:
+        self._check(hm)
         if self.comm_cls is None:
             try:
                 out = sharding.decode_emulated(hm.model, latents, shards, clamp,
