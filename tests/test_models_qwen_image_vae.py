@@ -222,13 +222,19 @@ def test_original_wan_checkpoint_names_with_the_encoder(tmp_path):
     assert rel_l2(model.encode(images), reference_encode(vae, config, images)) < TOL
 
 
-def test_tiled_decode_matches_diffusers_tiling(tmp_path):
-    seed = fresh_seed()
+def _tiled_pair(tmp_path, seed):
+    """diffusers' model and ours with the same tiling: 64-px tiles every 48 px."""
     vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
     vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
                       tile_sample_stride_height=48, tile_sample_stride_width=48)
     model = build("qwen-test", "tiny-qwen-image-vae", get_backend("numpy"), str(folder),
                   QwenImageVAEOptions(tile_sample_min_size=64, tile_sample_stride=48))
+    return vae, model, config
+
+
+def test_tiled_decode_matches_diffusers_tiling(tmp_path):
+    seed = fresh_seed()
+    vae, model, config = _tiled_pair(tmp_path, seed)
     latents = np.random.default_rng(seed).standard_normal((2, 16, 13, 11)).astype(np.float32)
     ours = model.decode(latents, tiled=True)
     ref = reference_decode(vae, config, latents)
@@ -241,11 +247,7 @@ def test_tiled_decode_matches_diffusers_tiling(tmp_path):
 
 def test_tiled_encode_matches_diffusers_tiling(tmp_path):
     seed = fresh_seed()
-    vae, folder, config = make_reference(tmp_path, QWEN_SMALL, seed)
-    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64,
-                      tile_sample_stride_height=48, tile_sample_stride_width=48)
-    model = build("qwen-test", "tiny-qwen-image-vae", get_backend("numpy"), str(folder),
-                  QwenImageVAEOptions(tile_sample_min_size=64, tile_sample_stride=48))
+    vae, model, config = _tiled_pair(tmp_path, seed)
     images = np.random.default_rng(seed).random((2, 104, 136, 3), dtype=np.float32)  # 3 x 3 tiles
     ours = model.encode(images, tiled=True)
     ref = reference_encode(vae, config, images)
