@@ -1,10 +1,12 @@
 """Issue #32's rows: one decode (SD-VAE by default; Wan 2.1 with --preset wan2.1-vae --latent
 16x21x60x104 --dtype bfloat16), untiled and exact, on 1 GPU and split by rows over 2 (and 4) GPUs,
 in one run: wall time (the slowest rank, host latents to host pixels), the CuPy
-pool's bytes per GPU, and the sharded output's distance from the one-GPU decode.
+pool's bytes per GPU (the recorded graphs' pools included), and the sharded output's distance
+from the one-GPU decode.
 
-The one-GPU row is model.decode(latents, tiled=False) as the service runs it (CUDA graphs);
-the sharded rows are service.shard_group.decode_on_gpus (one process per GPU, NCCL; no graphs).
+The one-GPU row is model.decode(latents, tiled=False) as the service runs it (CUDA graphs where
+the graph's pool stays under the bound); the sharded rows are service.shard_group.decode_on_gpus
+(one process per GPU, NCCL; Wan's steady chunks replay graphs that hold the collectives).
 Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
 
 Run (repo root, a multi-GPU machine): PYTHONPATH=. python3 benchmarks/sharded_decode.py
@@ -62,11 +64,11 @@ def main() -> None:
         err = rel_l2(res.images, base[1])
         row = dict(gpus=n, ms=ms, vs_one=ms / base[0], pool_gib_per_gpu=max(res.pool_bytes) / 2**30,
                    memory_vs_one=max(res.pool_bytes) / base[2], rel_l2_vs_one=err, bands=res.bands,
-                   call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds])
+                   call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds], graph_replays=res.graph_replays)
         rows.append(row)
         print(f"{args.preset} {what} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
-              f"{err:.2e}  [call {row['call_s']:.0f} s]", flush=True)
+              f"{err:.2e}  [call {row['call_s']:.0f} s, graph replays per rank {res.graph_replays}]", flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
                workload=what, dtype=args.dtype)
     out = os.environ.get("OUT", "out")

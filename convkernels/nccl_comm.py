@@ -87,19 +87,25 @@ class NcclShards:
         self._comm.allReduce(x.data.ptr, out.data.ptr, x.size, getattr(nccl, kind), nccl.NCCL_SUM, self._stream())
         return out.get() if host else out
 
-    def allgather(self, a):
+    def allgather(self, a, lengths=None):
         """Every rank's `a`, in rank order. Shards may differ along axis 1 (uneven row bands):
-        the lengths are gathered first, and each array travels padded to the longest."""
+        each array travels padded to the longest. `lengths` (every rank's size on axis 1) where the
+        caller knows them, else they are gathered first: that asks the host to wait, which a
+        recorded CUDA graph cannot do."""
         cp = self._cp
         a = cp.ascontiguousarray(a)
-        lengths = self._gather_bytes(cp.asarray(np.array([a.shape[1]], np.int64)), 8).view(np.int64).get()
-        longest = int(lengths.max())
+        if lengths is None:
+            lengths = self._gather_bytes(cp.asarray(np.array([a.shape[1]], np.int64)), 8).view(np.int64).get()
+        lengths = [int(n) for n in lengths]
+        if lengths[self.rank] != a.shape[1]:
+            raise ValueError(f"rank {self.rank} holds {a.shape[1]} along axis 1, told {lengths[self.rank]}")
+        longest = max(lengths)
         padded = a
         if a.shape[1] < longest:
             padded = cp.zeros((a.shape[0], longest, *a.shape[2:]), a.dtype)
             padded[:, :a.shape[1]] = a
         every = self._gather_bytes(padded, padded.nbytes).view(a.dtype).reshape(self.size, *padded.shape)
-        return [every[r][:, :int(lengths[r])] for r in range(self.size)]
+        return [every[r][:, :lengths[r]] for r in range(self.size)]
 
     def _gather_bytes(self, x, nbytes: int):
         nccl = _nccl()

@@ -6,7 +6,9 @@ needs what another shard holds, it calls its communicator:
 - `exchange_rows(top, bottom)`: send this shard's first rows up and its last rows down, and get
   the neighbours' in return (a conv's halo); the first and last shard get None from outside;
 - `allreduce_sum(a)`: the element-wise sum over shards (exact GroupNorm statistics);
-- `allgather(a)`: every shard's array, in rank order (attention over the whole image).
+- `allgather(a, lengths)`: every shard's array, in rank order (attention over the whole image);
+  `lengths`, every shard's size along axis 1 where the caller knows them, saves asking for them
+  (a recorded CUDA graph cannot wait on the host for an answer).
 
 `ThreadShards` is the emulation: N threads of one process, one per shard, meeting at a barrier.
 It has the semantics NCCL collectives have (every rank calls, in the same order, and all return
@@ -27,7 +29,7 @@ class ShardComm(Protocol):
 
     def allreduce_sum(self, a: Any) -> Any: ...
 
-    def allgather(self, a: Any) -> list[Any]: ...
+    def allgather(self, a: Any, lengths: Sequence[int] | None = None) -> list[Any]: ...
 
 
 class _Meeting:
@@ -66,8 +68,14 @@ class ThreadShards:
             total = total + other
         return total
 
-    def allgather(self, a):
-        return self._meeting.gather(self.rank, a)
+    def allgather(self, a, lengths=None):
+        seen = self._meeting.gather(self.rank, a)
+        # the emulation checks what a real communicator must trust: a caller's wrong lengths
+        # would cut or pad the others' arrays there
+        if lengths is not None and [int(x.shape[1]) for x in seen] != [int(n) for n in lengths]:
+            raise ValueError(f"allgather told lengths {list(lengths)}, the shards hold "
+                             f"{[int(x.shape[1]) for x in seen]}")
+        return seen
 
 
 def thread_group(size: int) -> list[ThreadShards]:

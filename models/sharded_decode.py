@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm
+from convkernels.shard_comm import ShardComm, split_rows
 from convkernels.sharded_ops import exact_group_norm, halo_conv2d
 
 from .contract import PIXEL_RANGE
@@ -37,6 +37,14 @@ class Shard:
     count into the whole image's without asking the others."""
     comm: ShardComm
     rows: tuple[int, int] | None = None
+
+    def token_counts(self, width: int) -> list[int] | None:
+        """Every shard's token count at the latent scale (its latent rows x width), rank order: what
+        an all-gather of the mid-block's tokens brings from each, known without asking (the bands
+        are split_rows of the whole, as models.sharding.bands splits them). None: rows unknown."""
+        if self.rows is None:
+            return None
+        return [(hi - lo) * width for lo, hi in split_rows(self.rows[0], self.comm.size)]
 
 
 def _group_norm(sh: Shard, norm, x, activation: str | None = "silu"):
@@ -64,7 +72,7 @@ def _attention(sh: Shard, attn, x):
     tokens = backend.reshape(_group_norm(sh, attn.group_norm, x, activation=None), (n, h * w, c))
     q = attn.to_q(tokens)
     kv = backend.concat([attn.to_k(tokens), attn.to_v(tokens)], axis=-1)
-    every = backend.concat(sh.comm.allgather(kv), axis=1)  # rank order = row order = token order
+    every = backend.concat(sh.comm.allgather(kv, sh.token_counts(w)), axis=1)  # rank order = row order = token order
     k, v = backend.slice(every, -1, 0, c), backend.slice(every, -1, c, 2 * c)
     out = attn.proj(backend.attention(q, k, v), residual=backend.reshape(x, (n, h * w, c)))
     return backend.reshape(out, (n, h, w, c))

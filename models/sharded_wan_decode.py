@@ -23,14 +23,14 @@ The first latent frame gives one frame and every later one `temporal_factor` fra
 same cache rules as the unsharded decode (the layers' with_cache and the upsampler's first-chunk
 marker, shared code). The de-normalisation (latents * std + mean) is per channel, so local.
 conv_out holds x / 2 + 0.5 (folded at load), so each shard clips its frames to [0, 1] as
-model.decode does. The unsharded decode replays steady chunks through a recorded graph where
-the backend records one; the sharded decode runs every chunk eagerly (the collectives sit
-between the kernels). models.sharding.decode_emulated runs the lot on threads (ThreadShards,
+model.decode does. Steady chunks (the third on) replay a recorded graph where the backend
+records one, collectives included, as the unsharded decode's do (see _chunk). models.sharding.decode_emulated runs the lot on threads (ThreadShards,
 NCCL's collective semantics) and joins the shards' rows.
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Iterator
 
 import numpy as np
@@ -76,7 +76,7 @@ def _attention(sh: Shard, attn, x):
     frames = b.reshape(x, (n * t, h, w, c))
     qkv = b.reshape(attn.to_qkv(attn.norm(frames)), (n * t, h * w, 3 * c))
     q = b.slice(qkv, -1, 0, c)
-    every = b.concat(sh.comm.allgather(b.slice(qkv, -1, c, 3 * c)), axis=1)
+    every = b.concat(sh.comm.allgather(b.slice(qkv, -1, c, 3 * c), sh.token_counts(w)), axis=1)
     k, v = b.slice(every, -1, 0, c), b.slice(every, -1, c, 2 * c)
     attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
     return b.reshape(attn.proj(attended, residual=frames), (n, t, h, w, c))
@@ -114,30 +114,68 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
     return _causal_conv(sh, dec.conv_out, x, state, dec.norm_out)
 
 
-def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True) -> Iterator[np.ndarray]:
+def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True, *,
+                             total_rows: int) -> Iterator[np.ndarray]:
     """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
-    latents as the pipeline hands them, host (N, C, T, rows, w); yields its rows of each frame
+    latents as the pipeline hands them, host (N, C, T, rows, w), the shard's band of the whole's
+    `total_rows` (split as models.sharding.bands splits them); yields its rows of each frame
     group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
     clamp=False. Bad latents raise before the first group, as the unsharded decode's do."""
     if not isinstance(model.tree.decoder, Decoder3d):
         raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
                          f"{type(model.tree.decoder).__name__}")
     z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
-    return _groups(model, Shard(comm), z, clamp)
+    return _groups(model, Shard(comm, (int(total_rows), int(z.shape[2]))), z, clamp)
 
 
 def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray]:
+    # as the unsharded decode (WanVAEDecoder._untiled_groups): where the backend runs ahead,
+    # group k+1 is queued before group k is waited for, from the second group on. Every shard
+    # does the same, so the collectives still meet in order. No interrupt.check() between
+    # groups, unlike the unsharded decode: a shard that stopped alone would leave the others
+    # waiting in their next collective
     b = model.backend
     state = FeatureCache()
-    # no interrupt.check() between groups, unlike the unsharded decode: a shard that stopped
-    # alone would leave the others waiting in their next collective
+    pending = None
     for k in range(z.shape[1]):
-        out = sharded_decoder_chunk(model, sh, b.asarray(np.ascontiguousarray(z[:, k:k + 1])), state)
-        yield b.to_host_async(out, PIXEL_RANGE if clamp else None).result()
+        x = b.asarray(np.ascontiguousarray(z[:, k:k + 1]))
+        started = b.to_host_async(_chunk(model, sh, x, state), PIXEL_RANGE if clamp else None)
+        if pending is not None:
+            yield pending.result()
+        pending = started
+        if k == 0 or not b.runs_ahead:
+            yield pending.result()
+            pending = None
+    if pending is not None:
+        yield pending.result()
 
 
-def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True) -> np.ndarray:
+def _chunk(model, sh: Shard, x, state: FeatureCache):
+    """sharded_decoder_chunk, through a recorded graph for steady chunks where the backend records
+    one (as the unsharded decode's steady step): one launch for the chunk's hundreds of kernels
+    and its collectives, which are queued on the same stream (NCCL calls may be captured). Every
+    shard decides alone; a shard that runs a chunk eagerly where the others replay issues the
+    same collectives in the same order, so they still meet."""
+    if state.steady() and model.backend.calls_to_warm > 1:
+        step = model.sharded_steps.get(sh)
+        if step is None:  # one per shard group and band: sh holds the communicator and the rows
+            step = model.sharded_steps[sh] = model.backend.graphed(partial(_step, model, sh))
+        if step.records(x, *state.slots):
+            out, *slots = step(x, *state.slots)
+            state.slots = slots
+            return out
+    return sharded_decoder_chunk(model, sh, x, state)
+
+
+def _step(model, sh: Shard, x, *cache):
+    """(latent frame, cache slots) -> (this shard's decoder output, the next cache slots): the
+    shape of a recordable forward (WanVAEDecoder._step's, sharded)."""
+    state = FeatureCache(cache)
+    out = sharded_decoder_chunk(model, sh, x, state)
+    return (out, *state.slots)
+
+
+def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int) -> np.ndarray:
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
-    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp)), axis=1)
-
+    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows)), axis=1)

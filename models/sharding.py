@@ -58,7 +58,7 @@ def decode_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp
     of the latents as the pipeline hands them; every shard of the group calls this together."""
     if check(model) == IMAGE:
         return sharded_decode(model, comm, band, clamp, total_rows=total_rows)
-    return sharded_wan_decode(model, comm, band, clamp)
+    return sharded_wan_decode(model, comm, band, clamp, total_rows=total_rows)
 
 
 def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
@@ -78,11 +78,13 @@ def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
     return np.concatenate(run_sharded(shards, shard), axis=axis - 1)
 
 
-def frame_groups_band(model, comm: ShardComm, band: np.ndarray, clamp: bool = True) -> Iterator[np.ndarray]:
-    """A video decoder's frame groups, this shard's rows of each (every shard steps together)."""
+def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
+                      clamp: bool = True) -> Iterator[np.ndarray]:
+    """A video decoder's frame groups, this shard's rows of each (every shard steps together);
+    band is its rows of the latents, split from the whole's total_rows by bands()."""
     if check(model) != VIDEO:
         raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
-    return sharded_wan_frame_groups(model, comm, band, clamp)
+    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows)
 
 
 def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
@@ -92,7 +94,8 @@ def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool =
     lat = np.asarray(latents)
     parts = split(lat, bands(model, lat.shape, shards), axis=rows_axis(check(model)))
     comms = thread_group(shards)
-    gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], clamp)
+    total = lat.shape[rows_axis(VIDEO)]
+    gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], total, clamp)
             for c in comms]
     try:
         for _ in range(lat.shape[2]):

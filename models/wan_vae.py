@@ -187,6 +187,8 @@ class WanVAEDecoder:
                                f"{self.reference_class} decoder (preset {preset!r}{naming})",
                                ignore_unexpected=("encoder.", "quant_conv."))
         self._steady_step = backend.graphed(self._step)
+        #: models/sharded_wan_decode.py's recorded steady steps, one per shard group and band
+        self.sharded_steps: dict = {}
 
     # ---- decode ----------------------------------------------------------------------------------
     def _prepare(self, latents_ncthw) -> np.ndarray:

@@ -94,7 +94,7 @@ class _FailingComm:
     def __init__(self, rank: int):
         self.rank = rank
 
-    def _fail(self, *_):
+    def _fail(self, *_, **__):
         raise RuntimeError(f"injected failure of shard {self.rank} (CONVSERVE_FAULT_SHARD_FAIL_RANK)")
 
     exchange_rows = allreduce_sum = allgather = _fail

@@ -29,8 +29,10 @@ DEFAULT_TIMEOUT_S = 600.0
 class ShardedResult:
     images: np.ndarray              # N, (F,) H, W, 3 float32 in [0, 1], as model.decode(latents, tiled=False)
     seconds: list[float]            # per timed repeat: the slowest rank's wall time
-    pool_bytes: list[int]           # per rank: the CuPy pool's bytes after the decodes (its high-water mark)
+    pool_bytes: list[int]           # per rank: the CuPy pool's bytes after the decodes (its high-water mark),
+                                    # the recorded graphs' pools included
     bands: list[tuple[int, int]] = field(default_factory=list)  # latent rows per rank
+    graph_replays: list[int] = field(default_factory=list)  # per rank: sharded steady steps replayed from a graph
 
 
 def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
@@ -67,11 +69,13 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
             t0 = time.perf_counter()
             out = once()
             times.append(time.perf_counter() - t0)
-        answers.put((rank, "ok", out, times, backend.describe().get("pool_bytes", 0)))
+        replays = sum(getattr(step, "replays", 0) for step in getattr(model, "sharded_steps", {}).values())
+        held = backend.describe()
+        answers.put((rank, "ok", out, times, held.get("pool_bytes", 0) + held.get("graph_pool_bytes", 0), replays))
         if comm is not None:
             comm.close()
     except BaseException as e:  # the parent reports it and stops the others
-        answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0))
+        answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0, 0))
 
 
 def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
@@ -104,13 +108,13 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     try:
         while len(got) < size:
             try:
-                rank, status, out, times, pool = answers.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, out, times, pool, replays = answers.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue_errors.Empty:
                 raise TimeoutError(f"sharded decode: ranks {sorted(set(range(size)) - set(got))} gave no answer "
                                    f"in {timeout_s:.0f} s") from None
             if status != "ok":
                 raise RuntimeError(f"sharded decode: rank {rank} (GPU {gpus[rank]}) failed: {out}")
-            got[rank] = (out, times, pool)
+            got[rank] = (out, times, pool, replays)
     finally:
         for p in procs:
             p.join(timeout=5 if len(got) == size else 0)
@@ -118,4 +122,4 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
                 p.kill()
     images = np.concatenate([got[r][0] for r in range(size)], axis=rows_axis - 1)  # N,(F,)H,W,3
     seconds = [max(got[r][1][i] for r in range(size)) for i in range(reps)]
-    return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands)
+    return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands, [got[r][3] for r in range(size)])

@@ -242,11 +242,13 @@ class _Group:
         (the leader's stream_next steps it on its device thread, as any stream's)."""
         model = hm.model
         axis = sharding.rows_axis(sharding.check(model))
+        total = latents.shape[axis]
         bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=axis)
         token = np.zeros((1, 1), np.uint8)
         self._collect(self._send_all(hm.name, "shard_stream_open", lambda r: (
-            {"rank": r, "size": self.size, "stream": key, "uint8": uint8}, bands[r], (1, 1), "uint8")))
-        own = sharding.frame_groups_band(model, self.comm, bands[0])
+            {"rank": r, "size": self.size, "stream": key, "uint8": uint8, "total_rows": total}, bands[r], (1, 1),
+            "uint8")))
+        own = sharding.frame_groups_band(model, self.comm, bands[0], total)
         try:
             for k in range(latents.shape[2]):
                 frames = 1 if k == 0 else int(model.temporal_factor)

@@ -45,7 +45,8 @@ class ShardMember:
     def stream_open(self, link, hm, band: np.ndarray, options: dict) -> np.ndarray:
         """A streamed decode's band: its generator, stepped by stream_next (nothing runs yet)."""
         try:
-            gen = sharding.frame_groups_band(hm.model, self._comm(link, options), np.array(band))
+            gen = sharding.frame_groups_band(hm.model, self._comm(link, options), np.array(band),
+                                             int(options["total_rows"]))
         except Exception as exc:  # the leader waits for this answer, then in its first step
             end_group(f"band {options['rank']} of a stream failed to open: {type(exc).__name__}: {exc}")
         self.streams[(id(link), options["stream"])] = (link, GeneratorSteps(gen), bool(options["uint8"]))

@@ -70,8 +70,9 @@ class GlooShards:
         self._pg.allreduce([t]).wait()
         return t.numpy()
 
-    def allgather(self, a):
-        """Every rank's array in rank order; shapes may differ (bands of unequal rows)."""
+    def allgather(self, a, lengths=None):
+        """Every rank's array in rank order; shapes may differ (bands of unequal rows). The shapes
+        travel anyway (lengths, where given, are not needed here)."""
         a = np.ascontiguousarray(a)
         shape = self._t(np.asarray(a.shape, np.int64))
         shapes = [self._torch.empty_like(shape) for _ in range(self.size)]

@@ -43,8 +43,8 @@ class _OneLocal:
     def allreduce_sum(self, a):  # GroupNorm statistics of the shard's own rows
         return a if self.local == "norm" else self.comm.allreduce_sum(a)
 
-    def allgather(self, a):  # attention over the shard's own tokens
-        return [a] if self.local == "attention" else self.comm.allgather(a)
+    def allgather(self, a, lengths=None):  # attention over the shard's own tokens
+        return [a] if self.local == "attention" else self.comm.allgather(a, lengths)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

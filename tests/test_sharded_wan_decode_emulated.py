@@ -55,7 +55,8 @@ def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards)
 def test_frame_groups_are_the_unsharded_ones_first_one_frame_then_four(case):
     name, seed, model, lat, *_ = case
     parts = split(lat, split_rows(lat.shape[3], 3), axis=3)
-    per_shard = run_sharded(3, lambda comm, r: list(sharded_wan_frame_groups(model, comm, parts[r])))
+    per_shard = run_sharded(3, lambda comm, r: list(sharded_wan_frame_groups(model, comm, parts[r],
+                                                                         total_rows=lat.shape[3])))
     groups = [np.concatenate(g, axis=2) for g in zip(*per_shard)]
     unsharded = list(model.decode_frames(lat, tiled=False))
     assert [g.shape[1] for g in groups] == [g.shape[1] for g in unsharded] == [1, 4, 4]

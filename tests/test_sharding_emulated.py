@@ -117,3 +117,16 @@ def test_a_failing_shard_fails_every_shard_instead_of_hanging():
 
     with pytest.raises((RuntimeError, threading.BrokenBarrierError)):
         run_sharded(3, shard)
+
+
+def test_allgather_checks_the_lengths_it_is_told():
+    """A caller that passes every shard's length (so a recorded CUDA graph need not ask for them)
+    must pass the true ones: the emulation holds it to them, as NCCL cannot."""
+    bounds = split_rows(7, 3)  # 3, 2, 2 rows
+    parts = split(np.arange(2 * 7 * 3, dtype=np.float32).reshape(2, 7, 3), bounds)
+    told = [hi - lo for lo, hi in bounds]
+    seen = run_sharded(3, lambda comm, r: comm.allgather(parts[r], told))
+    for got in seen:
+        np.testing.assert_array_equal(np.concatenate(got, axis=1), np.concatenate(parts, axis=1))
+    with pytest.raises(ValueError, match="told lengths"):
+        run_sharded(3, lambda comm, r: comm.allgather(parts[r], [2, 3, 2]))

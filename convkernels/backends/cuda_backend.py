@@ -388,4 +388,5 @@ class CudaBackend(BackendBase):
                 "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir,
                 "fusions": o.fusions(),
                 # what CuPy's pool holds now, free blocks included: its high-water mark unless freed
-                "pool_bytes": int(self.cp.get_default_memory_pool().total_bytes())}
+                "pool_bytes": int(self.cp.get_default_memory_pool().total_bytes()),
+                "graph_pool_bytes": self.graphs.held_bytes()}  # the recorded graphs' own pools
