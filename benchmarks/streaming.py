@@ -12,6 +12,11 @@ own convserve_time_to_first_frame_seconds (mean over the runs) is printed beside
     python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104   # GPU
     python benchmarks/streaming.py --url http://host:8000 --model wan                          # a running server
     python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104 --raw    # + raw model
+    python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 31x90x160 --shards 4  # 4 GPUs
+
+With --shards N, the started server gets devices 0..N-1 and shard groups on, and every request asks
+for `shards=N`: one decode split by rows over N GPUs (issue #32), its frame groups streamed as
+every GPU completes them.
 
 With --raw, the raw model's own decode (`model.decode`, float32 frames back to host memory, in a
 child process, best of --reps) is timed on the same latents, and each route's time to its last
@@ -58,10 +63,10 @@ def first_group_end(data: bytes, fmt: str) -> bool:
     return False
 
 
-def timed_stream(url: str, body: bytes, fmt: str) -> tuple[float, float, int]:
+def timed_stream(url: str, body: bytes, fmt: str, **params) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     first, head, size = None, bytearray(), 0
-    with httpx.stream("POST", url, content=body, headers=NPY, params={"format": fmt}, timeout=3600) as r:
+    with httpx.stream("POST", url, content=body, headers=NPY, params={"format": fmt, **params}, timeout=3600) as r:
         if r.status_code != 200:
             raise SystemExit(f"stream answered {r.status_code}: {r.read()[:300]!r}")
         for chunk in r.iter_raw():
@@ -79,6 +84,18 @@ def timed_decode(url: str, body: bytes, fmt: str = "npy", **params) -> float:
     if r.status_code != 200:
         raise SystemExit(f"decode answered {r.status_code}: {r.text[:300]}")
     return time.perf_counter() - t0
+
+
+def wait_for_every_device(url: str, model: str, timeout: float = 600) -> None:
+    """/readyz answers once any worker is ready; a shard group needs every one of its workers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        devices = httpx.get(f"{url}/v1/models/{model}", timeout=30).json().get("devices", [])
+        if devices and all(d["state"] == "ready" for d in devices):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the devices of {model} did not all get ready in {timeout:.0f} s: {devices}")
+        time.sleep(0.2)
 
 
 def server_ttff(url: str, model: str) -> tuple[float, float]:
@@ -123,19 +140,26 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["9x16x16"], help="latent TxHxW")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--raw", action="store_true", help="also time the raw model's decode (a child process)")
+    ap.add_argument("--shards", type=int, default=1, help="split each decode by rows over this many GPUs")
     args = ap.parse_args()
 
     srv = None
     url = args.url
+    sharded = {"shards": args.shards} if args.shards > 1 else {}
     if url is None:
-        srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600)
+        extra = dict(devices=",".join(map(str, range(args.shards))), shard_groups=1) if sharded else {}
+        srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600,
+                            **extra)
         url = srv.url
+    if sharded:
+        wait_for_every_device(url, args.model)
     try:
         card = httpx.get(f"{url}/v1/models/{args.model}", timeout=30).json()
         c = card["latent_channels"]
         print(f"machine: {describe_machine()}")
         print(f"server: {card['name']} = {card['preset']} ({card.get('weights')}), backend {card['backend']} "
-              f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved")
+              f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved"
+              + (f"; every decode split over {args.shards} GPUs" if sharded else ""))
         print(f"{'latents TxHxW':>13s} {'frames':>14s} {'full clip s':>11s} {'npy 1st s':>9s} {'npy end s':>9s} "
               f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
         rng = np.random.default_rng(0)
@@ -150,16 +174,18 @@ def main():
                 mp4, u8 = [], []
                 timed_decode(f"{base}/decode", body, "mp4")
                 for _ in range(args.reps):
-                    mp4.append(timed_decode(f"{base}/decode", body, "mp4"))
-                    u8.append(timed_decode(f"{base}/decode", body, "npy", dtype="uint8"))
-            timed_stream(f"{base}/decode/stream", body, "npy")  # warm-up: path choice for these shapes
+                    mp4.append(timed_decode(f"{base}/decode", body, "mp4", **sharded))
+                    u8.append(timed_decode(f"{base}/decode", body, "npy", dtype="uint8", **sharded))
+            # warm-up: path choice for these shapes; the second call records the steady chunks' graphs
+            for _ in range(2):
+                timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
             full, npy1, npyend, mp41, mp4end = [], [], [], [], []
             s0 = server_ttff(url, args.model)
             for _ in range(args.reps):
-                full.append(timed_decode(f"{base}/decode", body))
-                a, b, _ = timed_stream(f"{base}/decode/stream", body, "npy")
+                full.append(timed_decode(f"{base}/decode", body, **sharded))
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
                 npy1.append(a), npyend.append(b)
-                a, b, _ = timed_stream(f"{base}/decode/stream", body, "mp4")
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "mp4", **sharded)
                 mp41.append(a), mp4end.append(b)
             s1 = server_ttff(url, args.model)
             med = statistics.median
