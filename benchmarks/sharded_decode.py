@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--gpus", default="1,2,4", help="group sizes to run (those above the GPU count are skipped)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--f32-reference", action="store_true",
+                    help="also decode once in float32 on one GPU and give every row's distance from it (issue "
+                         "#32: a sharded half-precision decode is within the one-GPU decode's own error)")
     args = ap.parse_args()
 
     from service.shard_group import decode_on_gpus
@@ -51,6 +54,7 @@ def main() -> None:
     latents = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
     what = f"latents {'x'.join(map(str, shape))}" if args.latent else f"{args.size}x{args.size}"
     rows, base = [], None
+    f32 = decode_on_gpus(args.preset, latents, ["0"], "float32", whole=True).images if args.f32_reference else None
     for n in map(int, args.gpus.split(",")):
         if n > len(visible):
             print(f"skipping {n} GPUs: {len(visible)} visible", flush=True)
@@ -64,11 +68,13 @@ def main() -> None:
         err = rel_l2(res.images, base[1])
         row = dict(gpus=n, ms=ms, vs_one=ms / base[0], pool_gib_per_gpu=max(res.pool_bytes) / 2**30,
                    memory_vs_one=max(res.pool_bytes) / base[2], rel_l2_vs_one=err, bands=res.bands,
-                   call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds], graph_replays=res.graph_replays)
+                   call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds], graph_replays=res.graph_replays,
+                   rel_l2_vs_f32=None if f32 is None else rel_l2(res.images, f32))
         rows.append(row)
         print(f"{args.preset} {what} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
-              f"{err:.2e}  [call {row['call_s']:.0f} s, graph replays per rank {res.graph_replays}]", flush=True)
+              f"{err:.2e}" + ("" if f32 is None else f", vs float32 {row['rel_l2_vs_f32']:.2e}")
+              + f"  [call {row['call_s']:.0f} s, graph replays per rank {res.graph_replays}]", flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
                workload=what, dtype=args.dtype)
     out = os.environ.get("OUT", "out")
