@@ -150,9 +150,9 @@ class Settings(BaseSettings):
     #: file, so memory is taken only as requests use it; a request needing more is refused (413)
     shm_bytes: int = Field(4 << 30, ge=1 << 20)
     #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
-    #: Off by default while it is experimental: on CPU backends a sharded request is always
-    #: served (on emulated shards, or through `shard_comm`)
-    shard_groups: bool = False
+    #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
+    #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)
+    shard_groups: bool = True
     #: CPU backends: "module:Class" of a shard communicator (unique_id, join) that joins the CPU
     #: workers into a real multi-process group instead of emulating shards in the first worker;
     #: the tests' is "gloo_shards:GlooShards" (tests/gloo_shards.py, torch's gloo)

@@ -29,7 +29,8 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards(image, px4k, 3) == 2   # never more than the server has
     assert shard_option.auto_shards(image, px4k, 1) == 1
     assert shard_option.auto_shards(video, px480, 4) == 4
-    assert shard_option.auto_shards(video, px480, 2) == 1  # measured not to pay on 2 GPUs
+    assert shard_option.auto_shards(video, px480, 3) == 2  # no row names 3: the most one names below it
+    assert shard_option.auto_shards(video, px480 - 1, 4) == 1  # below every video row
     assert shard_option.auto_shards(video, px720, 2) == 2
     assert shard_option.auto_shards(None, 10 * px720, 8) == 1  # a family without a sharded decode
     assert all(r.evidence for r in shard_option.AUTO_RULES)
