@@ -32,6 +32,25 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+class NoExchange:
+    """Timing only (--no-exchange): a communicator whose collectives answer at once from the shard's
+    own data, in the shapes a real one gives (its own edge rows for the neighbours', its own tokens
+    for every shard's), so that a rank's time is what it computes apart from what it exchanges. Its
+    output is not the decode's."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def exchange_rows(self, top, bottom):
+        return (top if self.rank > 0 else None), (bottom if self.rank < self.size - 1 else None)
+
+    def allreduce_sum(self, a):
+        return a
+
+    def allgather(self, a, lengths=None):
+        return [a] * self.size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="sd-vae")
@@ -44,6 +63,9 @@ def main() -> None:
     ap.add_argument("--f32-reference", action="store_true",
                     help="also decode once in float32 on one GPU and give every row's distance from it (issue "
                          "#32: a sharded half-precision decode is within the one-GPU decode's own error)")
+    ap.add_argument("--no-exchange", action="store_true",
+                    help="also time each group size with NoExchange in place of NCCL: what the shards compute "
+                         "apart from what they exchange")
     args = ap.parse_args()
 
     from service.shard_group import decode_on_gpus
@@ -75,6 +97,22 @@ def main() -> None:
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
               f"{err:.2e}" + ("" if f32 is None else f", vs float32 {row['rel_l2_vs_f32']:.2e}")
               + f"  [call {row['call_s']:.0f} s, graph replays per rank {res.graph_replays}]", flush=True)
+        if res.group_seconds and res.group_seconds[0]:  # a video: where a decode's time goes, group by group
+            slowest = [1e3 * max(col) for col in zip(*res.group_seconds)]
+            row["group_ms"] = slowest
+            print(f"    frame groups (slowest rank, ms): first {slowest[0]:.1f}, second {slowest[1]:.1f}, "
+                  f"third {slowest[2]:.1f}, later median {statistics.median(slowest[3:]):.1f} "
+                  f"(min {min(slowest[3:]):.1f}, max {max(slowest[3:]):.1f})", flush=True)
+        if args.no_exchange and n > 1:
+            bare = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
+                                  timing_comm="sharded_decode:NoExchange")
+            bare_ms = 1e3 * statistics.median(bare.seconds)
+            row["no_exchange_ms"] = bare_ms
+            line = f"    without the exchanges (NoExchange, output not the decode's): {bare_ms:.1f} ms"
+            if bare.group_seconds and bare.group_seconds[0]:
+                slow = [1e3 * max(col) for col in zip(*bare.group_seconds)]
+                line += f"; frame groups first {slow[0]:.1f}, later median {statistics.median(slow[3:]):.1f} ms"
+            print(line, flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
                workload=what, dtype=args.dtype)
     out = os.environ.get("OUT", "out")

@@ -13,6 +13,7 @@ would wait in NCCL for it forever, are killed.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import queue as queue_errors
@@ -33,6 +34,9 @@ class ShardedResult:
                                     # the recorded graphs' pools included
     bands: list[tuple[int, int]] = field(default_factory=list)  # latent rows per rank
     graph_replays: list[int] = field(default_factory=list)  # per rank: sharded steady steps replayed from a graph
+    group_seconds: list[list[float]] = field(default_factory=list)  # videos, per rank: each frame group's interval
+                                                                    # in the last timed decode (a group is waited
+                                                                    # for after the next is queued: its throughput)
 
 
 def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
@@ -47,15 +51,34 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
                            options=ModelOptions(seed=job["seed"]))
         rows, total = job["rows"], job["total_rows"]
         comm = NcclShards.join(uid, rank, size) if size > 1 else None
+        if comm is not None and job.get("timing_comm"):  # benchmarks only: "module:Class", made (rank, size)
+            module, _, name = job["timing_comm"].partition(":")
+            comm = getattr(importlib.import_module(module), name)(rank, size)
         if job.get("fail_rank") == rank:  # test-only fault: this rank dies while the others wait in NCCL
             raise RuntimeError("injected failure (fail_rank)")
 
+        intervals: list[float] = []
+
+        def timed(groups):
+            """A video's frame groups joined in time, each group's interval kept in `intervals`."""
+            intervals.clear()
+            parts, t = [], time.perf_counter()
+            for g in groups:
+                parts.append(g)
+                now = time.perf_counter()
+                intervals.append(now - t)
+                t = now
+            return np.concatenate(parts, axis=1)
+
         def once():
-            if comm is None and job["whole"]:
-                return model.decode(rows, tiled=False)  # the single-GPU baseline, as served
+            video = rows.ndim == 5
+            if comm is None and job["whole"]:  # the single-GPU baseline, as served
+                return timed(model.decode_frames(rows, tiled=False)) if video else model.decode(rows, tiled=False)
             from convkernels.shard_comm import run_sharded
 
             def one(c):
+                if video:
+                    return timed(sharding.frame_groups_band(model, c, rows, total))
                 return sharding.decode_band(model, c, rows, total)
             return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
@@ -71,19 +94,24 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
             times.append(time.perf_counter() - t0)
         replays = sum(getattr(step, "replays", 0) for step in getattr(model, "sharded_steps", {}).values())
         held = backend.describe()
-        answers.put((rank, "ok", out, times, held.get("pool_bytes", 0) + held.get("graph_pool_bytes", 0), replays))
+        answers.put((rank, "ok", out, times, held.get("pool_bytes", 0) + held.get("graph_pool_bytes", 0), replays,
+                     list(intervals)))
         if comm is not None:
             comm.close()
     except BaseException as e:  # the parent reports it and stops the others
-        answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0, 0))
+        answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0, 0, []))
 
 
 def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
                    weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None) -> ShardedResult:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None,
+                   timing_comm: str | None = None) -> ShardedResult:
     """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
-    decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault."""
+    decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
+    timing_comm: "module:Class" of a communicator each rank uses instead of its NCCL one, for timing
+    what the shards compute apart from what they exchange (benchmarks/sharded_decode.py --no-exchange:
+    its output is not the decode's)."""
     from convkernels.nccl_comm import NcclShards
     from convkernels.shard_comm import split, split_rows
 
@@ -99,7 +127,8 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     uid = NcclShards.unique_id() if size > 1 else None
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
-                                    total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank),
+                                    total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank,
+                                    timing_comm=timing_comm),
         answers)) for r in range(size)]
     for p in procs:
         p.start()
@@ -108,13 +137,13 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     try:
         while len(got) < size:
             try:
-                rank, status, out, times, pool, replays = answers.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, out, times, pool, replays, intervals = answers.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue_errors.Empty:
                 raise TimeoutError(f"sharded decode: ranks {sorted(set(range(size)) - set(got))} gave no answer "
                                    f"in {timeout_s:.0f} s") from None
             if status != "ok":
                 raise RuntimeError(f"sharded decode: rank {rank} (GPU {gpus[rank]}) failed: {out}")
-            got[rank] = (out, times, pool, replays)
+            got[rank] = (out, times, pool, replays, intervals)
     finally:
         for p in procs:
             p.join(timeout=5 if len(got) == size else 0)
@@ -122,4 +151,5 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
                 p.kill()
     images = np.concatenate([got[r][0] for r in range(size)], axis=rows_axis - 1)  # N,(F,)H,W,3
     seconds = [max(got[r][1][i] for r in range(size)) for i in range(reps)]
-    return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands, [got[r][3] for r in range(size)])
+    return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands, [got[r][3] for r in range(size)],
+                         [got[r][4] for r in range(size)])
