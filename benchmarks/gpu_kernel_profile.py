@@ -7,7 +7,12 @@ is asked, TAESD 1024^2 at 2.7 ms where 1 ms is asked), this says where the time 
 it is changed: kernels grouped by name, total device ms, launches, and the share of the whole.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_kernel_profile.py
-[--only taesd,wan22] [--wan22-latent 31x44x80] [--top 18]
+[--only taesd,wan22,shardpath] [--wan22-latent 31x44x80] [--top 18]
+
+shardpath (issue #32): Wan 2.1's sharded decode path (models/sharded_wan_decode.py) run as one shard of
+the whole rows beside the unsharded decode, both eager (no CUDA graphs), same latents: a sharded
+decode on N GPUs can only approach 1/N of one GPU's time if its path costs what the unsharded one
+does on the same rows; the table says where it does not.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="taesd,wan22")
     ap.add_argument("--wan22-latent", default="31x44x80")
+    ap.add_argument("--wan21-latent", default="8x60x104", help="shardpath's latents TxHxW (Wan 2.1 480p rows)")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -89,6 +95,36 @@ def main() -> None:
         z = torch.from_numpy(lat).to("cuda", torch.bfloat16)
         with torch.inference_mode():
             kernel_table(lambda: vae.decode(z), args.top, f"torch eager: AutoencoderKLWan 48x{t}x{h}x{w} bf16")
+    if "shardpath" in only:
+        shard_path(args, rng)
+
+
+def shard_path(args, rng) -> None:
+    import time
+
+    from convkernels import get_backend
+    from convkernels.shard_comm import run_sharded
+    from models import load_model, sharding
+
+    t, h, w = map(int, args.wan21_latent.split("x"))
+    lat = rng.standard_normal((1, 16, t, h, w)).astype(np.float32)
+    model = load_model("wan", "wan2.1-vae", get_backend("cuda", dtype="bfloat16", cuda_options={"cuda_graphs": False}))
+
+    def unsharded():
+        return model.decode(lat, tiled=False)
+
+    def one_shard():  # the sharded path's layer walk, halo exchanges with no neighbours (zero rows)
+        return run_sharded(1, lambda comm, r: sharding.decode_band(model, comm, lat, h))[0]
+
+    for label, fn in (("unsharded", unsharded), ("sharded path, one shard", one_shard)):
+        fn()
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        print(f"{label}: {1e3 * (time.perf_counter() - t0):.1f} ms wall, latents 16x{t}x{h}x{w} bf16", flush=True)
+        kernel_table(fn, args.top, f"ours, {label}: wan2.1 16x{t}x{h}x{w} bf16, eager")
+    a, b = unsharded(), one_shard()
+    print(f"max |unsharded - sharded path| = {float(np.abs(a - b).max()):.2e}")
 
 
 if __name__ == "__main__":
