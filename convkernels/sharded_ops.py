@@ -23,22 +23,20 @@ import numpy as np
 from .shard_comm import ShardComm
 
 
-def row_halo(backend, comm: ShardComm, x, halo: int, axis: int = 1):
-    """This shard's rows (on `axis`) with `halo` rows of each neighbour around them: its first
-    and last `halo` rows go up and down, the neighbours' come back; the image's own top and
-    bottom get zero rows (a conv's zero padding). A conv of the result with no row padding gives
-    exactly this shard's rows of the whole image's 'same' conv."""
+def row_halo_parts(backend, comm: ShardComm, x, halo: int, axis: int = 1):
+    """(rows, (top, bottom)): this shard's rows (on `axis`) with `halo` rows of each neighbour
+    around them, and how many zero rows are still missing on each side (`halo` where the shard
+    holds the image's own top or bottom, 0 elsewhere). A conv of `rows` that pads (top, bottom)
+    zero rows gives exactly this shard's rows of the whole image's 'same' conv; the zeros are
+    left to the conv's padding, so no copy of the rows is made to add them."""
     if x.shape[axis] < halo:
         raise ValueError(f"a shard of {x.shape[axis]} rows cannot give a halo of {halo}")
     n = x.shape[axis]
     above, below = comm.exchange_rows(backend.slice(x, axis, 0, halo), backend.slice(x, axis, n - halo, n))
-    rows = backend.concat([r for r in (above, x, below) if r is not None], axis=axis)
     missing = (0 if above is not None else halo, 0 if below is not None else halo)
-    if missing == (0, 0):
-        return rows
-    pads = [(0, 0)] * (x.ndim - 2)  # the spatial axes of N, *spatial, C
-    pads[axis - 1] = missing
-    return backend.pad(rows, tuple(pads))
+    if above is None and below is None:
+        return x, missing
+    return backend.concat([r for r in (above, x, below) if r is not None], axis=axis), missing
 
 
 def _odd_space_kernel(w, name: str) -> None:
@@ -54,23 +52,37 @@ def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, act
     residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip)."""
     _odd_space_kernel(w, "halo_conv2d")
     kh, kw = int(w.shape[1]), int(w.shape[2])
-    halo = (kh - 1) // 2
-    if halo:
-        x = row_halo(backend, comm, x, halo, axis=1)
-    return backend.conv2d(x, w, bias, padding=((0, 0), ((kw - 1) // 2,) * 2), residual=residual,
+    rows_pad = (0, 0)
+    if (kh - 1) // 2:
+        x, rows_pad = row_halo_parts(backend, comm, x, (kh - 1) // 2, axis=1)
+    return backend.conv2d(x, w, bias, padding=(rows_pad, ((kw - 1) // 2,) * 2), residual=residual,
                           activation=activation)
 
 
-def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, residual=None, activation: str | None = None):
-    """The conv of halo_conv3d on input that already carries its row halo (row_halo on axis 2):
-    `time_pad` zero frames in front (a causal conv's), none behind, width padded 'same', rows
-    not at all. A lone frame padded with kT - 1 zero frames meets only the kernel's last tap,
-    so only that tap is run (what CausalConv3d does on a decode's first frame)."""
+def halo_upsample_conv2d(backend, comm: ShardComm, x, w, bias=None):
+    """backend.upsample_conv2d (nearest 2x, then a 'same' 3x3 conv, weight O,3,3,C) of the whole
+    image, on this shard's rows (N,H,W,C, rows on axis 1): output rows [2a, 2b) of input rows
+    [a, b). One input row from each neighbour is enough (an output row reads the upsampled rows
+    next to it, which are input rows at most one away); the op runs on the haloed rows at the
+    input's resolution and the output rows that came from the halo rows are dropped (a view for
+    batch 1). At the image's own top and bottom the op's zero padding is the image's."""
+    rows, (top, _) = row_halo_parts(backend, comm, x, 1, axis=1)
+    start = 0 if top else 2  # the upper halo row, where there is one, gave two output rows
+    return backend.slice(backend.upsample_conv2d(rows, w, bias), 1, start, start + 2 * x.shape[1])
+
+
+def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, rows_pad: tuple[int, int] = (0, 0), residual=None,
+                  activation: str | None = None):
+    """The conv of halo_conv3d on input that already carries its row halo (row_halo_parts on axis
+    2): `time_pad` zero frames in front (a causal conv's), none behind, width padded 'same', rows
+    by `rows_pad` (the zero rows row_halo_parts left missing). A lone frame padded with kT - 1
+    zero frames meets only the kernel's last tap, so only that tap is run (what CausalConv3d does
+    on a decode's first frame)."""
     kt, kw = int(w.shape[1]), int(w.shape[3])
     if x.shape[1] == 1 and kt > 1 and time_pad == kt - 1:
         w, time_pad = backend.concat([backend.slice(w, 1, kt - 1, kt)], axis=1), 0
-    return backend.conv3d(x, w, bias, padding=((time_pad, 0), (0, 0), ((kw - 1) // 2,) * 2), residual=residual,
-                          activation=activation)
+    return backend.conv3d(x, w, bias, padding=((time_pad, 0), tuple(rows_pad), ((kw - 1) // 2,) * 2),
+                          residual=residual, activation=activation)
 
 
 def halo_conv3d(backend, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0, residual=None,
@@ -78,12 +90,13 @@ def halo_conv3d(backend, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0,
     """A stride-1 3-D conv of a whole video (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
     this shard's rows: 'same' in space (halo (kH-1)/2 rows from each neighbour), `time_pad` zero
     frames in front in time (a causal conv; a conv that keeps a cache of earlier frames gives it
-    row_halo's frames, halo included, and calls haloed_conv3d itself)."""
+    row_halo_parts' frames, halo included, and calls haloed_conv3d itself)."""
     _odd_space_kernel(w, "halo_conv3d")
-    halo = (int(w.shape[2]) - 1) // 2
-    if halo:
-        x = row_halo(backend, comm, x, halo, axis=2)
-    return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, residual=residual, activation=activation)
+    rows_pad = (0, 0)
+    if (int(w.shape[2]) - 1) // 2:
+        x, rows_pad = row_halo_parts(backend, comm, x, (int(w.shape[2]) - 1) // 2, axis=2)
+    return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, rows_pad=rows_pad, residual=residual,
+                         activation=activation)
 
 
 def exact_group_norm(backend, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,

@@ -8,9 +8,10 @@ its communicator (convkernels.shard_comm.ShardComm):
   (post_quant_conv, conv_shortcut) are row-local and run as they are;
 - every GroupNorm takes its statistics over the whole image by an all-reduce
   (sharded_ops.exact_group_norm);
-- the upsample is nearest 2x of the shard's own rows (rows [a, b) become [2a, 2b)), then the
-  halo conv. The model's default "subpixel" mode computes the same thing as one op (a
-  transposed conv on CUDA); sharded, the nearest + conv form with the same weights is used;
+- the upsample (rows [a, b) become [2a, 2b)) in the model's own mode: "subpixel" (the default)
+  as one op, upsample_conv2d (a transposed conv on CUDA), on the shard's rows with one row of
+  each neighbour (sharded_ops.halo_upsample_conv2d); "nearest" as nearest 2x of the shard's own
+  rows, then the halo conv;
 - the mid-block attention: each shard's queries attend to the keys and values of every token,
   all-gathered from every shard in rank order, so the softmax runs over the whole image.
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from convkernels.shard_comm import ShardComm, split_rows
-from convkernels.sharded_ops import exact_group_norm, halo_conv2d
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_upsample_conv2d
 
 from .contract import PIXEL_RANGE
 
@@ -79,8 +80,11 @@ def _attention(sh: Shard, attn, x):
 
 
 def _upsample(sh: Shard, upsampler, x):
-    """layers.Upsample2D as nearest 2x of the shard's rows, then the 3x3 conv with its halo."""
-    return _conv3x3(sh, upsampler.conv, upsampler.backend.upsample_nearest(x, 2))
+    """layers.Upsample2D in the model's own mode: "subpixel" as one op on the haloed rows
+    (halo_upsample_conv2d), "nearest" as nearest 2x of the shard's rows, then the halo conv."""
+    if upsampler.mode == "nearest":
+        return _conv3x3(sh, upsampler.conv, upsampler.backend.upsample_nearest(x, 2))
+    return halo_upsample_conv2d(upsampler.backend, sh.comm, x, upsampler.conv.weight, upsampler.conv.bias)
 
 
 def sharded_decoder_forward(model, sh: Shard, z):

@@ -6,16 +6,17 @@ of the latents (channels-last N,T,h,w,C, rows on axis 2), one latent frame at a 
 own FeatureCache, exactly as the unsharded decode does, and talks to the other shards only
 through its communicator (convkernels.shard_comm.ShardComm):
 - each causal conv with a 3x3 spatial kernel (conv_in, the residual blocks' convs, conv_out)
-  gets one row above and one below from its neighbours (sharded_ops.row_halo) BEFORE its causal
-  cache joins the earlier frames, and the cache keeps those haloed frames: a cached frame's edge
-  rows are then the neighbours' rows of that frame, as the conv of the whole frame needs, with
-  no second exchange for the cached frames (sharded_ops.haloed_conv3d runs the conv);
+  gets one row above and one below from its neighbours (sharded_ops.row_halo_parts) BEFORE its
+  causal cache joins the earlier frames, and the cache keeps those haloed frames: a cached
+  frame's edge rows are then the neighbours' rows of that frame, as the conv of the whole frame
+  needs, with no second exchange for the cached frames (sharded_ops.haloed_conv3d runs the conv;
+  at the image's own top and bottom the conv pads the zero rows);
 - 1x1x1 convs (post_quant_conv, conv_shortcut), the RMS norms over channels, SiLU and the
   upsamplers' causal (3,1,1) time conv are row-local and run as they are, their cache slots
   holding the shard's own rows;
-- the spatial upsample is nearest 2x of the shard's own rows (rows [a, b) become [2a, 2b)),
-  then the 3x3 conv with its halo (sharded_ops.halo_conv2d), frame by frame. The unsharded
-  decode computes the same thing as one op (upsample_conv2d: a transposed conv on CUDA);
+- the spatial upsample (rows [a, b) become [2a, 2b)) is the unsharded decode's one op
+  (upsample_conv2d: a transposed conv on CUDA) on the shard's rows with one row of each
+  neighbour, frame by frame (sharded_ops.halo_upsample_conv2d);
 - the mid-block attention, within each frame: each shard's queries attend to the keys and
   values of every position of that frame, all-gathered from every shard in rank order.
 
@@ -36,7 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from convkernels.shard_comm import ShardComm
-from convkernels.sharded_ops import halo_conv2d, haloed_conv3d, row_halo
+from convkernels.sharded_ops import halo_upsample_conv2d, haloed_conv3d, row_halo_parts
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
@@ -47,16 +48,18 @@ ROWS = 2
 
 
 def _causal_conv(sh: Shard, conv, x, state: FeatureCache, norm=None, residual=None):
-    """CausalConv3d.cached (or with_cache with a norm + SiLU in front) on this shard's rows: the
-    norm is per position, so applied to the own rows before the halo is fetched; the haloed
-    frames join the cached ones (own rows plus the halo they were cached with)."""
-    if norm is not None:
-        x = norm(x, "silu")
+    """CausalConv3d.cached (or with_cache with a norm + SiLU in front) on this shard's rows. The
+    neighbours' edge rows are fetched as they are, before the norm, and joined to the shard's:
+    the norm is per position, so normalising the joined rows gives the neighbours' normalised
+    rows. with_cache then writes the norm's output behind the cached frames in one pass, as the
+    unsharded decode does, and the cache keeps those haloed frames. The image's own top and
+    bottom rows are the conv's zero padding (rows_pad), never copied in."""
     halo = (conv.kernel[1] - 1) // 2
+    rows_pad = (0, 0)
     if halo:
-        x = row_halo(conv.backend, sh.comm, x, halo, axis=ROWS)
-    x, lo = conv.with_cache(x, state)
-    return haloed_conv3d(conv.backend, x, conv.weight, conv.bias, time_pad=lo, residual=residual)
+        x, rows_pad = row_halo_parts(conv.backend, sh.comm, x, halo, axis=ROWS)
+    x, lo = conv.with_cache(x, state, norm)
+    return haloed_conv3d(conv.backend, x, conv.weight, conv.bias, time_pad=lo, rows_pad=rows_pad, residual=residual)
 
 
 def _residual_block(sh: Shard, block, x, state: FeatureCache):
@@ -84,14 +87,14 @@ def _attention(sh: Shard, attn, x):
 
 def _resample(sh: Shard, upsampler, x, state: FeatureCache):
     """wan_vae_layers.Resample: the time doubling (a (3,1,1) conv, row-local, its cache the
-    shard's own rows; the layer's own code), then nearest 2x and the 3x3 conv with its halo,
-    every frame on its own."""
+    shard's own rows; the layer's own code), then nearest 2x and the 3x3 conv as one op on the
+    shard's rows with one row of each neighbour (halo_upsample_conv2d), every frame on its own."""
     b = upsampler.backend
     if upsampler.time_conv is not None:
         x = upsampler._double_frames(x, state)
     n, t, h, w, c = x.shape
-    frames = b.upsample_nearest(b.reshape(x, (n * t, h, w, c)), 2)
-    frames = halo_conv2d(b, sh.comm, frames, upsampler.conv.weight, upsampler.conv.bias)
+    frames = halo_upsample_conv2d(b, sh.comm, b.reshape(x, (n * t, h, w, c)), upsampler.conv.weight,
+                                  upsampler.conv.bias)
     return b.reshape(frames, (n, t, 2 * h, 2 * w, upsampler.out_dim))
 
 

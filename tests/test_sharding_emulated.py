@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from convkernels import get_backend
 from convkernels.shard_comm import run_sharded, split, split_rows
-from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_conv3d
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_conv3d, halo_upsample_conv2d
 from torch_reference import rel_l2
 
 
@@ -56,6 +56,29 @@ def test_a_conv_with_its_halo_exchanged_equals_the_whole_image_conv(shards, kern
     assert rel_l2(fused, ref + skip) < 1e-5
     if kernel > 1:  # the vacuity guard: shards padded with zeros instead of their neighbours' rows
         alone = np.concatenate([backend.conv2d(p, w, b, padding=kernel // 2) for p in parts], axis=1)
+        assert rel_l2(alone, ref) > 1e-2
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_upsample_then_conv_with_one_low_resolution_halo_row_equals_the_whole_image_op(shards):
+    """halo_upsample_conv2d: nearest 2x then a 'same' 3x3 conv, run as the backend's one op on the
+    shard's rows and one row of each neighbour, its halo's output rows dropped, against torch's
+    interpolate + conv2d of the whole image; odd rows (5 shards of 11 rows: 3, 2, 2, 2, 2)."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 11, 7, 5)).astype(np.float32)
+    w = rng.standard_normal((6, 3, 3, 5)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    backend = get_backend("numpy")
+    parts = split(x, split_rows(11, shards))
+    out = np.concatenate(run_sharded(shards, lambda comm, r: np.asarray(
+        halo_upsample_conv2d(backend, comm, parts[r], w, b))), axis=1)
+    ref = F.conv2d(F.interpolate(nchw(x), scale_factor=2, mode="nearest"),
+                   torch.from_numpy(w.transpose(0, 3, 1, 2).copy()), torch.from_numpy(b),
+                   padding=1).numpy().transpose(0, 2, 3, 1)
+    assert out.shape == ref.shape == (2, 22, 14, 6)
+    assert rel_l2(out, ref) < 1e-5
+    if shards > 1:  # the vacuity guard: each shard's op alone, its edges padded with zeros
+        alone = np.concatenate([backend.upsample_conv2d(p, w, b) for p in parts], axis=1)
         assert rel_l2(alone, ref) > 1e-2
 
 
