@@ -87,7 +87,8 @@ def timed_decode(url: str, body: bytes, fmt: str = "npy", **params) -> float:
 
 
 def wait_for_every_device(url: str, model: str, timeout: float = 600) -> None:
-    """/readyz answers once any worker is ready; a shard group needs every one of its workers."""
+    """/readyz answers once any worker is ready; a shard group needs every one of its workers,
+    and the leader's links to them (503 shard-group-not-ready with Retry-After until then)."""
     deadline = time.monotonic() + timeout
     while True:
         devices = httpx.get(f"{url}/v1/models/{model}", timeout=30).json().get("devices", [])
@@ -96,6 +97,19 @@ def wait_for_every_device(url: str, model: str, timeout: float = 600) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"the devices of {model} did not all get ready in {timeout:.0f} s: {devices}")
         time.sleep(0.2)
+
+
+def first_sharded_call(url: str, body: bytes, shards: int, timeout: float = 300) -> None:
+    """One sharded decode that succeeds: the group forms on the first N-shard request, and until
+    each follower has linked up the answer is 503 with Retry-After."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(url, content=body, headers=NPY, params={"format": "npy", "shards": shards}, timeout=3600)
+        if r.status_code == 200:
+            return
+        if r.status_code != 503 or time.monotonic() > deadline:
+            raise SystemExit(f"sharded decode answered {r.status_code}: {r.text[:300]}")
+        time.sleep(float(r.headers.get("Retry-After", "1")))
 
 
 def server_ttff(url: str, model: str) -> tuple[float, float]:
@@ -169,6 +183,8 @@ def main():
             t, h, w = (int(v) for v in shape.split("x"))
             lat = rng.standard_normal((1, c, t, h, w)).astype(np.float32)
             body = npy(lat)
+            if sharded:
+                first_sharded_call(f"{base}/decode", body, args.shards)
             if args.raw:
                 raw = raw_decode_s(card["preset"], args.backend, lat, args.reps)
                 mp4, u8 = [], []

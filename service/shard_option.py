@@ -33,14 +33,14 @@ class AutoRule:
 
 _H200X4 = "4x H200, 2026-11-26, benchmarks/sharded_decode.py"
 AUTO_RULES: tuple[AutoRule, ...] = (
-    AutoRule(sharding.IMAGE, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.59x one GPU's time ({_H200X4})"),
-    AutoRule(sharding.IMAGE, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.30x ({_H200X4})"),
-    # the Wan rows with the sharded steady chunks replayed from CUDA graphs (before them, 81x480x832
-    # on 2 GPUs took 0.98x and had no row)
-    AutoRule(sharding.VIDEO, 81 * 480 * 832, 2, f"Wan 2.1 81x480x832 bf16: 2 GPUs 0.88x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.49x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.82x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.45x ({_H200X4})"),
+    AutoRule(sharding.IMAGE, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.52x one GPU's time ({_H200X4})"),
+    AutoRule(sharding.IMAGE, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.26x ({_H200X4})"),
+    # the Wan rows with the sharded steady chunks replayed from CUDA graphs and no halo copies
+    # (before both, 81x480x832 on 2 GPUs took 0.98x and had no row)
+    AutoRule(sharding.VIDEO, 81 * 480 * 832, 2, f"Wan 2.1 81x480x832 bf16: 2 GPUs 0.65x ({_H200X4})"),
+    AutoRule(sharding.VIDEO, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.37x ({_H200X4})"),
+    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.60x ({_H200X4})"),
+    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.33x ({_H200X4})"),
 )
 
 
