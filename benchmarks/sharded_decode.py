@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--f32-reference", action="store_true",
                     help="also decode once in float32 on one GPU and give every row's distance from it (issue "
                          "#32: a sharded half-precision decode is within the one-GPU decode's own error)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="every rank (the one-GPU baseline too) without CUDA graphs: the lower-memory setting")
     ap.add_argument("--no-exchange", action="store_true",
                     help="also time each group size with NoExchange in place of NCCL: what the shards compute "
                          "apart from what they exchange")
@@ -83,7 +85,7 @@ def main() -> None:
             continue
         t0 = time.time()
         res = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                             whole=(n == 1))
+                             whole=(n == 1), cuda_graphs=not args.no_graphs)
         ms = 1e3 * statistics.median(res.seconds)
         if base is None:
             base = (ms, res.images, max(res.pool_bytes))
@@ -93,7 +95,8 @@ def main() -> None:
                    call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds], graph_replays=res.graph_replays,
                    rel_l2_vs_f32=None if f32 is None else rel_l2(res.images, f32))
         rows.append(row)
-        print(f"{args.preset} {what} {args.dtype} on {n} GPU(s): {ms:9.1f} ms ({ms / base[0]:.2f}x one "
+        print(f"{args.preset} {what} {args.dtype}{' no graphs' if args.no_graphs else ''} on {n} GPU(s): {ms:9.1f} ms "
+              f"({ms / base[0]:.2f}x one "
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
               f"{err:.2e}" + ("" if f32 is None else f", vs float32 {row['rel_l2_vs_f32']:.2e}")
               + f"  [call {row['call_s']:.0f} s, graph replays per rank {res.graph_replays}]", flush=True)
@@ -114,10 +117,10 @@ def main() -> None:
                 line += f"; frame groups first {slow[0]:.1f}, later median {statistics.median(slow[3:]):.1f} ms"
             print(line, flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
-               workload=what, dtype=args.dtype)
+               workload=what, dtype=args.dtype, cuda_graphs=not args.no_graphs)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
-    tag = f"{args.preset}_{'x'.join(map(str, shape))}_{args.dtype}"
+    tag = f"{args.preset}_{'x'.join(map(str, shape))}_{args.dtype}" + ("_nographs" if args.no_graphs else "")
     with open(os.path.join(out, f"sharded_decode_{tag}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n# sharded decode, {env['date']}, {len(visible)}x {visible[0] if visible else '?'}")

@@ -46,11 +46,11 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         from convkernels.nccl_comm import NcclShards
         from models import ModelOptions, load_model, sharding
 
-        backend = get_backend("cuda", dtype=job["dtype"])
+        backend = get_backend("cuda", dtype=job["dtype"], cuda_options={"cuda_graphs": job.get("cuda_graphs", True)})
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
                            options=ModelOptions(seed=job["seed"]))
         rows, total = job["rows"], job["total_rows"]
-        comm = NcclShards.join(uid, rank, size) if size > 1 else None
+        nccl = comm = NcclShards.join(uid, rank, size) if size > 1 else None
         if comm is not None and job.get("timing_comm"):  # benchmarks only: "module:Class", made (rank, size)
             module, _, name = job["timing_comm"].partition(":")
             comm = getattr(importlib.import_module(module), name)(rank, size)
@@ -96,8 +96,8 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         held = backend.describe()
         answers.put((rank, "ok", out, times, held.get("pool_bytes", 0) + held.get("graph_pool_bytes", 0), replays,
                      list(intervals)))
-        if comm is not None:
-            comm.close()
+        if nccl is not None:  # a timing communicator stood in for it, or not: the group is closed
+            nccl.close()
     except BaseException as e:  # the parent reports it and stops the others
         answers.put((rank, "error", f"{type(e).__name__}: {e}", [], 0, 0, []))
 
@@ -105,13 +105,14 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
 def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
                    weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
                    timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None,
-                   timing_comm: str | None = None) -> ShardedResult:
+                   timing_comm: str | None = None, cuda_graphs: bool = True) -> ShardedResult:
     """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
     decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
     timing_comm: "module:Class" of a communicator each rank uses instead of its NCCL one, for timing
     what the shards compute apart from what they exchange (benchmarks/sharded_decode.py --no-exchange:
-    its output is not the decode's)."""
+    its output is not the decode's). cuda_graphs=False: every rank runs eagerly (the service's
+    CONVSERVE_CUDA_GRAPHS=0)."""
     from convkernels.nccl_comm import NcclShards
     from convkernels.shard_comm import split, split_rows
 
@@ -128,7 +129,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
                                     total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank,
-                                    timing_comm=timing_comm),
+                                    timing_comm=timing_comm, cuda_graphs=cuda_graphs),
         answers)) for r in range(size)]
     for p in procs:
         p.start()
