@@ -153,13 +153,25 @@ def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray
         yield pending.result()
 
 
+#: a shard's latent positions per frame (its rows x width) up to which its steady chunks replay a
+#: recorded graph; above, its kernels are long enough that a replay saves nothing and the graph's
+#: pool (which holds the causal cache twice more) only costs memory. Measured 2026-11-26 on 4x
+#: H200 (benchmarks/RESULTS.md, "sharded_decode"): Wan 2.1 121x720x1280 on 4 GPUs (23 x 160 =
+#: 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's memory, 1096 ms graphed at 0.55x;
+#: 81x480x832 on 4 GPUs (15 x 104 = 1560) ran 404 ms graphed, 524 ms eagerly (before the halo
+#: copies went, when launches were more)
+GRAPH_MAX_POSITIONS = 2400
+
+
 def _chunk(model, sh: Shard, x, state: FeatureCache):
     """sharded_decoder_chunk, through a recorded graph for steady chunks where the backend records
-    one (as the unsharded decode's steady step): one launch for the chunk's hundreds of kernels
-    and its collectives, which are queued on the same stream (NCCL calls may be captured). Every
-    shard decides alone; a shard that runs a chunk eagerly where the others replay issues the
-    same collectives in the same order, so they still meet."""
-    if state.steady() and model.backend.calls_to_warm > 1:
+    one and the shard is small enough for it to pay (GRAPH_MAX_POSITIONS), as the unsharded
+    decode's steady step: one launch for the chunk's hundreds of kernels and its collectives,
+    which are queued on the same stream (NCCL calls may be captured). Every shard decides alone;
+    a shard that runs a chunk eagerly where the others replay issues the same collectives in the
+    same order, so they still meet."""
+    small = x.shape[2] * x.shape[3] <= GRAPH_MAX_POSITIONS
+    if state.steady() and small and model.backend.calls_to_warm > 1:
         step = model.sharded_steps.get(sh)
         if step is None:  # one per shard group and band: sh holds the communicator and the rows
             step = model.sharded_steps[sh] = model.backend.graphed(partial(_step, model, sh))
