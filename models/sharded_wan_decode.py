@@ -24,9 +24,10 @@ The first latent frame gives one frame and every later one `temporal_factor` fra
 same cache rules as the unsharded decode (the layers' with_cache and the upsampler's first-chunk
 marker, shared code). The de-normalisation (latents * std + mean) is per channel, so local.
 conv_out holds x / 2 + 0.5 (folded at load), so each shard clips its frames to [0, 1] as
-model.decode does. Steady chunks (the third on) replay a recorded graph where the backend
-records one, collectives included, as the unsharded decode's do (see _chunk). models.sharding.decode_emulated runs the lot on threads (ThreadShards,
-NCCL's collective semantics) and joins the shards' rows.
+model.decode does. Steady chunks (the third on) of a small band replay a recorded graph where
+the backend records one, collectives included, as the unsharded decode's do (see _chunk).
+models.sharding.decode_emulated runs the lot on threads (ThreadShards, NCCL's collective
+semantics) and joins the shards' rows.
 """
 from __future__ import annotations
 
