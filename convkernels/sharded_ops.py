@@ -5,9 +5,11 @@ norm over channels, activations, pointwise convs) is row-local and runs on a sha
 
 They take the shard's rows (channels-last: images N,H,W,C with rows on axis 1, videos N,T,H,W,C
 with rows on axis 2), its communicator (shard_comm.ShardComm) and its backend, whose ops
-(slice, concat, pad, conv) they are written in, once for every backend; and return what the
-unsharded layer returns for those rows. A video's causal conv (halo_conv3d) needs only rows from its neighbours, never frames: its
-time padding, and the cache of earlier frames a chunked decode keeps, are the shard's own.
+(slice, concat, conv) they are written in, once for every backend; and return what the
+unsharded layer returns for those rows. A video's causal conv (halo_conv3d) needs only rows from
+its neighbours, never frames: its time padding, and the cache of earlier frames a chunked decode
+keeps, are the shard's own. Where a shard holds the image's own top or bottom, the conv's zero
+padding stands for the missing rows (row_halo_parts): no shard copies zero rows in.
 
 GroupNorm is exact through one all-reduce of its statistics: each shard's float64 sums of x and
 x*x per group (backend.group_norm_sums, the first of CUDA's two GroupNorm kernels), summed over

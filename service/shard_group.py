@@ -138,10 +138,11 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     try:
         while len(got) < size:
             try:
-                rank, status, out, times, pool, replays, intervals = answers.get(timeout=max(0.1, deadline - time.monotonic()))
+                answer = answers.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue_errors.Empty:
                 raise TimeoutError(f"sharded decode: ranks {sorted(set(range(size)) - set(got))} gave no answer "
                                    f"in {timeout_s:.0f} s") from None
+            rank, status, out, times, pool, replays, intervals = answer
             if status != "ok":
                 raise RuntimeError(f"sharded decode: rank {rank} (GPU {gpus[rank]}) failed: {out}")
             got[rank] = (out, times, pool, replays, intervals)
