@@ -126,3 +126,47 @@ def test_wan22_is_refused_not_decoded_wrongly():
     lat = np.zeros((1, model.latent_channels, 1, 4, 3), np.float32)
     with pytest.raises(ValueError, match="Wan 2.1"):
         decode_emulated(model, lat, 2)
+
+
+class _ReplayedStep:
+    """A stand-in for a backend's recorded graph (what CUDA's GraphedForward is to the sharded
+    decode): it says it records, and runs the step it was given, counting the calls, so the
+    step's own contract (cache slots in, the next slots out) is checked on the CPU."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def records(self, *xs):
+        return True
+
+    def __call__(self, *xs):
+        self.calls.append(xs[0].shape)
+        return self.fn(*xs)
+
+
+@pytest.mark.parametrize("limit", [1000, 13])
+def test_steady_chunks_go_through_the_recorded_step_of_small_bands_only(case, monkeypatch, limit):
+    """The sharded decode hands its steady chunks (the third latent frame on) to the backend's
+    recorded step where the shard's band is at most GRAPH_MAX_POSITIONS latent positions a frame:
+    with every band under the limit every steady chunk goes through it; with the limit between
+    the bands (9 rows: 5 and 4, times width 3: 15 and 12), only the narrower shard's do, the other
+    runs eagerly, and the shards still meet and equal the unsharded decode."""
+    import models.sharded_wan_decode as swd
+
+    name, seed, model, _, _, _ = case
+    lat = np.random.default_rng(seed + 1).standard_normal((1, model.latent_channels, 5, 9, 3)).astype(np.float32)
+    ours = model.decode(lat, tiled=False)
+    calls = []
+    backend = type(model.backend)
+    monkeypatch.setattr(backend, "calls_to_warm", property(lambda self: 2))
+    monkeypatch.setattr(backend, "graphed", lambda self, fn: _ReplayedStep(fn, calls))
+    monkeypatch.setattr(swd, "GRAPH_MAX_POSITIONS", limit)
+    model.sharded_steps.clear()
+    try:
+        out = decode_emulated(model, lat, 2)
+    finally:
+        model.sharded_steps.clear()
+    assert rel_l2(out, ours) < UNSHARDED_TOL, f"{name} seed {seed}: limit {limit}"
+    steady = lat.shape[2] - 2  # chunks 2, 3, 4
+    rows = sorted(shape[2] for shape in calls)
+    assert rows == ([4] * steady + [5] * steady if limit == 1000 else [4] * steady), rows
