@@ -10,7 +10,11 @@ launches the graph and copies the outputs out: one launch instead of hundreds.
 What may run inside a capture (the backend keeps to it): no host synchronisation, no CuPy
 cuBLAS (matmuls go through cuda_blas.py's own handle), no cuRAND, no plan building or path
 measuring (a cache miss under capture raises CaptureMissed: that call runs eagerly and the next
-one captures again), and no host-side cache entry pointing into the capture's memory.
+one captures again), and no host-side cache entry pointing into the capture's memory. NCCL
+collectives queued on the capturing stream may be captured (convkernels/nccl_comm.py, the sharded
+Wan decode's steady chunks): only with nothing asked of the host (an all-gather is told its
+lengths), and a graph's replay then issues them in the order its eager run would, which every
+rank of the group keeps.
 
 Memory: everything the capture allocates comes from a CuPy memory pool private to that graph,
 so no later allocation can land on memory the graph's replays still write. Buffers from
