@@ -112,6 +112,16 @@ def first_sharded_call(url: str, body: bytes, shards: int, timeout: float = 300)
         time.sleep(float(r.headers.get("Retry-After", "1")))
 
 
+def server_stages(url: str, model: str) -> dict[str, float]:
+    """Sum per stage of convserve_stream_first_frame_stage_seconds for the model."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("convserve_stream_first_frame_stage_seconds_sum") and f'model="{model}"' in line:
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            sums[stage] = sums.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
 def server_ttff(url: str, model: str) -> tuple[float, float]:
     """(sum, count) of convserve_time_to_first_frame_seconds for the model."""
     total = count = 0.0
@@ -196,20 +206,23 @@ def main():
             for _ in range(2):
                 timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
             full, npy1, npyend, mp41, mp4end = [], [], [], [], []
-            s0 = server_ttff(url, args.model)
+            s0, st0 = server_ttff(url, args.model), server_stages(url, args.model)
             for _ in range(args.reps):
                 full.append(timed_decode(f"{base}/decode", body, **sharded))
                 a, b, _ = timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
                 npy1.append(a), npyend.append(b)
                 a, b, _ = timed_stream(f"{base}/decode/stream", body, "mp4", **sharded)
                 mp41.append(a), mp4end.append(b)
-            s1 = server_ttff(url, args.model)
+            s1, st1 = server_ttff(url, args.model), server_stages(url, args.model)
             med = statistics.median
             frames = f"{1 + 4 * (t - 1)}x{h * 8}x{w * 8}"
             ttff = (s1[0] - s0[0]) / max(s1[1] - s0[1], 1)
             print(f"{shape:>13s} {frames:>14s} {med(full):11.3f} {med(npy1):9.3f} {med(npyend):9.3f} "
                   f"{med(mp41):9.3f} {med(mp4end):9.3f} {med(full) / med(npy1):7.1f}x {med(npyend) / med(full):11.2f}x "
                   f"{ttff:13.3f}", flush=True)
+            streams = max(s1[1] - s0[1], 1)
+            print("    server's time to first frame by stage (mean): " + ", ".join(
+                f"{st} {1e3 * (st1.get(st, 0.0) - st0.get(st, 0.0)) / streams:.1f} ms" for st in st1), flush=True)
             if args.raw:
                 raw_rows.append((shape, frames, raw, {"npy": med(full), "npy uint8": med(u8), "mp4": med(mp4),
                                                       "npy streamed": med(npyend),

@@ -67,6 +67,13 @@ MODEL_WARMUP_SECONDS = Gauge("convserve_model_warmup_seconds", "Seconds of the w
                              ["model"], registry=REGISTRY, multiprocess_mode="max")
 TIME_TO_FIRST_FRAME = Histogram("convserve_time_to_first_frame_seconds", "Streaming: request to first frame",
                                 ["model", "backend"], registry=REGISTRY, buckets=_LATENCY_BUCKETS)
+#: where a stream's time to its first frame goes, stage by stage (they add up to it): `body`, the
+#: request's body read, parsed and checked; `open`, the decode opened on its worker (or shard
+#: group); `first_group`, the first frame group decoded and back in the front end; `send`, that
+#: group encoded and handed to the socket
+STREAM_STAGE_SECONDS = Histogram("convserve_stream_first_frame_stage_seconds",
+                                 "Streaming: the time to the first frame, by stage", ["model", "backend", "stage"],
+                                 registry=REGISTRY, buckets=_LATENCY_BUCKETS)
 STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames per second per request",
                        ["model", "backend"], registry=REGISTRY,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240))

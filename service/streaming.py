@@ -128,6 +128,15 @@ class FrameGroups:
             self.stream_id = None
 
 
+def observe_stages(labels: tuple[str, str], started: float, ends: dict[str, float]) -> None:
+    """Each stage's share of the time to the first frame: from the previous stage's end (the
+    request's start for the first) to its own, in the order given."""
+    last = started
+    for stage, end in ends.items():
+        metrics.STREAM_STAGE_SECONDS.labels(*labels, stage).observe(max(end - last, 0.0))
+        last = end
+
+
 def npy_record(group: np.ndarray) -> bytes:
     head, data = codecs.npy_parts(np.asarray(group, dtype=np.float32))
     return b"".join((RECORD_HEADER.pack(len(head) + len(data)), head, data))
@@ -137,9 +146,13 @@ class FrameStreamResponse(Response):
     """Chunked response of encoded frame groups; ends the Service.admit it was handed."""
 
     def __init__(self, groups: FrameGroups, first: tuple[np.ndarray, Lease], encode, *, media_type: str,
-                 headers: dict, tracking, started: float, trailer: bytes = b"", stream_metrics: bool = True):
+                 headers: dict, tracking, started: float, trailer: bytes = b"", stream_metrics: bool = True,
+                 stages: dict[str, float] | None = None):
         """stream_metrics: observe time to first frame and frames/s (the streaming route's series;
-        a whole clip sent progressively by /decode is not a stream to its client)."""
+        a whole clip sent progressively by /decode is not a stream to its client). stages: the
+        perf_counter time at which each stage before the answer ended (body, open, first_group),
+        observed with the send stage once the first group is sent."""
+        self.stages = stages or {}
         self.stream_metrics = stream_metrics
         self.status_code = 200
         self.media_type = media_type
@@ -174,7 +187,9 @@ class FrameStreamResponse(Response):
                 sent_groups += 1
                 frames += int(group.shape[1])
                 if sent_groups == 1 and self.stream_metrics:
-                    metrics.TIME_TO_FIRST_FRAME.labels(*labels).observe(time.perf_counter() - self.started)
+                    now = time.perf_counter()
+                    metrics.TIME_TO_FIRST_FRAME.labels(*labels).observe(now - self.started)
+                    observe_stages(labels, self.started, {**self.stages, "send": now})
                 if last:
                     break
                 group, lease = await _unless_gone(buffer.get(), gone_wait)
@@ -283,6 +298,7 @@ async def decode_stream(name: str, request: Request,
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
         lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
+        stages = {"body": time.perf_counter()}
         shape = hm.output_shape(lat.shape)
         n, t = shape[0], lat.shape[2]
         if format == "mp4":
@@ -297,7 +313,9 @@ async def decode_stream(name: str, request: Request,
         groups = FrameGroups(svc, hm, lat, tiled_opt, uint8=format == "mp4",
                              shards=svc.shards_for(hm, lat.shape, requested, tiled_opt))
         await groups.open(request.is_disconnected)
+        stages["open"] = time.perf_counter()
         first = await groups.next(request.is_disconnected)
+        stages["first_group"] = time.perf_counter()
     except BaseException:
         if groups is not None:
             groups.close()
@@ -305,7 +323,7 @@ async def decode_stream(name: str, request: Request,
         raise
     headers = {"X-Output-Shape": ",".join(map(str, shape)), "X-Frame-Groups": str(t)}
     return FrameStreamResponse(groups, first, encode, media_type=media, headers=headers,
-                               tracking=tracking, started=started, trailer=trailer)
+                               tracking=tracking, started=started, trailer=trailer, stages=stages)
 
 
 async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *, fmt: str, dtype: str,

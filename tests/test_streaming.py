@@ -184,6 +184,12 @@ def test_npy_stream_first_frame_early_and_exact(srv, clip):
     ttff = metric(s1, "convserve_time_to_first_frame_seconds_sum", model=MODEL, backend="numpy") - \
         metric(s0, "convserve_time_to_first_frame_seconds_sum", model=MODEL, backend="numpy")
     assert 0 < ttff < total
+    # where that time went, stage by stage: they add up to it, and the decode is in first_group
+    stage = "convserve_stream_first_frame_stage_seconds_sum"
+    stages = {st: metric(s1, stage, model=MODEL, backend="numpy", stage=st)
+              - metric(s0, stage, model=MODEL, backend="numpy", stage=st) for st in ("body", "open", "first_group", "send")}
+    assert all(v >= 0 for v in stages.values()) and stages["first_group"] > 0, stages
+    assert abs(sum(stages.values()) - ttff) < 1e-6, (stages, ttff)
     assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) - \
         metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) == 1
 
