@@ -116,6 +116,8 @@ def test_gpu_reservation():
     devices = COMPOSE["services"]["convserve-gpu"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert "deploy" not in COMPOSE["services"]["convserve-cpu"]
+    # NCCL's shared memory for shard groups, once the service gets several GPUs
+    assert COMPOSE["services"]["convserve-gpu"]["shm_size"] == "1gb"
 
 
 def test_every_mount_exists_and_every_volume_is_declared():

@@ -147,6 +147,12 @@ def test_gpu_overlay_requests_one_gpu_and_cuda(rendered):
     assert container(cpu)["image"].endswith(":cpu")
     # base settings survive the gpu overlay's ConfigMap patch
     assert by_kind(gpu, "ConfigMap")["data"]["CONVSERVE_HOST"] == "0.0.0.0"
+    # NCCL's shared memory for shard groups: /dev/shm in memory, beside the base's mounts (merged)
+    mounts = {m["mountPath"]: m["name"] for m in container(gpu)["volumeMounts"]}
+    volumes = {v["name"]: v for v in _pod(by_kind(gpu, "Deployment"))["volumes"]}
+    assert {"/models", "/var/cache/convserve/plans", "/tmp", "/dev/shm"} <= set(mounts), mounts
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert "/dev/shm" not in {m["mountPath"] for m in container(cpu)["volumeMounts"]}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
