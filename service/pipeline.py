@@ -359,7 +359,7 @@ class Service:
 
     def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
         return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count,
-                                      self.settings.shard_groups or self.engine.backend_name != "cuda")
+                                      shard_option.groups_off(self.engine.backend_name, self.settings))
 
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
                      clamp: bool = True, uint8: bool = False, shards: int | str = 1,

@@ -97,15 +97,29 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
     return n
 
 
+def groups_off(backend: str, settings) -> tuple[str, str] | None:
+    """Why this server forms no shard groups, as (problem kind, detail), or None where it does: on
+    GPUs with `shard_groups` off; on the mlx backend without a `shard_comm` (its emulated shards
+    would fail: MLX streams belong to the thread that made them, and the shards are threads)."""
+    if backend == "cuda" and not settings.shard_groups:
+        return "shard-groups-off", ("sharded requests on GPUs are off on this server: it runs with "
+                                    "CONVSERVE_SHARD_GROUPS=0 (docs/sharding.md)")
+    if backend == "mlx" and not settings.shard_comm:
+        return "shards-not-on-this-backend", ("the mlx backend serves no sharded requests: its shards would be "
+                                              "threads, and MLX streams belong to the thread that made them; "
+                                              "sharded decodes run on CUDA GPUs or the numpy backend "
+                                              "(docs/sharding.md)")
+    return None
+
+
 def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: bool | None, devices: int,
-              groups: bool = True) -> int:
-    """decide() for a served model (its card's shard family and output shape). groups=False: this
-    server has no shard groups (GPUs with `shard_groups` off): auto is 1, N > 1 a 501."""
-    if not groups:
+              off: tuple[str, str] | None = None) -> int:
+    """decide() for a served model (its card's shard family and output shape). off: why this server
+    forms no shard groups (groups_off): then auto is 1 and N > 1 a 501 that says why."""
+    if off is not None:
         if requested == AUTO or int(requested) == 1:
             return 1
-        raise Problem(501, "shard-groups-off", "sharded requests on GPUs are off on this server: it runs with "
-                      "CONVSERVE_SHARD_GROUPS=0 (docs/sharding.md)")
+        raise Problem(501, *off)
     return decide(requested, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
                   hm.output_shape(latents_shape), devices, tiled)
 

@@ -6,6 +6,7 @@ import pytest
 from models import sharding
 from service import shard_option
 from service.problems import Problem
+from service.settings import Settings
 
 
 @pytest.mark.parametrize("value,want", [(None, 1), ("", 1), ("1", 1), ("4", 4), (2, 2), ("auto", "auto"),
@@ -60,9 +61,20 @@ def test_without_shard_groups_auto_is_one_device_and_n_a_501():
         def output_shape(shape):
             return (shape[0], 8 * shape[2], 8 * shape[3], 3)
     lat = (1, 4, 512, 512)  # 4096x4096: auto would shard it where groups exist
-    assert shard_option.for_model(Hm, lat, "auto", None, 4, groups=True) == 4
-    assert shard_option.for_model(Hm, lat, "auto", None, 4, groups=False) == 1
-    assert shard_option.for_model(Hm, lat, 1, None, 4, groups=False) == 1
+    off = shard_option.groups_off("cuda", Settings(shard_groups=False))
+    assert shard_option.for_model(Hm, lat, "auto", None, 4) == 4
+    assert shard_option.for_model(Hm, lat, "auto", None, 4, off) == 1
+    assert shard_option.for_model(Hm, lat, 1, None, 4, off) == 1
     with pytest.raises(Problem) as e:
-        shard_option.for_model(Hm, lat, 2, None, 4, groups=False)
-    assert e.value.status == 501 and "CONVSERVE_SHARD_GROUPS" in e.value.detail
+        shard_option.for_model(Hm, lat, 2, None, 4, off)
+    assert e.value.status == 501 and e.value.kind == "shard-groups-off" and "CONVSERVE_SHARD_GROUPS" in e.value.detail
+
+
+def test_which_servers_form_shard_groups():
+    assert Settings().shard_groups, "on by default"
+    assert shard_option.groups_off("cuda", Settings()) is None
+    assert shard_option.groups_off("numpy", Settings(shard_groups=False)) is None  # emulated shards
+    assert shard_option.groups_off("cuda", Settings(shard_groups=False))[0] == "shard-groups-off"
+    # mlx's emulated shards would fail (its streams are per thread); a real communicator is fine
+    assert shard_option.groups_off("mlx", Settings())[0] == "shards-not-on-this-backend"
+    assert shard_option.groups_off("mlx", Settings(shard_comm="gloo_shards:GlooShards")) is None
