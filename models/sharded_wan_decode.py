@@ -42,6 +42,7 @@ from convkernels.sharded_ops import halo_upsample_conv2d, haloed_conv3d, row_hal
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
+from .wan_vae import one_group_ahead
 from .wan_vae_layers import Decoder3d, FeatureCache
 
 #: rows are axis 2 of the decoder's activations (N, T, H, W, C)
@@ -133,25 +134,18 @@ def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True,
 
 
 def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray]:
-    # as the unsharded decode (WanVAEDecoder._untiled_groups): where the backend runs ahead,
-    # group k+1 is queued before group k is waited for, from the second group on. Every shard
-    # does the same, so the collectives still meet in order. No interrupt.check() between
-    # groups, unlike the unsharded decode: a shard that stopped alone would leave the others
-    # waiting in their next collective
+    """Every shard steps its groups as the unsharded decode does (one_group_ahead), so the
+    collectives still meet in order. No interrupt.check() between groups, unlike the unsharded
+    decode: a shard that stopped alone would leave the others waiting in their next collective."""
     b = model.backend
     state = FeatureCache()
-    pending = None
-    for k in range(z.shape[1]):
-        x = b.asarray(np.ascontiguousarray(z[:, k:k + 1]))
-        started = b.to_host_async(_chunk(model, sh, x, state), PIXEL_RANGE if clamp else None)
-        if pending is not None:
-            yield pending.result()
-        pending = started
-        if k == 0 or not b.runs_ahead:
-            yield pending.result()
-            pending = None
-    if pending is not None:
-        yield pending.result()
+
+    def started():
+        for k in range(z.shape[1]):
+            x = b.asarray(np.ascontiguousarray(z[:, k:k + 1]))
+            yield b.to_host_async(_chunk(model, sh, x, state), PIXEL_RANGE if clamp else None)
+
+    yield from one_group_ahead(started(), b.runs_ahead)
 
 
 #: a shard's latent positions per frame (its rows x width) up to which its steady chunks replay a

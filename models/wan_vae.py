@@ -224,24 +224,14 @@ class WanVAEDecoder:
         return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
 
     def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
-        # on a backend that runs ahead, group k+1 is queued on the device before group k is
-        # waited for (from the second group on), so k's copy and host work overlap k+1's kernels:
-        # one group of look-ahead, a slow reader still holds the decode back; the first group
-        # leaves as soon as it is done. Elsewhere each group is computed when asked for.
-        ahead = self.backend.runs_ahead
         state = FeatureCache()
-        pending = None
-        for k in range(z.shape[1]):
-            interrupt.check()  # its requesters gone: stop between frame groups
-            started = self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE, uint8=uint8)
-            if pending is not None:
-                yield pending.result()
-            pending = started
-            if k == 0 or not ahead:
-                yield pending.result()
-                pending = None
-        if pending is not None:
-            yield pending.result()
+
+        def started():
+            for k in range(z.shape[1]):
+                interrupt.check()  # its requesters gone: stop between frame groups
+                yield self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE, uint8=uint8)
+
+        yield from one_group_ahead(started(), self.backend.runs_ahead)
 
     def _tiled_groups(self, z: np.ndarray, plan, uint8: bool = False) -> Iterator[np.ndarray]:
         size = plan.tile_latent
@@ -332,6 +322,25 @@ class WanVAEDecoder:
                                    "tile_sample_stride": self.tiling.stride_px,
                                    "max_untiled_pixels": self.max_untiled_pixels},
                            config=self.config.as_dict())
+
+
+def one_group_ahead(started: Iterator, ahead: bool) -> Iterator[np.ndarray]:
+    """The results of frame groups started one by one (each item of `started` queues a group and
+    returns its way to the host, `.result()`). Where the backend runs ahead, group k+1 is queued
+    on the device before group k is waited for (from the second group on), so k's copy and host
+    work overlap k+1's kernels: one group of look-ahead; a slow reader still holds the decode back,
+    and the first group leaves as soon as it is done. Elsewhere each group is computed when asked
+    for. The unsharded and the sharded decode (models/sharded_wan_decode.py) both step this way."""
+    pending = None
+    for k, group in enumerate(started):
+        if pending is not None:
+            yield pending.result()
+        pending = group
+        if k == 0 or not ahead:
+            yield pending.result()
+            pending = None
+    if pending is not None:
+        yield pending.result()
 
 
 def build(name: str, preset: str, backend: Backend, weights: str | None = None,
