@@ -68,7 +68,12 @@ def main() -> None:
     ap.add_argument("--no-exchange", action="store_true",
                     help="also time each group size with NoExchange in place of NCCL: what the shards compute "
                          "apart from what they exchange")
+    ap.add_argument("--plans", default="",
+                    help="video only: comma-separated chunk plans to time on each group size above one, FRAMES "
+                         "then g (graphed) or e (eager), e.g. 1e,1g,2e,2g (models.sharded_wan_decode.ChunkPlan); "
+                         "default: the plan the bands choose")
     args = ap.parse_args()
+    plans = [(int(p[:-1]), p[-1] == "g") for p in args.plans.split(",") if p] or [None]
 
     from service.shard_group import decode_on_gpus
 
@@ -79,23 +84,26 @@ def main() -> None:
     what = f"latents {'x'.join(map(str, shape))}" if args.latent else f"{args.size}x{args.size}"
     rows, base = [], None
     f32 = decode_on_gpus(args.preset, latents, ["0"], "float32", whole=True).images if args.f32_reference else None
-    for n in map(int, args.gpus.split(",")):
+    runs = [(n, plan) for n in map(int, args.gpus.split(",")) for plan in (plans if n > 1 else [None])]
+    for n, plan in runs:
         if n > len(visible):
             print(f"skipping {n} GPUs: {len(visible)} visible", flush=True)
             continue
         t0 = time.time()
         res = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                             whole=(n == 1), cuda_graphs=not args.no_graphs)
+                             whole=(n == 1), cuda_graphs=not args.no_graphs, chunk_plan=plan)
         ms = 1e3 * statistics.median(res.seconds)
         if base is None:
             base = (ms, res.images, max(res.pool_bytes))
         err = rel_l2(res.images, base[1])
-        row = dict(gpus=n, ms=ms, vs_one=ms / base[0], pool_gib_per_gpu=max(res.pool_bytes) / 2**30,
+        row = dict(gpus=n, chunk_plan=plan, ms=ms, vs_one=ms / base[0], pool_gib_per_gpu=max(res.pool_bytes) / 2**30,
                    memory_vs_one=max(res.pool_bytes) / base[2], rel_l2_vs_one=err, bands=res.bands,
                    call_s=time.time() - t0, all_ms=[1e3 * s for s in res.seconds], graph_replays=res.graph_replays,
                    rel_l2_vs_f32=None if f32 is None else rel_l2(res.images, f32))
         rows.append(row)
-        print(f"{args.preset} {what} {args.dtype}{' no graphs' if args.no_graphs else ''} on {n} GPU(s): {ms:9.1f} ms "
+        named = "" if plan is None else f" plan {plan[0]}{'g' if plan[1] else 'e'}"
+        print(f"{args.preset} {what} {args.dtype}{' no graphs' if args.no_graphs else ''}{named} on {n} GPU(s): "
+              f"{ms:9.1f} ms "
               f"({ms / base[0]:.2f}x one "
               f"GPU), pool {row['pool_gib_per_gpu']:.2f} GiB/GPU ({row['memory_vs_one']:.2f}x), rel L2 vs one GPU "
               f"{err:.2e}" + ("" if f32 is None else f", vs float32 {row['rel_l2_vs_f32']:.2e}")
@@ -103,18 +111,20 @@ def main() -> None:
         if res.group_seconds and res.group_seconds[0]:  # a video: where a decode's time goes, group by group
             slowest = [1e3 * max(col) for col in zip(*res.group_seconds)]
             row["group_ms"] = slowest
+            # a run of frames (a plan of 2 or more) hands out its groups together: the later groups'
+            # mean per latent frame is what compares across plans, not their median
             print(f"    frame groups (slowest rank, ms): first {slowest[0]:.1f}, second {slowest[1]:.1f}, "
-                  f"third {slowest[2]:.1f}, later median {statistics.median(slowest[3:]):.1f} "
-                  f"(min {min(slowest[3:]):.1f}, max {max(slowest[3:]):.1f})", flush=True)
+                  f"third {slowest[2]:.1f}, later ones {statistics.mean(slowest[3:]):.1f} per latent frame "
+                  f"(max {max(slowest[3:]):.1f})", flush=True)
         if args.no_exchange and n > 1:
             bare = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                                  timing_comm="sharded_decode:NoExchange")
+                                  timing_comm="sharded_decode:NoExchange", chunk_plan=plan)
             bare_ms = 1e3 * statistics.median(bare.seconds)
             row["no_exchange_ms"] = bare_ms
             line = f"    without the exchanges (NoExchange, output not the decode's): {bare_ms:.1f} ms"
             if bare.group_seconds and bare.group_seconds[0]:
                 slow = [1e3 * max(col) for col in zip(*bare.group_seconds)]
-                line += f"; frame groups first {slow[0]:.1f}, later median {statistics.median(slow[3:]):.1f} ms"
+                line += f"; frame groups first {slow[0]:.1f}, later ones {statistics.mean(slow[3:]):.1f} ms per latent frame"
             print(line, flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
                workload=what, dtype=args.dtype, cuda_graphs=not args.no_graphs)
@@ -124,10 +134,11 @@ def main() -> None:
     with open(os.path.join(out, f"sharded_decode_{tag}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n# sharded decode, {env['date']}, {len(visible)}x {visible[0] if visible else '?'}")
-    print("| GPUs | ms | vs one GPU | pool GiB per GPU | memory vs one | rel L2 vs one GPU |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| GPUs | chunk plan | ms | vs one GPU | pool GiB per GPU | memory vs one | rel L2 vs one GPU |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['gpus']} | {r['ms']:.1f} | {r['vs_one']:.2f} | {r['pool_gib_per_gpu']:.2f} | "
+        plan = "bands'" if r["chunk_plan"] is None else f"{r['chunk_plan'][0]}{'g' if r['chunk_plan'][1] else 'e'}"
+        print(f"| {r['gpus']} | {plan} | {r['ms']:.1f} | {r['vs_one']:.2f} | {r['pool_gib_per_gpu']:.2f} | "
               f"{r['memory_vs_one']:.2f} | {r['rel_l2_vs_one']:.2e} |")
 
 

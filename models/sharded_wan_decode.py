@@ -2,8 +2,9 @@
 untiled decode (models/wan_vae.py).
 
 Every shard runs the decoder of one `WanVAEDecoder` with the model's own parameters on its rows
-of the latents (channels-last N,T,h,w,C, rows on axis 2), one latent frame at a time with its
-own FeatureCache, exactly as the unsharded decode does, and talks to the other shards only
+of the latents (channels-last N,T,h,w,C, rows on axis 2), the first latent frame alone and
+then runs of frames (ChunkPlan: small bands take two at a time) with its own FeatureCache, by
+the unsharded decode's cache rules, and talks to the other shards only
 through its communicator (convkernels.shard_comm.ShardComm):
 - each causal conv with a 3x3 spatial kernel (conv_in, the residual blocks' convs, conv_out)
   gets one row above and one below from its neighbours (sharded_ops.row_halo_parts) BEFORE its
@@ -25,13 +26,15 @@ same cache rules as the unsharded decode (the layers' with_cache and the upsampl
 marker, shared code). The de-normalisation (latents * std + mean) is per channel, so local.
 conv_out holds x / 2 + 0.5 (folded at load), so each shard clips its frames to [0, 1] as
 model.decode does. Steady chunks (the third on) of a small band replay a recorded graph where
-the backend records one, collectives included, as the unsharded decode's do (see _chunk).
+the backend records one, collectives included, as the unsharded decode's do (see _chunk). A run
+of frames is handed out as its frame groups, so a stream's groups are the unsharded decode's.
 models.sharding.decode_emulated runs the lot on threads (ThreadShards, NCCL's collective
 semantics) and joins the shards' rows.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
 
@@ -101,8 +104,8 @@ def _resample(sh: Shard, upsampler, x, state: FeatureCache):
 
 
 def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
-    """One latent frame through post_quant_conv and the decoder (Decoder3d.__call__'s layers in
-    its order, so the cache slots line up) on this shard's rows: backend array (N, 1, rows, w, C),
+    """A run of latent frames through post_quant_conv and the decoder (Decoder3d.__call__'s layers
+    in its order, so the cache slots line up) on this shard's rows: backend array (N, t, rows, w, C),
     de-normalised -> this shard's rows of the chunk's frames (x / 2 + 0.5 included, unclipped)."""
     dec = model.tree.decoder
     state.start_chunk()
@@ -119,54 +122,84 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
     return _causal_conv(sh, dec.conv_out, x, state, dec.norm_out)
 
 
-def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True, *,
-                             total_rows: int) -> Iterator[np.ndarray]:
+def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int,
+                             plan: "ChunkPlan | None" = None) -> Iterator[np.ndarray]:
     """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
     latents as the pipeline hands them, host (N, C, T, rows, w), the shard's band of the whole's
     `total_rows` (split as models.sharding.bands splits them); yields its rows of each frame
     group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
-    clamp=False. Bad latents raise before the first group, as the unsharded decode's do."""
+    clamp=False. Bad latents raise before the first group, as the unsharded decode's do.
+    plan: how the shard steps its frames (chunk_plan of its band by default; every shard of a
+    group must be given the same frames)."""
     if not isinstance(model.tree.decoder, Decoder3d):
         raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
                          f"{type(model.tree.decoder).__name__}")
     z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
-    return _groups(model, Shard(comm, (int(total_rows), int(z.shape[2]))), z, clamp)
+    sh = Shard(comm, (int(total_rows), int(z.shape[2])))
+    return _groups(model, sh, z, clamp, plan or chunk_plan(max(sh.token_counts(z.shape[3]))))
 
 
-def _groups(model, sh: Shard, z: np.ndarray, clamp: bool) -> Iterator[np.ndarray]:
-    """Every shard steps its groups as the unsharded decode does (one_group_ahead), so the
-    collectives still meet in order. No interrupt.check() between groups, unlike the unsharded
-    decode: a shard that stopped alone would leave the others waiting in their next collective."""
+def _groups(model, sh: Shard, z: np.ndarray, clamp: bool, plan: "ChunkPlan") -> Iterator[np.ndarray]:
+    """Every shard steps its chunks as the unsharded decode does (one_group_ahead), so the
+    collectives still meet in order, and hands out a chunk of several latent frames as their
+    frame groups (1 frame, then temporal_factor per latent frame). No interrupt.check() between
+    groups, unlike the unsharded decode: a shard that stopped alone would leave the others
+    waiting in their next collective."""
     b = model.backend
     state = FeatureCache()
+    starts = [0, *range(1, z.shape[1], plan.frames)]
+    stops = [*starts[1:], z.shape[1]]
 
     def started():
-        for k in range(z.shape[1]):
-            x = b.asarray(np.ascontiguousarray(z[:, k:k + 1]))
-            yield b.to_host_async(_chunk(model, sh, x, state), PIXEL_RANGE if clamp else None)
+        for start, stop in zip(starts, stops):
+            x = b.asarray(np.ascontiguousarray(z[:, start:stop]))
+            yield b.to_host_async(_chunk(model, sh, x, state, plan), PIXEL_RANGE if clamp else None)
 
-    yield from one_group_ahead(started(), b.runs_ahead)
-
-
-#: a shard's latent positions per frame (its rows x width) up to which its steady chunks replay a
-#: recorded graph; above, its kernels are long enough that a replay saves nothing and the graph's
-#: pool (which holds the causal cache twice more) only costs memory. Measured 2026-11-26 on 4x
-#: H200 (benchmarks/RESULTS.md, "sharded_decode"): Wan 2.1 121x720x1280 on 4 GPUs (23 x 160 =
-#: 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's memory, 1096 ms graphed at 0.55x;
-#: 81x480x832 on 4 GPUs (15 x 104 = 1560) ran 404 ms graphed, 524 ms eagerly (before the halo
-#: copies went, when launches were more)
-GRAPH_MAX_POSITIONS = 2400
+    tf = model.temporal_factor
+    for frames in one_group_ahead(started(), b.runs_ahead):
+        for at in range(0, frames.shape[1], tf):
+            yield frames[:, at:at + tf]
 
 
-def _chunk(model, sh: Shard, x, state: FeatureCache):
-    """sharded_decoder_chunk, through a recorded graph for steady chunks where the backend records
-    one and the shard is small enough for it to pay (GRAPH_MAX_POSITIONS), as the unsharded
-    decode's steady step: one launch for the chunk's hundreds of kernels and its collectives,
-    which are queued on the same stream (NCCL calls may be captured). Every shard decides alone;
-    a shard that runs a chunk eagerly where the others replay issues the same collectives in the
-    same order, so they still meet."""
-    small = x.shape[2] * x.shape[3] <= GRAPH_MAX_POSITIONS
-    if state.steady() and small and model.backend.calls_to_warm > 1:
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a shard steps its latent frames after the first (which goes alone: it gives one frame
+    and changes the cache's layout): `frames` at a time, and its steady chunks through a recorded
+    graph where `graphed` (and the backend records one). Any run of frames is exact: the causal
+    convs read the cached frames in front of the run, the time doubling interleaves each input
+    frame's two outputs, the attention is per frame (diffusers' own encoder steps 1 then 4). A
+    longer run gives a shard's kernels more work each (a band of 15 latent rows leaves an H200's
+    kernels short) and halves the launches and exchanges, at its activations' memory."""
+    frames: int
+    graphed: bool
+
+
+#: (a shard's latent positions per frame (band rows x width) up to, its chunk plan); larger bands
+#: step one frame at a time, eagerly. A graph pays where a shard's kernels are short and costs
+#: memory (its pool holds the chunk's activations and the causal cache twice more). Measured
+#: 2026-11-26 on 4x H200 (benchmarks/RESULTS.md, "sharded_decode"), one frame a chunk: Wan 2.1
+#: 121x720x1280 on 4 GPUs (23 x 160 = 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's
+#: memory, 1096 ms graphed at 0.55x; 81x480x832 on 4 GPUs (15 x 104 = 1560) 404 ms graphed,
+#: 524 ms eagerly (before the halo copies went)
+CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((2400, ChunkPlan(2, True)), (3200, ChunkPlan(2, False)))
+ONE_FRAME_EAGER = ChunkPlan(1, False)
+
+
+def chunk_plan(band_positions: int) -> ChunkPlan:
+    """The plan for a shard whose band has this many latent positions per frame (CHUNK_RULES)."""
+    return next((plan for limit, plan in CHUNK_RULES if band_positions <= limit), ONE_FRAME_EAGER)
+
+
+def _chunk(model, sh: Shard, x, state: FeatureCache, plan: ChunkPlan):
+    """sharded_decoder_chunk, through a recorded graph for steady chunks of plan.frames where the
+    plan says so and the backend records one, as the unsharded decode's steady step: one launch
+    for the chunk's hundreds of kernels and its collectives, which are queued on the same stream
+    (NCCL calls may be captured). A last, shorter chunk runs eagerly (a graph for a shape seen
+    once a decode would only hold memory). Every shard decides alone; a shard that runs a chunk
+    eagerly where the others replay issues the same collectives in the same order, so they
+    still meet."""
+    graphed = plan.graphed and x.shape[1] == plan.frames
+    if state.steady() and graphed and model.backend.calls_to_warm > 1:
         step = model.sharded_steps.get(sh)
         if step is None:  # one per shard group and band: sh holds the communicator and the rows
             step = model.sharded_steps[sh] = model.backend.graphed(partial(_step, model, sh))
@@ -185,7 +218,9 @@ def _step(model, sh: Shard, x, *cache):
     return (out, *state.slots)
 
 
-def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int) -> np.ndarray:
+def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int,
+                       plan: ChunkPlan | None = None) -> np.ndarray:
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
-    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows)), axis=1)
+    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows,
+                                                   plan=plan)), axis=1)

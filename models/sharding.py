@@ -18,7 +18,7 @@ from convkernels.shard_comm import ShardComm, run_sharded, run_together, split, 
 
 from .autoencoder_kl import AutoencoderKLModel
 from .sharded_decode import sharded_decode
-from .sharded_wan_decode import sharded_wan_decode, sharded_wan_frame_groups
+from .sharded_wan_decode import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
 from .wan_vae import WanVAEDecoder
 
 IMAGE, VIDEO = "image", "video"
@@ -79,12 +79,13 @@ def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
 
 
 def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
-                      clamp: bool = True) -> Iterator[np.ndarray]:
+                      clamp: bool = True, plan: ChunkPlan | None = None) -> Iterator[np.ndarray]:
     """A video decoder's frame groups, this shard's rows of each (every shard steps together);
-    band is its rows of the latents, split from the whole's total_rows by bands()."""
+    band is its rows of the latents, split from the whole's total_rows by bands(). plan: how
+    the shards step their frames (benchmarks compare plans; by default the band decides)."""
     if check(model) != VIDEO:
         raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
-    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows)
+    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows, plan=plan)
 
 
 def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,

@@ -24,6 +24,7 @@ from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
 from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
 from .family import ModelFamily, ModelOptions, family_options
 from .module import Module, random_state_dict
+from .video_latents import PreparedLatents
 from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 from .wan22_vae_layers import ResidualDecoder3d
 from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
@@ -191,18 +192,14 @@ class WanVAEDecoder:
         self.sharded_steps: dict = {}
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _prepare(self, latents_ncthw) -> np.ndarray:
-        """Validate, de-normalise (latents * std + mean) and go channels-last N,T,h,w,C."""
+    def _prepare(self, latents_ncthw) -> PreparedLatents:
+        """Validate, then see the latents as the de-normalised (latents * std + mean), channels-last
+        N,T,h,w,C clip the decode reads, each frame prepared when the decode reaches it."""
         lat = np.asarray(latents_ncthw)
         if lat.ndim != 5 or lat.shape[1] != self.latent_channels or min(lat.shape) < 1:
             raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, T, h, w) with "
                              f"every size >= 1, got {lat.shape}")
-        if lat.dtype.kind != "f":
-            raise ValueError(f"{self.name}: latents must be floating point, got {lat.dtype}")
-        z = self._denormalise(lat.astype(np.float32))
-        if not np.isfinite(z).all():
-            raise ValueError(f"{self.name}: latents contain NaN or Inf")
-        return np.ascontiguousarray(z.transpose(0, 2, 3, 4, 1))
+        return PreparedLatents(lat, self._denormalise, self.name)
 
     def _denormalise(self, lat: np.ndarray) -> np.ndarray:
         """float32 normalised latents (N, C, T, h, w) -> the VAE's own: latents * std + mean."""

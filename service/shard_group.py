@@ -50,6 +50,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
                            options=ModelOptions(seed=job["seed"]))
         rows, total = job["rows"], job["total_rows"]
+        plan = sharding.ChunkPlan(*job["chunk_plan"]) if job.get("chunk_plan") else None
         nccl = comm = NcclShards.join(uid, rank, size) if size > 1 else None
         if comm is not None and job.get("timing_comm"):  # benchmarks only: "module:Class", made (rank, size)
             module, _, name = job["timing_comm"].partition(":")
@@ -78,7 +79,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
 
             def one(c):
                 if video:
-                    return timed(sharding.frame_groups_band(model, c, rows, total))
+                    return timed(sharding.frame_groups_band(model, c, rows, total, plan=plan))
                 return sharding.decode_band(model, c, rows, total)
             return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
@@ -105,14 +106,16 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
 def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
                    weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
                    timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None,
-                   timing_comm: str | None = None, cuda_graphs: bool = True) -> ShardedResult:
+                   timing_comm: str | None = None, cuda_graphs: bool = True,
+                   chunk_plan: tuple[int, bool] | None = None) -> ShardedResult:
     """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
     decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
     timing_comm: "module:Class" of a communicator each rank uses instead of its NCCL one, for timing
     what the shards compute apart from what they exchange (benchmarks/sharded_decode.py --no-exchange:
     its output is not the decode's). cuda_graphs=False: every rank runs eagerly (the service's
-    CONVSERVE_CUDA_GRAPHS=0)."""
+    CONVSERVE_CUDA_GRAPHS=0). chunk_plan: (frames, graphed), how a sharded video's ranks step their
+    latent frames (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
     from convkernels.nccl_comm import NcclShards
     from convkernels.shard_comm import split, split_rows
 
@@ -129,7 +132,8 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
                                     total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank,
-                                    timing_comm=timing_comm, cuda_graphs=cuda_graphs),
+                                    timing_comm=timing_comm, cuda_graphs=cuda_graphs,
+                                    chunk_plan=chunk_plan),
         answers)) for r in range(size)]
     for p in procs:
         p.start()

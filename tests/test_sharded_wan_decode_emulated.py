@@ -15,7 +15,7 @@ from torch_reference import fresh_seed, rel_l2
 
 from convkernels import get_backend
 from convkernels.shard_comm import run_sharded, split, split_rows
-from models.sharded_wan_decode import sharded_wan_frame_groups
+from models.sharded_wan_decode import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
 from models.sharding import decode_emulated
 from models.wan22_vae import build as build_wan22
 from models.wan_vae import build
@@ -31,7 +31,8 @@ UNSHARDED_TOL, DIFFUSERS_TOL, BROKEN_MIN = 1e-5, 1e-4, 1e-3
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def case(request, tmp_path_factory):
-    """(name, seed, model, latents, our unsharded decode, diffusers' decode)."""
+    """(name, seed, model, latents, our unsharded decode, diffusers' decode, decode(latents) by the
+    same diffusers model)."""
     name = request.param
     seed = fresh_seed()
     vae, folder, config = make_reference(tmp_path_factory.mktemp(name), CONFIGS[name], seed)
@@ -41,12 +42,12 @@ def case(request, tmp_path_factory):
     ref = reference_decode(vae, config, lat)
     # not saturated, or the clamp to [0, 1] would hide errors
     assert 0.02 < float(ref.std()) and float(np.mean((ref <= 0) | (ref >= 1))) < 0.5, f"seed {seed}"
-    return name, seed, model, lat, model.decode(lat, tiled=False), ref
+    return name, seed, model, lat, model.decode(lat, tiled=False), ref, lambda z: reference_decode(vae, config, z)
 
 
 @pytest.mark.parametrize("shards", [2, 3, 5])
 def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards):
-    name, seed, model, lat, ours, ref = case
+    name, seed, model, lat, ours, ref, _ = case
     out = decode_emulated(model, lat, shards)
     assert out.dtype == np.float32 and out.shape == ours.shape == (2, 9, 40, 24, 3)
     err, err_ref = rel_l2(out, ours), rel_l2(out, ref)
@@ -81,7 +82,7 @@ def test_unclamped_frames_clip_to_the_clamped_ones(case, monkeypatch):
 
 @pytest.mark.parametrize("local", ["halo", "attention"])
 def test_each_exchange_matters(case, local):
-    name, seed, model, lat, ours, _ = case
+    name, seed, model, lat, ours, *_ = case
     out = decode_emulated(model, lat, 3, comm_wrapper=lambda comm, rank: _OneLocal(comm, local))
     err = rel_l2(out, ours)
     assert err > BROKEN_MIN, f"{name} seed {seed}: keeping the {local} exchange local changed nothing ({err:.2e})"
@@ -91,7 +92,7 @@ def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
     """Each 3x3 causal conv caches its haloed input frames; with their halo rows (the rows that
     came from a neighbour) zeroed, a cache of the shard's own rows only, the later frame groups go
     wrong on 3 shards, while the first group, which has no cached frames, stays right."""
-    name, seed, model, lat, ours, _ = case
+    name, seed, model, lat, ours, *_ = case
     with_cache = CausalConv3d.with_cache
     shard = threading.local()  # each emulated shard runs on its own thread
 
@@ -117,7 +118,7 @@ def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
 
 
 def test_one_shard_is_the_unsharded_decode(case):
-    _, _, model, lat, ours, _ = case
+    _, _, model, lat, ours, *_ = case
     assert rel_l2(decode_emulated(model, lat, 1), ours) < UNSHARDED_TOL
 
 
@@ -144,29 +145,48 @@ class _ReplayedStep:
         return self.fn(*xs)
 
 
-@pytest.mark.parametrize("limit", [1000, 13])
-def test_steady_chunks_go_through_the_recorded_step_of_small_bands_only(case, monkeypatch, limit):
-    """The sharded decode hands its steady chunks (the third latent frame on) to the backend's
-    recorded step where the shard's band is at most GRAPH_MAX_POSITIONS latent positions a frame:
-    with every band under the limit every steady chunk goes through it; with the limit between
-    the bands (9 rows: 5 and 4, times width 3: 15 and 12), only the narrower shard's do, the other
-    runs eagerly, and the shards still meet and equal the unsharded decode."""
-    import models.sharded_wan_decode as swd
-
-    name, seed, model, _, _, _ = case
+@pytest.mark.parametrize("plan, graphed_runs", [
+    (ChunkPlan(1, True), [1, 1, 1]),  # T=5: chunks 0 | 1 | 2 | 3 | 4, the third on steady
+    (ChunkPlan(2, True), [2]),        # 0 | 1-2 | 3-4: the third steady
+    (ChunkPlan(3, True), []),         # 0 | 1-3 | 4: the third is shorter, eager
+    (ChunkPlan(2, False), []),
+])
+def test_steady_chunks_go_through_the_recorded_step_where_the_plan_says(case, monkeypatch, plan, graphed_runs):
+    """The sharded decode hands its steady chunks (the third on) of plan.frames latent frames to
+    the backend's recorded step where the plan says so, on every shard; a shorter last chunk runs
+    eagerly; either way the shards meet and equal the unsharded decode."""
+    name, seed, model, *_ = case
     lat = np.random.default_rng(seed + 1).standard_normal((1, model.latent_channels, 5, 9, 3)).astype(np.float32)
     ours = model.decode(lat, tiled=False)
     calls = []
     backend = type(model.backend)
     monkeypatch.setattr(backend, "calls_to_warm", property(lambda self: 2))
     monkeypatch.setattr(backend, "graphed", lambda self, fn: _ReplayedStep(fn, calls))
-    monkeypatch.setattr(swd, "GRAPH_MAX_POSITIONS", limit)
     model.sharded_steps.clear()
     try:
-        out = decode_emulated(model, lat, 2)
+        out = _decode_with(model, lat, 2, plan)
     finally:
         model.sharded_steps.clear()
-    assert rel_l2(out, ours) < UNSHARDED_TOL, f"{name} seed {seed}: limit {limit}"
-    steady = lat.shape[2] - 2  # chunks 2, 3, 4
-    rows = sorted(shape[2] for shape in calls)
-    assert rows == ([4] * steady + [5] * steady if limit == 1000 else [4] * steady), rows
+    assert rel_l2(out, ours) < UNSHARDED_TOL, f"{name} seed {seed}: {plan}"
+    assert sorted(shape[1] for shape in calls) == sorted(graphed_runs * 2), calls  # both shards, t each
+    assert sorted({shape[2] for shape in calls}) == ([4, 5] if graphed_runs else []), calls
+
+
+def _decode_with(model, lat, shards, plan):
+    """decode_emulated with every shard stepping its frames by `plan`."""
+    parts = split(lat, split_rows(lat.shape[3], shards), axis=3)
+    return np.concatenate(run_sharded(shards, lambda comm, r: sharded_wan_decode(
+        model, comm, parts[r], total_rows=lat.shape[3], plan=plan)), axis=2)
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3, 4])
+def test_any_run_of_frames_equals_the_unsharded_decode_and_diffusers(case, frames):
+    """Runs of latent frames after the first (ChunkPlan.frames) give the unsharded decode's frames:
+    5 latent frames, so runs of 2 and 3 leave a shorter last one, 4 is the rest in one."""
+    name, seed, model, *_, diffusers_decode = case
+    lat = np.random.default_rng(seed + 2).standard_normal((1, model.latent_channels, 5, 5, 3)).astype(np.float32)
+    out = _decode_with(model, lat, 3, ChunkPlan(frames, False))
+    ours = model.decode(lat, tiled=False)
+    ref = diffusers_decode(lat)
+    assert rel_l2(out, ours) < UNSHARDED_TOL, f"{name} seed {seed}: runs of {frames}"
+    assert rel_l2(out, ref) < DIFFUSERS_TOL, f"{name} seed {seed}: runs of {frames} vs diffusers"
