@@ -123,23 +123,24 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
 
 
 def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int,
-                             plan: "ChunkPlan | None" = None) -> Iterator[np.ndarray]:
+                             plan: "ChunkPlan | None" = None, uint8: bool = False) -> Iterator[np.ndarray]:
     """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
     latents as the pipeline hands them, host (N, C, T, rows, w), the shard's band of the whole's
     `total_rows` (split as models.sharding.bands splits them); yields its rows of each frame
     group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
     clamp=False. Bad latents raise before the first group, as the unsharded decode's do.
     plan: how the shard steps its frames (chunk_plan of its band by default; every shard of a
-    group must be given the same frames)."""
+    group must be given the same frames). uint8=True: uint8 groups, converted on the device
+    before the copy, as the unsharded decode_frames(uint8=True) gives them."""
     if not isinstance(model.tree.decoder, Decoder3d):
         raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
                          f"{type(model.tree.decoder).__name__}")
     z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
     sh = Shard(comm, (int(total_rows), int(z.shape[2])))
-    return _groups(model, sh, z, clamp, plan or chunk_plan(max(sh.token_counts(z.shape[3]))))
+    return _groups(model, sh, z, clamp, plan or chunk_plan(max(sh.token_counts(z.shape[3]))), uint8)
 
 
-def _groups(model, sh: Shard, z: np.ndarray, clamp: bool, plan: "ChunkPlan") -> Iterator[np.ndarray]:
+def _groups(model, sh: Shard, z: np.ndarray, clamp: bool, plan: "ChunkPlan", uint8: bool) -> Iterator[np.ndarray]:
     """Every shard steps its chunks as the unsharded decode does (one_group_ahead), so the
     collectives still meet in order, and hands out a chunk of several latent frames as their
     frame groups (1 frame, then temporal_factor per latent frame). No interrupt.check() between
@@ -153,7 +154,7 @@ def _groups(model, sh: Shard, z: np.ndarray, clamp: bool, plan: "ChunkPlan") -> 
     def started():
         for start, stop in zip(starts, stops):
             x = b.asarray(np.ascontiguousarray(z[:, start:stop]))
-            yield b.to_host_async(_chunk(model, sh, x, state, plan), PIXEL_RANGE if clamp else None)
+            yield b.to_host_async(_chunk(model, sh, x, state, plan), PIXEL_RANGE if clamp else None, uint8=uint8)
 
     tf = model.temporal_factor
     for frames in one_group_ahead(started(), b.runs_ahead):
@@ -181,7 +182,7 @@ class ChunkPlan:
 #: 121x720x1280 on 4 GPUs (23 x 160 = 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's
 #: memory, 1096 ms graphed at 0.55x; 81x480x832 on 4 GPUs (15 x 104 = 1560) 404 ms graphed,
 #: 524 ms eagerly (before the halo copies went)
-CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((2400, ChunkPlan(2, True)), (3200, ChunkPlan(2, False)))
+CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((3200, ChunkPlan(2, False)),)
 ONE_FRAME_EAGER = ChunkPlan(1, False)
 
 

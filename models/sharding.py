@@ -79,13 +79,15 @@ def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
 
 
 def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
-                      clamp: bool = True, plan: ChunkPlan | None = None) -> Iterator[np.ndarray]:
+                      clamp: bool = True, plan: ChunkPlan | None = None,
+                      uint8: bool = False) -> Iterator[np.ndarray]:
     """A video decoder's frame groups, this shard's rows of each (every shard steps together);
     band is its rows of the latents, split from the whole's total_rows by bands(). plan: how
-    the shards step their frames (benchmarks compare plans; by default the band decides)."""
+    the shards step their frames (benchmarks compare plans; by default the band decides).
+    uint8=True: uint8 pixels, converted on the device."""
     if check(model) != VIDEO:
         raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
-    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows, plan=plan)
+    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows, plan=plan, uint8=uint8)
 
 
 def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,

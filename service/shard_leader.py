@@ -88,8 +88,9 @@ def end_group(why: str) -> None:
 
 
 def pixels(out: np.ndarray, uint8: bool) -> np.ndarray:
-    """A band's float32 pixels in [0, 1], or as uint8 when the request asked for them."""
-    return pixels_to_uint8(out) if uint8 else out
+    """A band's float32 pixels in [0, 1], or as uint8 when the request asked for them (a band the
+    device already gave as uint8 is left as it is)."""
+    return pixels_to_uint8(out) if uint8 and out.dtype != np.uint8 else out
 
 
 class _Follower:
@@ -194,29 +195,34 @@ class _Group:
         rids = []
         for rank, f in enumerate(self.followers, start=1):
             options, inputs, out_shape, out_dtype = part(rank)
-            in_ref = self.arena.put(np.ascontiguousarray(inputs))
+            in_ref = self.arena.put(inputs)  # a band (a strided view of the latents) copied once, into the block
             out_ref = self.arena.reserve(out_shape, out_dtype)
             rid = int(in_ref.offset)  # unique while the block is held
             f.send(("submit", rid, model, op, options, in_ref, {"out": out_ref}))
             rids.append((f, rid, in_ref, out_ref))
         return rids
 
-    def _collect(self, rids) -> list[np.ndarray]:
-        """Every follower's answer (copied out of the arena), or the group ends."""
+    def _collect(self, rids, join=None):
+        """join(every follower's answer, views of the arena) once all have come, or the group ends;
+        by default the answers copied out. The blocks go back after join: it reads them where they
+        lie (a frame group's bands are joined straight from them, no copy on the way)."""
         deadline = self.inflight_since + self.deadline_s
-        outs = []
-        for f, rid, in_ref, out_ref in rids:
-            with f.cond:
-                if not f.cond.wait_for(lambda f=f, rid=rid: rid in f.answers, max(0.0, deadline - time.monotonic())):
-                    end_group(f"the shard follower at {f.address} gave no answer in {self.deadline_s:.0f} s")
-                error, _ = f.answers.pop(rid)
-            if error is not None:
-                end_group(f"the shard follower at {f.address} failed: {error[1]}")
-            outs.append(np.array(self.arena.array(out_ref)))
-            self.arena.free(in_ref.offset)
-            self.arena.free(out_ref.offset)
-        self.inflight = False
-        return outs
+        try:
+            for f, rid, _, _ in rids:
+                with f.cond:
+                    if not f.cond.wait_for(lambda f=f, rid=rid: rid in f.answers,
+                                           max(0.0, deadline - time.monotonic())):
+                        end_group(f"the shard follower at {f.address} gave no answer in {self.deadline_s:.0f} s")
+                    error, _ = f.answers.pop(rid)
+                if error is not None:
+                    end_group(f"the shard follower at {f.address} failed: {error[1]}")
+            views = [self.arena.array(out_ref) for _, _, _, out_ref in rids]
+            return join(views) if join is not None else [np.array(v) for v in views]
+        finally:
+            for _, _, in_ref, out_ref in rids:
+                self.arena.free(in_ref.offset)
+                self.arena.free(out_ref.offset)
+            self.inflight = False
 
     def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
         model = hm.model
@@ -234,7 +240,7 @@ class _Group:
             own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
         except Exception as exc:
             end_group(f"the leader's band failed: {type(exc).__name__}: {exc}")
-        return np.concatenate([own, *self._collect(rids)], axis=axis - 1)
+        return self._collect(rids, lambda bands: np.concatenate([own, *bands], axis=axis - 1))
 
 
     def frames(self, hm, latents: np.ndarray, uint8: bool, key: int):
@@ -248,7 +254,7 @@ class _Group:
         self._collect(self._send_all(hm.name, "shard_stream_open", lambda r: (
             {"rank": r, "size": self.size, "stream": key, "uint8": uint8, "total_rows": total}, bands[r], (1, 1),
             "uint8")))
-        own = sharding.frame_groups_band(model, self.comm, bands[0], total)
+        own = sharding.frame_groups_band(model, self.comm, bands[0], total, uint8=uint8)
         try:
             for k in range(latents.shape[2]):
                 frames = 1 if k == 0 else int(model.temporal_factor)
@@ -263,7 +269,7 @@ class _Group:
                     mine = pixels(next(own), uint8)
                 except Exception as exc:
                     end_group(f"the leader's band of frame group {k} failed: {type(exc).__name__}: {exc}")
-                yield np.concatenate([mine, *self._collect(rids)], axis=axis - 1)
+                yield self._collect(rids, lambda bands, mine=mine: np.concatenate([mine, *bands], axis=axis - 1))
         finally:
             own.close()
             for f in self.followers:  # their generators go too (a plain message: nothing runs)

@@ -46,7 +46,7 @@ class ShardMember:
         """A streamed decode's band: its generator, stepped by stream_next (nothing runs yet)."""
         try:
             gen = sharding.frame_groups_band(hm.model, self._comm(link, options), np.array(band),
-                                             int(options["total_rows"]))
+                                             int(options["total_rows"]), uint8=bool(options["uint8"]))
         except Exception as exc:  # the leader waits for this answer, then in its first step
             end_group(f"band {options['rank']} of a stream failed to open: {type(exc).__name__}: {exc}")
         self.streams[(id(link), options["stream"])] = (link, GeneratorSteps(gen), bool(options["uint8"]))

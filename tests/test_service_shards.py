@@ -128,6 +128,25 @@ def test_a_streamed_clip_over_two_shards_sends_every_group_as_the_shards_complet
     assert rel_l2(np.concatenate(groups, axis=1), whole) < 1e-5
 
 
+def test_a_streamed_mp4_over_two_shards_shows_the_unsharded_frames(two_devices):
+    """format=mp4 with shards=2: each shard hands its rows over as uint8 (converted by its backend,
+    as the unsharded stream's are), the leader joins them into the MP4's frames: decoded, they are
+    the unsharded decode's pixels within the codec's error, and no frame is another's."""
+    av = pytest.importorskip("av")
+    lat = np.random.default_rng().standard_normal((1, 4, 3, 9, 7)).astype(np.float32)
+    whole = pixels(decode(two_devices.url, "wan", lat))
+    r = httpx.post(f"{two_devices.url}/v1/models/wan/decode/stream", content=npy(lat), headers=NPY,
+                   params={"format": "mp4", "shards": "2", "fps": 8}, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text[:300]
+    with av.open(io.BytesIO(r.content)) as container:
+        rgb = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(np.float64)
+    assert rgb.shape == whole.shape[1:], rgb.shape
+    luma = np.array([0.299, 0.587, 0.114])
+    y, y_ref = rgb @ luma, (np.clip(whole[0], 0, 1) * 255) @ luma
+    err = np.abs(y - y_ref).mean()
+    assert err < 2.5 and err < np.abs(y - y_ref[::-1]).mean() / 4, err
+
+
 @pytest.mark.parametrize("model,shape,params,kind", [
     ("vae", (1, 4, 9, 13), {"shards": "3"}, "too-many-shards"),
     ("vae", (1, 4, 9, 13), {"shards": "two"}, "bad-shards"),
