@@ -45,7 +45,7 @@ from convkernels.sharded_ops import halo_upsample_conv2d, haloed_conv3d, row_hal
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
-from .wan_vae import one_group_ahead
+from .wan_vae import joined_groups, one_group_ahead
 from .wan_vae_layers import Decoder3d, FeatureCache
 
 #: rows are axis 2 of the decoder's activations (N, T, H, W, C)
@@ -182,7 +182,7 @@ class ChunkPlan:
 #: 121x720x1280 on 4 GPUs (23 x 160 = 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's
 #: memory, 1096 ms graphed at 0.55x; 81x480x832 on 4 GPUs (15 x 104 = 1560) 404 ms graphed,
 #: 524 ms eagerly (before the halo copies went)
-CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((3200, ChunkPlan(2, False)),)
+CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((1600, ChunkPlan(3, False)), (3200, ChunkPlan(2, False)))
 ONE_FRAME_EAGER = ChunkPlan(1, False)
 
 
@@ -223,5 +223,5 @@ def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, to
                        plan: ChunkPlan | None = None) -> np.ndarray:
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
-    return np.concatenate(list(sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows,
-                                                   plan=plan)), axis=1)
+    groups = sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows, plan=plan)
+    return joined_groups(groups, 1 + model.temporal_factor * (np.shape(z_rows)[2] - 1))

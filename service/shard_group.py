@@ -45,6 +45,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         from convkernels import get_backend
         from convkernels.nccl_comm import NcclShards
         from models import ModelOptions, load_model, sharding
+        from models.wan_vae import joined_groups
 
         backend = get_backend("cuda", dtype=job["dtype"], cuda_options={"cuda_graphs": job.get("cuda_graphs", True)})
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
@@ -61,15 +62,20 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         intervals: list[float] = []
 
         def timed(groups):
-            """A video's frame groups joined in time, each group's interval kept in `intervals`."""
+            """A video's frame groups joined in time as model.decode joins them (each copied in as it
+            lands, while the device works on the next), each group's interval (from the previous
+            one's landing) kept in `intervals`."""
             intervals.clear()
-            parts, t = [], time.perf_counter()
-            for g in groups:
-                parts.append(g)
-                now = time.perf_counter()
-                intervals.append(now - t)
-                t = now
-            return np.concatenate(parts, axis=1)
+
+            def stamped():
+                t = time.perf_counter()
+                for g in groups:
+                    now = time.perf_counter()
+                    intervals.append(now - t)
+                    t = now
+                    yield g
+
+            return joined_groups(stamped(), 1 + model.temporal_factor * (rows.shape[2] - 1))
 
         def once():
             video = rows.ndim == 5
