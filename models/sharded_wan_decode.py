@@ -176,12 +176,13 @@ class ChunkPlan:
 
 
 #: (a shard's latent positions per frame (band rows x width) up to, its chunk plan); larger bands
-#: step one frame at a time, eagerly. A graph pays where a shard's kernels are short and costs
-#: memory (its pool holds the chunk's activations and the causal cache twice more). Measured
-#: 2026-11-26 on 4x H200 (benchmarks/RESULTS.md, "sharded_decode"), one frame a chunk: Wan 2.1
-#: 121x720x1280 on 4 GPUs (23 x 160 = 3680 positions) ran 1072 ms eagerly at 0.35x one GPU's
-#: memory, 1096 ms graphed at 0.55x; 81x480x832 on 4 GPUs (15 x 104 = 1560) 404 ms graphed,
-#: 524 ms eagerly (before the halo copies went)
+#: step one frame at a time, eagerly. Measured 2026-11-26 (benchmarks/RESULTS.md, "Sharded Wan in
+#: runs of latent frames"), Wan 2.1 81x480x832 bf16: on 4 GPUs (15 x 104 = 1560 positions) runs of
+#: 3 took 283.8 ms on 4x H200 (4: 269.7 ms at 1.24x the memory; one frame graphed, the earlier
+#: default, 370 ms against 2 eager 350 on 4x H100); on 2 GPUs (3120) runs of 2 took 520.3 ms (4:
+#: no faster, at 1.8x the memory). Graphed runs were slower than eager ones on both (a graph's pool
+#: holds the run's activations and the causal cache twice more). 121x720x1280 on 4 GPUs (3680) ran
+#: one frame at a time in 1072 ms at 0.35x one GPU's memory (the issue's memory bound)
 CHUNK_RULES: tuple[tuple[int, ChunkPlan], ...] = ((1600, ChunkPlan(3, False)), (3200, ChunkPlan(2, False)))
 ONE_FRAME_EAGER = ChunkPlan(1, False)
 
