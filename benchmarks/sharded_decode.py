@@ -10,7 +10,7 @@ the graph's pool stays under the bound); the sharded rows are service.shard_grou
 Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
 
 Run (repo root, a multi-GPU machine): PYTHONPATH=. python3 benchmarks/sharded_decode.py
-[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3]. Writes $OUT/sharded_decode_<preset>_<shape>_<dtype>.json.
+[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3] [--plans 2e,3e,4e] (video: chunk plans side by side). Writes $OUT/sharded_decode_<preset>_<shape>_<dtype>.json.
 """
 from __future__ import annotations
 
