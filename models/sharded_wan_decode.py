@@ -225,4 +225,4 @@ def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, to
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
     model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
     groups = sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows, plan=plan)
-    return joined_groups(groups, 1 + model.temporal_factor * (np.shape(z_rows)[2] - 1))
+    return joined_groups(groups, model.output_frames(np.shape(z_rows)[2]))

@@ -91,15 +91,15 @@ def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
 
 
 def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
-                          comm_wrapper=None) -> Iterator[np.ndarray]:
-    """model.decode_frames(latents, tiled=False) on `shards` emulated shards: each group's rows
-    from every shard, joined, as the shards complete it."""
+                          comm_wrapper=None, uint8: bool = False) -> Iterator[np.ndarray]:
+    """model.decode_frames(latents, tiled=False, uint8=uint8) on `shards` emulated shards: each
+    group's rows from every shard, joined, as the shards complete it."""
     lat = np.asarray(latents)
     parts = split(lat, bands(model, lat.shape, shards), axis=rows_axis(check(model)))
     comms = thread_group(shards)
     total = lat.shape[rows_axis(VIDEO)]
-    gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], total, clamp)
-            for c in comms]
+    gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], total, clamp,
+                              uint8=uint8) for c in comms]
     try:
         for _ in range(lat.shape[2]):
             yield np.concatenate(run_together(comms, [g.__next__ for g in gens]), axis=2)

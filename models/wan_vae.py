@@ -291,7 +291,12 @@ class WanVAEDecoder:
         """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]; uint8=True: uint8,
         as decode_frames gives them."""
         groups = self.decode_frames(latents_ncthw, tiled, uint8=uint8)
-        return joined_groups(groups, 1 + self.temporal_factor * (np.shape(latents_ncthw)[2] - 1))
+        return joined_groups(groups, self.output_frames(np.shape(latents_ncthw)[2]))
+
+    def output_frames(self, latent_frames: int) -> int:
+        """Frames decoded from this many latent frames: the first gives one, every later one
+        temporal_factor."""
+        return 1 + self.temporal_factor * (latent_frames - 1)
 
     # ---- description -----------------------------------------------------------------------------
     def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py

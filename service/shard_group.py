@@ -75,7 +75,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
                     t = now
                     yield g
 
-            return joined_groups(stamped(), 1 + model.temporal_factor * (rows.shape[2] - 1))
+            return joined_groups(stamped(), model.output_frames(rows.shape[2]))
 
         def once():
             video = rows.ndim == 5

@@ -88,9 +88,9 @@ def end_group(why: str) -> None:
 
 
 def pixels(out: np.ndarray, uint8: bool) -> np.ndarray:
-    """A band's float32 pixels in [0, 1], or as uint8 when the request asked for them (a band the
-    device already gave as uint8 is left as it is)."""
-    return pixels_to_uint8(out) if uint8 and out.dtype != np.uint8 else out
+    """A band's float32 pixels in [0, 1], or as uint8 when the request asked for them (a decode's;
+    a stream's bands come as uint8 from the device already: frame_groups_band(uint8=...))."""
+    return pixels_to_uint8(out) if uint8 else out
 
 
 class _Follower:
@@ -266,7 +266,7 @@ class _Group:
 
                 rids = self._send_all(hm.name, "shard_stream_next", part)
                 try:
-                    mine = pixels(next(own), uint8)
+                    mine = next(own)
                 except Exception as exc:
                     end_group(f"the leader's band of frame group {k} failed: {type(exc).__name__}: {exc}")
                 yield self._collect(rids, lambda bands, mine=mine: np.concatenate([mine, *bands], axis=axis - 1))
@@ -315,10 +315,10 @@ class ShardLeader:
         if self.comm_cls is not None:
             yield from self._group(hm.name, shards).frames(hm, latents, uint8, next(self._stream_keys))
             return
-        groups = sharding.frame_groups_emulated(hm.model, latents, shards, comm_wrapper=self.fault)
+        groups = sharding.frame_groups_emulated(hm.model, latents, shards, comm_wrapper=self.fault, uint8=uint8)
         try:
             for out in groups:  # an error comes from a step of the groups: only they run inside
-                yield pixels(out, uint8)
+                yield out
         except Exception as exc:
             raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
                               f"{type(exc).__name__}: {exc}") from exc

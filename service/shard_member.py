@@ -21,7 +21,7 @@ class ShardMember:
         self.fault = fault  # as ShardLeader's
         self.comm_cls = None  # comm_class(), set once the backend is up
         self.comms: dict[int, tuple[object, object]] = {}  # size -> (communicator, the leader's link)
-        self.streams: dict[tuple, tuple] = {}  # (id(link), key) -> (link, GeneratorSteps, uint8)
+        self.streams: dict[tuple, tuple] = {}  # (id(link), key) -> (link, GeneratorSteps)
         self.running_for = None  # the leader's link while a band runs
 
     def join(self, link, options: dict) -> np.ndarray:
@@ -49,7 +49,7 @@ class ShardMember:
                                              int(options["total_rows"]), uint8=bool(options["uint8"]))
         except Exception as exc:  # the leader waits for this answer, then in its first step
             end_group(f"band {options['rank']} of a stream failed to open: {type(exc).__name__}: {exc}")
-        self.streams[(id(link), options["stream"])] = (link, GeneratorSteps(gen), bool(options["uint8"]))
+        self.streams[(id(link), options["stream"])] = (link, GeneratorSteps(gen))
         return np.ones((1, 1), np.uint8)
 
     def stream_next(self, link, options: dict) -> np.ndarray:
@@ -63,7 +63,7 @@ class ShardMember:
             end_group(f"band {options['rank']} of frame group {options['step']} failed: {type(exc).__name__}: {exc}")
         finally:
             self.running_for = None
-        return pixels(out, entry[2])
+        return out  # uint8 from the device where the stream asked for it (stream_open)
 
     def stream_close(self, link, key) -> None:
         entry = self.streams.pop((id(link), key), None)
