@@ -61,16 +61,22 @@ def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, act
                           activation=activation)
 
 
-def halo_upsample_conv2d(backend, comm: ShardComm, x, w, bias=None):
+def halo_upsample_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual_for=None):
     """backend.upsample_conv2d (nearest 2x, then a 'same' 3x3 conv, weight O,3,3,C) of the whole
     image, on this shard's rows (N,H,W,C, rows on axis 1): output rows [2a, 2b) of input rows
     [a, b). One input row from each neighbour is enough (an output row reads the upsampled rows
     next to it, which are input rows at most one away); the op runs on the haloed rows at the
     input's resolution and the output rows that came from the halo rows are dropped (a view for
-    batch 1). At the image's own top and bottom the op's zero padding is the image's."""
-    rows, (top, _) = row_halo_parts(backend, comm, x, 1, axis=1)
+    batch 1). At the image's own top and bottom the op's zero padding is the image's.
+    residual_for(above, below), if given, makes what the op's epilogue adds: a row for every row
+    the op computes, which is two more before the shard's output rows where a halo row came from
+    above, two more after where one came from below (those rows are dropped, so the residual's
+    rows there may hold anything)."""
+    rows, (top, bottom) = row_halo_parts(backend, comm, x, 1, axis=1)
+    residual = residual_for(not top, not bottom) if residual_for is not None else None
     start = 0 if top else 2  # the upper halo row, where there is one, gave two output rows
-    return backend.slice(backend.upsample_conv2d(rows, w, bias), 1, start, start + 2 * x.shape[1])
+    out = backend.upsample_conv2d(rows, w, bias, residual=residual)
+    return backend.slice(out, 1, start, start + 2 * x.shape[1])
 
 
 def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, rows_pad: tuple[int, int] = (0, 0), residual=None,

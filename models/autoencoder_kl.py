@@ -313,13 +313,17 @@ class AutoencoderKLModel:
         `pt` output). uint8=True: uint8 (N, 8h, 8w, 3) instead, floor(clip(x, 0, 1) * 255 + 0.5) of
         the float32 images (convkernels.pixels_to_uint8; clamp is implied): untiled, converted on the
         device before the copy; tiled, the float32 tiles are blended on the host and converted there."""
+        return self._decode_unscaled(self.decoder_latents(latents_nchw), tiled, clamp, uint8)
+
+    def decoder_latents(self, latents_nchw) -> np.ndarray:
+        """The latents as the pipeline hands them (N, C, h, w), checked -> the decoder's own, host
+        float32 channels-last: latents / scaling_factor + shift_factor, as diffusers pipelines do.
+        Row-local (a sharded decode prepares each shard's rows alone)."""
         lat = np.asarray(latents_nchw)
         if lat.ndim != 4 or lat.shape[1] != self.latent_channels:
             raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w), got {lat.shape}")
-        # as diffusers pipelines do: latents / scaling_factor + shift_factor
         z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
-        z = z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
-        return self._decode_unscaled(z, tiled, clamp, uint8)
+        return z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
 
     def _decode_unscaled(self, z: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool) -> np.ndarray:
         """The decoder's own latents (host NHWC float32) -> images, as decode() describes."""

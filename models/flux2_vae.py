@@ -149,11 +149,16 @@ class Flux2VAEModel(AutoencoderKLModel):
         """The pipeline's normalised, patchified latents (N, 128, h', w') -> float32 (N, 16h', 16w', 3)
         in [0, 1]; tiled, clamp and uint8 as AutoencoderKLModel.decode (tiles are of the unpatchified
         latents, as diffusers' tiled decode sees them)."""
+        return self._decode_unscaled(self.decoder_latents(latents_nchw), tiled, clamp, uint8)
+
+    def decoder_latents(self, latents_nchw) -> np.ndarray:
+        """(N, 128, h', w'), checked -> the decoder's latents (N, 2h', 2w', 32), host float32: the
+        BatchNorm de-normalisation, then unpatchify (each patched row gives two: row-local)."""
         lat = np.asarray(latents_nchw)
         if lat.ndim != 4 or lat.shape[1] != self.latent_channels:
             raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w), got {lat.shape}")
         x = lat.astype(np.float32) * self.bn.std[:, None, None] + self.bn.mean[:, None, None]
-        return self._decode_unscaled(unpatchify_to_nhwc(x), tiled, clamp, uint8)
+        return unpatchify_to_nhwc(x)
 
     def encode(self, images_nhwc01: np.ndarray, tiled: bool | None = None) -> np.ndarray:
         """Images (N, H, W, 3) in [0, 1] -> (N, 128, H/16, W/16) as the pipeline's _encode_vae_image:

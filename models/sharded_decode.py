@@ -1,8 +1,10 @@
 """The image VAE's decode split by rows over shards (issue #32), equal to the unsharded decode.
 
-Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.py), with the
-model's own parameters, on its rows of the latents, and talks to the other shards only through
-its communicator (convkernels.shard_comm.ShardComm):
+Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.py; SD, SDXL,
+FLUX.1, and FLUX.2's `Flux2VAEModel`, whose decoder is the same), with the model's own
+parameters, on its rows of the latents, de-normalised by the model's own decoder_latents (FLUX.2's
+unpatchify turns each latent row into two of the decoder's: row-local), and talks to the other
+shards only through its communicator (convkernels.shard_comm.ShardComm):
 - each 3x3 conv (conv_in, the resnets' convs, the upsamplers' convs, conv_out) gets its halo, one
   row above and one below, from its neighbours (sharded_ops.halo_conv2d); 1x1 convs
   (post_quant_conv, conv_shortcut) are row-local and run as they are;
@@ -38,14 +40,16 @@ class Shard:
     count into the whole image's without asking the others."""
     comm: ShardComm
     rows: tuple[int, int] | None = None
+    #: the decoder's latent rows per row of the band (FLUX.2's unpatchify makes two of each)
+    row_scale: int = 1
 
     def token_counts(self, width: int) -> list[int] | None:
-        """Every shard's token count at the latent scale (its latent rows x width), rank order: what
-        an all-gather of the mid-block's tokens brings from each, known without asking (the bands
-        are split_rows of the whole, as models.sharding.bands splits them). None: rows unknown."""
+        """Every shard's token count at the decoder's latent scale (its rows x width), rank order:
+        what an all-gather of the mid-block's tokens brings from each, known without asking (the
+        bands are split_rows of the whole, as models.sharding.bands splits them). None: rows unknown."""
         if self.rows is None:
             return None
-        return [(hi - lo) * width for lo, hi in split_rows(self.rows[0], self.comm.size)]
+        return [(hi - lo) * self.row_scale * width for lo, hi in split_rows(self.rows[0], self.comm.size)]
 
 
 def _group_norm(sh: Shard, norm, x, activation: str | None = "silu"):
@@ -109,34 +113,16 @@ def sharded_decoder_forward(model, sh: Shard, z):
     return _conv3x3(sh, dec.conv_out, x)
 
 
-#: the family whose decoder this module shards (SD, SDXL, FLUX.1 and the tiny presets of that form)
-SHARDABLE_FAMILY = "autoencoder_kl"
-
-
-def check_shardable(model) -> None:
-    """A model of another family (FLUX.2's BatchNorm-normalised patches, TAESD, Wan) would be
-    decoded wrongly by this module's layer walk: refuse it by name."""
-    from .autoencoder_kl import AutoencoderKLModel
-
-    if type(model) is not AutoencoderKLModel:
-        raise ValueError(f"{model.name}: a sharded decode is offered for the AutoencoderKL image VAEs (SD, SDXL, "
-                         f"FLUX.1), not {type(model).__name__}")
-
-
 def sharded_decode(model, comm: ShardComm, z_rows, clamp: bool = True,
                    total_rows: int | None = None) -> np.ndarray:
-    """This shard's part of model.decode (untiled): z_rows are its rows of the scaled latents as
-    the pipeline hands them, host (N, C, rows, w); the result is its rows of the images, host
-    float32 (N, 8 rows, 8 w, 3), in [0, 1] unless clamp=False (as model.decode's)."""
-    check_shardable(model)
-    lat = np.asarray(z_rows)
-    if lat.ndim != 4 or lat.shape[1] != model.latent_channels:
-        raise ValueError(f"{model.name}: latent rows must be (N, {model.latent_channels}, rows, w), got {lat.shape}")
-    # model.decode's de-normalisation: latents / scaling_factor + shift_factor, channels-last
-    z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
-    z = z / np.float32(model.scaling_factor) + np.float32(model.shift_factor)
+    """This shard's part of model.decode (untiled): z_rows are its rows of the latents as the
+    pipeline hands them, host (N, C, rows, w), of the whole's total_rows; the result is its rows of
+    the images, host float32 (N, f rows, f w, 3) for the model's spatial factor f, in [0, 1] unless
+    clamp=False (as model.decode's). The model's own decoder_latents de-normalises them (and for
+    FLUX.2 unpatchifies: its decoder then sees two rows for each of the band's)."""
+    z = model.decoder_latents(z_rows)
+    band = np.shape(z_rows)[2]
+    sh = Shard(comm, None if total_rows is None else (total_rows, band), z.shape[1] // band)
     backend = model.backend
-    rows = None if total_rows is None else (total_rows, lat.shape[2])
-    out = sharded_decoder_forward(model, Shard(comm, rows), backend.asarray(z))
+    out = sharded_decoder_forward(model, sh, backend.asarray(z))
     return backend.to_host_async(out, PIXEL_RANGE if clamp else None).result()
-

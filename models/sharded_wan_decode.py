@@ -1,5 +1,6 @@
-"""The Wan 2.1 video VAE's decode split by rows over shards (issue #32), equal to the unsharded,
-untiled decode (models/wan_vae.py).
+"""The Wan video VAEs' decode split by rows over shards (issue #32), equal to the unsharded,
+untiled decode (models/wan_vae.py): Wan 2.1's, Qwen-Image's (Wan 2.1's on one frame) and Wan
+2.2's (models/wan22_vae.py; below).
 
 Every shard runs the decoder of one `WanVAEDecoder` with the model's own parameters on its rows
 of the latents (channels-last N,T,h,w,C, rows on axis 2), the first latent frame alone and
@@ -19,7 +20,10 @@ through its communicator (convkernels.shard_comm.ShardComm):
   (upsample_conv2d: a transposed conv on CUDA) on the shard's rows with one row of each
   neighbour, frame by frame (sharded_ops.halo_upsample_conv2d);
 - the mid-block attention, within each frame: each shard's queries attend to the keys and
-  values of every position of that frame, all-gathered from every shard in rank order.
+  values of every position of that frame, all-gathered from every shard in rank order;
+- Wan 2.2's up blocks add their input back through DupUp3D (channels to 2x2 pixels, and frames),
+  which maps each row to two of its own, in the haloed upsample's epilogue (_shortcut); its 2x2
+  output patches (unpatchify) are row-local too.
 
 The first latent frame gives one frame and every later one `temporal_factor` frames, by the
 same cache rules as the unsharded decode (the layers' with_cache and the upsampler's first-chunk
@@ -45,6 +49,7 @@ from convkernels.sharded_ops import halo_upsample_conv2d, haloed_conv3d, row_hal
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
+from .wan22_vae_layers import ResidualDecoder3d, ResidualUpBlock, dup_up
 from .wan_vae import joined_groups, one_group_ahead
 from .wan_vae_layers import Decoder3d, FeatureCache
 
@@ -90,17 +95,47 @@ def _attention(sh: Shard, attn, x):
     return b.reshape(attn.proj(attended, residual=frames), (n, t, h, w, c))
 
 
-def _resample(sh: Shard, upsampler, x, state: FeatureCache):
+def _resample(sh: Shard, upsampler, x, state: FeatureCache, shortcut=None):
     """wan_vae_layers.Resample: the time doubling (a (3,1,1) conv, row-local, its cache the
     shard's own rows; the layer's own code), then nearest 2x and the 3x3 conv as one op on the
-    shard's rows with one row of each neighbour (halo_upsample_conv2d), every frame on its own."""
+    shard's rows with one row of each neighbour (halo_upsample_conv2d), every frame on its own.
+    shortcut(above, below) (Wan 2.2's, _shortcut), if given, makes what that op's epilogue adds."""
     b = upsampler.backend
     if upsampler.time_conv is not None:
         x = upsampler._double_frames(x, state)
     n, t, h, w, c = x.shape
+
+    def residual_for(above: bool, below: bool):
+        out = shortcut(above, below)
+        return b.reshape(out, (n * t, out.shape[ROWS], 2 * w, upsampler.out_dim))
+
     frames = halo_upsample_conv2d(b, sh.comm, b.reshape(x, (n * t, h, w, c)), upsampler.conv.weight,
-                                  upsampler.conv.bias)
+                                  upsampler.conv.bias, residual_for=residual_for if shortcut else None)
     return b.reshape(frames, (n, t, 2 * h, 2 * w, upsampler.out_dim))
+
+
+def _shortcut(up: ResidualUpBlock, x, first_chunk: bool, above: bool, below: bool):
+    """Wan 2.2's DupUp3D shortcut of an up block's input x, for the haloed upsample it joins:
+    DupUp3D maps each row to two of its own (row-local), and the haloed op computes two output
+    rows more on each side where a halo row came (`above`, `below`), then drops them. The
+    shortcut's rows there only have to exist: x's own edge row stands in for the neighbour's (no
+    exchange, no upload, so a recorded graph holds it too)."""
+    b, rows = up.backend, x.shape[ROWS]
+    parts = [*([b.slice(x, ROWS, 0, 1)] if above else []), x,
+             *([b.slice(x, ROWS, rows - 1, rows)] if below else [])]
+    return dup_up(b, b.concat(parts, axis=ROWS) if len(parts) > 1 else x, up.cout, up.factor_t, 2, first_chunk)
+
+
+def _up_block(sh: Shard, up, x, state: FeatureCache, first_chunk: bool):
+    """An up block: Wan 2.1's UpBlock (resnets, then its upsampler), or Wan 2.2's ResidualUpBlock,
+    whose input also comes back through the DupUp3D shortcut into the upsampler's conv."""
+    skip = x
+    for block in up.resnets:
+        x = _residual_block(sh, block, x, state)
+    if up.upsampler is None:
+        return x
+    shortcut = partial(_shortcut, up, skip, first_chunk) if isinstance(up, ResidualUpBlock) else None
+    return _resample(sh, up.upsampler, x, state, shortcut)
 
 
 def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
@@ -108,6 +143,7 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
     in its order, so the cache slots line up) on this shard's rows: backend array (N, t, rows, w, C),
     de-normalised -> this shard's rows of the chunk's frames (x / 2 + 0.5 included, unclipped)."""
     dec = model.tree.decoder
+    first_chunk = not state.slots  # Wan 2.2's shortcuts keep one frame of the first chunk's
     state.start_chunk()
     x = _causal_conv(sh, dec.conv_in, model.tree.post_quant_conv(z), state)
     mid = dec.mid_block
@@ -115,11 +151,8 @@ def sharded_decoder_chunk(model, sh: Shard, z, state: FeatureCache):
     x = _attention(sh, mid.attention, x)
     x = _residual_block(sh, mid.resnets[1], x, state)
     for up in dec.up_blocks:
-        for block in up.resnets:
-            x = _residual_block(sh, block, x, state)
-        if up.upsampler is not None:
-            x = _resample(sh, up.upsampler, x, state)
-    return _causal_conv(sh, dec.conv_out, x, state, dec.norm_out)
+        x = _up_block(sh, up, x, state, first_chunk)
+    return model._frames(_causal_conv(sh, dec.conv_out, x, state, dec.norm_out))  # Wan 2.2 unpatchifies
 
 
 def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int,
@@ -127,14 +160,15 @@ def sharded_wan_frame_groups(model, comm: ShardComm, z_rows, clamp: bool = True,
     """This shard's part of model.decode_frames (untiled): z_rows are its rows of the normalised
     latents as the pipeline hands them, host (N, C, T, rows, w), the shard's band of the whole's
     `total_rows` (split as models.sharding.bands splits them); yields its rows of each frame
-    group, host float32 (N, 1 then temporal_factor frames, 8 rows, 8 w, 3), in [0, 1] unless
-    clamp=False. Bad latents raise before the first group, as the unsharded decode's do.
+    group, host float32 (N, 1 then temporal_factor frames, f rows, f w, 3) for the model's
+    spatial factor f, in [0, 1] unless clamp=False. Bad latents raise before the first group, as
+    the unsharded decode's do.
     plan: how the shard steps its frames (chunk_plan of its band by default; every shard of a
     group must be given the same frames). uint8=True: uint8 groups, converted on the device
     before the copy, as the unsharded decode_frames(uint8=True) gives them."""
-    if not isinstance(model.tree.decoder, Decoder3d):
-        raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's (Decoder3d), not "
-                         f"{type(model.tree.decoder).__name__}")
+    if not isinstance(model.tree.decoder, (Decoder3d, ResidualDecoder3d)):
+        raise ValueError(f"{model.name}: the sharded decode is Wan 2.1's and Wan 2.2's (Decoder3d, "
+                         f"ResidualDecoder3d), not {type(model.tree.decoder).__name__}")
     z = model._prepare(z_rows)  # validation, latents * std + mean, channels-last: per channel, row-local
     sh = Shard(comm, (int(total_rows), int(z.shape[2])))
     return _groups(model, sh, z, clamp, plan or chunk_plan(max(sh.token_counts(z.shape[3]))), uint8)
@@ -223,6 +257,6 @@ def _step(model, sh: Shard, x, *cache):
 def sharded_wan_decode(model, comm: ShardComm, z_rows, clamp: bool = True, *, total_rows: int,
                        plan: ChunkPlan | None = None) -> np.ndarray:
     """Every frame group of sharded_wan_frame_groups, joined in time: this shard's rows of
-    model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), 8 rows, 8 w, 3)."""
+    model.decode(latents, tiled=False), (N, 1 + temporal_factor * (T - 1), f rows, f w, 3)."""
     groups = sharded_wan_frame_groups(model, comm, z_rows, clamp, total_rows=total_rows, plan=plan)
     return joined_groups(groups, model.output_frames(np.shape(z_rows)[2]))

@@ -202,7 +202,7 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
            url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
            shards: str = typer.Option("1", help="split the decode by rows over this many GPUs, exactly "
-                                      "(CUDA; SD, SDXL, FLUX.1 and Wan 2.1 VAEs; docs/sharding.md); with --url "
+                                      "(CUDA; SD, SDXL, FLUX.1, FLUX.2, Qwen-Image, Wan 2.1 and 2.2 VAEs; docs/sharding.md); with --url "
                                       "also auto: the server's rule"),
            api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
     """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the

@@ -14,18 +14,20 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
                    settings) -> tuple[np.ndarray, float]:
     """(pixels N,(F,)H,W,3 float32 in [0, 1], seconds) of the latents decoded on the first `shards`
     GPUs a server would use."""
+    from models import sharding
+    from models.contract import VIDEO_DECODER
     from models.registry import PRESETS
-    from models.sharded_decode import SHARDABLE_FAMILY
 
     check_model_entries([ModelEntry(preset, preset, weights)])
     if backend not in ("auto", "cuda"):
         fail(f"--shards {shards} runs on the cuda backend (one GPU per shard), not {backend}")
-    # image latents: the AutoencoderKL VAEs; video latents: the Wan 2.1 decoder
-    family, wants = (SHARDABLE_FAMILY, "an AutoencoderKL image VAE (SD, SDXL, FLUX.1)") if lat.ndim == 4 else (
-        "wan_vae", "the Wan 2.1 video VAE (wan2.1-vae, tiny-wan-vae)")
-    if PRESETS[preset].family != family:
-        fail(f"--shards {shards}: preset {preset} is not {wants}; only those decode sharded "
-             f"{'images' if lat.ndim == 4 else 'video'}")
+    info = PRESETS[preset]
+    if info.family not in sharding.family_modules():
+        fail(f"--shards {shards}: preset {preset} has no sharded decode; {sharding.OFFERED} have one")
+    video = info.kind == VIDEO_DECODER
+    if video != (lat.ndim == 5) and not (lat.ndim == 5 and lat.shape[2] == 1):  # Qwen-Image's N,C,1,h,w
+        fail(f"--shards {shards}: preset {preset} decodes {'video' if video else 'image'} latents "
+             f"({'N,C,T,h,w' if video else 'N,C,h,w'}), not shape {list(lat.shape)}")
     rows = lat.shape[-2]
     from convkernels.registry import cuda_status
 

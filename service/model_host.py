@@ -42,7 +42,7 @@ class ModelView:
     input_size: int | None = None
     embed_dim: int | None = None
     labels: list[str] | None = None
-    #: models.sharding's family (a decode can be split over devices), None where none is written
+    #: models.sharding's family name (a decode can be split over devices), None where none is written
     shard_family: str | None = None
 
     _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
@@ -54,7 +54,7 @@ class ModelView:
 
         return cls(model.name, model.kind, model.card(), model.weights_source, model.weights_provenance,
                    **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)},
-                   shard_family=sharding.family(model))
+                   shard_family=getattr(sharding.family(model), "name", None))
 
     def card(self) -> dict:
         return dict(self.card_doc)

@@ -78,7 +78,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
             return joined_groups(stamped(), model.output_frames(rows.shape[2]))
 
         def once():
-            video = rows.ndim == 5
+            video = sharding.check(model).video  # Qwen-Image's latents may be N,C,1,h,w too
             if comm is None and job["whole"]:  # the single-GPU baseline, as served
                 return timed(model.decode_frames(rows, tiled=False)) if video else model.decode(rows, tiled=False)
             from convkernels.shard_comm import run_sharded
@@ -124,20 +124,20 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     latent frames (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
     from convkernels.nccl_comm import NcclShards
     from convkernels.shard_comm import split, split_rows
+    from models.sharding import LATENT_ROWS, PIXEL_ROWS
 
     lat = np.ascontiguousarray(latents, np.float32)
     size = len(gpus)
     if whole and size != 1:
         raise ValueError("whole=True is the one-GPU baseline: give one GPU")
-    rows_axis = lat.ndim - 2  # images N,C,h,w; videos N,C,T,h,w
-    bands = split_rows(lat.shape[rows_axis], size)
-    parts = split(lat, bands, axis=rows_axis)
+    bands = split_rows(lat.shape[LATENT_ROWS], size)
+    parts = split(lat, bands, axis=LATENT_ROWS)
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
     uid = NcclShards.unique_id() if size > 1 else None
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
-                                    total_rows=lat.shape[rows_axis], reps=reps, whole=whole, fail_rank=fail_rank,
+                                    total_rows=lat.shape[LATENT_ROWS], reps=reps, whole=whole, fail_rank=fail_rank,
                                     timing_comm=timing_comm, cuda_graphs=cuda_graphs,
                                     chunk_plan=chunk_plan),
         answers)) for r in range(size)]
@@ -161,7 +161,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
             p.join(timeout=5 if len(got) == size else 0)
             if p.is_alive():
                 p.kill()
-    images = np.concatenate([got[r][0] for r in range(size)], axis=rows_axis - 1)  # N,(F,)H,W,3
+    images = np.concatenate([got[r][0] for r in range(size)], axis=PIXEL_ROWS)  # N,(F,)H,W,3
     seconds = [max(got[r][1][i] for r in range(size)) for i in range(reps)]
     return ShardedResult(images, seconds, [got[r][2] for r in range(size)], bands, [got[r][3] for r in range(size)],
                          [got[r][4] for r in range(size)])

@@ -226,9 +226,8 @@ class _Group:
 
     def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
         model = hm.model
-        axis = sharding.rows_axis(sharding.check(model))
-        total = latents.shape[axis]
-        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=axis)
+        total = latents.shape[sharding.LATENT_ROWS]
+        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=sharding.LATENT_ROWS)
         pixel_shape = hm.output_shape
 
         def part(rank):
@@ -240,16 +239,15 @@ class _Group:
             own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
         except Exception as exc:
             end_group(f"the leader's band failed: {type(exc).__name__}: {exc}")
-        return self._collect(rids, lambda bands: np.concatenate([own, *bands], axis=axis - 1))
+        return self._collect(rids, lambda bands: np.concatenate([own, *bands], axis=sharding.PIXEL_ROWS))
 
 
     def frames(self, hm, latents: np.ndarray, uint8: bool, key: int):
         """A video's frame groups decoded by the group, each joined as every rank completes it
         (the leader's stream_next steps it on its device thread, as any stream's)."""
         model = hm.model
-        axis = sharding.rows_axis(sharding.check(model))
-        total = latents.shape[axis]
-        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=axis)
+        total = latents.shape[sharding.LATENT_ROWS]
+        bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=sharding.LATENT_ROWS)
         token = np.zeros((1, 1), np.uint8)
         self._collect(self._send_all(hm.name, "shard_stream_open", lambda r: (
             {"rank": r, "size": self.size, "stream": key, "uint8": uint8, "total_rows": total}, bands[r], (1, 1),
@@ -269,7 +267,8 @@ class _Group:
                     mine = next(own)
                 except Exception as exc:
                     end_group(f"the leader's band of frame group {k} failed: {type(exc).__name__}: {exc}")
-                yield self._collect(rids, lambda bands, mine=mine: np.concatenate([mine, *bands], axis=axis - 1))
+                yield self._collect(rids, lambda bands, mine=mine: np.concatenate([mine, *bands],
+                                                                                  axis=sharding.PIXEL_ROWS))
         finally:
             own.close()
             for f in self.followers:  # their generators go too (a plain message: nothing runs)

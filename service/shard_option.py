@@ -25,22 +25,23 @@ MAX_SHARDS = 64
 
 @dataclass(frozen=True)
 class AutoRule:
-    family: str       # models.sharding.IMAGE or VIDEO
+    family: str       # models.sharding.ShardedFamily.name: a row is measured on that family alone
     min_pixels: int   # decoded pixels of the whole request (N x frames x H x W) from which it paid
     shards: int       # how many devices paid there
     evidence: str     # the measurement behind the row (benchmarks/RESULTS.md, "sharded_decode")
 
 
+SD_LAYOUT, WAN21 = "autoencoder-kl", "wan2.1"
 _H200X4 = "4x H200, 2026-11-26, benchmarks/sharded_decode.py"
 AUTO_RULES: tuple[AutoRule, ...] = (
-    AutoRule(sharding.IMAGE, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.52x one GPU's time ({_H200X4})"),
-    AutoRule(sharding.IMAGE, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.26x ({_H200X4})"),
+    AutoRule(SD_LAYOUT, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.52x one GPU's time ({_H200X4})"),
+    AutoRule(SD_LAYOUT, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.26x ({_H200X4})"),
     # the Wan rows with the sharded steady chunks replayed from CUDA graphs and no halo copies
     # (before both, 81x480x832 on 2 GPUs took 0.98x and had no row)
-    AutoRule(sharding.VIDEO, 81 * 480 * 832, 2, f"Wan 2.1 81x480x832 bf16: 2 GPUs 0.65x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.37x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.60x ({_H200X4})"),
-    AutoRule(sharding.VIDEO, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.33x ({_H200X4})"),
+    AutoRule(WAN21, 81 * 480 * 832, 2, f"Wan 2.1 81x480x832 bf16: 2 GPUs 0.65x ({_H200X4})"),
+    AutoRule(WAN21, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.37x ({_H200X4})"),
+    AutoRule(WAN21, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.60x ({_H200X4})"),
+    AutoRule(WAN21, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.33x ({_H200X4})"),
 )
 
 
@@ -83,15 +84,14 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
     if n == 1:
         return 1
     if family is None:
-        raise Problem(422, "not-shardable", f"{model_name}: a sharded decode is offered for the AutoencoderKL "
-                      "image VAEs (SD, SDXL, FLUX.1) and the Wan 2.1 video VAE")
+        raise Problem(422, "not-shardable", f"{model_name}: a sharded decode is offered for {sharding.OFFERED}")
     if n > devices:
         raise Problem(422, "too-many-shards", f"shards={n}, but this server runs {devices} device"
                       f"{'s' if devices != 1 else ''} (CONVSERVE_DEVICES)")
     if tiled:
         raise Problem(422, "tiled-and-sharded", "a sharded decode is untiled and exact: ask for tiled=off "
                       "or auto with shards")
-    rows = latents_shape[sharding.rows_axis(family)]
+    rows = latents_shape[sharding.LATENT_ROWS]
     if rows < n:
         raise Problem(422, "too-many-shards", f"shards={n}, but the latents have only {rows} rows to split")
     return n

@@ -10,7 +10,8 @@ The NCCL group of real GPUs is tests/gpu/test_service_shards_gpu.py's.
 - shards=2 on REST and in KServe's parameters equals diffusers' AutoencoderKL decode of the same
   saved weights, and the unsharded decode of the same server;
 - a Wan 2.1 clip decoded with shards=2 equals its unsharded decode (the sharded Wan decoder's own
-  parity against diffusers is tests/test_sharded_wan_decode_emulated.py's);
+  parity against diffusers is tests/test_sharded_wan_decode_emulated.py's), and so do FLUX.2,
+  Qwen-Image and Wan 2.2 decodes;
 - what cannot be sharded is a 422 naming why, and the server goes on serving;
 - a shard that fails (CONVSERVE_FAULT_SHARD_FAIL_RANK) fails its request with 503 and
   Retry-After: emulated, counted in convserve_faults_total while unsharded requests go on being
@@ -64,7 +65,8 @@ def saved(tmp_path_factory):
 def two_devices(request, server_factory, saved):
     if request.param == "gloo":
         pytest.importorskip("torch.distributed")
-    srv = server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd",
+    srv = server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd,"
+                                "flux2=tiny-flux2-vae,qwen=tiny-qwen-image-vae,wan22=tiny-wan2.2-vae",
                          devices="0,1", max_queue_delay_ms=0, **group_settings(request.param))
     wait_until_every_device_is_ready(srv.url, "vae")
     return srv
@@ -110,6 +112,22 @@ def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
     whole = pixels(decode(two_devices.url, "wan", lat))
     sharded = pixels(decode(two_devices.url, "wan", lat, shards="2"))
     assert sharded.shape == whole.shape == (1, 9, 56, 72, 3)
+    assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
+
+
+@pytest.mark.parametrize("model,shape", [
+    ("flux2", (1, 128, 5, 3)),         # FLUX.2's patched grid: each row two of the decoder's
+    ("qwen", (2, 16, 5, 3)),           # Qwen-Image: the Wan 2.1 decoder on one frame
+    ("qwen", (1, 16, 1, 5, 3)),        # ... its N,C,1,h,w form
+    ("wan22", (1, 12, 3, 5, 3)),       # Wan 2.2: DupUp3D shortcuts, 2x2 output patches
+])
+def test_the_2026_families_over_two_shards_equal_their_unsharded_decode(two_devices, model, shape):
+    """Their parity against diffusers is tests/test_sharded_families_emulated.py's; here, the
+    served route: split, decoded by both devices, joined."""
+    lat = np.random.default_rng().standard_normal(shape).astype(np.float32)
+    whole = pixels(decode(two_devices.url, model, lat))
+    sharded = pixels(decode(two_devices.url, model, lat, shards="2"))
+    assert sharded.shape == whole.shape and whole.std() > 0.02
     assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-from models import sharding
 from service import shard_option
 from service.problems import Problem
 from service.settings import Settings
@@ -23,7 +22,7 @@ def test_parse_refuses_the_rest_with_a_422(value):
 
 
 def test_auto_follows_the_measured_rows_and_the_device_count():
-    image, video = sharding.IMAGE, sharding.VIDEO
+    image, video = shard_option.SD_LAYOUT, shard_option.WAN21
     px4k, px480, px720 = 4096 * 4096, 81 * 480 * 832, 121 * 720 * 1280
     assert shard_option.auto_shards(image, px4k - 1, 8) == 1
     assert shard_option.auto_shards(image, px4k, 8) == 4   # the most devices a row names
@@ -34,11 +33,13 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards(video, px480 - 1, 4) == 1  # below every video row
     assert shard_option.auto_shards(video, px720, 2) == 2
     assert shard_option.auto_shards(None, 10 * px720, 8) == 1  # a family without a sharded decode
+    for unmeasured in ("flux2", "qwen-image", "wan2.2"):  # sharded on request, never by a guess
+        assert shard_option.auto_shards(unmeasured, 10 * px720, 8) == 1
     assert all(r.evidence for r in shard_option.AUTO_RULES)
 
 
 def test_decide_names_what_cannot_be_sharded():
-    def kind(requested, family=sharding.IMAGE, lat=(1, 4, 9, 13), devices=2, tiled=None):
+    def kind(requested, family=shard_option.SD_LAYOUT, lat=(1, 4, 9, 13), devices=2, tiled=None):
         try:
             return shard_option.decide(requested, "m", family, lat, (1, 72, 104, 3), devices, tiled)
         except Problem as e:
@@ -50,12 +51,12 @@ def test_decide_names_what_cannot_be_sharded():
     assert kind(2, tiled=True) == "tiled-and-sharded"
     assert kind("auto", tiled=True) == 1
     assert kind(2, lat=(1, 4, 1, 13)) == "too-many-shards"
-    assert kind(2, family=sharding.VIDEO, lat=(1, 4, 3, 1, 9)) == "too-many-shards"  # video rows: axis 3
+    assert kind(2, family=shard_option.WAN21, lat=(1, 4, 3, 1, 9)) == "too-many-shards"  # rows: axis -2
 
 
 def test_without_shard_groups_auto_is_one_device_and_n_a_501():
     class Hm:  # what for_model reads of a served model
-        name, model = "m", type("View", (), {"shard_family": sharding.IMAGE})()
+        name, model = "m", type("View", (), {"shard_family": shard_option.SD_LAYOUT})()
 
         @staticmethod
         def output_shape(shape):

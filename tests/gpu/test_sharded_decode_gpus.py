@@ -1,4 +1,4 @@
-"""Issue #32 on real GPUs: the image VAE's decode split by latent rows over two GPUs, one process
+"""Issue #32 on real GPUs: each sharded family's decode split by latent rows over two GPUs, one process
 each, joined by NCCL (service.shard_group, convkernels.nccl_comm), equals the unsharded decode on
 one GPU; a rank that fails fails the call without hanging the others. Skipped with fewer than two
 GPUs (the CPU emulation of the same code: tests/test_sharded_decode_emulated.py)."""
@@ -63,6 +63,29 @@ def test_two_gpu_wan_decode_equals_one_gpu(plan, frames, replays):
     err = rel_l2(sharded, whole)
     report_parity(f"sharded tiny-wan-vae {latents.shape} on 2 GPUs, runs of {plan[0]}: float32 vs one GPU {err:.2e}")
     assert sharded.shape == whole.shape and err < 1e-5, f"seed {seed}: {err:.3e}"
+
+
+@pytest.mark.parametrize("preset,lat,plan", [
+    ("tiny-flux2-vae", (2, 128, 7, 5), None),          # patched rows (4, 3), each two of the decoder's
+    ("tiny-qwen-image-vae", (2, 16, 9, 7), None),       # the Wan 2.1 decoder on one frame
+    ("tiny-wan2.2-vae", (1, 12, 3, 7, 5), None),        # DupUp3D shortcuts, 2x2 patches, runs by the band
+    ("tiny-wan2.2-vae", (1, 12, 6, 7, 5), (1, True)),   # its steady chunks replayed from CUDA graphs
+])
+def test_two_gpu_decode_of_the_2026_families_equals_one_gpu(preset, lat, plan):
+    """FLUX.2, Qwen-Image and Wan 2.2 (their sharded walks' parity against diffusers is
+    tests/test_sharded_families_emulated.py's) on two GPUs, float32, against one GPU's decode."""
+    from service.shard_group import decode_on_gpus
+
+    seed = fresh_seed()
+    latents = np.random.default_rng(seed).standard_normal(lat).astype(np.float32)
+    whole = decode_on_gpus(preset, latents, ["0"], "float32", seed=seed, whole=True).images
+    result = decode_on_gpus(preset, latents, ["0", "1"], "float32", seed=seed, chunk_plan=plan)
+    err = rel_l2(result.images, whole)
+    report_parity(f"sharded {preset} {lat} on 2 GPUs{' graphed' if plan else ''}: float32 vs one GPU {err:.2e}")
+    assert result.images.shape == whole.shape and err < 1e-5, f"seed {seed}: {err:.3e}"
+    assert 0.02 < float(whole.std()), "a flat image would prove nothing"
+    if plan:
+        assert min(result.graph_replays) >= 3, f"graph replays per rank: {result.graph_replays}"
 
 
 def test_a_failing_rank_fails_the_call_and_stops_the_others():

@@ -1,0 +1,93 @@
+"""The 2026 families' decodes split by rows over N emulated shards (issue #32, threads of the
+NumPy backend joined by ThreadShards, NCCL's collective semantics): FLUX.2 (the SD decoder behind
+BatchNorm de-normalisation and 2x2 unpatchify), Qwen-Image (the Wan 2.1 decoder on one frame) and
+Wan 2.2 (residual up blocks with DupUp3D shortcuts, 2x2 output patches) each equal the unsharded
+decode and the diffusers class with the same fresh random weights, over odd row splits; with an
+exchange kept shard-local, each visibly does not."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_models_flux2_vae as flux2
+import test_models_qwen_image_vae as qwen
+import test_models_wan22_vae as wan22
+from test_sharded_decode_emulated import _OneLocal
+from torch_reference import fresh_seed, rel_l2
+
+from convkernels import get_backend
+from models import load_model
+from models.sharding import decode_emulated, frame_groups_emulated
+
+UNSHARDED_TOL, DIFFUSERS_TOL, BROKEN_MIN = 1e-5, 1e-4, 1e-3
+
+
+def _flux2(tmp, seed):
+    vae = flux2.make_flux2_vae(flux2.SMALL, seed)
+    vae.save_pretrained(tmp)
+    # 5 patched rows (10 of the decoder's: 3 shards hold 2, 2, 1 patched rows), odd width
+    lat = np.random.default_rng(seed).standard_normal((2, 4 * flux2.SMALL["latent_channels"], 5, 3))
+    return "flux2-vae", lat.astype(np.float32), lambda z: flux2.pipeline_decode(vae, z)
+
+
+def _qwen(tmp, seed):
+    vae, folder, config = qwen.make_reference(tmp, qwen.QWEN_SMALL, seed)
+    lat = np.random.default_rng(seed).standard_normal((2, config["z_dim"], 7, 3)).astype(np.float32)
+    return "qwen-image-vae", lat, lambda z: qwen.reference_decode(vae, config, z), str(folder)
+
+
+def _wan22(tmp, seed):
+    # the real [1, 2, 4, 4] multipliers at odd widths: DupUp3D repeats unevenly
+    vae, folder, config = wan22.make_reference(tmp, wan22.WAN22_ODD, seed)
+    lat = np.random.default_rng(seed).standard_normal((1, config["z_dim"], 3, 5, 3)).astype(np.float32)
+    return "wan2.2-vae", lat, lambda z: wan22.reference_decode(vae, config, z), str(folder)
+
+
+FAMILIES = {"flux2": _flux2, "qwen-image": _qwen, "wan2.2": _wan22}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def case(request, tmp_path_factory):
+    """(name, seed, model, latents, our unsharded decode, the diffusers decode of the latents)."""
+    name, seed = request.param, fresh_seed()
+    tmp = tmp_path_factory.mktemp(name)
+    preset, lat, reference, *folder = FAMILIES[name](tmp, seed)
+    model = load_model(name, preset, get_backend("numpy"), weights=folder[0] if folder else str(tmp))
+    ref = reference(lat)
+    assert 0.02 < float(ref.std()) and float(np.mean((ref <= 0) | (ref >= 1))) < 0.5, f"{name} seed {seed}"
+    return name, seed, model, lat, model.decode(lat, tiled=False), ref
+
+
+@pytest.mark.parametrize("shards", [2, 3, 5])
+def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards):
+    name, seed, model, lat, ours, ref = case
+    out = decode_emulated(model, lat, shards)
+    assert out.dtype == np.float32 and out.shape == ours.shape == ref.shape
+    err, err_ref = rel_l2(out, ours), rel_l2(out, ref)
+    assert err < UNSHARDED_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err:.2e} vs unsharded"
+    assert err_ref < DIFFUSERS_TOL, f"{name} {shards} shards seed {seed}: rel L2 {err_ref:.2e} vs diffusers"
+
+
+@pytest.mark.parametrize("local", ["halo", "norm", "attention"])
+def test_each_exchange_matters(case, local):
+    name, seed, model, lat, ours, _ = case
+    if local == "norm" and name != "flux2":
+        pytest.skip("the Wan decoders' RMS norm is per position: no statistics cross shards")
+    out = decode_emulated(model, lat, 3, comm_wrapper=lambda comm, rank: _OneLocal(comm, local))
+    err = rel_l2(out, ours)
+    assert err > BROKEN_MIN, f"{name} seed {seed}: keeping the {local} exchange local changed nothing ({err:.2e})"
+
+
+def test_wan22_streams_the_unsharded_frame_groups(case):
+    name, seed, model, lat, ours, _ = case
+    if name != "wan2.2":
+        pytest.skip("an image decoder has no frame groups")
+    groups = list(frame_groups_emulated(model, lat, 3))
+    assert [g.shape[1] for g in groups] == [1, 4, 4]
+    assert rel_l2(np.concatenate(groups, axis=1), ours) < UNSHARDED_TOL, f"seed {seed}"
+
+
+def test_qwen_image_takes_its_one_frame_latents_too(case):
+    name, seed, model, lat, ours, _ = case
+    if name != "qwen-image":
+        pytest.skip("N,C,1,h,w latents are Qwen-Image's")
+    assert rel_l2(decode_emulated(model, lat[:, :, None], 3), ours) < UNSHARDED_TOL, f"seed {seed}"
