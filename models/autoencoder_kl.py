@@ -19,8 +19,7 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
-from . import interrupt
-from . import tiling
+from . import interrupt, tiling
 from .layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
 from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
 from .family import ModelFamily, ModelOptions, family_options
@@ -308,22 +307,20 @@ class AutoencoderKLModel:
                uint8: bool = False) -> np.ndarray:
         """Scaled latents (N, C, h, w) as the pipeline hands them -> float32 (N, 8h, 8w, 3) in [0, 1].
         tiled: True = diffusers tiling (when larger than one tile), False = never, None = when the
-        untiled decode's estimated peak memory exceeds the budget. clamp=False skips the final clip
-        to [0, 1], so 2*x - 1 gives back diffusers' unclamped `vae.decode(...).sample` (remote_decode's
-        `pt` output). uint8=True: uint8 (N, 8h, 8w, 3) instead, floor(clip(x, 0, 1) * 255 + 0.5) of
-        the float32 images (convkernels.pixels_to_uint8; clamp is implied): untiled, converted on the
-        device before the copy; tiled, the float32 tiles are blended on the host and converted there."""
+        untiled decode's estimated peak memory exceeds the budget. clamp=False skips the clip to
+        [0, 1] (2*x - 1 is diffusers' unclamped `vae.decode(...).sample`, remote_decode's `pt`).
+        uint8=True: convkernels.pixels_to_uint8 of the images (clamp implied), on the device when
+        untiled; tiled, the float32 tiles are blended on the host and converted there."""
         return self._decode_unscaled(self.decoder_latents(latents_nchw), tiled, clamp, uint8)
 
     def decoder_latents(self, latents_nchw) -> np.ndarray:
-        """The latents as the pipeline hands them (N, C, h, w), checked -> the decoder's own, host
-        float32 channels-last: latents / scaling_factor + shift_factor, as diffusers pipelines do.
-        Row-local (a sharded decode prepares each shard's rows alone)."""
+        """Pipeline latents (N, C, h, w), checked -> the decoder's (host float32 NHWC), as diffusers
+        pipelines do: latents / scaling_factor + shift_factor. Row-local (sharded decodes use it)."""
         lat = np.asarray(latents_nchw)
         if lat.ndim != 4 or lat.shape[1] != self.latent_channels:
             raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, h, w), got {lat.shape}")
-        z = np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1))
-        return z / np.float32(self.scaling_factor) + np.float32(self.shift_factor)
+        return np.ascontiguousarray(lat.astype(np.float32).transpose(0, 2, 3, 1)) / np.float32(
+            self.scaling_factor) + np.float32(self.shift_factor)
 
     def _decode_unscaled(self, z: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool) -> np.ndarray:
         """The decoder's own latents (host NHWC float32) -> images, as decode() describes."""

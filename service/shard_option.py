@@ -42,6 +42,11 @@ AUTO_RULES: tuple[AutoRule, ...] = (
     AutoRule(WAN21, 81 * 480 * 832, 4, f"Wan 2.1 81x480x832 bf16: 4 GPUs 0.37x ({_H200X4})"),
     AutoRule(WAN21, 121 * 720 * 1280, 2, f"Wan 2.1 121x720x1280 bf16: 2 GPUs 0.60x ({_H200X4})"),
     AutoRule(WAN21, 121 * 720 * 1280, 4, f"Wan 2.1 121x720x1280 bf16: 4 GPUs 0.33x ({_H200X4})"),
+    # the 2026 families, each at the size it was measured (~14:10 UTC); smaller sizes stay on one device
+    AutoRule("wan2.2", 121 * 704 * 1280, 2, f"Wan 2.2 121x704x1280 bf16: 2 GPUs 0.58x ({_H200X4})"),
+    AutoRule("wan2.2", 121 * 704 * 1280, 4, f"Wan 2.2 121x704x1280 bf16: 4 GPUs 0.30x ({_H200X4})"),
+    AutoRule("flux2", 4096 * 4096, 4, f"FLUX.2 4096x4096 bf16: 4 GPUs 0.25x ({_H200X4})"),
+    AutoRule("qwen-image", 4096 * 4096, 4, f"Qwen-Image 4096x4096 bf16: 4 GPUs 0.25x ({_H200X4})"),
 )
 
 

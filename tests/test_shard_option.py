@@ -33,8 +33,12 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards(video, px480 - 1, 4) == 1  # below every video row
     assert shard_option.auto_shards(video, px720, 2) == 2
     assert shard_option.auto_shards(None, 10 * px720, 8) == 1  # a family without a sharded decode
-    for unmeasured in ("flux2", "qwen-image", "wan2.2"):  # sharded on request, never by a guess
-        assert shard_option.auto_shards(unmeasured, 10 * px720, 8) == 1
+    # the 2026 families from the sizes they were measured at; a count no row names is never chosen
+    assert shard_option.auto_shards("wan2.2", 121 * 704 * 1280, 4) == 4
+    assert shard_option.auto_shards("wan2.2", px480, 4) == 1  # below its measured size: one device
+    assert shard_option.auto_shards("flux2", px4k, 4) == 4
+    assert shard_option.auto_shards("flux2", px4k, 2) == 1  # 2 GPUs not measured for it
+    assert shard_option.auto_shards("qwen-image", px4k - 1, 4) == 1
     assert all(r.evidence for r in shard_option.AUTO_RULES)
 
 
