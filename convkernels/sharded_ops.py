@@ -25,17 +25,25 @@ import numpy as np
 from .shard_comm import ShardComm
 
 
+def halo_rows(backend, comm: ShardComm, x, halo: int, axis: int = 1):
+    """((above, below), (top, bottom)): `halo` rows (on `axis`) of each neighbour, None where the
+    shard holds the image's own top or bottom, and how many zero rows are missing on each side
+    there (`halo`, else 0). For a consumer that takes the rows apart from the shard's own (a norm
+    that writes them where the joined rows would lie: backend.rms_norm's `rows`)."""
+    if x.shape[axis] < halo:
+        raise ValueError(f"a shard of {x.shape[axis]} rows cannot give a halo of {halo}")
+    n = x.shape[axis]
+    above, below = comm.exchange_rows(backend.slice(x, axis, 0, halo), backend.slice(x, axis, n - halo, n))
+    return (above, below), (0 if above is not None else halo, 0 if below is not None else halo)
+
+
 def row_halo_parts(backend, comm: ShardComm, x, halo: int, axis: int = 1):
     """(rows, (top, bottom)): this shard's rows (on `axis`) with `halo` rows of each neighbour
     around them, and how many zero rows are still missing on each side (`halo` where the shard
     holds the image's own top or bottom, 0 elsewhere). A conv of `rows` that pads (top, bottom)
     zero rows gives exactly this shard's rows of the whole image's 'same' conv; the zeros are
     left to the conv's padding, so no copy of the rows is made to add them."""
-    if x.shape[axis] < halo:
-        raise ValueError(f"a shard of {x.shape[axis]} rows cannot give a halo of {halo}")
-    n = x.shape[axis]
-    above, below = comm.exchange_rows(backend.slice(x, axis, 0, halo), backend.slice(x, axis, n - halo, n))
-    missing = (0 if above is not None else halo, 0 if below is not None else halo)
+    (above, below), missing = halo_rows(backend, comm, x, halo, axis)
     if above is None and below is None:
         return x, missing
     return backend.concat([r for r in (above, x, below) if r is not None], axis=axis), missing

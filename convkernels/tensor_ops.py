@@ -134,24 +134,57 @@ class TensorOps(ABC):
         self._check_activation(activation, "layer_norm")
         return self._layer_norm(x, weight, bias, float(eps), activation)
 
-    def rms_norm(self, x, weight=None, eps: float = 1e-6, activation: str | None = None, prefix=None):
+    def rms_norm(self, x, weight=None, eps: float = 1e-6, activation: str | None = None, prefix=None,
+                 rows=None):
         """RMSNorm over the last (channel) axis: x / sqrt(mean(x^2) + eps) * weight, optional
         fused activation. (Wan's WanRMS_norm, F.normalize * sqrt(C) * gamma, is this with
         eps = 1e-24 / C.) prefix: frames to put in front along axis 1, as concat([prefix,
-        rms_norm(x)], axis=1) but without copying the norm's output (a causal conv's cache)."""
+        rms_norm(x)], axis=1) but without copying the norm's output (a causal conv's cache).
+        rows = (above, below), either None: rows to join to x's on axis -3 first (a sharded
+        conv's halo from its neighbours), as rms_norm(concat([above, x, below], axis=-3)) but
+        without the joined copy of the input; with a prefix, x is N,T,H,W,C."""
         c = x.shape[-1]
         if weight is not None and tuple(weight.shape) != (c,):
             raise ValueError(f"rms_norm: weight must have shape ({c},), got {tuple(weight.shape)}")
         self._check_activation(activation, "rms_norm")
+        parts = self._joined_rows(x, rows, prefix)
         if prefix is None:
+            if len(parts) > 1:
+                return self._rms_norm_joined(None, parts, weight, float(eps), activation)
             return self._rms_norm(x, weight, float(eps), activation)
-        if x.ndim < 3 or prefix.ndim != x.ndim or tuple(prefix.shape[:1]) != tuple(x.shape[:1]) \
-                or tuple(prefix.shape[2:]) != tuple(x.shape[2:]):
-            raise ValueError(f"rms_norm: prefix must match x {tuple(x.shape)} on every axis but 1, "
-                             f"got {tuple(prefix.shape)}")
+        whole = (*x.shape[:-3], sum(p.shape[-3] for p in parts), *x.shape[-2:])
+        if x.ndim < 3 or prefix.ndim != x.ndim or tuple(prefix.shape[:1]) != whole[:1] \
+                or tuple(prefix.shape[2:]) != whole[2:]:
+            raise ValueError(f"rms_norm: prefix must match x {whole}{' with its rows' if len(parts) > 1 else ''} "
+                             f"on every axis but 1, got {tuple(prefix.shape)}")
         if self.dtype_of(prefix) != self.dtype_of(x):
             raise ValueError(f"rms_norm: prefix dtype {self.dtype_of(prefix)} differs from x's {self.dtype_of(x)}")
+        if len(parts) > 1:
+            return self._rms_norm_joined(prefix, parts, weight, float(eps), activation)
         return self._rms_norm_after(prefix, x, weight, float(eps), activation)
+
+    def _joined_rows(self, x, rows, prefix) -> list:
+        """[above, x, below] less the Nones, each checked against x (every axis but -3, dtype)."""
+        if rows is None:
+            return [x]
+        parts = [p for p in (rows[0], x, rows[1]) if p is not None]
+        if len(parts) > 1 and (x.ndim < 4 or (prefix is not None and x.ndim != 5)):
+            raise ValueError(f"rms_norm: rows join on axis -3 of N,H,W,C or N,T,H,W,C (with a prefix: "
+                             f"N,T,H,W,C), got x {tuple(x.shape)}")
+        for p in parts:
+            if p.ndim != x.ndim or tuple(p.shape[:-3]) != tuple(x.shape[:-3]) \
+                    or tuple(p.shape[-2:]) != tuple(x.shape[-2:]) or self.dtype_of(p) != self.dtype_of(x):
+                raise ValueError(f"rms_norm: rows {tuple(p.shape)} {self.dtype_of(p)} must match x "
+                                 f"{tuple(x.shape)} {self.dtype_of(x)} on every axis but -3")
+        return parts
+
+    def _rms_norm_joined(self, prefix, parts, weight, eps, activation):
+        """rms_norm of parts joined on axis -3, behind prefix's frames if given; a backend that can
+        write each part's norm into its rows of one buffer overrides it."""
+        x = self.concat(parts, axis=parts[0].ndim - 3)
+        if prefix is None:
+            return self._rms_norm(x, weight, eps, activation)
+        return self._rms_norm_after(prefix, x, weight, eps, activation)
 
     def _rms_norm_after(self, prefix, x, weight, eps, activation):
         """concat([prefix, rms_norm(x)], axis=1); a backend that can write the norm into part

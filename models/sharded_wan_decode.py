@@ -8,7 +8,7 @@ then runs of frames (ChunkPlan: small bands take two at a time) with its own Fea
 the unsharded decode's cache rules, and talks to the other shards only
 through its communicator (convkernels.shard_comm.ShardComm):
 - each causal conv with a 3x3 spatial kernel (conv_in, the residual blocks' convs, conv_out)
-  gets one row above and one below from its neighbours (sharded_ops.row_halo_parts) BEFORE its
+  gets one row above and one below from its neighbours (sharded_ops.halo_rows) BEFORE its
   causal cache joins the earlier frames, and the cache keeps those haloed frames: a cached
   frame's edge rows are then the neighbours' rows of that frame, as the conv of the whole frame
   needs, with no second exchange for the cached frames (sharded_ops.haloed_conv3d runs the conv;
@@ -45,7 +45,7 @@ from typing import Iterator
 import numpy as np
 
 from convkernels.shard_comm import ShardComm
-from convkernels.sharded_ops import halo_upsample_conv2d, haloed_conv3d, row_halo_parts
+from convkernels.sharded_ops import halo_rows, halo_upsample_conv2d, haloed_conv3d
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
@@ -59,16 +59,15 @@ ROWS = 2
 
 def _causal_conv(sh: Shard, conv, x, state: FeatureCache, norm=None, residual=None):
     """CausalConv3d.cached (or with_cache with a norm + SiLU in front) on this shard's rows. The
-    neighbours' edge rows are fetched as they are, before the norm, and joined to the shard's:
-    the norm is per position, so normalising the joined rows gives the neighbours' normalised
-    rows. with_cache then writes the norm's output behind the cached frames in one pass, as the
-    unsharded decode does, and the cache keeps those haloed frames. The image's own top and
-    bottom rows are the conv's zero padding (rows_pad), never copied in."""
+    neighbours' edge rows are fetched as they are, before the norm: the norm is per position, so
+    normalising them gives the neighbours' normalised rows. with_cache then has the norm write
+    each of the three (rows above, the shard's, rows below) where the joined rows lie, behind the
+    cached frames, in one buffer (no joined copy of the shard's rows), and the cache keeps those
+    haloed frames. The image's own top and bottom rows are the conv's zero padding (rows_pad),
+    never copied in."""
     halo = (conv.kernel[1] - 1) // 2
-    rows_pad = (0, 0)
-    if halo:
-        x, rows_pad = row_halo_parts(conv.backend, sh.comm, x, halo, axis=ROWS)
-    x, lo = conv.with_cache(x, state, norm)
+    rows, rows_pad = (None, (0, 0)) if not halo else halo_rows(conv.backend, sh.comm, x, halo, axis=ROWS)
+    x, lo = conv.with_cache(x, state, norm, rows)
     return haloed_conv3d(conv.backend, x, conv.weight, conv.bias, time_pad=lo, rows_pad=rows_pad, residual=residual)
 
 

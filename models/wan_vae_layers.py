@@ -141,7 +141,7 @@ class CausalConv3d(Conv):
             self._last_tap = b.concat([b.slice(self.weight, 1, kt - 1, kt)], axis=1)
         return self._last_tap
 
-    def with_cache(self, x, state: FeatureCache, norm: "ChannelRMSNorm | None" = None):
+    def with_cache(self, x, state: FeatureCache, norm: "ChannelRMSNorm | None" = None, rows=None):
         """(x with this conv's cached frames in front, zero frames still to pad on the left),
         refreshing the slot with the last CACHE_T of them (cache_tail's frames: with a cache in
         front they are the tail of the joined input). The old slot is freed as soon as it is
@@ -149,16 +149,20 @@ class CausalConv3d(Conv):
         only the joined input through the conv (`h, lo = conv.with_cache(h, state)`, then
         `conv.padded(h, lo)`), not x and the joined copy of it together.
         norm: the RMS norm + SiLU that feeds this conv, applied to x here so that it writes its
-        output behind the cached frames (no joined copy of a full chunk)."""
+        output behind the cached frames (no joined copy of a full chunk).
+        rows = (above, below): a sharded conv's halo rows (axis 2), joined to x's; the norm, where
+        there is one, writes them where they belong (no joined copy of x)."""
         b = self.backend
+        if rows is not None and norm is None:
+            x = b.concat([r for r in (rows[0], x, rows[1]) if r is not None], axis=2)
         prev = state.peek()
         if not holds_frames(prev) or self.time_pad == 0:
             if norm is not None:
-                x = norm(x, "silu")
+                x = norm(x, "silu", rows=rows)
             state.put(cache_tail(b, x, prev))
             return x, self.time_pad
         state.release()
-        x = b.concat([prev, x], axis=1) if norm is None else norm(x, "silu", prefix=prev)
+        x = b.concat([prev, x], axis=1) if norm is None else norm(x, "silu", prefix=prev, rows=rows)
         lo = self.time_pad - prev.shape[1]
         del prev
         t = x.shape[1]
@@ -190,8 +194,8 @@ class ChannelRMSNorm(Module):
     def convert(self, name, host):
         return np.ascontiguousarray(host.reshape(self.dim))
 
-    def __call__(self, x, activation=None, prefix=None):
-        return self.backend.rms_norm(x, self.gamma, self.eps, activation, prefix=prefix)
+    def __call__(self, x, activation=None, prefix=None, rows=None):
+        return self.backend.rms_norm(x, self.gamma, self.eps, activation, prefix=prefix, rows=rows)
 
 
 class ResidualBlock(Module):

@@ -113,6 +113,41 @@ def test_rms_norm_behind_a_prefix(target):
         assert rel_l2(ours, torch.cat([t64(preh), normed], dim=1).numpy()) < target.tol, f"seed {seed} n={n}"
 
 
+@pytest.mark.parametrize("n,t,t0,c", [(1, 3, 2, 96), (2, 2, 2, 13), (1, 1, 0, 97), (2, 3, 0, 16)])
+@pytest.mark.parametrize("sides", ["both", "above", "below"])
+def test_rms_norm_of_rows_joined_around_x(target, n, t, t0, c, sides):
+    """rms_norm(x, rows=(above, below), prefix=frames): a sharded conv's halo rows (axis -3) joined
+    to x's before the norm, behind the cached frames (t0 = 0: no prefix; 4-D x then too), vs
+    torch.cat([frames, silu(rms_norm(torch.cat([above, x, below], rows)))], 1). Odd rows, odd and
+    vectorisable channels, batch 2 (its rows of every frame lie apart in the buffer)."""
+    be = backend(target)
+    rng, seed = fresh_rng()
+    h, w, halo = 5, 7, 1 if c != 16 else 2
+    x, xh = put(be, rng.standard_normal((n, t, h, w, c)) * 2 + 0.5)
+    above, ah = put(be, rng.standard_normal((n, t, halo, w, c)))
+    below, bh = put(be, rng.standard_normal((n, t, halo, w, c)) - 1)
+    rows = (above if sides != "below" else None, below if sides != "above" else None)
+    joined = torch.cat([t64(p) for p in (ah if rows[0] is not None else None, xh, bh if rows[1] is not None else None)
+                        if p is not None], dim=2)
+    wt, wh = put(be, rng.uniform(0.5, 1.5, c))
+    normed = F.silu(F.rms_norm(joined, (c,), t64(wh), 1e-24 / c))
+    if t0:
+        pre, preh = put(be, rng.standard_normal((n, t0, joined.shape[2], w, c)))
+        ours = be.to_host(be.rms_norm(x, wt, 1e-24 / c, activation="silu", prefix=pre, rows=rows))
+        np.testing.assert_array_equal(ours[:, :t0], preh)
+        ref = torch.cat([t64(preh), normed], dim=1).numpy()
+    else:  # no prefix: N,T,H,W,C as it is, and folded to N*T,H,W,C
+        ours = be.to_host(be.rms_norm(x, wt, 1e-24 / c, activation="silu", rows=rows))
+        ref = normed.numpy()
+        flat = [None if r is None else be.reshape(r, (n * t, halo, w, c)) for r in rows]
+        folded = be.to_host(be.rms_norm(be.reshape(x, (n * t, h, w, c)), wt, 1e-24 / c, activation="silu",
+                                        rows=tuple(flat)))
+        assert rel_l2(folded, ref.reshape(folded.shape)) < target.tol, f"seed {seed} folded"
+    assert ours.shape == ref.shape and rel_l2(ours, ref) < target.tol, f"seed {seed} {sides}"
+    with pytest.raises(ValueError, match="rows"):  # rows that do not match x elsewhere than axis -3
+        be.rms_norm(x, wt, 1e-6, rows=(be.slice(above, 3, 0, 1), None))
+
+
 @pytest.mark.parametrize("shape", [(4, 9, 11), (3, 17, 19, 5)])
 @pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "relu"])
 def test_activations(target, shape, name):

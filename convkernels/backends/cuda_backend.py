@@ -38,7 +38,7 @@ from .cuda_fusions import CudaFusions
 from .cuda_graphs import CaptureState, GraphCache, GraphedForward
 from .cuda_options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .cuda_plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
-from .cuda_transfer import axis_blocks, copy_into, start_to_host
+from .cuda_transfer import copy_into, start_to_host
 
 ATTENTION_SCORE_BYTES = 256 << 20        # bound on one chunk of attention scores
 MAX_PENDING_TIMINGS = 8192
@@ -257,16 +257,22 @@ class CudaBackend(BackendBase):
                                                 activation)
 
     def _rms_norm_after(self, prefix, x, weight, eps, activation):
-        # the kernel writes behind the prefix frames: no joined copy of the norm's output
-        if not axis_blocks(x.shape, 1):
+        if x.ndim != 5:
             return super()._rms_norm_after(prefix, x, weight, eps, activation)
-        cp, dt = self.cp, self.dtype_of(x)
-        t0 = prefix.shape[1]
-        out = cp.empty((x.shape[0], t0 + x.shape[1], *x.shape[2:]), dtype=x.dtype)
-        copy_into(cp, out[:, :t0], prefix)
-        self.arrays.kernels(dt).rms_norm(self.arrays.contiguous(x), self.arrays.cast(weight, dt), eps, activation,
-                                         out=out[:, t0:])
-        return out
+        return self._rms_norm_joined(prefix, [x], weight, eps, activation)
+
+    def _rms_norm_joined(self, prefix, parts, weight, eps, activation):
+        # each part's norm written into its rows of one buffer, behind the prefix frames: neither
+        # the joined input (a sharded conv's halo rows around its own) nor the output is copied
+        shape, dt = parts[0].shape, self.dtype_of(parts[0])
+        n, t = (1, prod(shape[:-3])) if prefix is None else (int(shape[0]), int(shape[1]))
+        t0 = 0 if prefix is None else int(prefix.shape[1])
+        out = self.cp.empty((n, t0 + t, sum(int(p.shape[-3]) for p in parts), *shape[-2:]), dtype=parts[0].dtype)
+        if prefix is not None:
+            copy_into(self.cp, out[:, :t0], prefix)
+        parts = [self.arrays.contiguous(p).reshape(n, t, *p.shape[-3:]) for p in parts]
+        self.arrays.kernels(dt).rms_norm_rows(parts, self.arrays.cast(weight, dt), eps, activation, out, t0)
+        return out if prefix is not None else out.reshape(*shape[:-3], *out.shape[2:])
 
     def _activation(self, x, activation):
         return self.arrays.kernels(self.dtype_of(x)).epilogue(self.arrays.contiguous(x), None, None, activation)

@@ -203,14 +203,17 @@ class Kernels:
             shared_mem=2 * groups * 4)
         return y
 
-    def rms_norm(self, x, weight, eps, activation, out=None):
-        """out: a C-contiguous array of x's size to write into (part of a larger buffer)."""
+    def rms_norm(self, x, weight, eps, activation, out=None, groups=None):
+        """out: where to write (part of a larger buffer): C-contiguous of x's size, or, with
+        groups = (rows per group, rows from one group's start to the next's), x's rows in groups
+        that far apart from out's first element on (rows of C channels)."""
         c = x.shape[-1]
         rows = x.size // c
         y = self.cp.empty_like(x) if out is None else out
         w = weight if weight is not None else x
+        grp, gstride = groups or (rows, rows)
         args = (x, y, w, np.int64(rows), np.int32(c), np.int32(weight is not None), np.float32(eps),
-                np.int32(ACT_CODES[activation]))
+                np.int32(ACT_CODES[activation]), np.int64(grp), np.int64(gstride))
         if rms_vectorised(c, x.itemsize, (x.data.ptr, y.data.ptr, w.data.ptr)):
             per_block = BLOCK // (c // (16 // x.itemsize))
             self.fn("rms_rows_vec")((-(-rows // per_block),), (BLOCK,), args, shared_mem=4 * BLOCK)
@@ -218,6 +221,20 @@ class Kernels:
             per_block = BLOCK // 32
             self.fn("rms_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), args)
         return y
+
+    def rms_norm_rows(self, parts, weight, eps, activation, out, t0: int = 0):
+        """Each part (n, t, rows_i, w, c), contiguous, normed into its rows of out (n, t0 + t,
+        sum of rows_i, w, c) from frame t0 on: the parts joined on axis 2 with no joined copy.
+        One launch per part and batch item (a part's rows of each frame are a group of the out)."""
+        n, _, h, w, c = out.shape
+        r0 = 0
+        for part in parts:
+            rows = int(part.shape[2])
+            src = part.reshape(n, -1, c)
+            for i in range(n):
+                self.rms_norm(src[i], weight, eps, activation, out=out[i, t0:, r0:], groups=(rows * w, h * w))
+            r0 += rows
+        return out
 
     def layer_norm(self, x, weight, bias, eps, activation, input_bias=None, vectorised=True):
         """act(LayerNorm(x + input_bias) * weight + bias) over the last axis; `input_bias` is a

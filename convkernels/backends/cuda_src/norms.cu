@@ -123,13 +123,20 @@ extern "C" __global__ void gn_norm(const T* x, T* y, const double* acc, const T*
 }
 
 // RMS norm over the last axis (Wan's norm): one warp per row, y = act(x * rsqrt(mean(x^2) + eps) * w).
+// y's rows may lie in groups of `grp` rows every `gstride` rows (grp == gstride: contiguous): a
+// piece of a larger buffer, e.g. a band of rows of every frame of a video (a sharded conv's halo
+// rows and its own, each written where the joined input would hold it).
+__device__ __forceinline__ long long out_row(long long row, long long grp, long long gstride) {
+    return grp == gstride ? row : (row / grp) * gstride + row % grp;
+}
+
 extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows, int C, int has_w,
-                                    float eps, int a) {
+                                    float eps, int a, long long grp, long long gstride) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const T* xr = x + row * C;
-    T* yr = y + row * C;
+    T* yr = y + out_row(row, grp, gstride) * C;
     float q = 0.0f;
     for (int c = lane; c < C; c += 32) { float v = ld(xr[c]); q += v * v; }
     float r = rsqrtf(warp_sum(q) / C + eps);
@@ -145,7 +152,7 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
 // the row's sum goes through shared memory), x read once. Wan's C = 96 fills 12 of a warp's lanes
 // in rms_rows' layout; here every thread of a block but a few carries a vector.
 extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long rows, int C, int has_w,
-                                        float eps, int a) {
+                                        float eps, int a, long long grp, long long gstride) {
     extern __shared__ float part[];  // one partial sum of squares per thread
     int nv = C / VEC;
     int per_block = blockDim.x / nv;
@@ -175,7 +182,7 @@ extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long 
         if (has_w) o *= wv[j];
         v[j] = act(o, a);
     }
-    store_vec(y + row * C + cv * VEC, v);
+    store_vec(y + out_row(row, grp, gstride) * C + cv * VEC, v);
 }
 
 // LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
