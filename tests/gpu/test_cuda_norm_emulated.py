@@ -111,11 +111,18 @@ extern "C" void run_layer_norm(const float* x, float* y, const float* w, const f
 }
 
 extern "C" void run_rms_norm_vec(const float* x, float* y, const float* w, long long rows, int C, float eps,
-                                 int a) {
+                                 int a, long long grp, long long gstride) {
     blockDim.x = BLOCK_THREADS;
     int per_block = BLOCK_THREADS / (C / 4);
     dim3 grid; grid.x = (unsigned)((rows + per_block - 1) / per_block);
-    launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a); });
+    launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a, grp, gstride); });
+}
+
+extern "C" void run_rms_norm(const float* x, float* y, const float* w, long long rows, int C, float eps,
+                             int a, long long grp, long long gstride) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
+    launch(grid, [=] { rms_rows(x, y, w, rows, C, 1, eps, a, grp, gstride); });
 }
 
 extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
@@ -272,11 +279,34 @@ def test_rms_norm_rows_spread_over_threads_match_torch(lib, rows, c, activation)
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
     eps = 1e-24 / c
     lib.run_rms_norm_vec(p(x), p(y), p(w), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(eps),
-                         ctypes.c_int(ACT_CODES[activation]))
+                         ctypes.c_int(ACT_CODES[activation]), ctypes.c_longlong(rows), ctypes.c_longlong(rows))
     ref = from_t(ref_activation(F.rms_norm(torch.from_numpy(x.astype(np.float64)), (c,),
                                            torch.from_numpy(w.astype(np.float64)), eps), activation))
     assert np.isfinite(y).all(), "an element was never written"
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
+
+
+@pytest.mark.parametrize("vec,c", [(True, 96), (True, 12), (False, 13), (False, 96)])
+def test_rms_norm_rows_land_in_groups_of_a_larger_buffer(lib, vec, c):
+    """The `groups` the backend's rms_norm_rows gives both RMS kernels: x's rows of each frame
+    (3 frames of 2 rows x 5 columns, a sharded conv's own band) written as a group every 4 x 5
+    rows of the output from row 5 on (the band of a frame of 4 rows, after a halo row), where
+    the joined buffer holds them; every other row left as it was."""
+    rng, seed = fresh_rng()
+    frames, rows, cols, h = 3, 2, 5, 4
+    x = rng.standard_normal((frames, rows, cols, c)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    out = np.full((frames, h, cols, c), np.nan, np.float32)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    run = lib.run_rms_norm_vec if vec else lib.run_rms_norm
+    eps = 1e-24 / c
+    start = out[:, 1:].ctypes.data  # the first frame's second row: the band after one halo row
+    run(p(x), ctypes.c_void_p(start), p(w), ctypes.c_longlong(x.size // c), ctypes.c_int(c), ctypes.c_float(eps),
+        ctypes.c_int(ACT_CODES["silu"]), ctypes.c_longlong(rows * cols), ctypes.c_longlong(h * cols))
+    ref = ref_activation(F.rms_norm(torch.from_numpy(x.astype(np.float64)), (c,),
+                                    torch.from_numpy(w.astype(np.float64)), eps), "silu").numpy()
+    assert rel_l2(out[:, 1:1 + rows], ref) < 1e-5, f"seed {seed}"
+    assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 1 + rows:]).all(), "rows outside the groups were written"
 
 
 def test_rms_norm_vector_path_choice():
