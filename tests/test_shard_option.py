@@ -40,6 +40,9 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards("flux2", px4k, 2) == 1  # 2 GPUs not measured for it
     assert shard_option.auto_shards("qwen-image", px4k - 1, 4) == 1
     assert all(r.evidence for r in shard_option.AUTO_RULES)
+    # a rule names a family the models know, or it would never apply (a typo is not a rule)
+    from models.sharding import FAMILIES
+    assert {r.family for r in shard_option.AUTO_RULES} <= {f.name for f in FAMILIES.values()}
 
 
 def test_decide_names_what_cannot_be_sharded():
