@@ -3,10 +3,10 @@ channels-last layouts converted at the boundary, and the conv grids. Shared by e
 op and path tests."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+
+from reference_checks import INFORMATIVE_STD, assert_informative, fresh_seed, rel_l2  # noqa: F401
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -14,21 +14,8 @@ F = torch.nn.functional
 
 def fresh_rng() -> tuple[np.random.Generator, int]:
     """A new seed every run (printed in failures) so the grid explores fresh inputs."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = fresh_seed()
     return np.random.default_rng(seed), seed
-
-
-def fresh_seed() -> int:
-    """A new seed every run (tests print it with their figures) for fresh random weights."""
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def rel_l2(ours, ref) -> float:
-    ours = np.asarray(ours, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert ours.shape == ref.shape, f"shape {ours.shape} != reference {ref.shape}"
-    denom = np.linalg.norm(ref)
-    return float(np.linalg.norm(ours - ref) / (denom if denom > 0 else 1.0))
 
 
 def to_t(x: np.ndarray):
