@@ -1,0 +1,72 @@
+"""How much arithmetic a decode is, and so the least time it can take: the diffusers class's
+forward counted by torch.utils.flop_counter on the meta device (no weights, no compute, any size),
+for the workloads whose targets sit near that floor (issue #31: TAESD 1024x1024 in 1 ms on an H100
+and 100 ms on 2 CPU cores; Wan 2.2 121x704x1280 at 2x PyTorch eager).
+
+The floor is FLOPs / peak: `--peak-tflops` (default 989, an H100 or H200 SXM's dense float16 and
+bfloat16 tensor-core rate) for the GPU; for the CPU, the CI machine's 2 cores (Sapphire Rapids,
+2.6 GHz) in float32 on AVX-512 (`--cpu-gflops`, default 2 cores x 2 FMA units x 16 lanes x 2 x
+3 GHz = 384) and in bfloat16 on AMX (`--amx-tflops`, default 2 cores x 1024 per cycle x 2.6 GHz
+= 5.3), both above what any kernel sustains.
+
+Run: python benchmarks/flop_counts.py [--peak-tflops 989] [--cpu-gflops 384] [--amx-tflops 5.3].
+Needs torch and diffusers (the test extra); no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def count(build, latents_shape) -> tuple[float, dict[str, float]]:
+    """(total FLOPs, FLOPs by op) of build().decode(latents) on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        vae = build().eval()
+        z = torch.empty(latents_shape)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        vae.decode(z)
+    return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+def wan22():
+    import diffusers
+
+    from models.wan22_vae import PRESETS
+    arch = {k: v for k, v in PRESETS["wan2.2-vae"].items() if k not in ("scale_factor_temporal", "scale_factor_spatial")}
+    return diffusers.AutoencoderKLWan(**arch)
+
+
+def taesd():
+    import diffusers
+    return diffusers.AutoencoderTiny()
+
+
+WORKLOADS = [("TAESD decode 1024x1024", taesd, (1, 4, 128, 128)),
+             ("TAESD decode 512x512", taesd, (1, 4, 64, 64)),
+             ("Wan 2.2 decode 121x704x1280", wan22, (1, 48, 31, 44, 80))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--cpu-gflops", type=float, default=384.0)
+    ap.add_argument("--amx-tflops", type=float, default=5.3)
+    args = ap.parse_args()
+    print("| workload | GFLOP | of it convolution | GPU floor | CPU floor, float32 | CPU floor, AMX bfloat16 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, build, shape in WORKLOADS:
+        total, by_op = count(build, shape)
+        conv = by_op.get("aten.convolution", 0.0)
+        print(f"| {name} | {total / 1e9:.1f} | {conv / total:.1%} | {total / (args.peak_tflops * 1e12) * 1e3:.2f} ms | "
+              f"{total / (args.cpu_gflops * 1e9):.2f} s | {total / (args.amx_tflops * 1e12) * 1e3:.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()
