@@ -24,13 +24,16 @@ def rel_l2(ours, ref) -> float:
 # The bar is what the 1e-4 relative L2 checks need: around a mean near 0.5, a std of 0.005 still
 # bounds the error at 1 % of the variation. The bar was 0.02 once, and a valid draw fell under it:
 # over 800 draws of the Qwen-Image test's reference the std ran from 0.023 up (mean 0.09), and a
-# CI run drew 0.018.
+# CI run drew 0.018. At least a quarter of it must lie inside (0, 1), where the clamp hides nothing:
+# TAESD's references (latents at twice the unit scale, through its tanh) had 47-49 % inside for 3
+# seeds in 300, under the half that was asked once.
 INFORMATIVE_STD = 0.005
+MAX_CLAMPED = 0.75
 
 
 def assert_informative(ref, what: str) -> None:
     """The reference decode must vary and stay mostly unclamped, or comparing with it proves nothing."""
     ref = np.asarray(ref)
     std, clamped = float(ref.std()), float(np.mean((ref <= 0) | (ref >= 1)))
-    assert std > INFORMATIVE_STD and clamped < 0.5, \
+    assert std > INFORMATIVE_STD and clamped < MAX_CLAMPED, \
         f"{what}: reference flat or saturated (std {std:.4f}, {clamped:.0%} clamped)"

@@ -42,7 +42,7 @@ def test_tiny_image_vae_on_mlx_matches_diffusers(tmp_path, mlx_backend, preset):
     ours = model.decode(lat, tiled=False)
     ref = vae_ref.diffusers_decode(ref_vae, lat)
     assert ours.dtype == np.float32 and ours.shape == ref.shape
-    assert ((ref > 0) & (ref < 1)).mean() > 0.5, "reference saturated; test would be vacuous"
+    assert_informative(ref, f"seed {seed}")
     err = vae_ref.rel_l2(ours, ref)
     assert err < vae_ref.TOL, f"{preset} seed {seed}: rel L2 {err:.2e}"
     assert "mlx_native" in paths_taken(mlx_backend)
