@@ -17,9 +17,9 @@ from live_server import from_npy, metric, metric_sum, npy, scrape
 from reference_checks import rel_l2
 
 #: the same pixels encoded in another batch, or through another body format, give the same embedding
-#: up to float32 summation order: a batch of 3 is another gemm shape, and the numpy backend may time
-#: another conv path for it. Element-wise bounds (1e-5 relative, 1e-6 absolute) failed once under a
-#: loaded CI machine; the relative L2 bound is the float32 parity bar of every other test.
+#: up to float32 summation order: a batch of 3 is another gemm shape, and may take another conv
+#: path. Element-wise bounds (1e-5 relative, 1e-6 absolute) failed once in three runs of the suite on
+#: the 2-core machine; the relative L2 bound is the float32 parity bar of every other test.
 SAME_PIXELS_TOL = 1e-5
 
 NPY = {"content-type": "application/x-npy"}
