@@ -1,7 +1,8 @@
 """How much arithmetic a decode is, and so the least time it can take: the diffusers class's
 forward counted by torch.utils.flop_counter on the meta device (no weights, no compute, any size),
 for the workloads whose targets sit near that floor (issue #31: TAESD 1024x1024 in 1 ms on an H100
-and 100 ms on 2 CPU cores; Wan 2.2 121x704x1280 at 2x PyTorch eager).
+and 100 ms on 2 CPU cores; Wan 2.2 121x704x1280 at 2x PyTorch eager; issue #32: Wan 2.1 81x480x832
+in 0.5 s on 2 GPUs), and SD-VAE 512 for scale.
 
 The floor is FLOPs / peak: `--peak-tflops` (default 989, an H100 or H200 SXM's dense float16 and
 bfloat16 tensor-core rate) for the GPU; for the CPU, the CI machine's 2 cores (Sapphire Rapids,
@@ -43,6 +44,21 @@ def wan22():
     return diffusers.AutoencoderKLWan(**arch)
 
 
+def wan21():
+    import diffusers
+
+    from models.wan_vae import PRESETS
+    return diffusers.AutoencoderKLWan(**{k: v for k, v in PRESETS["wan2.1-vae"].items()
+                                         if k not in ("latents_mean", "latents_std")})
+
+
+def sd():
+    import diffusers
+
+    from models.autoencoder_kl import PRESETS
+    return diffusers.AutoencoderKL(**PRESETS["sd-vae"])
+
+
 def taesd():
     import diffusers
     return diffusers.AutoencoderTiny()
@@ -50,6 +66,8 @@ def taesd():
 
 WORKLOADS = [("TAESD decode 1024x1024", taesd, (1, 4, 128, 128)),
              ("TAESD decode 512x512", taesd, (1, 4, 64, 64)),
+             ("SD-VAE decode 512x512", sd, (1, 4, 64, 64)),
+             ("Wan 2.1 decode 81x480x832", wan21, (1, 16, 21, 60, 104)),
              ("Wan 2.2 decode 121x704x1280", wan22, (1, 48, 31, 44, 80))]
 
 
@@ -64,8 +82,12 @@ def main() -> None:
     for name, build, shape in WORKLOADS:
         total, by_op = count(build, shape)
         conv = by_op.get("aten.convolution", 0.0)
-        print(f"| {name} | {total / 1e9:.1f} | {conv / total:.1%} | {total / (args.peak_tflops * 1e12) * 1e3:.2f} ms | "
-              f"{total / (args.cpu_gflops * 1e9):.2f} s | {total / (args.amx_tflops * 1e12) * 1e3:.0f} ms |")
+        print(f"| {name} | {total / 1e9:,.1f} | {conv / total:.1%} | {seconds(total / (args.peak_tflops * 1e12))} | "
+              f"{seconds(total / (args.cpu_gflops * 1e9))} | {seconds(total / (args.amx_tflops * 1e12))} |")
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 0.01 else f"{s * 1e3:.0f} ms" if s < 1 else f"{s:,.2f} s"
 
 
 if __name__ == "__main__":
