@@ -10,30 +10,45 @@ bfloat16 tensor-core rate) for the GPU; for the CPU, the CI machine's 2 cores (S
 3 GHz = 384) and in bfloat16 on AMX (`--amx-tflops`, default 2 cores x 1024 per cycle x 2.6 GHz
 = 5.3), both above what any kernel sustains.
 
-Run: python benchmarks/flop_counts.py [--peak-tflops 989] [--cpu-gflops 384] [--amx-tflops 5.3].
+Run: python benchmarks/flop_counts.py [--peak-tflops 989] [--cpu-gflops 384] [--amx-tflops 5.3]
+[--layers 3] (each workload's conv shapes with the most FLOPs).
 Needs torch and diffusers (the test extra); no GPU.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def count(build, latents_shape) -> tuple[float, dict[str, float]]:
-    """(total FLOPs, FLOPs by op) of build().decode(latents) on the meta device."""
+def count(build, latents_shape) -> tuple[float, dict[str, float], Counter]:
+    """(total FLOPs, FLOPs by op, conv FLOPs by (in channels, out channels, kernel, output rows x
+    columns)) of build().decode(latents) on the meta device."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
         vae = build().eval()
         z = torch.empty(latents_shape)
+    convs: Counter = Counter()
+
+    def conv_flops(module, inputs, out):
+        w = module.weight
+        kernel = tuple(int(k) for k in w.shape[2:])
+        convs[(int(w.shape[1]) * module.groups, int(w.shape[0]), kernel, tuple(out.shape[-2:]))] += \
+            2 * out.numel() * int(w.shape[1]) * math.prod(kernel)
+
+    for m in vae.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)):
+            m.register_forward_hook(conv_flops)
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
         vae.decode(z)
-    return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    return counter.get_total_flops(), {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}, convs
 
 
 def wan22():
@@ -76,14 +91,23 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--cpu-gflops", type=float, default=384.0)
     ap.add_argument("--amx-tflops", type=float, default=5.3)
+    ap.add_argument("--layers", type=int, default=0, help="also list each workload's N conv shapes with the most FLOPs")
     args = ap.parse_args()
+    layers = []
     print("| workload | GFLOP | of it convolution | GPU floor | CPU floor, float32 | CPU floor, AMX bfloat16 |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, build, shape in WORKLOADS:
-        total, by_op = count(build, shape)
+        total, by_op, convs = count(build, shape)
+        layers += [(name, key, n / total) for key, n in convs.most_common(args.layers)]
         conv = by_op.get("aten.convolution", 0.0)
         print(f"| {name} | {total / 1e9:,.1f} | {conv / total:.1%} | {seconds(total / (args.peak_tflops * 1e12))} | "
               f"{seconds(total / (args.cpu_gflops * 1e9))} | {seconds(total / (args.amx_tflops * 1e12))} |")
+
+    if layers:
+        print("\n| workload | conv in -> out channels, kernel, output rows x columns | share of the FLOPs |")
+        print("| --- | --- | --- |")
+        for name, (cin, cout, kernel, rows_cols), share in layers:
+            print(f"| {name} | {cin} -> {cout}, {'x'.join(map(str, kernel))}, {'x'.join(map(str, rows_cols))} | {share:.1%} |")
 
 
 def seconds(s: float) -> str:
