@@ -10,7 +10,8 @@ the graph's pool stays under the bound); the sharded rows are service.shard_grou
 Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
 
 Run (repo root, a multi-GPU machine): PYTHONPATH=. python3 benchmarks/sharded_decode.py
-[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3] [--plans 2e,3e,4e] (video: chunk plans side by side). Writes $OUT/sharded_decode_<preset>_<shape>_<dtype>.json.
+[--size 4096] [--gpus 1,2,4] [--dtype float16] [--reps 3] [--plans 2e,3e,4e] (video: chunk plans side by side)
+[--autotune] (timed cuDNN plans on every rank). Writes $OUT/sharded_decode_<preset>_<shape>_<dtype>.json.
 """
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def main() -> None:
                          "#32: a sharded half-precision decode is within the one-GPU decode's own error)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="every rank (the one-GPU baseline too) without CUDA graphs: the lower-memory setting")
+    ap.add_argument("--autotune", action="store_true",
+                    help="every rank (the one-GPU baseline too) times its cuDNN plans per conv (the service's "
+                         "CONVSERVE_CUDA_AUTOTUNE=1): the untimed first call takes the timing")
     ap.add_argument("--no-exchange", action="store_true",
                     help="also time each group size with NoExchange in place of NCCL: what the shards compute "
                          "apart from what they exchange")
@@ -91,7 +95,7 @@ def main() -> None:
             continue
         t0 = time.time()
         res = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                             whole=(n == 1), cuda_graphs=not args.no_graphs, chunk_plan=plan)
+                             whole=(n == 1), cuda_graphs=not args.no_graphs, autotune=args.autotune, chunk_plan=plan)
         ms = 1e3 * statistics.median(res.seconds)
         if base is None:
             base = (ms, res.images, max(res.pool_bytes))
@@ -118,7 +122,7 @@ def main() -> None:
                   f"(max {max(slowest[3:]):.1f})", flush=True)
         if args.no_exchange and n > 1:
             bare = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                                  timing_comm="sharded_decode:NoExchange", chunk_plan=plan)
+                                  timing_comm="sharded_decode:NoExchange", autotune=args.autotune, chunk_plan=plan)
             bare_ms = 1e3 * statistics.median(bare.seconds)
             row["no_exchange_ms"] = bare_ms
             line = f"    without the exchanges (NoExchange, output not the decode's): {bare_ms:.1f} ms"
@@ -127,10 +131,11 @@ def main() -> None:
                 line += f"; frame groups first {slow[0]:.1f}, later ones {statistics.mean(slow[3:]):.1f} ms per latent frame"
             print(line, flush=True)
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpus=visible, preset=args.preset,
-               workload=what, dtype=args.dtype, cuda_graphs=not args.no_graphs)
+               workload=what, dtype=args.dtype, cuda_graphs=not args.no_graphs, autotune=args.autotune)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
-    tag = f"{args.preset}_{'x'.join(map(str, shape))}_{args.dtype}" + ("_nographs" if args.no_graphs else "")
+    tag = (f"{args.preset}_{'x'.join(map(str, shape))}_{args.dtype}" + ("_nographs" if args.no_graphs else "")
+           + ("_autotune" if args.autotune else ""))
     with open(os.path.join(out, f"sharded_decode_{tag}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n# sharded decode, {env['date']}, {len(visible)}x {visible[0] if visible else '?'}")
