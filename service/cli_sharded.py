@@ -28,7 +28,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
     if video != (lat.ndim == 5) and not (lat.ndim == 5 and lat.shape[2] == 1):  # Qwen-Image's N,C,1,h,w
         fail(f"--shards {shards}: preset {preset} decodes {'video' if video else 'image'} latents "
              f"({'N,C,T,h,w' if video else 'N,C,h,w'}), not shape {list(lat.shape)}")
-    rows = lat.shape[-2]
+    rows = lat.shape[sharding.LATENT_ROWS]
     from convkernels.registry import cuda_status
 
     ok, why = cuda_status()
