@@ -158,6 +158,15 @@ def main():
     theirs = bench(lambda: F.scaled_dot_product_attention(qt, qt, qt), tte)
     results["attention L4096 D512 fp16"] = dict(ours_ms=ours, torch_ms=theirs, ratio=ours / theirs)
 
+    # bfloat16: the mid-block of a 512x512 and a 1024x1024 image's decode (4096, 16384 tokens)
+    bf = backends["bfloat16"]
+    for tokens in (4096, 16384):
+        q = rng.standard_normal((1, 1, tokens, 512)).astype(np.float32)
+        qd, qt = bf.asarray(q), torch.from_numpy(q).cuda().bfloat16()
+        ours = bench(lambda: bf.attention(qd, qd, qd), cpe)
+        theirs = bench(lambda: F.scaled_dot_product_attention(qt, qt, qt), tte)
+        results[f"attention L{tokens} D512 bf16"] = dict(ours_ms=ours, torch_ms=theirs, ratio=ours / theirs)
+
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cudnn_torch=torch.backends.cudnn.version(),
                cudnn_ours=be.cudnn_version, cupy=cp.__version__, host=platform.node(), python=sys.version.split()[0],
                plan_cache=be.plan_cache_stats(), small_kd_measurements={str(k.x_shape): v for k, v in

@@ -11,11 +11,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .cuda_kernels import Kernels
+from .cuda_kernels import STORAGE, Kernels  # noqa: F401 (STORAGE: the backend imports it from here)
 
 DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                np.dtype(np.float64): "float64"}
-STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 
 def dtype_name(x) -> str:

@@ -10,6 +10,7 @@ CuPy kernels. Its parts, one module each:
 - cuda_graphs.py: whole-forward CUDA graphs, and the capture state every part consults (its
   docstring states what may run inside a capture).
 - cuda_kernels.py (+ cuda_src/*.cu): norms, activations, casts, depthwise, softmax kernels.
+- cuda_attention.py: attention, as cuBLAS products around the softmax kernel, per dtype.
 - cuda_blas.py, cuda_blas_lt.py, cuda_cudnn.py, cuda_plan_cache.py, cuda_transfer.py: cuBLAS,
   cuBLASLt and cuDNN through their C APIs, the plan cache, block copies.
 
@@ -31,6 +32,7 @@ from ..backend import BackendBase
 from ..paths import ConvPath
 from ..spec import prod, upsample_conv_as_transpose
 from .cuda_arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
+from .cuda_attention import attention
 from .cuda_blas import Cublas
 from .cuda_conv_paths import CudaConvPaths
 from .cuda_cudnn import CudnnConvBuilder
@@ -40,7 +42,6 @@ from .cuda_options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .cuda_plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
 from .cuda_transfer import copy_into, start_to_host
 
-ATTENTION_SCORE_BYTES = 256 << 20        # bound on one chunk of attention scores
 MAX_PENDING_TIMINGS = 8192
 
 
@@ -341,22 +342,7 @@ class CudaBackend(BackendBase):
         return self.blas.matmul(self.arrays.f32(a), self.arrays.f32(b))
 
     def _attention(self, q, k, v, scale):
-        """softmax(q k^T * scale) v, query rows in chunks so the score matrix stays bounded.
-        float16 multiplies in float16 (cuBLAS, float32 accumulate); bfloat16 computes in float32."""
-        cp, cast = self.cp, self.arrays.cast
-        dt = self.dtype_of(q)
-        work = "float32" if dt == "bfloat16" else dt
-        q, k, v = cast(q, work), cast(k, work), cast(v, work)
-        kern = self.arrays.kernels(work)
-        kt = cp.swapaxes(k, -1, -2)
-        lq, lk = q.shape[-2], k.shape[-2]
-        lead = prod(q.shape[:-2])
-        step = max(1, min(lq, ATTENTION_SCORE_BYTES // max(1, lead * lk * np.dtype(work).itemsize)))
-        out = cp.empty((*q.shape[:-1], v.shape[-1]), dtype=work)
-        for s in range(0, lq, step):
-            scores = self.arrays.contiguous(self._mm(q[..., s:s + step, :], kt))
-            out[..., s:s + step, :] = self._mm(kern.softmax_rows(scores, scale), v)
-        return cast(out, dt)
+        return attention(self, q, k, v, scale)  # cuda_attention.py: chunked, per storage dtype
 
     def _concat(self, xs, axis):
         """One copy per part into the result. cp.concatenate joins more than two small arrays in

@@ -249,12 +249,16 @@ class Cublas:
                                                    ctypes.c_size_t(self.workspace.nbytes)), "cublasSetWorkspace")
         self._stream = stream_ptr
 
-    def matmul(self, a, b):
+    def matmul(self, a, b, out_dtype=None):
         """a (..., M, K) @ b (..., K, N) in the operands' common storage dtype (float16, bfloat16
-        as uint16, float32) -> a new contiguous array."""
+        as uint16, float32) -> a new contiguous array, of that dtype or float32 (out_dtype: the
+        float32 accumulator kept, not rounded to the operands' dtype)."""
         cp = self.cp
         if a.dtype != b.dtype or a.dtype not in _CUDA_TYPES:
             raise TypeError(f"cuBLAS matmul takes two float16, bfloat16 or float32 operands, got {a.dtype}, {b.dtype}")
+        out_dtype = a.dtype if out_dtype is None else np.dtype(out_dtype)
+        if out_dtype not in (a.dtype, np.dtype(np.float32)):
+            raise TypeError(f"cuBLAS matmul of {a.dtype} operands gives {a.dtype} or float32, not {out_dtype}")
         lead = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
         plan = None
         for _ in range(5):  # at most: copy a, then broadcast it; the same for b; then plan
@@ -268,16 +272,20 @@ class Cublas:
                     b = _copied(cp, b, lead)
         if plan is None:
             raise CublasError(f"no cuBLAS layout for {a.shape} @ {b.shape}")
-        out = cp.empty((*plan.batch_shape, plan.n, plan.m), dtype=a.dtype)
+        out = cp.empty((*plan.batch_shape, plan.n, plan.m), dtype=out_dtype)
         if out.size == 0:
             return out
         if plan.k == 0:
             out.fill(0)
             return out
-        self.gemm(plan, b.data.ptr, a.data.ptr, out.data.ptr, _CUDA_TYPES[a.dtype])
+        self.gemm(plan, b.data.ptr, a.data.ptr, out.data.ptr, _CUDA_TYPES[a.dtype], _CUDA_TYPES[out_dtype])
         return out
 
-    def gemm(self, plan: GemmPlan, first_ptr: int, second_ptr: int, out_ptr: int, dtype: int) -> None:
+    def gemm(self, plan: GemmPlan, first_ptr: int, second_ptr: int, out_ptr: int, dtype: int,
+             out_type: int | None = None) -> None:
+        """One cuBLAS call of `plan`; operands of `dtype`, the result of `out_type` (the same, or
+        CUDA_R_32F for 16-bit operands: a combination cublasGemmEx lists for COMPUTE_32F)."""
+        out_type = dtype if out_type is None else out_type
         compute = COMPUTE_32F_FAST_TF32 if (dtype == CUDA_R_32F and self.allow_tf32) else COMPUTE_32F
         one, zero = ctypes.byref(self._one), ctypes.byref(self._zero)
         vp = ctypes.c_void_p
@@ -286,13 +294,13 @@ class Cublas:
             if plan.batch == 1:
                 rc = self.lib.cublasGemmEx(self.handle, plan.op_first, plan.op_second, plan.m, plan.n, plan.k, one,
                                            vp(first_ptr), dtype, plan.ld_first, vp(second_ptr), dtype, plan.ld_second,
-                                           zero, vp(out_ptr), dtype, plan.ldc, compute, GEMM_DEFAULT)
+                                           zero, vp(out_ptr), out_type, plan.ldc, compute, GEMM_DEFAULT)
             else:
                 rc = self.lib.cublasGemmStridedBatchedEx(
                     self.handle, plan.op_first, plan.op_second, plan.m, plan.n, plan.k, one,
                     vp(first_ptr), dtype, plan.ld_first, plan.stride_first,
                     vp(second_ptr), dtype, plan.ld_second, plan.stride_second,
-                    zero, vp(out_ptr), dtype, plan.ldc, plan.stride_c, plan.batch, compute, GEMM_DEFAULT)
+                    zero, vp(out_ptr), out_type, plan.ldc, plan.stride_c, plan.batch, compute, GEMM_DEFAULT)
         self._check(rc, "cublasGemmEx")
 
     def close(self) -> None:

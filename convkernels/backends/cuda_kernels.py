@@ -23,6 +23,8 @@ import numpy as np
 
 ACT_CODES = {None: 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+#: each dtype's storage: bfloat16 as its uint16 bit patterns
+STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 BLOCK = 256
 DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
 
@@ -301,4 +303,17 @@ class Kernels:
         if rows:
             self.fn("softmax_rows")((rows,), (BLOCK,), (x, y, np.int64(rows), np.int32(length),
                                                          np.float32(scale)))
+        return y
+
+    def softmax_rows_f32(self, x, scale: float = 1.0):
+        """softmax_rows of contiguous float32 x, the result in this dtype's storage (bfloat16
+        attention's scores: softmax.cu says why they stay float32)."""
+        if x.dtype != np.float32:
+            raise TypeError(f"softmax_rows_f32 takes float32 scores, got {x.dtype}")
+        length = x.shape[-1]
+        rows = x.size // length
+        y = self.cp.empty(x.shape, dtype=STORAGE[self.dtype])
+        if rows:
+            self.fn("softmax_rows_f32")((rows,), (BLOCK,), (x, y, np.int64(rows), np.int32(length),
+                                                             np.float32(scale)))
         return y

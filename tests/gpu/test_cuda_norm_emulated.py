@@ -1,8 +1,7 @@
 """The CUDA backend's GroupNorm, LayerNorm, depthwise + LayerNorm and vectorised depthwise
 kernels and its 8-bit pixel conversion to_u8 (cuda_kernels.py, the source CuPy compiles) run on the CPU: the
-float32 build of the same source, compiled as C++ with one host thread per CUDA thread, a barrier
-for __syncthreads, a barrier per warp for warp shuffles and locked atomics, launched with the grid
-the backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector
+float32 build of the same source, compiled as C++ (cuda_emulation.py), launched with the grid the
+backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector
 path, groups that split a vector, the chunking and the folded finalize, rows held in registers
 across a warp's lanes, against torch.nn.functional, where there is no GPU.
 (fp16/bf16 differ only in the load/store conversions and the vector width;
@@ -10,89 +9,21 @@ tests/test_ops.py and tests/gpu/test_cuda_convnext_fusions.py run all three on a
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
+from cuda_emulation import build
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, SOURCE, dw_ln_applies, gn_chunks,
+from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, dw_ln_applies, gn_chunks,
                                                ln_vectorised, rms_vectorised)
 
 #: the launch geometry the emulated GroupNorm uses: an H100's multiprocessor count (the backend
 #: reads the device's own; the chunking covers every row for any count)
 H100_SMS = 132
 
-HARNESS = r"""
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <thread>
-#include <vector>
-
-struct dim3 { unsigned x = 1, y = 1, z = 1; };
-struct uint4 { unsigned x, y, z, w; };
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim, gridDim;
-static std::barrier<>* g_bar;
-static std::mutex g_atomic;
-static unsigned char g_smem[48 * 1024];
-
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-static inline void __syncthreads() { g_bar->arrive_and_wait(); }
-static inline double atomicAdd(double* p, double v) { std::lock_guard<std::mutex> l(g_atomic); double o = *p; *p = o + v; return o; }
-// a warp's shuffle: the 32 threads of a warp meet at their warp's barrier (a warp that returns
-// early, as a LayerNorm warp past the last row does, leaves the others' barriers alone)
-static std::barrier<>* g_warp_bar[32];
-static float g_shfl[1024];
-static inline float __shfl_xor_sync(unsigned, float v, int o) {
-    std::barrier<>* bar = g_warp_bar[threadIdx.x >> 5];
-    g_shfl[threadIdx.x] = v;
-    bar->arrive_and_wait();
-    float r = g_shfl[threadIdx.x ^ o];
-    bar->arrive_and_wait();
-    return r;
-}
-static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
-static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
-// one IEEE rounding each (x86-64 without -mfma never contracts them); NaN -> 0 as PTX's cvt.rzi
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline unsigned __float2uint_rz(float v) {
-    return v != v || v <= 0.0f ? 0u : (v >= 4294967295.0f ? 4294967295u : (unsigned)v);
-}
-
-SOURCE
-
-template <typename K>
-static void launch(dim3 grid, K body) {
-    gridDim = grid;
-    for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            std::barrier<> bar(blockDim.x);
-            g_bar = &bar;
-            std::vector<std::unique_ptr<std::barrier<>>> warps;
-            for (unsigned w = 0; w < blockDim.x / 32; ++w) {
-                warps.emplace_back(new std::barrier<>(32));
-                g_warp_bar[w] = warps.back().get();
-            }
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < blockDim.x; ++t)
-                ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
-            for (auto& th : ts) th.join();
-        }
-}
-
+RUNNERS = r"""
 extern "C" void run_group_norm(const float* x, float* y, double* acc, const float* w, const float* b,
                                int N, long long S, int C, int G, long long rows_per_chunk, int nchunks,
                                double count, float eps, int has_w, int has_b, int a, int vec) {
@@ -151,22 +82,7 @@ extern "C" void run_dw2d_vec(const float* x, const float* wt, const float* bias,
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ to build the emulation")
-    src = SOURCE.replace("extern __shared__ double shg[];", "double* shg = (double*)g_smem;")
-    src = src.replace("extern __shared__ float shm[];", "float* shm = (float*)g_smem;")
-    src = src.replace("extern __shared__ float part[];", "float* part = (float*)g_smem;")
-    assert "extern __shared__" not in src, "a kernel with dynamic shared memory the harness does not map"
-    code = HARNESS.replace("SOURCE", src).replace("BLOCK_THREADS", str(BLOCK))
-    d = tmp_path_factory.mktemp("cuda_emulation")
-    (d / "k.cpp").write_text("#define DT 0\n" + code)
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", str(d / "k.cpp"),
-                            "-o", str(d / "k.so")], capture_output=True, text=True)
-    if build.returncode:
-        if "barrier" in build.stderr and "No such file" in build.stderr:
-            pytest.skip("the C++ compiler has no <barrier>")
-        raise AssertionError(build.stderr[-4000:])
-    return ctypes.CDLL(str(d / "k.so"))
+    return build(tmp_path_factory, RUNNERS)
 
 
 def group_norm(lib, x, groups, w, b, eps, activation, vec):

@@ -1,18 +1,36 @@
 // Row softmax of the attention scores.
 
+// The scores' loads: T (softmax_rows), or float32 (softmax_rows_f32, bfloat16 attention's scores).
+template <typename In> __device__ __forceinline__ float score(In v) { return ld(v); }
+template <> __device__ __forceinline__ float score<float>(float v) { return v; }
+
+// Softmax over one row of length L, of x * scale, by one 256-thread block.
+template <typename In>
+__device__ __forceinline__ void softmax_row(const In* xr, T* yr, int L, float scale, float* sh) {
+    float m = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, score(xr[j]) * scale);
+    m = block_max(m, sh);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(score(xr[j]) * scale - m);
+    s = block_sum(s, sh);
+    float inv = 1.0f / s;
+    for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = st(expf(score(xr[j]) * scale - m) * inv);
+}
+
 // Softmax over rows of length L, of x * scale: one 256-thread block per row.
 extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L, float scale) {
     __shared__ float sh[32];
     long long row = blockIdx.x;
     if (row >= rows) return;
-    const T* xr = x + row * L;
-    T* yr = y + row * L;
-    float m = -__int_as_float(0x7f800000);
-    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, ld(xr[j]) * scale);
-    m = block_max(m, sh);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(ld(xr[j]) * scale - m);
-    s = block_sum(s, sh);
-    float inv = 1.0f / s;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = st(expf(ld(xr[j]) * scale - m) * inv);
+    softmax_row(x + row * L, y + row * L, L, scale, sh);
+}
+
+// The same of float32 scores, the probabilities stored as T: bfloat16's 8-bit mantissa would
+// round a score of 100 to a multiple of 0.5, so bfloat16 attention keeps its scores in float32
+// (cuBLAS writes them so) and multiplies the probabilities, which lie in [0, 1], in bfloat16.
+extern "C" __global__ void softmax_rows_f32(const float* x, T* y, long long rows, int L, float scale) {
+    __shared__ float sh[32];
+    long long row = blockIdx.x;
+    if (row >= rows) return;
+    softmax_row(x + row * L, y + row * L, L, scale, sh);
 }

@@ -1,0 +1,44 @@
+"""The CUDA backend's attention: softmax(q k^T * scale) v over (..., L, D), as cuBLAS products and
+one softmax kernel per chunk of query rows, so the score matrix stays within SCORE_BYTES.
+
+Per storage dtype:
+- float32: float32 throughout (TF32 only where the backend allows it).
+- float16: both products in float16 with float32 accumulation, the scores stored in float16.
+- bfloat16: both products in bfloat16 with float32 accumulation, as PyTorch's bfloat16 attention
+  computes them. The scores stay float32 (cuBLAS writes its accumulator), because bfloat16's
+  8-bit mantissa would round a score near 100 to a multiple of 0.5; the softmax reads them in
+  float32 and writes the probabilities, which lie in [0, 1], in bfloat16 for the second product.
+  (Before, bfloat16 attention cast q, k and v to float32 and ran both products as float32 GEMMs,
+  several times slower on tensor-core GPUs: the 262k-token mid-block attention of a 4096x4096
+  FLUX.2 or Qwen-Image decode.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..spec import prod
+
+#: bound on one chunk of attention scores (its probabilities take as much again, or half for bfloat16)
+SCORE_BYTES = 256 << 20
+
+
+def attention(backend, q, k, v, scale: float):
+    """backend._attention: q, k, v of one storage dtype (the backend's `dtype_of`)."""
+    cp, arrays = backend.cp, backend.arrays
+    dt = backend.dtype_of(q)
+    q, k, v = (arrays.cast(t, dt) for t in (q, k, v))  # one dtype for cuBLAS (a no-op in the models)
+    kern = arrays.kernels(dt)
+    kt = cp.swapaxes(k, -1, -2)
+    lq, lk = q.shape[-2], k.shape[-2]
+    mixed = dt == "bfloat16"
+    score_bytes = 4 if mixed else np.dtype(q.dtype).itemsize
+    step = max(1, min(lq, SCORE_BYTES // max(1, prod(q.shape[:-2]) * lk * score_bytes)))
+    out = cp.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+    for s in range(0, lq, step):
+        rows = q[..., s:s + step, :]
+        if mixed:
+            probs = kern.softmax_rows_f32(backend.blas.matmul(rows, kt, out_dtype=np.float32), scale)
+        else:
+            probs = kern.softmax_rows(arrays.contiguous(backend.blas.matmul(rows, kt)), scale)
+        out[..., s:s + step, :] = backend.blas.matmul(probs, v)
+    return out
