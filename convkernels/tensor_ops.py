@@ -237,6 +237,37 @@ class TensorOps(ABC):
             raise ValueError(f"upsample_nearest: need {nd} positive integer factors, got {scale!r}")
         return self._upsample_nearest(x, factors)
 
+    def pixel_shuffle(self, x, factors: Sequence[int], repeats: int = 1, start: int = 0):
+        """Channels to space: (N, *S, Cin) -> (N, *(S * factors), Cout), Cout = Cin * repeats /
+        prod(factors). Each input channel is first repeated `repeats` times in a row (torch's
+        repeat_interleave); channel c * prod(factors) + r of that then lands on offset r within
+        its input position's block of the output (torch's pixel_shuffle order: the spatial axes'
+        offsets in axis order, the last fastest). `start` drops that many leading positions of
+        the first spatial axis (Wan 2.2's DupUp3D keeps a first chunk's last frame only)."""
+        nd = x.ndim - 2
+        factors = tuple(int(f) for f in factors)
+        if nd < 1 or len(factors) != nd or any(f < 1 for f in factors) or repeats < 1:
+            raise ValueError(f"pixel_shuffle: {nd} spatial axes, factors {factors}, repeats {repeats}")
+        block = int(np.prod(factors))
+        if (x.shape[-1] * repeats) % block:
+            raise ValueError(f"pixel_shuffle: {x.shape[-1]} channels x {repeats} do not split into blocks of {block}")
+        if not 0 <= start < x.shape[1] * factors[0]:
+            raise ValueError(f"pixel_shuffle: start {start} outside {x.shape[1] * factors[0]} positions")
+        return self._pixel_shuffle(x, factors, int(repeats), int(start))
+
+    def _pixel_shuffle(self, x, factors, repeats, start):
+        """The reference route, in the backend's own reshape, concat, transpose and slice."""
+        n, *space, cin = x.shape
+        nd, cout = len(space), cin * repeats // int(np.prod(factors))
+        if repeats > 1:
+            col = self.reshape(x, (*x.shape, 1))
+            x = self.reshape(self.concat([col] * repeats, axis=-1), (n, *space, cin * repeats))
+        x = self.reshape(x, (n, *space, cout, *factors))
+        # (n, s1, f1, s2, f2, ..., cout): each spatial axis followed by its offset
+        order = [0] + [a for i in range(nd) for a in (1 + i, 2 + nd + i)] + [1 + nd]
+        x = self.reshape(self.transpose(x, order), (n, *(s * f for s, f in zip(space, factors)), cout))
+        return self.slice(x, 1, start, x.shape[1]) if start else x
+
     def pad(self, x, padding: PaddingArg, mode: str = "zeros"):
         """Pad the spatial axes of (N, *spatial, C). mode: 'zeros' or 'replicate'."""
         if mode not in ("zeros", "replicate"):

@@ -13,25 +13,16 @@ from .wan_vae_layers import ChannelRMSNorm, CausalConv3d, FeatureCache, MidBlock
 
 
 def dup_up(backend, x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):
-    """DupUp3D: (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout). Channel j of the channel-repeated
+    """DupUp3D as one backend.pixel_shuffle: (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout). Channel j of the channel-repeated
     input (each input channel `repeats` times in a row, repeat_interleave) is, read as
     (Cout, ft, fs, fs), output channel o at time offset t and pixel offset (s1, s2). On the first
     chunk only the last time offset is kept (diffusers' first_chunk: x[:, :, ft - 1:])."""
-    b = backend
-    n, t, h, w, cin = x.shape
+    cin = x.shape[-1]
     factor = factor_t * factor_s * factor_s
     if (out_channels * factor) % cin:
         raise ValueError(f"DupUp3D: {out_channels} channels x {factor} is not a multiple of {cin}")
-    repeats = out_channels * factor // cin
-    if repeats > 1:  # repeat_interleave on channels: each channel `repeats` times in a row
-        col = b.reshape(x, (n, t, h, w, cin, 1))
-        x = b.concat([col] * repeats, axis=5)
-    x = b.reshape(x, (n, t, h, w, out_channels, factor_t, factor_s, factor_s))
-    x = b.transpose(x, (0, 1, 5, 2, 6, 3, 7, 4))
-    x = b.reshape(x, (n, t * factor_t, h * factor_s, w * factor_s, out_channels))
-    if first_chunk and factor_t > 1:
-        x = b.slice(x, 1, factor_t - 1, t * factor_t)
-    return x
+    start = factor_t - 1 if first_chunk and factor_t > 1 else 0
+    return backend.pixel_shuffle(x, (factor_t, factor_s, factor_s), out_channels * factor // cin, start=start)
 
 
 def unpatchify(backend, x, patch: int):

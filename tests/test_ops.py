@@ -174,6 +174,50 @@ def test_upsample_nearest(target, nd, scale):
     np.testing.assert_array_equal(ours, from_t(F.interpolate(to_t(xh), scale_factor=factors, mode="nearest")))
 
 
+@pytest.mark.parametrize("cin,cout,ft,fs,first,shape", [
+    (6, 3, 2, 2, False, (2, 3, 5, 7)),    # Wan 2.2's time-and-space up block: repeats 2, batch 2
+    (6, 3, 2, 2, True, (1, 3, 5, 7)),     # its first chunk keeps the last time offset only
+    (10, 5, 1, 2, False, (2, 2, 3, 5)),   # space only (TI2V's third up block): repeats 2
+    (4, 8, 2, 2, True, (1, 1, 3, 3)),     # repeats 4, one latent frame
+    (5, 5, 1, 1, False, (1, 2, 3, 4))])   # nothing moves
+def test_pixel_shuffle_is_diffusers_dup_up3d(target, cin, cout, ft, fs, first, shape):
+    """pixel_shuffle with repeats is Wan 2.2's DupUp3D (diffusers' own module): an exact copy."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    be = backend(target)
+    rng, seed = fresh_rng()
+    x, xh = put(be, rng.standard_normal((*shape, cin)))
+    ref = from_t(DupUp3D(cin, cout, ft, fs)(to_t(xh), first_chunk=first))
+    repeats = cout * ft * fs * fs // cin
+    ours = be.to_host(be.pixel_shuffle(x, (ft, fs, fs), repeats, start=ft - 1 if first and ft > 1 else 0))
+    np.testing.assert_array_equal(ours, ref, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("factors,repeats", [((2, 2), 1), ((3, 2), 1), ((2, 2), 3), ((1, 3), 2)])
+def test_pixel_shuffle_of_images_is_torchs(target, factors, repeats):
+    be = backend(target)
+    rng, seed = fresh_rng()
+    cin = 12 // repeats if repeats > 1 else 12
+    x, xh = put(be, rng.standard_normal((2, 5, 7, cin)))
+    wide = to_t(xh).repeat_interleave(repeats, dim=1)
+    if factors[0] == factors[1]:
+        ref = from_t(F.pixel_shuffle(wide, factors[0]))
+    else:  # torch's pixel_shuffle is square; its channel order spelled out for unequal factors
+        n, c, h, w = wide.shape
+        co = c // (factors[0] * factors[1])
+        ref = from_t(wide.reshape(n, co, *factors, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, co, h * factors[0], w * factors[1]))
+    np.testing.assert_array_equal(be.to_host(be.pixel_shuffle(x, factors, repeats)), ref, err_msg=f"seed {seed}")
+
+
+def test_pixel_shuffle_refuses_what_does_not_split():
+    be = get_backend("numpy")
+    x = be.asarray(np.zeros((1, 2, 3, 5), np.float32))
+    for factors, repeats, start, why in [((2, 2), 1, 0, "blocks of 4"), ((2,), 1, 0, "2 spatial axes"),
+                                         ((2, 2), 4, 9, "start 9")]:
+        with pytest.raises(ValueError, match=why):
+            be.pixel_shuffle(x, factors, repeats, start=start)
+
+
 @pytest.mark.parametrize("shape,pads", [((2, 4, 5, 6, 3), ((2, 0), (1, 3), (0, 1))), ((2, 5, 7, 3), ((0, 1), (0, 1)))])
 @pytest.mark.parametrize("mode,torch_mode", [("zeros", "constant"), ("replicate", "replicate")])
 def test_pad(target, shape, pads, mode, torch_mode):

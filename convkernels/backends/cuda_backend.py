@@ -304,6 +304,18 @@ class CudaBackend(BackendBase):
         out = cp.ascontiguousarray(cp.broadcast_to(self.arrays.contiguous(x).reshape(expanded), target))
         return out.reshape(x.shape[0], *(x.shape[1 + i] * scale[i] for i in range(nd)), x.shape[-1])
 
+    def _pixel_shuffle(self, x, factors, repeats, start):
+        """One copy kernel (cuda_src/shuffle.cu) for 2 or 3 spatial axes, not the reference's repeat
+        and transposed copy; a 2-D input is one frame of a 3-D one."""
+        if len(factors) not in (2, 3) or (len(factors) == 2 and start) or x.dtype not in STORAGE.values():
+            return super()._pixel_shuffle(x, factors, repeats, start)
+        kern = self.arrays.kernels(self.dtype_of(x))
+        x = self.arrays.contiguous(x)
+        if len(factors) == 3:
+            return kern.pixel_shuffle3(x, tuple(factors), repeats, start)
+        y = kern.pixel_shuffle3(x.reshape(x.shape[0], 1, *x.shape[1:]), (1, *factors), repeats, 0)
+        return y.reshape(y.shape[0], *y.shape[2:])
+
     def _pad(self, x, pads, mode):
         width = ((0, 0), *pads, (0, 0))
         if mode == "zeros":  # zero bits are 0.0 in every storage dtype, bf16 included

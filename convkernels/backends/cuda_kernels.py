@@ -28,7 +28,7 @@ STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "fl
 BLOCK = 256
 DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
 
-CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.cu")
+CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.cu", "shuffle.cu")
 
 
 def load_source() -> str:
@@ -50,6 +50,14 @@ def grid_blocks(n: int, sm_count: int) -> int:
     """Blocks of a grid-stride launch over n elements: one per BLOCK elements, at most
     GRID_BLOCKS_PER_SM per SM."""
     return max(1, min((n + BLOCK - 1) // BLOCK, sm_count * GRID_BLOCKS_PER_SM))
+
+
+def shuffle_grid(rows: int, row_len: int, sm_count: int) -> tuple[int, int]:
+    """(blocks along a row, blocks over the rows) of pixel_shuffle3: up to one block per row (a
+    grid's y extent stops at 65535; the kernel strides past it), then as many per row as keep the
+    grid near GRID_BLOCKS_PER_SM per SM."""
+    gy = min(rows, 65535)
+    return max(1, min(-(-row_len // BLOCK), sm_count * GRID_BLOCKS_PER_SM // gy)), gy
 
 
 def gn_chunks(n: int, rows: int, sm_count: int) -> tuple[int, int]:
@@ -303,6 +311,23 @@ class Kernels:
         if rows:
             self.fn("softmax_rows")((rows,), (BLOCK,), (x, y, np.int64(rows), np.int32(length),
                                                          np.float32(scale)))
+        return y
+
+    def pixel_shuffle3(self, x, factors: tuple[int, int, int], repeats: int, start: int):
+        """TensorOps.pixel_shuffle of contiguous x (N, T, H, W, Ci) over its three spatial axes."""
+        n, t, h, w, ci = x.shape
+        ft, fh, fw = factors
+        co = ci * repeats // (ft * fh * fw)
+        to, ho, wo = t * ft - start, h * fh, w * fw
+        if wo * co >= 2 ** 31 or max(ci, co) * ft * fh * fw >= 2 ** 31:
+            raise ValueError(f"pixel_shuffle3: a row of {wo} x {co} is beyond the kernel's int32 indices")
+        y = self.cp.empty((n, to, ho, wo, co), dtype=x.dtype)
+        rows, row_len = n * to * ho, wo * co
+        if y.size:
+            i32 = np.int32
+            self.fn("pixel_shuffle3")(shuffle_grid(rows, row_len, self.sm_count), (BLOCK,), (
+                x, y, np.int64(rows), i32(t), i32(h), i32(w), i32(ci), i32(to), i32(ho), i32(wo), i32(co),
+                i32(ft), i32(fh), i32(fw), i32(repeats), i32(start)))
         return y
 
     def softmax_rows_f32(self, x, scale: float = 1.0):
