@@ -13,10 +13,11 @@ from .wan_vae_layers import ChannelRMSNorm, CausalConv3d, FeatureCache, MidBlock
 
 
 def dup_up(backend, x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):
-    """DupUp3D as one backend.pixel_shuffle: (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout). Channel j of the channel-repeated
-    input (each input channel `repeats` times in a row, repeat_interleave) is, read as
-    (Cout, ft, fs, fs), output channel o at time offset t and pixel offset (s1, s2). On the first
-    chunk only the last time offset is kept (diffusers' first_chunk: x[:, :, ft - 1:])."""
+    """DupUp3D, one backend.pixel_shuffle: (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout).
+    Channel j of the channel-repeated input (each input channel `repeats` times in a row,
+    repeat_interleave) is, read as (Cout, ft, fs, fs), output channel o at time offset t and
+    pixel offset (s1, s2). On the first chunk only the last time offset is kept (diffusers'
+    first_chunk: x[:, :, ft - 1:])."""
     cin = x.shape[-1]
     factor = factor_t * factor_s * factor_s
     if (out_channels * factor) % cin:
