@@ -181,12 +181,13 @@ def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation, input_bia
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
 
 
-@pytest.mark.parametrize("rows,c", [(37, 96), (5, 4 * 256), (23, 12), (64, 4 * 3)])
+@pytest.mark.parametrize("rows,c", [(37, 96), (5, 4 * 256), (23, 12), (64, 4 * 3), (19, 4 * 32), (7, 4 * 128)])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_rms_norm_rows_spread_over_threads_match_torch(lib, rows, c, activation):
     """rms_rows_vec: a row on C/4 consecutive threads of float32 (rows straddling warps: 24
-    threads per row, 10 rows per block and 16 threads idle; one row per block at the widest;
-    a last block with fewer rows), Wan's eps, against torch in float64."""
+    threads per row, 10 rows per block and 16 threads idle; rows of whole warps, summed by
+    shuffles: one row per block at the widest, 8 rows of one warp, 2 rows of 4 warps; a last
+    block with fewer rows), Wan's eps, against torch in float64."""
     rng, seed = fresh_rng()
     x = (rng.standard_normal((rows, c)) * rng.uniform(0.1, 10)).astype(np.float32)
     x[0] = 0.0  # a zero row: eps keeps it finite

@@ -167,12 +167,23 @@ extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long 
 #pragma unroll
         for (int j = 0; j < VEC; ++j) q += v[j] * v[j];
     }
-    part[threadIdx.x] = q;
-    __syncthreads();
-    if (!live) return;
-    const float* pr = part + local * nv;
     float s = 0.0f;
-    for (int i = 0; i < nv; ++i) s += pr[i];
+    if ((nv & 31) == 0) {
+        // rows of whole warps (Wan 2.2's 256 to 1024 channels): each warp sums its lanes by
+        // shuffles, then a row adds its nv / 32 warps' sums, not nv partial sums one by one
+        q = warp_sum(q);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
+        __syncthreads();
+        if (!live) return;
+        const float* pw = part + ((local * nv) >> 5);
+        for (int i = 0; i < (nv >> 5); ++i) s += pw[i];
+    } else {
+        part[threadIdx.x] = q;
+        __syncthreads();
+        if (!live) return;
+        const float* pr = part + local * nv;
+        for (int i = 0; i < nv; ++i) s += pr[i];
+    }
     float r = rsqrtf(s / C + eps);
     float wv[VEC];
     if (has_w) load_vec(w + cv * VEC, wv);
