@@ -22,8 +22,8 @@ What it may override, with the default in brackets: `_conv_operands` [check the 
 layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue],
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
-`depthwise_conv_layer_norm` [None: not fused], `graphed` [the forward, run eagerly, recording
-nothing], `calls_to_warm` [1].
+`attention_score_bytes` [None], `depthwise_conv_layer_norm` [None: not fused], `graphed` [the
+forward, run eagerly, recording nothing], `calls_to_warm` [1].
 """
 from __future__ import annotations
 
@@ -88,6 +88,8 @@ class BackendBase(TensorOps):
     unfold_limit_bytes: int | None = None
     #: query rows per attention block, for backends that chunk attention by rows
     attention_chunk: int | None = None
+    #: bytes one block of attention scores may take, for backends that bound them by size
+    attention_score_bytes: int | None = None
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' conv2d(x, w) + bias) as one fused op, or None where the

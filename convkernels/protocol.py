@@ -150,6 +150,9 @@ class Backend(Protocol):
     #: query rows per attention block (the score matrix is chunk x keys); models count it in
     #: their memory estimates. Default None: the backend bounds its scores another way, or not.
     attention_chunk: int | None
+    #: bytes one block of attention scores may take, for a backend that bounds them by size
+    #: instead of by rows (cuda); models count it in their memory estimates. Default None.
+    attention_score_bytes: int | None
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float) -> Array | None:
         """layer_norm(conv2d(x, w, bias, padding=k // 2, groups=C), norm_w, norm_b, eps) in

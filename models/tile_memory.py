@@ -35,8 +35,14 @@ def estimate_decode_peak_bytes(model, n: int, h: int, w: int) -> int:
                for level, ch in enumerate(boc))
     if cfg.mid_block_add_attention:
         tokens = h * w
-        chunk = min(tokens, model.backend.attention_chunk or tokens)
-        scores = 3 * n * chunk * tokens * 4  # scores, exp, probabilities
+        be = model.backend
+        if be.attention_chunk:
+            chunk = be.attention_chunk
+        elif be.attention_score_bytes:  # cuda: a block's rows are what fits the bound
+            chunk = max(1, be.attention_score_bytes // (n * tokens * 4))
+        else:
+            chunk = tokens
+        scores = 3 * n * min(tokens, chunk) * tokens * 4  # scores, exp, probabilities
         peak = max(peak, scores + LIVE_TENSORS * n * tokens * boc[0] * _itemsize(model))
     f = cfg.spatial_factor
     output = 2 * n * h * f * w * f * cfg.out_channels * 4  # decoder output + host copy

@@ -74,7 +74,8 @@ def test_the_protocol_lists_what_models_use():
     for op in ("conv2d", "conv3d", "group_norm", "attention", "linear", "upsample_conv2d", "graphed",
                "asarray", "to_host", "describe", "work_memory_budget",
                # the optional capabilities models use, with BackendBase defaults
-               "runs_ahead", "unfold_limit_bytes", "attention_chunk", "depthwise_conv_layer_norm"):
+               "runs_ahead", "unfold_limit_bytes", "attention_chunk", "attention_score_bytes",
+               "depthwise_conv_layer_norm"):
         assert op in members
     assert "conv_paths" not in members and "_run" not in members  # implementers' hooks are not the contract
 
@@ -113,7 +114,8 @@ def test_optional_capabilities_default_to_not_offered():
     """BackendBase answers every optional member with "not offered": no unfold bound, no
     attention chunk, no running ahead; no fused op and no recording (the numpy backend offers
     neither, so it shows the inherited defaults)."""
-    assert (BackendBase.runs_ahead, BackendBase.unfold_limit_bytes, BackendBase.attention_chunk) == (False, None, None)
+    assert (BackendBase.runs_ahead, BackendBase.unfold_limit_bytes, BackendBase.attention_chunk,
+            BackendBase.attention_score_bytes) == (False, None, None, None)
     be = get_backend("numpy")
     assert be.depthwise_conv_layer_norm(None, None, None, None, None, 1e-6) is None
     step = be.graphed(lambda x: x + 1)

@@ -125,6 +125,22 @@ def test_the_default_budget_is_the_backends_work_memory(vae_and_model):
     assert tiling.plan_decode(whole, shape, None) is None
 
 
+def test_attention_bounded_by_bytes_does_not_tile_a_decode_that_fits(vae_and_model):
+    """A backend that bounds its attention score blocks by size (cuda: attention_score_bytes)
+    holds scores of that size whatever the token count: counting the whole token x token matrix
+    instead (48 GiB at 2048x2048) tiled decodes that fit, and tiling changes the output."""
+    path = vae_and_model[1]
+    rows, by_bytes = get_backend("numpy"), get_backend("numpy")
+    rows.attention_chunk = by_bytes.attention_chunk = None  # unbounded by rows
+    by_bytes.attention_score_bytes = 256 << 20
+    unbounded = tiling.estimate_decode_peak_bytes(load_model("a", "sd-vae", rows, weights=path), 1, 256, 256)
+    budget = tiling.estimate_decode_peak_bytes(load_model("b", "sd-vae", by_bytes, weights=path), 1, 256, 256) + 1
+    assert budget < unbounded / 4
+    rows.work_memory_budget = by_bytes.work_memory_budget = budget
+    assert tiling.plan_decode(load_model("c", "sd-vae", by_bytes, weights=path), (1, 256, 256, 4), None) is None
+    assert tiling.plan_decode(load_model("d", "sd-vae", rows, weights=path), (1, 256, 256, 4), None) is not None
+
+
 def test_estimate_covers_measured_peak(backend):
     """The untiled estimate that drives auto tiling must not undershoot numpy's real peak."""
     import tracemalloc

@@ -32,7 +32,7 @@ from ..backend import BackendBase
 from ..paths import ConvPath
 from ..spec import prod, upsample_conv_as_transpose
 from .cuda_arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
-from .cuda_attention import attention
+from .cuda_attention import SCORE_BYTES, attention
 from .cuda_blas import Cublas
 from .cuda_conv_paths import CudaConvPaths
 from .cuda_cudnn import CudnnConvBuilder
@@ -48,6 +48,7 @@ MAX_PENDING_TIMINGS = 8192
 class CudaBackend(BackendBase):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
+    attention_score_bytes = SCORE_BYTES
     runs_ahead = True
     path_memo_events = False  # the plan cache emits the plan cache events
 

@@ -183,3 +183,21 @@ def test_convnext_encode(tmp_path, preset, arch, size, dtype):
         tol = max(TOL, 1.5 * floor) if dtype == "bfloat16" else TOL
         assert err < tol, f"seed {s}, {call}: {err:.3e} (PyTorch {dtype}: {floor:.3e})"
     assert_captured(model._encode_device, 2)
+
+
+def test_a_2048_image_that_fits_is_decoded_whole():
+    """The SD VAE at 2048x2048 in float16 fits a GPU's work budget untiled once its attention is
+    counted as the backend holds it (blocks of attention_score_bytes, not the 65536^2 matrix), so
+    the default decode is the untiled one: no tile seams, and the same pixels as tiled=False."""
+    from models import load_model
+    from models.tiling import plan_decode
+
+    be = backend("float16")
+    model = load_model("sd", "sd-vae", be)
+    assert be.attention_score_bytes, "the cuda backend bounds its score blocks by size"
+    lat = np.random.default_rng(seed()).standard_normal((1, 4, 256, 256)).astype(np.float32)
+    assert plan_decode(model, (1, 256, 256, 4), None) is None, "a 2048x2048 decode that fits was tiled"
+    auto = model.decode(lat)
+    whole = model.decode(lat, tiled=False)
+    assert auto.shape == (1, 2048, 2048, 3) and np.isfinite(auto).all()
+    assert rel_l2(auto, whole) < 1e-3
