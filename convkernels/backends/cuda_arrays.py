@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .cuda_kernels import STORAGE, Kernels  # noqa: F401 (STORAGE: the backend imports it from here)
+from .cuda_kernels import STORAGE, Kernels
 
 DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                np.dtype(np.float64): "float64"}
