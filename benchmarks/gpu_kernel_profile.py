@@ -7,7 +7,9 @@ is asked, TAESD 1024^2 at 2.7 ms where 1 ms is asked), this says where the time 
 it is changed: kernels grouped by name, total device ms, launches, and the share of the whole.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_kernel_profile.py
-[--only taesd,wan22,shardpath] [--wan22-latent 31x44x80] [--top 18]
+[--only taesd,wan22,shardpath] [--wan22-latent 31x44x80] [--top 18] [--autotune] (ours with timed
+cuDNN plans, the service's CONVSERVE_CUDA_AUTOTUNE: which kernels the timing picks over cuDNN's
+heuristic choice)
 
 shardpath (issue #32): Wan 2.1's sharded decode path (models/sharded_wan_decode.py) run as one shard of
 the whole rows beside the unsharded decode, both eager (no CUDA graphs), same latents: a sharded
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--wan22-latent", default="31x44x80")
     ap.add_argument("--wan21-latent", default="8x60x104", help="shardpath's latents TxHxW (Wan 2.1 480p rows)")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--autotune", action="store_true", help="ours with timed cuDNN plans")
     args = ap.parse_args()
     only = set(args.only.split(","))
 
@@ -68,7 +71,7 @@ def main() -> None:
     print(describe_machine(), torch.cuda.get_device_name())
     if "taesd" in only:
         lat = rng.standard_normal((1, 4, 128, 128)).astype(np.float32)
-        model = load_model("taesd", "taesd", get_backend("cuda", dtype="float16"))
+        model = load_model("taesd", "taesd", get_backend("cuda", dtype="float16", autotune=args.autotune))
         for _ in range(3):
             model.decode(lat, tiled=False)
         kernel_table(lambda: model.decode(lat, tiled=False), args.top, "ours: taesd 1024x1024 fp16")
@@ -83,7 +86,7 @@ def main() -> None:
 
         t, h, w = map(int, args.wan22_latent.split("x"))
         lat = rng.standard_normal((1, 48, t, h, w)).astype(np.float32)
-        model = load_model("wan22", "wan2.2-vae", get_backend("cuda", dtype="bfloat16"))
+        model = load_model("wan22", "wan2.2-vae", get_backend("cuda", dtype="bfloat16", autotune=args.autotune))
         model.decode(lat, tiled=False, uint8=True)
         model.decode(lat, tiled=False, uint8=True)
         kernel_table(lambda: model.decode(lat, tiled=False, uint8=True), args.top,
@@ -108,7 +111,8 @@ def shard_path(args, rng) -> None:
 
     t, h, w = map(int, args.wan21_latent.split("x"))
     lat = rng.standard_normal((1, 16, t, h, w)).astype(np.float32)
-    model = load_model("wan", "wan2.1-vae", get_backend("cuda", dtype="bfloat16", cuda_options={"cuda_graphs": False}))
+    model = load_model("wan", "wan2.1-vae", get_backend("cuda", dtype="bfloat16", autotune=args.autotune,
+                                                   cuda_options={"cuda_graphs": False}))
 
     def unsharded():
         return model.decode(lat, tiled=False)
