@@ -209,6 +209,21 @@ def upsample_conv_as_transpose(xp, w):
     return taps(taps(w, 1), 2)
 
 
+def upsample_conv_as_phases(xp, w):
+    """Channels-last weight (O, 3, 3, I) of "nearest 2x upsample, then a 3x3 conv with padding 1"
+    -> the (4 O, 2, 2, I) weight of one forward 2x2 conv with padding 1 whose (N, H+1, W+1, 4 O)
+    output holds the four output phases as channel blocks: output pixel (2i + a, 2j + b) is that
+    conv's pixel (i + a, j + b), channels [(2a + b) O, (2a + b + 1) O). Along one axis, output
+    2i + a reads upsampled rows 2i + a - 1 .. 2i + a + 1, which are input rows i - 1 + a and i + a:
+    taps (w0, w1 + w2) for a = 0, (w0 + w1, w2) for a = 1. As the transposed form, 4 instead of 9
+    multiply-adds per output and input channel, but as a forward conv (the copy putting the
+    phases in place is the backend's). `xp`: the array module of `w` (numpy, cupy)."""
+    def phase(v, axis, a):
+        t = [xp.take(v, i, axis=axis) for i in range(3)]
+        return xp.stack([t[0], t[1] + t[2]] if a == 0 else [t[0] + t[1], t[2]], axis=axis)
+    return xp.concatenate([phase(phase(w, 1, a), 2, b) for a in (0, 1) for b in (0, 1)], axis=0)
+
+
 def prod(values: Iterable[int]) -> int:
     out = 1
     for v in values:

@@ -13,7 +13,7 @@ from torch_reference import (CONV_CASES, CONV_T_CASES, F, conv_id, conv_t_id, fr
 
 from convkernels import ConvKey
 from convkernels.backend import CONV_OPS, CONV_T_OPS
-from convkernels.spec import upsample_conv_as_transpose
+from convkernels.spec import upsample_conv_as_phases, upsample_conv_as_transpose
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=conv_id)
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
@@ -100,10 +100,14 @@ def ref_upsample_conv(x, w, b):
 
 
 @pytest.mark.parametrize("shape,cout", [((2, 7, 10, 13), 11), ((1, 5, 3, 40), 33), ((1, 16, 17, 32), 32)])
-def test_upsample_conv2d_matches_torch(target, shape, cout):
+@pytest.mark.parametrize("phases", [False, True], ids=["default", "phases"])
+def test_upsample_conv2d_matches_torch(target, shape, cout, phases):
     """nearest 2x + 3x3 conv (Upsample2D, Wan's Resample), each backend its own way: odd channels,
-    non-square; a second call reads what the first derived (cuda: the transposed weight)."""
-    be = backend(target)
+    non-square; a second call reads what the first derived (cuda: the transposed weight, or with
+    upsample_phases the phase weight and its bias)."""
+    if phases and target.name != "cuda":
+        pytest.skip("the phase form is an option of the cuda backend (cuda_upsample.py)")
+    be = backend(target, upsample_phases=True) if phases else backend(target)
     rng, seed = fresh_rng()
     x, xh = put(be, rng.standard_normal(shape))
     w, wh = put(be, rng.standard_normal((cout, 3, 3, shape[-1])) / np.sqrt(9 * shape[-1]))
@@ -139,6 +143,29 @@ def test_upsample_conv_as_transpose_is_the_same_function(target):
     w4d, _ = put(be, w4)
     ours = be.to_host(be.conv_transpose2d(x, w4d, b, stride=2, padding=1))
     assert rel_l2(ours, ref_upsample_conv(xh, wh, bh)) < target.tol, f"seed {seed}"
+
+
+def test_upsample_conv_as_phases_is_the_same_function(target):
+    """The phase form's weight (spec.upsample_conv_as_phases, derived on the host): each backend's
+    2x2 conv with padding 1 writes the four output phases as channel blocks; placed where the
+    docstring says, they are nearest 2x + the 3x3 conv."""
+    be = backend(target)
+    rng, seed = fresh_rng()
+    n, h, w, cin, cout = 2, 9, 6, 21, 17
+    x, xh = put(be, rng.standard_normal((n, h, w, cin)))
+    wh = rng.standard_normal((cout, 3, 3, cin)) / 14
+    b, bh = put(be, np.tile(rng.standard_normal(cout), 4))
+    wp = upsample_conv_as_phases(np, wh)
+    assert wp.shape == (4 * cout, 2, 2, cin)
+    wpd, _ = put(be, wp)
+    y = be.to_host(be.conv2d(x, wpd, b, padding=1))
+    assert y.shape == (n, h + 1, w + 1, 4 * cout)
+    ours = np.empty((n, 2 * h, 2 * w, cout))
+    for a in (0, 1):
+        for c in (0, 1):
+            p = 2 * a + c
+            ours[:, a::2, c::2] = y[:, a:a + h, c:c + w, p * cout:(p + 1) * cout]
+    assert rel_l2(ours, ref_upsample_conv(xh, wh, bh[:cout])) < target.tol, f"seed {seed}"
 
 
 def test_path_choice_is_memoised_and_listed(target):

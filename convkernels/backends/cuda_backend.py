@@ -30,7 +30,7 @@ import numpy as np
 
 from ..backend import BackendBase
 from ..paths import ConvPath
-from ..spec import prod, upsample_conv_as_transpose
+from ..spec import prod
 from .cuda_arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
 from .cuda_attention import SCORE_BYTES, attention
 from .cuda_blas import Cublas
@@ -41,6 +41,7 @@ from .cuda_graphs import CaptureState, GraphCache, GraphedForward
 from .cuda_options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .cuda_plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
 from .cuda_transfer import copy_into, start_to_host
+from .cuda_upsample import upsample_conv2d
 
 MAX_PENDING_TIMINGS = 8192
 
@@ -192,13 +193,7 @@ class CudaBackend(BackendBase):
         return out
 
     def _upsample_conv2d(self, x, weight, bias, residual=None):
-        # the equivalent stride-2 transposed conv: one cuDNN dgrad writes the four output phases
-        # interleaved, 4 instead of 9 taps per output and no 4x-size upsampled input (measured:
-        # conv_transpose2d k4 s2 2.3-3.6x faster than nearest + 3x3 on the H100)
-        dt = self.dtype_of(x)
-        w4 = self.weights.get("upsample_as_transpose", weight, lambda v: self.arrays.cast(
-            upsample_conv_as_transpose(self.cp, self.arrays.f32(v)), dt))
-        return self.conv_transpose2d(x, w4, bias, stride=2, padding=1, residual=residual)
+        return upsample_conv2d(self, x, weight, bias, residual)  # its two forms: cuda_upsample.py
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         return self.fusions.depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps)

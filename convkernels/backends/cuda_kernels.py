@@ -53,9 +53,9 @@ def grid_blocks(n: int, sm_count: int) -> int:
 
 
 def shuffle_grid(rows: int, row_len: int, sm_count: int) -> tuple[int, int]:
-    """(blocks along a row, blocks over the rows) of pixel_shuffle3: up to one block per row (a
-    grid's y extent stops at 65535; the kernel strides past it), then as many per row as keep the
-    grid near GRID_BLOCKS_PER_SM per SM."""
+    """(blocks along a row, blocks over the rows) of the copy kernels pixel_shuffle3 and
+    phase_interleave: up to one block per row (a grid's y extent stops at 65535; the kernel
+    strides past it), then as many per row as keep the grid near GRID_BLOCKS_PER_SM per SM."""
     gy = min(rows, 65535)
     return max(1, min(-(-row_len // BLOCK), sm_count * GRID_BLOCKS_PER_SM // gy)), gy
 
@@ -329,6 +329,23 @@ class Kernels:
                 x, y, np.int64(rows), i32(t), i32(h), i32(w), i32(ci), i32(to), i32(ho), i32(wo), i32(co),
                 i32(ft), i32(fh), i32(fw), i32(repeats), i32(start)))
         return y
+
+    def phase_interleave(self, y, residual=None):
+        """upsample_conv2d's phase form (cuda_upsample.py): contiguous y (N, H+1, W+1, 4C), the 2x2
+        conv's four phases, to (N, 2H, 2W, C) in place order, plus contiguous `residual` of that
+        shape if given."""
+        n, h1, w1, c4 = y.shape
+        h, w, c = h1 - 1, w1 - 1, c4 // 4
+        if 2 * w * c >= 2 ** 31 or w1 * c4 >= 2 ** 31:
+            raise ValueError(f"phase_interleave: a row of {2 * w} x {c} is beyond the kernel's int32 indices")
+        out = self.cp.empty((n, 2 * h, 2 * w, c), dtype=y.dtype)
+        rows, row_len = n * 2 * h, 2 * w * c
+        if out.size:
+            i32 = np.int32
+            self.fn("phase_interleave")(shuffle_grid(rows, row_len, self.sm_count), (BLOCK,), (
+                y, y if residual is None else residual, out, np.int64(rows), i32(h), i32(w), i32(c),
+                i32(residual is not None)))
+        return out
 
     def softmax_rows_f32(self, x, scale: float = 1.0):
         """softmax_rows of contiguous float32 x, the result in this dtype's storage (bfloat16

@@ -39,6 +39,9 @@ class CudaOptions:
     allow_tf32: bool = False
     #: share of convs whose device time is measured (two CUDA events each)
     timing_sample_rate: float = 0.1
+    #: upsample_conv2d as a forward 2x2 conv and a copy placing its phases, not as a transposed conv
+    #: (cuda_upsample.py; CONVSERVE_CUDA_UPSAMPLE_PHASES)
+    upsample_phases: bool = False
     #: whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py;
     #: CONVSERVE_CUDA_GRAPHS, CONVSERVE_CUDA_GRAPH_CAPACITY, CONVSERVE_CUDA_GRAPH_MAX_BYTES)
     cuda_graphs: bool = True

@@ -12,9 +12,9 @@ def cuda_or_skip():
         pytest.skip(f"CUDA backend unavailable: {why}")
 
 
-def cuda_backend(dtype: str):
+def cuda_backend(dtype: str, **options):
     from convkernels import get_backend
-    return get_backend("cuda", dtype=dtype)
+    return get_backend("cuda", dtype=dtype, **options)
 
 
 def report_parity(line: str) -> None:

@@ -1,8 +1,10 @@
-"""The CUDA backend's pixel_shuffle3 kernel (cuda_src/shuffle.cu: Wan 2.2's DupUp3D in one copy) on
-the CPU, in the float32 and bfloat16 builds (cuda_emulation.py), where there is no GPU, against
-diffusers' own DupUp3D module: bit for bit, with the grid the backend launches (shuffle_grid) and
-with a grid small enough that both of the kernel's strides are taken.
-(tests/test_ops.py runs the op on a GPU.)"""
+"""The CUDA backend's copy kernels (cuda_src/shuffle.cu) on the CPU, in the float32 and bfloat16
+builds (cuda_emulation.py), where there is no GPU, with the grid the backend launches
+(shuffle_grid) and with a grid small enough that both of a kernel's strides are taken:
+- pixel_shuffle3 (Wan 2.2's DupUp3D in one copy) against diffusers' own DupUp3D module, bit for bit;
+- phase_interleave (upsample_conv2d's phase form, cuda_upsample.py) after torch's 2x2 conv with
+  spec.upsample_conv_as_phases' weight, against torch's nearest 2x + 3x3 conv (+ a residual).
+(tests/test_ops.py and test_ops_conv.py run the ops on a GPU.)"""
 from __future__ import annotations
 
 import ctypes
@@ -11,9 +13,10 @@ import numpy as np
 import pytest
 from cuda_emulation import build
 
-from torch_reference import fresh_rng, torch
+from torch_reference import F, fresh_rng, rel_l2, torch
 
 from convkernels.backends.cuda_kernels import shuffle_grid
+from convkernels.spec import upsample_conv_as_phases
 
 RUNNER = r"""
 extern "C" void run_pixel_shuffle3(const T* x, T* y, long long rows, int T_in, int H, int W, int Ci, int To, int Ho,
@@ -21,6 +24,12 @@ extern "C" void run_pixel_shuffle3(const T* x, T* y, long long rows, int T_in, i
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = gx; grid.y = gy;
     launch(grid, [=] { pixel_shuffle3(x, y, rows, T_in, H, W, Ci, To, Ho, Wo, Co, ft, fh, fw, repeats, start); });
+}
+extern "C" void run_phase_interleave(const T* y, const T* r, T* out, long long rows, int H, int W, int C, int has_r,
+                                     int gx, int gy) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = gx; grid.y = gy;
+    launch(grid, [=] { phase_interleave(y, r, out, rows, H, W, C, has_r); });
 }
 """
 #: a small GPU's multiprocessor count, so the emulated grids stay a few blocks
@@ -62,3 +71,54 @@ def test_pixel_shuffle3_is_dup_up3d(built, cin, cout, ft, fs, first, shape, smal
     as_torch = torch.from_numpy(x.view(np.int16) if storage is np.uint16 else x).movedim(-1, 1)
     ref = DupUp3D(cin, cout, ft, fs)(as_torch, first_chunk=first).movedim(1, -1).contiguous().numpy()
     np.testing.assert_array_equal(ours.view(ref.dtype), ref, err_msg=f"seed {seed}")
+
+
+def interleave(lib, y: np.ndarray, r: np.ndarray | None, grid=None) -> np.ndarray:
+    """The kernel as cuda_kernels.phase_interleave launches it: y (N, H+1, W+1, 4C) -> (N, 2H, 2W, C)."""
+    n, h1, w1, c4 = y.shape
+    h, w, c = h1 - 1, w1 - 1, c4 // 4
+    out = np.zeros((n, 2 * h, 2 * w, c), y.dtype)
+    gx, gy = grid or shuffle_grid(n * 2 * h, 2 * w * c, SMS)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    i = ctypes.c_int
+    lib.run_phase_interleave(p(y), p(y if r is None else r), p(out), ctypes.c_longlong(n * 2 * h), i(h), i(w), i(c),
+                             i(r is not None), i(gx), i(gy))
+    return out
+
+
+@pytest.mark.parametrize("shape,cout", [((2, 5, 7, 6), 3), ((1, 3, 4, 9), 11), ((1, 2, 3, 4), 70)])  # 70: rows > one block
+@pytest.mark.parametrize("small_grid", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_phase_interleave_after_the_phase_conv_is_torchs_upsample_conv(built, shape, cout, small_grid, with_residual):
+    dtype, lib = built
+    rng, seed = fresh_rng()
+    n, h, w, cin = shape
+    x = torch.from_numpy(rng.standard_normal(shape)).movedim(-1, 1)
+    wt = rng.standard_normal((cout, 3, 3, cin)) / np.sqrt(9 * cin)
+    res = torch.from_numpy(rng.standard_normal((n, 2 * h, 2 * w, cout)))
+    phases = torch.from_numpy(upsample_conv_as_phases(np, wt)).movedim(-1, 1)
+    y = F.conv2d(x, phases, padding=1).movedim(1, -1).contiguous()        # (N, H+1, W+1, 4 cout)
+    assert tuple(y.shape) == (n, h + 1, w + 1, 4 * cout)
+    ref = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), torch.from_numpy(wt).movedim(-1, 1), padding=1)
+    ref = ref.movedim(1, -1) + (res if with_residual else 0)
+    grid = (1, 3) if small_grid else None
+    if dtype == "float32":
+        ours = interleave(lib, y.float().numpy(), res.float().numpy() if with_residual else None, grid)
+        assert rel_l2(ours, ref.numpy()) < 1e-5, f"seed {seed}"
+        return
+    # bfloat16: the kernel's layout and its one rounding of y + r, against torch's own bfloat16 values
+    yb, rb = y.to(torch.bfloat16), res.to(torch.bfloat16)
+    ours = interleave(lib, yb.view(torch.int16).numpy().view(np.uint16),
+                      rb.view(torch.int16).numpy().view(np.uint16) if with_residual else None, grid)
+    placed = torch.zeros((n, 2 * h, 2 * w, cout), dtype=torch.float32)
+    for a in (0, 1):
+        for b in (0, 1):
+            p = 2 * a + b
+            placed[:, a::2, b::2] = yb[:, a:a + h, b:b + w, p * cout:(p + 1) * cout].float()
+    want = (placed + (rb.float() if with_residual else 0)).to(torch.bfloat16)
+    np.testing.assert_array_equal(ours, want.view(torch.int16).numpy().view(np.uint16), err_msg=f"seed {seed}")
+    assert rel_l2(_bf16_to_f32(ours), ref.numpy()) < 1e-2, f"seed {seed}"
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)

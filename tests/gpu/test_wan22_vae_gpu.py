@@ -29,18 +29,21 @@ def cuda_backend_available():
     cuda_or_skip()
 
 
-@pytest.mark.parametrize("preset,cfg,dtype,lat", [
-    ("tiny-wan2.2-vae", wan22_ref.WAN22_SMALL, "float32", (2, 12, 3, 5, 7)),
-    ("tiny-wan2.2-vae", wan22_ref.WAN22_ODD, "float16", (1, 7, 3, 3, 5)),
-    ("wan2.2-vae", FULL, "float32", (1, 48, 3, 3, 4)),
-    ("wan2.2-vae", FULL, "bfloat16", (1, 48, 3, 4, 6)),
+@pytest.mark.parametrize("preset,cfg,dtype,lat,phases", [
+    ("tiny-wan2.2-vae", wan22_ref.WAN22_SMALL, "float32", (2, 12, 3, 5, 7), False),
+    ("tiny-wan2.2-vae", wan22_ref.WAN22_ODD, "float16", (1, 7, 3, 3, 5), False),
+    ("wan2.2-vae", FULL, "float32", (1, 48, 3, 3, 4), False),
+    ("wan2.2-vae", FULL, "bfloat16", (1, 48, 3, 4, 6), False),
+    # the upsamplers (their DupUp3D shortcut as the residual) in the phase form (cuda_upsample.py)
+    ("wan2.2-vae", FULL, "float32", (1, 48, 2, 5, 3), True),
+    ("wan2.2-vae", FULL, "bfloat16", (1, 48, 3, 3, 5), True),
 ])
-def test_wan22_vae_decode(tmp_path, preset, cfg, dtype, lat):
+def test_wan22_vae_decode(tmp_path, preset, cfg, dtype, lat, phases):
     from models import load_model
 
     s = wan22_ref.fresh_seed()
     vae, folder, config = wan22_ref.make_reference(tmp_path, cfg, s)
-    model = load_model("w22", preset, backend(dtype), weights=str(folder))
+    model = load_model("w22", preset, backend(dtype, upsample_phases=phases), weights=str(folder))
     latents = np.random.default_rng(s).standard_normal(lat).astype(np.float32)
     ours = model.decode(latents, tiled=False)
     # the full preset's float32 reference runs on the GPU (TF32 off): on the CPU it was the suite's tail
@@ -48,7 +51,7 @@ def test_wan22_vae_decode(tmp_path, preset, cfg, dtype, lat):
     ref = wan22_ref.reference_decode(vae, config, latents)
     assert 0.02 < float(ref.std()), "reference decode is flat: the check would prove nothing"
     err = rel_l2(ours, ref)
-    report(f"{preset} {dtype} latents {lat}: rel L2 {err:.2e}")
+    report(f"{preset} {dtype} latents {lat}{' upsample phases' if phases else ''}: rel L2 {err:.2e}")
     assert err < TOL[dtype], f"seed {s}: {err:.3e}"
     # vacuity guard: the reference without the pipeline's de-normalisation is clearly further away
     bare = rel_l2(ours, wan22_ref.reference_decode(vae, config, latents, denormalise=False))

@@ -24,3 +24,27 @@ extern "C" __global__ void pixel_shuffle3(const T* x, T* y, long long rows, int 
         }
     }
 }
+
+// upsample_conv2d's phase form (cuda_upsample.py): the four output phases, channel blocks of the
+// 2x2 conv's y (N, H+1, W+1, 4C), to their places in out (N, 2H, 2W, C):
+// out[n, 2i+a, 2j+b, c] = y[n, i+a, j+b, (2a+b)C + c], plus r[n, 2i+a, 2j+b, c] where has_r (added
+// in float32, rounded once; r is any valid pointer otherwise). Blocks step over output rows (n, Y)
+// in y and over a row's 2W*C elements in x, as pixel_shuffle3, so the writes are contiguous.
+extern "C" __global__ void phase_interleave(const T* y, const T* r, T* out, long long rows, int H, int W, int C,
+                                            int has_r) {
+    const int row_len = 2 * W * C;
+    for (long long q = blockIdx.y; q < rows; q += gridDim.y) {
+        const int Y = (int)(q % (2 * H));
+        const long long n = q / (2 * H);
+        const int a = Y & 1, i = Y >> 1;
+        const T* yr = y + (n * (H + 1) + i + a) * (long long)(W + 1) * 4 * C;
+        const T* rr = r + q * (long long)row_len;
+        T* orow = out + q * (long long)row_len;
+        for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_len; e += gridDim.x * blockDim.x) {
+            const int X = e / C, c = e - X * C;
+            const int b = X & 1, j = X >> 1;
+            const T v = yr[(long long)(j + b) * 4 * C + (2 * a + b) * C + c];
+            orow[e] = has_r ? st(ld(v) + ld(rr[e])) : v;
+        }
+    }
+}
