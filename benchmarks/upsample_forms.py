@@ -35,11 +35,11 @@ OP_SHAPES = [
 
 #: (section, label, preset, latents shape, decode keywords)
 DECODES = [
+    ("wan22", "wan2.2-vae 121x704x1280", "wan2.2-vae", (1, 48, 31, 44, 80), {"uint8": True}),
     ("taesd", "taesd 1024x1024", "taesd", (1, 4, 128, 128), {}),
     ("sd", "sd-vae 512x512", "sd-vae", (1, 4, 64, 64), {}),
     ("flux2", "flux2-vae 1024x1024", "flux2-vae", (1, 128, 64, 64), {}),
     ("qwen", "qwen-image-vae 1328x1328", "qwen-image-vae", (1, 16, 166, 166), {}),
-    ("wan22", "wan2.2-vae 121x704x1280", "wan2.2-vae", (1, 48, 31, 44, 80), {"uint8": True}),
 ]
 
 
