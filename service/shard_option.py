@@ -5,8 +5,9 @@ REST (`?shards=`), in KServe's request parameters, and by the CLI's `decode --sh
 `auto` shards a request only where sharding was measured to pay: one GPU's decode has to be long
 enough for the halo exchanges, statistics all-reduces and launches of the sharded path to be a
 small part of it. The rule is data (`AUTO_RULES`), each row naming the measurement behind it; a
-shape below every row stays on one device, as it also does on a server with one device. The rows
-were measured on H200s; an H100's one-GPU decode is slower, so they are on the safe side there.
+shape below every row stays on one device, as it also does on a server with one device. Most rows
+were measured on H200s, where one GPU's decode is faster than on an H100, so they are on the safe
+side there; FLUX.2's and Qwen-Image's 2-GPU rows were measured on H100s.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class AutoRule:
 
 SD_LAYOUT, WAN21 = "autoencoder-kl", "wan2.1"
 _H200X4 = "4x H200, 2026-11-26, benchmarks/sharded_decode.py"
+_H100X2 = "2x H100, 2026-11-26 ~17:43 UTC, benchmarks/sharded_decode.py"
 AUTO_RULES: tuple[AutoRule, ...] = (
     AutoRule(SD_LAYOUT, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.52x one GPU's time ({_H200X4})"),
     AutoRule(SD_LAYOUT, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.26x ({_H200X4})"),
@@ -47,6 +49,9 @@ AUTO_RULES: tuple[AutoRule, ...] = (
     AutoRule("wan2.2", 121 * 704 * 1280, 4, f"Wan 2.2 121x704x1280 bf16: 4 GPUs 0.30x ({_H200X4})"),
     AutoRule("flux2", 4096 * 4096, 4, f"FLUX.2 4096x4096 bf16: 4 GPUs 0.25x ({_H200X4})"),
     AutoRule("qwen-image", 4096 * 4096, 4, f"Qwen-Image 4096x4096 bf16: 4 GPUs 0.25x ({_H200X4})"),
+    # measured after attention moved to bf16 products, which halved one GPU's time at this size
+    AutoRule("flux2", 4096 * 4096, 2, f"FLUX.2 4096x4096 bf16: 2 GPUs 0.52x ({_H100X2})"),
+    AutoRule("qwen-image", 4096 * 4096, 2, f"Qwen-Image 4096x4096 bf16: 2 GPUs 0.48x ({_H100X2})"),
 )
 
 

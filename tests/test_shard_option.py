@@ -37,7 +37,9 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards("wan2.2", 121 * 704 * 1280, 4) == 4
     assert shard_option.auto_shards("wan2.2", px480, 4) == 1  # below its measured size: one device
     assert shard_option.auto_shards("flux2", px4k, 4) == 4
-    assert shard_option.auto_shards("flux2", px4k, 2) == 1  # 2 GPUs not measured for it
+    assert shard_option.auto_shards("flux2", px4k, 3) == 2  # no row names 3: the most one names below it
+    assert shard_option.auto_shards("qwen-image", px4k, 2) == 2
+    assert shard_option.auto_shards("qwen-image", px4k - 1, 2) == 1  # below its measured size
     assert shard_option.auto_shards("qwen-image", px4k - 1, 4) == 1
     assert all(r.evidence for r in shard_option.AUTO_RULES)
     # a rule names a family the models know, or it would never apply (a typo is not a rule)
