@@ -13,11 +13,11 @@ plus the bytes the model's CUDA graphs hold in their own pool; PyTorch's is max_
 both less what was in use before.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_families.py [--only taesd,flux2,qwen,wan22]
-[--compile] [--wan22-latent 31x44x80] [--reps 5] [--autotune] [--upsample-phases]. Writes
-$OUT/gpu_families_<sections>[_autotune][_phases].json. --autotune times the candidate cuDNN plans
+[--compile] [--wan22-latent 31x44x80] [--reps 5] [--autotune] [--upsample-form auto]. Writes
+$OUT/gpu_families_<sections>[_autotune][_<form>].json. --autotune times the candidate cuDNN plans
 of every conv key on the first decode (the service's CONVSERVE_CUDA_AUTOTUNE; off by default
-there and here); --upsample-phases runs the upsamplers in their phase form
-(CONVSERVE_CUDA_UPSAMPLE_PHASES, convkernels/backends/cuda_upsample.py).
+there and here); --upsample-form picks the upsamplers' form (CONVSERVE_CUDA_UPSAMPLE_FORM,
+convkernels/backends/cuda_upsample.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument("--wan22-latent", default="31x44x80", help="T x h x w (31x44x80 = 121x704x1280)")
     ap.add_argument("--wan22-eager-reps", type=int, default=1)
     ap.add_argument("--autotune", action="store_true", help="ours with timed cuDNN plans (the service's default is off)")
-    ap.add_argument("--upsample-phases", action="store_true", help="ours with the upsamplers' phase form")
+    ap.add_argument("--upsample-form", default="auto", choices=["auto", "phases", "transposed"],
+                    help="the upsamplers' form (the service's default: auto)")
     args = ap.parse_args()
     only = set(args.only.split(","))
 
@@ -111,7 +112,7 @@ def main() -> None:
 
     def image_family(label, preset, dtype, ref_vae, latent_shape, torch_latents=None, ours_kw=None):
         """One image decoder: ours vs the diffusers class at one shape, batch 1."""
-        be = get_backend("cuda", dtype=dtype, autotune=args.autotune, upsample_phases=args.upsample_phases)
+        be = get_backend("cuda", dtype=dtype, autotune=args.autotune, upsample_form=args.upsample_form)
         model = load_model(label, preset, be)
         lat = rng.standard_normal(latent_shape).astype(np.float32)
         kw = ours_kw or {}
@@ -165,7 +166,7 @@ def main() -> None:
         vae = z = None
         torch.cuda.empty_cache()
         be = get_backend("cuda", dtype="bfloat16", autotune=args.autotune,
-                         upsample_phases=args.upsample_phases)
+                         upsample_form=args.upsample_form)
         model = load_model("wan22", "wan2.2-vae", be)
         t0 = time.time()
         model.decode(lat, tiled=False, uint8=True)
@@ -191,11 +192,11 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=gpu, machine=describe_machine(),
                torch=torch.__version__, diffusers=diffusers.__version__, cupy=cp.__version__,
-               autotune=args.autotune, upsample_phases=args.upsample_phases)
+               autotune=args.autotune, upsample_form=args.upsample_form)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"gpu_families_{'_'.join(sorted(only))}{'_autotune' if args.autotune else ''}"
-                           f"{'_phases' if args.upsample_phases else ''}.json"), "w") as f:
+                           f"{'' if args.upsample_form == 'auto' else '_' + args.upsample_form}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
     print(f"\n# 2026 VAE families, {env['date']}, {gpu}; torch {torch.__version__}, diffusers "
           f"{diffusers.__version__}; ratios are PyTorch's time / ours (> 1: ours faster)")

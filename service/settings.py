@@ -184,10 +184,10 @@ class Settings(BaseSettings):
     cuda_lt_epilogues: bool = True
     cuda_lt_gelu_approx: bool = True
     cuda_ln_vec: bool = True
-    #: CUDA backend: nearest 2x + 3x3 conv (image and video decoders' upsamplers) as a forward 2x2
-    #: conv and a copy placing its four phases, not as one transposed conv
-    #: (convkernels/backends/cuda_upsample.py says when each is faster)
-    cuda_upsample_phases: bool = False
+    #: CUDA backend: the decoders' upsamplers (nearest 2x + 3x3 conv) as a forward 2x2 conv and a
+    #: copy placing its four phases ("phases"), as one transposed conv ("transposed"), or by the
+    #: input's size ("auto"; convkernels/backends/cuda_upsample.py says when each is faster)
+    cuda_upsample_form: Literal["auto", "phases", "transposed"] = "auto"
 
     @field_validator("warmup_sizes")
     @classmethod
@@ -222,7 +222,7 @@ class Settings(BaseSettings):
                                 "plan_cache_capacity": self.plan_cache_capacity,
                                 "dw_ln": self.cuda_dw_ln, "dw_bias_in_ln": self.cuda_dw_bias_in_ln,
                                 "lt_epilogues": self.cuda_lt_epilogues, "lt_gelu_approx": self.cuda_lt_gelu_approx,
-                                "ln_vec": self.cuda_ln_vec, "upsample_phases": self.cuda_upsample_phases}
+                                "ln_vec": self.cuda_ln_vec, "upsample_form": self.cuda_upsample_form}
         return opts
 
 

@@ -104,10 +104,10 @@ def ref_upsample_conv(x, w, b):
 def test_upsample_conv2d_matches_torch(target, shape, cout, phases):
     """nearest 2x + 3x3 conv (Upsample2D, Wan's Resample), each backend its own way: odd channels,
     non-square; a second call reads what the first derived (cuda: the transposed weight, or with
-    upsample_phases the phase weight and its bias)."""
+    the phase form forced, the phase weight and its bias)."""
     if phases and target.name != "cuda":
         pytest.skip("the phase form is an option of the cuda backend (cuda_upsample.py)")
-    be = backend(target, upsample_phases=True) if phases else backend(target)
+    be = backend(target, upsample_form="phases") if phases else backend(target)
     rng, seed = fresh_rng()
     x, xh = put(be, rng.standard_normal(shape))
     w, wh = put(be, rng.standard_normal((cout, 3, 3, shape[-1])) / np.sqrt(9 * shape[-1]))

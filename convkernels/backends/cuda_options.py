@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
 from .cuda_graphs import DEFAULT_MAX_GRAPH_BYTES
 
+#: upsample_conv2d's forms (cuda_upsample.py)
+UPSAMPLE_FORMS = ("auto", "phases", "transposed")
 #: bytes of one im2col / col2im buffer of gemm_fallback before it tiles
 DEFAULT_UNFOLD_LIMIT = 1 << 30
 
@@ -39,9 +41,10 @@ class CudaOptions:
     allow_tf32: bool = False
     #: share of convs whose device time is measured (two CUDA events each)
     timing_sample_rate: float = 0.1
-    #: upsample_conv2d as a forward 2x2 conv and a copy placing its phases, not as a transposed conv
-    #: (cuda_upsample.py; CONVSERVE_CUDA_UPSAMPLE_PHASES)
-    upsample_phases: bool = False
+    #: upsample_conv2d's form: "phases" (a forward 2x2 conv and a copy placing its phases),
+    #: "transposed" (one transposed conv) or "auto" (by the input's size); cuda_upsample.py says
+    #: why both exist (CONVSERVE_CUDA_UPSAMPLE_FORM)
+    upsample_form: str = "auto"
     #: whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py;
     #: CONVSERVE_CUDA_GRAPHS, CONVSERVE_CUDA_GRAPH_CAPACITY, CONVSERVE_CUDA_GRAPH_MAX_BYTES)
     cuda_graphs: bool = True
@@ -60,6 +63,10 @@ class CudaOptions:
     lt_gelu_approx: bool = True
     #: ln_rows_vec (a row in one warp's registers) where it applies
     ln_vec: bool = True
+
+    def __post_init__(self):
+        if self.upsample_form not in UPSAMPLE_FORMS:
+            raise ValueError(f"upsample_form must be one of {UPSAMPLE_FORMS}, not {self.upsample_form!r}")
 
     def fusions(self) -> dict:
         """The fusion switches, as describe() reports them."""

@@ -43,7 +43,7 @@ def test_wan22_vae_decode(tmp_path, preset, cfg, dtype, lat, phases):
 
     s = wan22_ref.fresh_seed()
     vae, folder, config = wan22_ref.make_reference(tmp_path, cfg, s)
-    model = load_model("w22", preset, backend(dtype, upsample_phases=phases), weights=str(folder))
+    model = load_model("w22", preset, backend(dtype, upsample_form="phases" if phases else "transposed"), weights=str(folder))
     latents = np.random.default_rng(s).standard_normal(lat).astype(np.float32)
     ours = model.decode(latents, tiled=False)
     # the full preset's float32 reference runs on the GPU (TF32 off): on the CPU it was the suite's tail
