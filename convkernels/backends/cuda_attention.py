@@ -4,10 +4,14 @@ one softmax kernel per chunk of query rows, so the score matrix stays within SCO
 Per storage dtype:
 - float32: float32 throughout (TF32 only where the backend allows it).
 - float16: both products in float16 with float32 accumulation, the scores stored in float16.
-- bfloat16: both products in bfloat16 with float32 accumulation, as PyTorch's bfloat16 attention
-  computes them. The scores stay float32 (cuBLAS writes its accumulator), because bfloat16's
-  8-bit mantissa would round a score near 100 to a multiple of 0.5; the softmax reads them in
-  float32 and writes the probabilities, which lie in [0, 1], in bfloat16 for the second product.
+- bfloat16: both products in bfloat16 with float32 accumulation. The scores stay float32 (cuBLAS
+  writes its accumulator), because bfloat16's 8-bit mantissa would round a score near 100 to a
+  multiple of 0.5. The softmax reads them in float32 and writes each probability as two bfloat16
+  values, its rounding and the rest; the second product takes [hi | lo] times [v; v], one GEMM
+  twice as deep, and so sums with 16 bits of each probability. With the probabilities rounded
+  once, the attention's error was 1.4x PyTorch's own bfloat16 attention's, which keeps them in
+  float32 (2026-11-26, tests/gpu/test_cuda_attention_bf16.py), and a Qwen-Image decode's went past
+  the 1.5x that issue #31 allows.
   (Before, bfloat16 attention cast q, k and v to float32 and ran both products as float32 GEMMs,
   several times slower on tensor-core GPUs: the 262k-token mid-block attention of a 4096x4096
   FLUX.2 or Qwen-Image decode.)
@@ -18,7 +22,7 @@ import numpy as np
 
 from ..spec import prod
 
-#: bound on one chunk of attention scores (its probabilities take as much again, or half for bfloat16)
+#: bound on one chunk of attention scores (its probabilities take as much again)
 SCORE_BYTES = 256 << 20
 
 
@@ -34,11 +38,13 @@ def attention(backend, q, k, v, scale: float):
     score_bytes = 4 if mixed else np.dtype(q.dtype).itemsize
     step = max(1, min(lq, SCORE_BYTES // max(1, prod(q.shape[:-2]) * lk * score_bytes)))
     out = cp.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+    v_twice = cp.concatenate([v, v], axis=-2) if mixed else None  # for the probabilities' two halves
     for s in range(0, lq, step):
         rows = q[..., s:s + step, :]
         if mixed:
             probs = kern.softmax_rows_f32(backend.blas.matmul(rows, kt, out_dtype=np.float32), scale)
+            out[..., s:s + step, :] = backend.blas.matmul(probs, v_twice)
         else:
             probs = kern.softmax_rows(arrays.contiguous(backend.blas.matmul(rows, kt)), scale)
-        out[..., s:s + step, :] = backend.blas.matmul(probs, v)
+            out[..., s:s + step, :] = backend.blas.matmul(probs, v)
     return out

@@ -348,13 +348,14 @@ class Kernels:
         return out
 
     def softmax_rows_f32(self, x, scale: float = 1.0):
-        """softmax_rows of contiguous float32 x, the result in this dtype's storage (bfloat16
-        attention's scores: softmax.cu says why they stay float32)."""
+        """softmax_rows of contiguous float32 x (bfloat16 attention's scores), each probability as
+        two values of this dtype's storage: (..., L) -> (..., 2L), its rounding in the first half
+        of a row and the rest in the second (softmax.cu says why)."""
         if x.dtype != np.float32:
             raise TypeError(f"softmax_rows_f32 takes float32 scores, got {x.dtype}")
         length = x.shape[-1]
         rows = x.size // length
-        y = self.cp.empty(x.shape, dtype=STORAGE[self.dtype])
+        y = self.cp.empty((*x.shape[:-1], 2 * length), dtype=STORAGE[self.dtype])
         if rows:
             self.fn("softmax_rows_f32")((rows,), (BLOCK,), (x, y, np.int64(rows), np.int32(length),
                                                              np.float32(scale)))
