@@ -13,26 +13,33 @@ input:
   kernel (an sm80 one) ran at about a third of the dense bf16 peak, where the model's forward convs
   ran at about three quarters; the copy costs one pass over the output.
 
-CudaOptions.upsample_form picks one, or `auto` (the default) picks by the input's positions
-(N x H x W, `form_for`). On an H100 in bfloat16 (benchmarks/upsample_forms.py, 2026-11-26 17:50 UTC)
-the phase form was slower at 4096 positions (SD-VAE 512's 64x64 of 512 channels: 0.218 against
-0.198 ms) and faster from 56320 up (Wan 2.2 720p's 4 frames of 88x160, 1024 channels, 1.60x;
-SD-VAE's 256x256 of 256 channels 1.05x; TAESD's 512x512 of 64 channels 1.14x).
+CudaOptions.upsample_form picks one, or `auto` (the default) by the input's positions (N x H x W)
+and channels (`form_for`). On an H100, in bfloat16 and float16 alike (benchmarks/upsample_forms.py,
+2026-11-26 ~18:00 UTC; benchmarks/RESULTS.md), the phase form was faster at 16384 positions and
+more with 256 channels or more (SD-VAE's 128x128 and 256x256 upsamplers 1.07-1.19x, Wan 2.1's and
+Wan 2.2's over 4 frames 1.21-1.61x), and with 64 channels only at 262144 (TAESD's 512x512: 1.12-1.15x).
+It was slower below: SD-VAE's 64x64 of 512 channels (4096 positions) 0.92-0.95x, TAESD's 128x128
+and 256x256 of 64 channels 0.72-0.96x.
 """
 from __future__ import annotations
 
 from ..spec import upsample_conv_as_phases, upsample_conv_as_transpose
 
-#: `auto` takes the phase form from this many input positions (N x H x W) up
+#: `auto` takes the phase form from this many input positions (N x H x W) up, for inputs of at
+#: least PHASES_MIN_CHANNELS channels; for narrower ones from PHASES_NARROW_POSITIONS up
 PHASES_MIN_POSITIONS = 16384
+PHASES_MIN_CHANNELS = 128
+PHASES_NARROW_POSITIONS = 262144
 
 
 def form_for(option: str, x_shape) -> str:
     """The form upsample_conv2d runs for an (N, H, W, C) input under CudaOptions.upsample_form."""
     if option != "auto":
         return option
-    n, h, w, _ = x_shape
-    return "phases" if n * h * w >= PHASES_MIN_POSITIONS else "transposed"
+    n, h, w, c = x_shape
+    positions = n * h * w
+    wide = c >= PHASES_MIN_CHANNELS and positions >= PHASES_MIN_POSITIONS
+    return "phases" if wide or positions >= PHASES_NARROW_POSITIONS else "transposed"
 
 
 def upsample_conv2d(be, x, weight, bias, residual):

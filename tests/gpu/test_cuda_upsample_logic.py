@@ -7,18 +7,31 @@ from __future__ import annotations
 import pytest
 
 from convkernels.backends.cuda_options import CudaOptions
-from convkernels.backends.cuda_upsample import PHASES_MIN_POSITIONS, form_for
+from convkernels.backends.cuda_upsample import (PHASES_MIN_CHANNELS, PHASES_MIN_POSITIONS,
+                                                PHASES_NARROW_POSITIONS, form_for)
 from service.settings import Settings
 
 
-def test_auto_takes_the_phase_form_from_the_measured_size_up():
-    edge = PHASES_MIN_POSITIONS
-    assert form_for("auto", (1, 64, 64, 512)) == "transposed"      # SD-VAE 512's first upsampler
-    assert form_for("auto", (1, 256, 256, 256)) == "phases"        # its last
-    assert form_for("auto", (1, edge - 1, 1, 8)) == "transposed"
-    assert form_for("auto", (1, edge, 1, 8)) == "phases"
-    assert form_for("auto", (4, 88, 160, 1024)) == "phases"        # Wan 2.2 720p, a run of 4 frames
-    assert form_for("auto", (edge // 16, 4, 4, 3)) == "phases"     # frames count as positions too
+def test_auto_takes_the_phase_form_where_it_measured_faster():
+    # the upsamplers benchmarks/upsample_forms.py timed on an H100, each on its measured side
+    assert form_for("auto", (1, 64, 64, 512)) == "transposed"      # SD-VAE 512's first: 0.92-0.95x
+    assert form_for("auto", (1, 128, 128, 512)) == "phases"        # its second: 1.18-1.19x
+    assert form_for("auto", (1, 256, 256, 256)) == "phases"        # its last: 1.07-1.19x
+    assert form_for("auto", (1, 128, 128, 64)) == "transposed"     # TAESD's first: 0.72-0.75x
+    assert form_for("auto", (1, 256, 256, 64)) == "transposed"     # its second: 0.92-0.96x
+    assert form_for("auto", (1, 512, 512, 64)) == "phases"         # its last: 1.12-1.15x
+    assert form_for("auto", (4, 88, 160, 1024)) == "phases"        # Wan 2.2 720p, 4 frames: 1.53-1.61x
+    assert form_for("auto", (4, 120, 208, 384)) == "phases"        # Wan 2.1 480p, 4 frames: 1.21-1.22x
+
+
+def test_auto_edges():
+    edge, narrow, wide = PHASES_MIN_POSITIONS, PHASES_NARROW_POSITIONS, PHASES_MIN_CHANNELS
+    assert form_for("auto", (1, edge - 1, 1, wide)) == "transposed"
+    assert form_for("auto", (1, edge, 1, wide)) == "phases"
+    assert form_for("auto", (1, edge, 1, wide - 1)) == "transposed"
+    assert form_for("auto", (1, narrow - 1, 1, 3)) == "transposed"
+    assert form_for("auto", (1, narrow, 1, 3)) == "phases"
+    assert form_for("auto", (edge // 16, 4, 4, wide)) == "phases"  # frames count as positions too
 
 
 @pytest.mark.parametrize("form", ["phases", "transposed"])
