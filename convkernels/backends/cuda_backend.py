@@ -386,7 +386,7 @@ class CudaBackend(BackendBase):
                 "force_fallback": self.paths.forced == "gemm_fallback",
                 "unfold_limit_bytes": self.unfold_limit_bytes, "plan_cache_capacity": self.plan_cache.capacity,
                 "plan_cache_dir": None if self.plan_cache.store is None else self.plan_cache.store.dir,
-                "fusions": o.fusions(),
+                "fusions": o.fusions(), "upsample_form": o.upsample_form,
                 # what CuPy's pool holds now, free blocks included: its high-water mark unless freed
                 "pool_bytes": int(self.cp.get_default_memory_pool().total_bytes()),
                 "graph_pool_bytes": self.graphs.held_bytes()}  # the recorded graphs' own pools
