@@ -4,17 +4,17 @@
 template <typename In> __device__ __forceinline__ float score(In v) { return ld(v); }
 template <> __device__ __forceinline__ float score<float>(float v) { return v; }
 
-// Softmax over one row of length L, of x * scale, by one 256-thread block.
+// One row of length L, of x * scale, by one 256-thread block: its maximum and the reciprocal of
+// its sum of exp(x * scale - max), which both softmax kernels normalise by.
 template <typename In>
-__device__ __forceinline__ void softmax_row(const In* xr, T* yr, int L, float scale, float* sh) {
-    float m = -__int_as_float(0x7f800000);
+__device__ __forceinline__ void row_max_inv_sum(const In* xr, int L, float scale, float* sh, float& m, float& inv) {
+    m = -__int_as_float(0x7f800000);
     for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, score(xr[j]) * scale);
     m = block_max(m, sh);
     float s = 0.0f;
     for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(score(xr[j]) * scale - m);
     s = block_sum(s, sh);
-    float inv = 1.0f / s;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = st(expf(score(xr[j]) * scale - m) * inv);
+    inv = 1.0f / s;
 }
 
 // Softmax over rows of length L, of x * scale: one 256-thread block per row.
@@ -22,7 +22,11 @@ extern "C" __global__ void softmax_rows(const T* x, T* y, long long rows, int L,
     __shared__ float sh[32];
     long long row = blockIdx.x;
     if (row >= rows) return;
-    softmax_row(x + row * L, y + row * L, L, scale, sh);
+    const T* xr = x + row * L;
+    T* yr = y + row * L;
+    float m, inv;
+    row_max_inv_sum(xr, L, scale, sh, m, inv);
+    for (int j = threadIdx.x; j < L; j += blockDim.x) yr[j] = st(expf(ld(xr[j]) * scale - m) * inv);
 }
 
 // bfloat16 attention's softmax, of float32 scores: bfloat16's 8-bit mantissa would round a score
@@ -37,13 +41,8 @@ extern "C" __global__ void softmax_rows_f32(const float* x, T* y, long long rows
     if (row >= rows) return;
     const float* xr = x + row * L;
     T* yr = y + row * 2 * (long long)L;
-    float m = -__int_as_float(0x7f800000);
-    for (int j = threadIdx.x; j < L; j += blockDim.x) m = fmaxf(m, xr[j] * scale);
-    m = block_max(m, sh);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < L; j += blockDim.x) s += expf(xr[j] * scale - m);
-    s = block_sum(s, sh);
-    float inv = 1.0f / s;
+    float m, inv;
+    row_max_inv_sum(xr, L, scale, sh, m, inv);
     for (int j = threadIdx.x; j < L; j += blockDim.x) {
         const float p = expf(xr[j] * scale - m) * inv;
         const T hi = st(p);
