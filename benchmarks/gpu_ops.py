@@ -33,7 +33,7 @@ def bench(fn, sync_event_mod, warm=5, reps=REPS):
     return statistics.median(ts)
 
 
-class _CpEvents:
+class CpEvents:
     def __init__(self, cp):
         self.cp = cp
 
@@ -85,7 +85,7 @@ def main():
     from convkernels import ConvSpec, get_backend
 
     torch.backends.cudnn.benchmark = True
-    cpe, tte = _CpEvents(cp), _TorchEvents(torch)
+    cpe, tte = CpEvents(cp), _TorchEvents(torch)
     rng = np.random.default_rng(0)
     results = {}
     backends = {dt: get_backend("cuda", dtype=dt, autotune=True) for dt in ("float16", "bfloat16")}
@@ -213,7 +213,7 @@ def profile_host_overhead(be, rng, calls=500):
     q = be.asarray(rng.standard_normal((1, 1, 4096, 512)).astype(np.float32))
     kt = cp.swapaxes(q, -1, -2)
     kern = Kernels.for_dtype("float16")
-    ev = _CpEvents(cp)
+    ev = CpEvents(cp)
     pieces = {
         "qk^T (swapaxes view)": lambda: cp.matmul(q, kt),
         "qk^T (2-d)": lambda: cp.matmul(q[0, 0], kt[0, 0]),

@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_models import wall  # noqa: E402  (the shared wall-clock helper)
+from gpu_ops import CpEvents, bench  # noqa: E402  (the shared CUDA-event timing)
 
 #: (label, N, H, W, C in = C out, residual): the upsamplers' inputs, one frame of a video (N = frames)
 OP_SHAPES = [
@@ -56,7 +57,7 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def time_op(be, dtype, label, n, h, w, c, with_r, rng, reps, csync) -> dict:
+def time_op(be, dtype, label, n, h, w, c, with_r, rng, reps) -> dict:
     """One upsampler shape in both forms, forced: CUDA events, median of `reps` after warm-up."""
     import cupy as cp
 
@@ -70,18 +71,7 @@ def time_op(be, dtype, label, n, h, w, c, with_r, rng, reps, csync) -> dict:
         xd, wd, bd = k.asarray(x), k.asarray(wt), k.asarray(b)
         rd = None if r is None else k.asarray(r)
         run = lambda: k.upsample_conv2d(xd, wd, bd, residual=rd)  # noqa: E731
-        for _ in range(3):
-            run()
-        csync()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        times = []
-        for _ in range(reps):
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end))
-        ms[form] = float(np.median(times))
+        ms[form] = bench(run, CpEvents(cp), warm=3, reps=reps)
         outs[form] = k.to_host(run())
     gflop = 2 * 4 * 4 * n * h * w * c * c / 1e9  # 4 taps per output, 4 outputs per input pixel
     row = dict(kind="op", workload=label, dtype=dtype, positions=n * h * w, transposed_ms=ms["transposed"],
@@ -122,7 +112,7 @@ def main() -> None:
     if "ops" in only:
         for dtype in args.op_dtypes.split(","):
             for label, n, h, w, c, with_r in OP_SHAPES:
-                rows.append(time_op(be, dtype, label, n, h, w, c, with_r, rng, args.reps, csync))
+                rows.append(time_op(be, dtype, label, n, h, w, c, with_r, rng, args.reps))
     for section, label, preset, shape, kw in DECODES:
         if section not in only:
             continue
