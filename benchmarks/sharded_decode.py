@@ -95,7 +95,8 @@ def main() -> None:
             continue
         t0 = time.time()
         res = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                             whole=(n == 1), cuda_graphs=not args.no_graphs, autotune=args.autotune, chunk_plan=plan)
+                             whole=(n == 1), cuda_options={"cuda_graphs": not args.no_graphs, "autotune": args.autotune},
+                             chunk_plan=plan)
         ms = 1e3 * statistics.median(res.seconds)
         if base is None:
             base = (ms, res.images, max(res.pool_bytes))
@@ -122,7 +123,8 @@ def main() -> None:
                   f"(max {max(slowest[3:]):.1f})", flush=True)
         if args.no_exchange and n > 1:
             bare = decode_on_gpus(args.preset, latents, [str(i) for i in range(n)], args.dtype, reps=args.reps,
-                                  timing_comm="sharded_decode:NoExchange", autotune=args.autotune, chunk_plan=plan)
+                                  timing_comm="sharded_decode:NoExchange", cuda_options={"autotune": args.autotune},
+                                  chunk_plan=plan)
             bare_ms = 1e3 * statistics.median(bare.seconds)
             row["no_exchange_ms"] = bare_ms
             line = f"    without the exchanges (NoExchange, output not the decode's): {bare_ms:.1f} ms"

@@ -49,7 +49,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
     t0 = time.perf_counter()
     try:
         res = decode_on_gpus(preset, lat, gpus[:shards], settings.dtype or "float16", weights=weights,
-                             cuda_graphs=settings.cuda_graphs, autotune=settings.cuda_autotune)
+                             cuda_options=settings.backend_options()["cuda_options"])
     except (RuntimeError, TimeoutError) as exc:
         fail(str(exc), 1)
     return res.images, time.perf_counter() - t0

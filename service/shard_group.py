@@ -47,8 +47,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         from models import ModelOptions, load_model, sharding
         from models.wan_vae import joined_groups
 
-        backend = get_backend("cuda", dtype=job["dtype"], cuda_options={"cuda_graphs": job.get("cuda_graphs", True),
-                                                                         "autotune": job.get("autotune", False)})
+        backend = get_backend("cuda", dtype=job["dtype"], cuda_options=job["cuda_options"])
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
                            options=ModelOptions(seed=job["seed"]))
         rows, total = job["rows"], job["total_rows"]
@@ -113,17 +112,18 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
 def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str = "float16", *,
                    weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
                    timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None,
-                   timing_comm: str | None = None, cuda_graphs: bool = True, autotune: bool = False,
+                   timing_comm: str | None = None, cuda_options: dict | None = None,
                    chunk_plan: tuple[int, bool] | None = None) -> ShardedResult:
     """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
     decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
     timing_comm: "module:Class" of a communicator each rank uses instead of its NCCL one, for timing
     what the shards compute apart from what they exchange (benchmarks/sharded_decode.py --no-exchange:
-    its output is not the decode's). cuda_graphs=False: every rank runs eagerly (the service's
-    CONVSERVE_CUDA_GRAPHS=0). autotune=True: every rank times its cuDNN plans for each new conv
-    (CONVSERVE_CUDA_AUTOTUNE=1; the first call takes that much longer). chunk_plan: (frames, graphed), how a sharded video's ranks step their
-    latent frames (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
+    its output is not the decode's). cuda_options: every rank's CUDA backend options (CudaOptions
+    fields: the server's are Settings.backend_options()["cuda_options"]; {"cuda_graphs": False} runs
+    every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).
+    chunk_plan: (frames, graphed), how a sharded video's ranks step their latent frames
+    (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
     from convkernels.nccl_comm import NcclShards
     from convkernels.shard_comm import split, split_rows
     from models.sharding import LATENT_ROWS, PIXEL_ROWS
@@ -140,7 +140,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     procs = [ctx.Process(target=_rank_main, daemon=True, args=(
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
                                     total_rows=lat.shape[LATENT_ROWS], reps=reps, whole=whole, fail_rank=fail_rank,
-                                    timing_comm=timing_comm, cuda_graphs=cuda_graphs, autotune=autotune,
+                                    timing_comm=timing_comm, cuda_options=dict(cuda_options or {}),
                                     chunk_plan=chunk_plan),
         answers)) for r in range(size)]
     for p in procs:
