@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_models import wall  # noqa: E402  (the shared wall-clock helper)
 from gpu_ops import CpEvents, bench  # noqa: E402  (the shared CUDA-event timing)
+from sharded_decode import rel_l2  # noqa: E402
 
 #: (label, N, H, W, C in = C out, residual): the upsamplers' inputs, one frame of a video (N = frames)
 OP_SHAPES = [
@@ -50,11 +51,6 @@ DECODES = [
     ("flux2", "flux2-vae 1024x1024", "flux2-vae", (1, 128, 64, 64), {}),
     ("qwen", "qwen-image-vae 1328x1328", "qwen-image-vae", (1, 16, 166, 166), {}),
 ]
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def time_op(be, dtype, label, n, h, w, c, with_r, rng, reps) -> dict:
