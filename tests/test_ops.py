@@ -179,7 +179,11 @@ def test_upsample_nearest(target, nd, scale):
     (6, 3, 2, 2, True, (1, 3, 5, 7)),     # its first chunk keeps the last time offset only
     (10, 5, 1, 2, False, (2, 2, 3, 5)),   # space only (TI2V's third up block): repeats 2
     (4, 8, 2, 2, True, (1, 1, 3, 3)),     # repeats 4, one latent frame
-    (5, 5, 1, 1, False, (1, 2, 3, 4))])   # nothing moves
+    (5, 5, 1, 1, False, (1, 2, 3, 4)),    # nothing moves
+    # whole 16-byte vectors of channels (cuda's pixel_shuffle3_vec): channel o of o (16 -> 16) and
+    # of 2o + s (32 -> 16), as Wan 2.2's up blocks read them
+    (16, 16, 2, 2, True, (1, 2, 3, 5)),
+    (32, 16, 1, 2, False, (2, 1, 3, 4))])
 def test_pixel_shuffle_is_diffusers_dup_up3d(target, cin, cout, ft, fs, first, shape):
     """pixel_shuffle with repeats is Wan 2.2's DupUp3D (diffusers' own module): an exact copy."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D

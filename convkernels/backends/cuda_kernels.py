@@ -323,9 +323,12 @@ class Kernels:
             raise ValueError(f"pixel_shuffle3: a row of {wo} x {co} is beyond the kernel's int32 indices")
         y = self.cp.empty((n, to, ho, wo, co), dtype=x.dtype)
         rows, row_len = n * to * ho, wo * co
+        vec = 16 // x.dtype.itemsize
+        whole = (ft * fh * fw) % repeats == 0 and co % vec == 0 and ci % vec == 0 and x.data.ptr % 16 == 0
         if y.size:
             i32 = np.int32
-            self.fn("pixel_shuffle3")(shuffle_grid(rows, row_len, self.sm_count), (BLOCK,), (
+            name, row_units = ("pixel_shuffle3_vec", row_len // vec) if whole else ("pixel_shuffle3", row_len)
+            self.fn(name)(shuffle_grid(rows, row_units, self.sm_count), (BLOCK,), (
                 x, y, np.int64(rows), i32(t), i32(h), i32(w), i32(ci), i32(to), i32(ho), i32(wo), i32(co),
                 i32(ft), i32(fh), i32(fw), i32(repeats), i32(start)))
         return y
@@ -340,9 +343,12 @@ class Kernels:
             raise ValueError(f"phase_interleave: a row of {2 * w} x {c} is beyond the kernel's int32 indices")
         out = self.cp.empty((n, 2 * h, 2 * w, c), dtype=y.dtype)
         rows, row_len = n * 2 * h, 2 * w * c
+        vec = 16 // y.dtype.itemsize
         if out.size:
             i32 = np.int32
-            self.fn("phase_interleave")(shuffle_grid(rows, row_len, self.sm_count), (BLOCK,), (
+            whole = c % vec == 0 and y.data.ptr % 16 == 0 and (residual is None or residual.data.ptr % 16 == 0)
+            name, row_units = ("phase_interleave_vec", row_len // vec) if whole else ("phase_interleave", row_len)
+            self.fn(name)(shuffle_grid(rows, row_units, self.sm_count), (BLOCK,), (
                 y, y if residual is None else residual, out, np.int64(rows), i32(h), i32(w), i32(c),
                 i32(residual is not None)))
         return out
