@@ -27,7 +27,6 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 BLOCK = 256
 DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
-RMS_ROWS_PER_THREAD = 4  # rows' vectors one thread of rms_rows_vec holds (the kernel's RMS_RPT)
 
 CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.cu", "shuffle.cu")
 
@@ -226,9 +225,8 @@ class Kernels:
         args = (x, y, w, np.int64(rows), np.int32(c), np.int32(weight is not None), np.float32(eps),
                 np.int32(ACT_CODES[activation]), np.int64(grp), np.int64(gstride))
         if rms_vectorised(c, x.itemsize, (x.data.ptr, y.data.ptr, w.data.ptr)):
-            per_block = BLOCK // (c // (16 // x.itemsize)) * RMS_ROWS_PER_THREAD
-            self.fn("rms_rows_vec")((-(-rows // per_block),), (BLOCK,), args,
-                                    shared_mem=4 * BLOCK * RMS_ROWS_PER_THREAD)
+            per_block = BLOCK // (c // (16 // x.itemsize))
+            self.fn("rms_rows_vec")((-(-rows // per_block),), (BLOCK,), args, shared_mem=4 * BLOCK)
         else:
             per_block = BLOCK // 32
             self.fn("rms_rows")(((rows + per_block - 1) // per_block,), (BLOCK,), args)

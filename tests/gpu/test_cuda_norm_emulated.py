@@ -44,7 +44,7 @@ extern "C" void run_layer_norm(const float* x, float* y, const float* w, const f
 extern "C" void run_rms_norm_vec(const float* x, float* y, const float* w, long long rows, int C, float eps,
                                  int a, long long grp, long long gstride) {
     blockDim.x = BLOCK_THREADS;
-    int per_block = BLOCK_THREADS / (C / 4) * RMS_RPT;
+    int per_block = BLOCK_THREADS / (C / 4);
     dim3 grid; grid.x = (unsigned)((rows + per_block - 1) / per_block);
     launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a, grp, gstride); });
 }
@@ -181,15 +181,13 @@ def test_layer_norm_kernels_match_torch(lib, rows, c, vec, activation, input_bia
     assert rel_l2(y, ref) < 1e-5, f"seed {seed}"
 
 
-@pytest.mark.parametrize("rows,c", [(37, 96), (5, 4 * 256), (23, 12), (64, 4 * 3), (19, 4 * 32), (7, 4 * 128),
-                                    (90, 96), (45, 4 * 32)])
+@pytest.mark.parametrize("rows,c", [(37, 96), (5, 4 * 256), (23, 12), (64, 4 * 3), (19, 4 * 32), (7, 4 * 128)])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_rms_norm_rows_spread_over_threads_match_torch(lib, rows, c, activation):
     """rms_rows_vec: a row on C/4 consecutive threads of float32 (rows straddling warps: 24
     threads per row, 10 rows per block and 16 threads idle; rows of whole warps, summed by
-    shuffles: one row per block at the widest, 8 rows of one warp, 2 rows of 4 warps), each
-    thread holding RMS_RPT rows (a block's rows in rounds; a last round and a last block with
-    fewer rows; several blocks of several rounds), Wan's eps, against torch in float64."""
+    shuffles: one row per block at the widest, 8 rows of one warp, 2 rows of 4 warps; a last
+    block with fewer rows), Wan's eps, against torch in float64."""
     rng, seed = fresh_rng()
     x = (rng.standard_normal((rows, c)) * rng.uniform(0.1, 10)).astype(np.float32)
     x[0] = 0.0  # a zero row: eps keeps it finite

@@ -148,71 +148,52 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
 }
 
 // The same RMS norm when C % VEC == 0, C / VEC <= blockDim and the buffers are 16-byte aligned:
-// one 16-byte vector of a row per thread, a row on C / VEC consecutive threads (rows may straddle
-// warps, so the row's sum goes through shared memory), x read once. Wan's C = 96 fills 12 of a
-// warp's lanes in rms_rows' layout; here every thread of a block but a few carries a vector.
-// Each thread holds RMS_RPT rows' vectors (a block's rows come in RMS_RPT rounds of per_block
-// consecutive rows), loaded before any is reduced: with one vector a thread, a Wan 2.2 720p
-// decode's norms moved about 0.9 TB/s on an H100 (259 ms for ~235 GB), a quarter of its bandwidth.
-#define RMS_RPT 4
+// one 16-byte vector per thread, a row on C / VEC consecutive threads (rows may straddle warps, so
+// the row's sum goes through shared memory), x read once. Wan's C = 96 fills 12 of a warp's lanes
+// in rms_rows' layout; here every thread of a block but a few carries a vector.
 extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long rows, int C, int has_w,
                                         float eps, int a, long long grp, long long gstride) {
-    extern __shared__ float part[];  // RMS_RPT partial sums of squares per thread
-    const int nv = C / VEC;
-    const int per_block = blockDim.x / nv;
-    const int local = threadIdx.x / nv;
-    const int cv = threadIdx.x - local * nv;
-    const int warps = blockDim.x >> 5;
-    const long long base = (long long)blockIdx.x * per_block * RMS_RPT + local;
-    float v[RMS_RPT][VEC];
-    float q[RMS_RPT];
+    extern __shared__ float part[];  // one partial sum of squares per thread
+    int nv = C / VEC;
+    int per_block = blockDim.x / nv;
+    int local = threadIdx.x / nv;
+    int cv = threadIdx.x - local * nv;
+    long long row = (long long)blockIdx.x * per_block + local;
+    bool live = local < per_block && row < rows;
+    float v[VEC];
+    float q = 0.0f;
+    if (live) {
+        load_vec(x + row * C + cv * VEC, v);
 #pragma unroll
-    for (int k = 0; k < RMS_RPT; ++k) {
-        const long long row = base + (long long)k * per_block;
-        q[k] = 0.0f;
-        if (local < per_block && row < rows) {
-            load_vec(x + row * C + cv * VEC, v[k]);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) q[k] += v[k][j] * v[k][j];
-        }
+        for (int j = 0; j < VEC; ++j) q += v[j] * v[j];
     }
-    const bool whole_warps = (nv & 31) == 0;
-#pragma unroll
-    for (int k = 0; k < RMS_RPT; ++k) {
-        if (whole_warps) {
-            // rows of whole warps (Wan 2.2's 256 to 1024 channels): each warp sums its lanes by
-            // shuffles, then a row adds its nv / 32 warps' sums, not nv partial sums one by one
-            const float qw = warp_sum(q[k]);
-            if ((threadIdx.x & 31) == 0) part[k * warps + (threadIdx.x >> 5)] = qw;
-        } else {
-            part[k * blockDim.x + threadIdx.x] = q[k];
-        }
+    float s = 0.0f;
+    if ((nv & 31) == 0) {
+        // rows of whole warps (Wan 2.2's 256 to 1024 channels): each warp sums its lanes by
+        // shuffles, then a row adds its nv / 32 warps' sums, not nv partial sums one by one
+        q = warp_sum(q);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
+        __syncthreads();
+        if (!live) return;
+        const float* pw = part + ((local * nv) >> 5);
+        for (int i = 0; i < (nv >> 5); ++i) s += pw[i];
+    } else {
+        part[threadIdx.x] = q;
+        __syncthreads();
+        if (!live) return;
+        const float* pr = part + local * nv;
+        for (int i = 0; i < nv; ++i) s += pr[i];
     }
-    __syncthreads();
-    if (local >= per_block) return;
+    float r = rsqrtf(s / C + eps);
     float wv[VEC];
     if (has_w) load_vec(w + cv * VEC, wv);
 #pragma unroll
-    for (int k = 0; k < RMS_RPT; ++k) {
-        const long long row = base + (long long)k * per_block;
-        if (row >= rows) break;
-        float s = 0.0f;
-        if (whole_warps) {
-            const float* pw = part + k * warps + ((local * nv) >> 5);
-            for (int i = 0; i < (nv >> 5); ++i) s += pw[i];
-        } else {
-            const float* pr = part + k * blockDim.x + local * nv;
-            for (int i = 0; i < nv; ++i) s += pr[i];
-        }
-        const float r = rsqrtf(s / C + eps);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            float o = v[k][j] * r;
-            if (has_w) o *= wv[j];
-            v[k][j] = act(o, a);
-        }
-        store_vec(y + out_row(row, grp, gstride) * C + cv * VEC, v[k]);
+    for (int j = 0; j < VEC; ++j) {
+        float o = v[j] * r;
+        if (has_w) o *= wv[j];
+        v[j] = act(o, a);
     }
+    store_vec(y + out_row(row, grp, gstride) * C + cv * VEC, v);
 }
 
 // LayerNorm over the last axis: one warp per row (8 rows per 256-thread block), two passes.
