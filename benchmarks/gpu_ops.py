@@ -55,7 +55,7 @@ class CpEvents:
         return E(), E()
 
 
-class _TorchEvents:
+class TorchEvents:
     def __init__(self, torch):
         self.torch = torch
 
@@ -85,7 +85,7 @@ def main():
     from convkernels import ConvSpec, get_backend
 
     torch.backends.cudnn.benchmark = True
-    cpe, tte = CpEvents(cp), _TorchEvents(torch)
+    cpe, tte = CpEvents(cp), TorchEvents(torch)
     rng = np.random.default_rng(0)
     results = {}
     backends = {dt: get_backend("cuda", dtype=dt, autotune=True) for dt in ("float16", "bfloat16")}

@@ -55,6 +55,8 @@ static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 // one IEEE rounding each (x86-64 without -mfma never contracts them); NaN -> 0 as PTX's cvt.rzi
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __frcp_rn(float v) { return 1.0f / v; }
+#define __expf(v) std::exp(v)  // glibc declares a __expf of its own
 static inline unsigned __float2uint_rz(float v) {
     return v != v || v <= 0.0f ? 0u : (v >= 4294967295.0f ? 4294967295u : (unsigned)v);
 }

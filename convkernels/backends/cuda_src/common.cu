@@ -15,15 +15,27 @@ __device__ __forceinline__ T st(float f) { unsigned short h; asm("cvt.rn.f16.f32
 typedef unsigned short T;
 __device__ __forceinline__ float ld(T v) { return __uint_as_float(((unsigned int)v) << 16); }
 __device__ __forceinline__ T st(float f) {
+#if __CUDA_ARCH__ >= 800
+    // one instruction where the chip has it (sm80 on): with the rounding below, a bf16 RMS norm +
+    // SiLU was compute-bound on an H100 (benchmarks/rms_norm_bandwidth.py, benchmarks/RESULTS.md)
+    unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+#else
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (T)0x7fc0;   // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);                          // round to nearest even
     return (T)(u >> 16);
+#endif
 }
 #endif
 
 __device__ __forceinline__ float act(float v, int a) {
+#if DT == 0
     if (a == 1) return v / (1.0f + expf(-v));
+#else
+    // half storage: the fast exponential and reciprocal (about 1e-5 relative at worst, far below
+    // a half type's rounding); the exact pair made bf16 RMS + SiLU compute-bound on an H100
+    if (a == 1) return v * __frcp_rn(1.0f + __expf(-v));
+#endif
     if (a == 2) return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
     if (a == 3) return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
     if (a == 4) return v > 0.0f ? v : 0.0f;
