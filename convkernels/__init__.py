@@ -9,6 +9,7 @@ from .paths import ConvPath, PathChooser
 from .protocol import Backend, Graphed
 from .registry import get_backend
 from .spec import ConvKey, ConvSpec
+from .tensor_ops import ShuffledResidual
 
 __all__ = ["Backend", "BackendBase", "ConvKey", "ConvPath", "ConvSpec", "Graphed", "PathChooser", "REGISTRY",
-           "get_backend", "pixels_to_uint8"]
+           "ShuffledResidual", "get_backend", "pixels_to_uint8"]

@@ -22,8 +22,8 @@ What it may override, with the default in brackets: `_conv_operands` [check the 
 layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue],
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
-`attention_score_bytes` [None], `depthwise_conv_layer_norm` [None: not fused], `graphed` [the
-forward, run eagerly, recording nothing], `calls_to_warm` [1].
+`attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
+[None: not fused], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1].
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from .metrics import CONV_SECONDS, CONV_TOTAL
 from .paths import ConvPath, PathChooser
 from .protocol import ConvHook
 from .spec import ConvKey, ConvSpec, PaddingArg, validate_conv
-from .tensor_ops import TensorOps
+from .tensor_ops import ShuffledResidual, TensorOps
 
 log = logging.getLogger("convkernels")
 
@@ -90,6 +90,8 @@ class BackendBase(TensorOps):
     attention_chunk: int | None = None
     #: bytes one block of attention scores may take, for backends that bound them by size
     attention_score_bytes: int | None = None
+    #: _upsample_conv2d takes a ShuffledResidual as it is (else upsample_conv2d makes it first)
+    reads_shuffled_residual: bool = False
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' conv2d(x, w) + bias) as one fused op, or None where the
@@ -254,7 +256,8 @@ class BackendBase(TensorOps):
         fastest way: literally (NumPy: the 3x3 conv on the upsampled input runs on Winograd), or
         as the equivalent stride-2 transposed conv writing its four phases interleaved (MLX,
         CUDA; spec.upsample_conv_as_transpose). residual (N, 2H, 2W, O), if given, is added to
-        the result in the conv's epilogue (Wan 2.2's DupUp3D shortcut)."""
+        the result in the conv's epilogue; it may be a ShuffledResidual (Wan 2.2's DupUp3D shortcut),
+        which a backend with reads_shuffled_residual reads in place and the others make first."""
         if x.ndim != 4:
             raise ValueError(f"upsample_conv2d: input must be N,H,W,C, got shape {tuple(x.shape)}")
         c = x.shape[-1]
@@ -263,10 +266,14 @@ class BackendBase(TensorOps):
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"upsample_conv2d: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         want = (x.shape[0], 2 * x.shape[1], 2 * x.shape[2], weight.shape[0])
-        if residual is not None and tuple(residual.shape) != want:
-            raise ValueError(f"upsample_conv2d: residual must have shape {want}, got {tuple(residual.shape)}")
+        shuffled = isinstance(residual, ShuffledResidual)
+        got = None if residual is None else tuple(residual.frames_shape if shuffled else residual.shape)
+        if residual is not None and got != want:
+            raise ValueError(f"upsample_conv2d: residual must have shape {want}, got {got}")
         self._check_dtype(x, "upsample_conv2d")
         self._check_dtype(weight, "upsample_conv2d")
+        if shuffled and not self.reads_shuffled_residual:
+            residual = self.shuffled_frames(residual)
         return self._upsample_conv2d(x, weight, bias, residual)
 
     def _upsample_conv2d(self, x, weight, bias, residual=None):

@@ -6,6 +6,7 @@ one. BackendBase (backend.py) extends this class."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,6 +16,28 @@ from .spec import ACTIVATIONS, PaddingArg, normalize_padding
 Array = Any
 
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class ShuffledResidual:
+    """pixel_shuffle(source, factors, repeats, start) of an (N, T, H, W, C) source, as a residual of
+    upsample_conv2d: its (N, T', H', W', C') result read as N*T' frames. Wan 2.2's DupUp3D shortcut
+    is one. A backend that can read it where it lies (CUDA's phase form) never makes the shuffled
+    copy, an output-sized write and read; the others make it first (TensorOps.shuffled_frames)."""
+    source: Any
+    factors: tuple[int, int, int]
+    repeats: int = 1
+    start: int = 0
+
+    @property
+    def frames_shape(self) -> tuple[int, int, int, int]:
+        """(N*T', H', W', C'): the shape of the residual it stands for."""
+        if len(self.source.shape) != 5 or len(self.factors) != 3:
+            raise ValueError(f"ShuffledResidual: an (N, T, H, W, C) source and 3 factors, got shape "
+                             f"{tuple(self.source.shape)} and factors {self.factors}")
+        n, t, h, w, c = (int(d) for d in self.source.shape)
+        ft, fh, fw = self.factors
+        return n * (t * ft - self.start), h * fh, w * fw, c * self.repeats // (ft * fh * fw)
 
 
 class TensorOps(ABC):
@@ -254,6 +277,10 @@ class TensorOps(ABC):
         if not 0 <= start < x.shape[1] * factors[0]:
             raise ValueError(f"pixel_shuffle: start {start} outside {x.shape[1] * factors[0]} positions")
         return self._pixel_shuffle(x, factors, int(repeats), int(start))
+
+    def shuffled_frames(self, r: ShuffledResidual):
+        """The residual r stands for, made: (N*T', H', W', C')."""
+        return self.reshape(self.pixel_shuffle(r.source, r.factors, r.repeats, r.start), r.frames_shape)
 
     def _pixel_shuffle(self, x, factors, repeats, start):
         """The reference route, in the backend's own reshape, concat, transpose and slice."""

@@ -49,7 +49,7 @@ from convkernels.sharded_ops import halo_rows, halo_upsample_conv2d, haloed_conv
 
 from .contract import PIXEL_RANGE
 from .sharded_decode import Shard
-from .wan22_vae_layers import ResidualDecoder3d, ResidualUpBlock, dup_up
+from .wan22_vae_layers import ResidualDecoder3d, ResidualUpBlock, dup_up_residual
 from .wan_vae import joined_groups, one_group_ahead
 from .wan_vae_layers import Decoder3d, FeatureCache
 
@@ -98,18 +98,14 @@ def _resample(sh: Shard, upsampler, x, state: FeatureCache, shortcut=None):
     """wan_vae_layers.Resample: the time doubling (a (3,1,1) conv, row-local, its cache the
     shard's own rows; the layer's own code), then nearest 2x and the 3x3 conv as one op on the
     shard's rows with one row of each neighbour (halo_upsample_conv2d), every frame on its own.
-    shortcut(above, below) (Wan 2.2's, _shortcut), if given, makes what that op's epilogue adds."""
+    shortcut(above, below) (Wan 2.2's, _shortcut), if given, makes what that op's epilogue adds (a
+    ShuffledResidual: frames already)."""
     b = upsampler.backend
     if upsampler.time_conv is not None:
         x = upsampler._double_frames(x, state)
     n, t, h, w, c = x.shape
-
-    def residual_for(above: bool, below: bool):
-        out = shortcut(above, below)
-        return b.reshape(out, (n * t, out.shape[ROWS], 2 * w, upsampler.out_dim))
-
     frames = halo_upsample_conv2d(b, sh.comm, b.reshape(x, (n * t, h, w, c)), upsampler.conv.weight,
-                                  upsampler.conv.bias, residual_for=residual_for if shortcut else None)
+                                  upsampler.conv.bias, residual_for=shortcut)
     return b.reshape(frames, (n, t, 2 * h, 2 * w, upsampler.out_dim))
 
 
@@ -122,7 +118,7 @@ def _shortcut(up: ResidualUpBlock, x, first_chunk: bool, above: bool, below: boo
     b, rows = up.backend, x.shape[ROWS]
     parts = [*([b.slice(x, ROWS, 0, 1)] if above else []), x,
              *([b.slice(x, ROWS, rows - 1, rows)] if below else [])]
-    return dup_up(b, b.concat(parts, axis=ROWS) if len(parts) > 1 else x, up.cout, up.factor_t, 2, first_chunk)
+    return dup_up_residual(b.concat(parts, axis=ROWS) if len(parts) > 1 else x, up.cout, up.factor_t, 2, first_chunk)
 
 
 def _up_block(sh: Shard, up, x, state: FeatureCache, first_chunk: bool):

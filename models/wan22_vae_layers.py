@@ -8,14 +8,17 @@ unpatchify are reshapes, one concat and one transpose on the backend, no per-ele
 """
 from __future__ import annotations
 
+from convkernels import ShuffledResidual
+
 from .module import Module
 from .wan_vae_layers import ChannelRMSNorm, CausalConv3d, FeatureCache, MidBlock, Resample, ResidualBlock
 
 
-def dup_up(backend, x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):
-    """DupUp3D, one backend.pixel_shuffle: (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout).
-    Channel j of the channel-repeated input (each input channel `repeats` times in a row,
-    repeat_interleave) is, read as (Cout, ft, fs, fs), output channel o at time offset t and
+def dup_up_residual(x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):
+    """DupUp3D of (N, T, H, W, Cin) -> (N, T*ft, H*fs, W*fs, Cout) as a ShuffledResidual: one
+    backend.pixel_shuffle, which the upsampler's op adds frame by frame (and the CUDA backend reads
+    where x lies). Channel j of the channel-repeated input (each input channel `repeats` times in a
+    row, repeat_interleave) is, read as (Cout, ft, fs, fs), output channel o at time offset t and
     pixel offset (s1, s2). On the first chunk only the last time offset is kept (diffusers'
     first_chunk: x[:, :, ft - 1:])."""
     cin = x.shape[-1]
@@ -23,7 +26,8 @@ def dup_up(backend, x, out_channels: int, factor_t: int, factor_s: int, first_ch
     if (out_channels * factor) % cin:
         raise ValueError(f"DupUp3D: {out_channels} channels x {factor} is not a multiple of {cin}")
     start = factor_t - 1 if first_chunk and factor_t > 1 else 0
-    return backend.pixel_shuffle(x, (factor_t, factor_s, factor_s), out_channels * factor // cin, start=start)
+    return ShuffledResidual(x, (factor_t, factor_s, factor_s), out_channels * factor // cin, start)
+
 
 
 def unpatchify(backend, x, patch: int):
@@ -61,7 +65,7 @@ class ResidualUpBlock(Module):
             x = resnet(x, state)
         if self.upsampler is None:
             return x
-        short = dup_up(self.backend, skip, self.cout, self.factor_t, 2, first_chunk)
+        short = dup_up_residual(skip, self.cout, self.factor_t, 2, first_chunk)
         del skip
         return self.upsampler(x, state, residual=short)  # the shortcut joins in the conv's epilogue
 

@@ -129,6 +129,38 @@ def test_upsample_conv2d_matches_torch(target, shape, cout, phases):
         be.upsample_conv2d(x, w, be.slice(b, 0, 0, cout - 1))
 
 
+@pytest.mark.parametrize("cin,cout,ft,first,frames", [
+    (16, 16, 2, False, 2), (16, 16, 2, True, 1),  # whole vectors, each channel read once (Wan 2.2's 1024 -> 1024)
+    (32, 16, 1, False, 3),                         # whole vectors, every second channel (1024 -> 512)
+    (16, 8, 2, True, 2),                           # a first chunk whose time offset picks the channel
+    (10, 5, 1, False, 2), (6, 3, 2, True, 2)])     # odd channels: made first everywhere
+@pytest.mark.parametrize("phases", [False, True], ids=["default", "phases"])
+def test_upsample_conv2d_adds_a_shuffled_residual_as_diffusers_dup_up3d(target, cin, cout, ft, first, frames, phases):
+    """Wan 2.2's residual up block: the upsampler's op with the block input's DupUp3D shortcut as a
+    ShuffledResidual (read where it lies by cuda's phase form), against torch's nearest 2x + 3x3
+    conv plus diffusers' own DupUp3D module, frame by frame."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    from convkernels import ShuffledResidual
+    if phases and target.name != "cuda":
+        pytest.skip("the phase form is an option of the cuda backend (cuda_upsample.py)")
+    be = backend(target, upsample_form="phases") if phases else backend(target)
+    rng, seed = fresh_rng()
+    n, h, w = 2, 3, 5
+    start = ft - 1 if first and ft > 1 else 0
+    to = frames * ft - start
+    src, src_h = put(be, rng.standard_normal((n, frames, h, w, cin)))
+    x, xh = put(be, rng.standard_normal((n * to, h, w, cout)))
+    wt, wh = put(be, rng.standard_normal((cout, 3, 3, cout)) / np.sqrt(9 * cout))
+    b, bh = put(be, rng.standard_normal(cout))
+    short = from_t(DupUp3D(cin, cout, ft, 2)(to_t(src_h), first_chunk=first)).reshape(n * to, 2 * h, 2 * w, cout)
+    residual = ShuffledResidual(src, (ft, 2, 2), cout * ft * 4 // cin, start)
+    ours = be.to_host(be.upsample_conv2d(x, wt, b, residual=residual))
+    assert rel_l2(ours, ref_upsample_conv(xh, wh, bh) + short) < target.tol, f"seed {seed}"
+    with pytest.raises(ValueError, match="residual must"):
+        be.upsample_conv2d(be.slice(x, 0, 0, n * to - 1), wt, b, residual=residual)
+
+
 def test_upsample_conv_as_transpose_is_the_same_function(target):
     """The weight derivation the mlx and cuda backends run (spec.upsample_conv_as_transpose, here
     on the host with NumPy as its array module): the stride-2 transposed conv with the derived 4x4

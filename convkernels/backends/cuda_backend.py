@@ -50,6 +50,7 @@ class CudaBackend(BackendBase):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
     attention_score_bytes = SCORE_BYTES
+    reads_shuffled_residual = True  # the phase form adds it in place (cuda_upsample.py)
     runs_ahead = True
     path_memo_events = False  # the plan cache emits the plan cache events
 

@@ -353,6 +353,33 @@ class Kernels:
                 i32(residual is not None)))
         return out
 
+    def takes_shuffled(self, y, source, factors, repeats: int) -> bool:
+        """Whether phase_interleave_shuffled adds pixel_shuffle(source, factors, repeats) to the
+        phases y: 2x2 in space (the upsample's own), a repeat count dividing the factors, whole
+        16-byte vectors of channels on both sides, aligned buffers."""
+        vec = 16 // y.dtype.itemsize
+        ft, fh, fw = factors
+        return ((fh, fw) == (2, 2) and (ft * 4) % repeats == 0 and (y.shape[-1] // 4) % vec == 0
+                and source.shape[-1] % vec == 0 and y.data.ptr % 16 == 0 and source.data.ptr % 16 == 0)
+
+    def phase_interleave_shuffled(self, y, source, ft: int, repeats: int, start: int):
+        """phase_interleave(y, residual) with residual = pixel_shuffle(source, (ft, 2, 2), repeats,
+        start) read as frames, taken from contiguous source (N, T, H, W, Ci) where it lies: the
+        shuffled copy is never made (takes_shuffled says when this applies)."""
+        n, t, h, w, ci = source.shape
+        f, h1, w1, c4 = y.shape
+        c = c4 // 4
+        if 2 * w * c >= 2 ** 31 or w1 * c4 >= 2 ** 31 or w * ci >= 2 ** 31:
+            raise ValueError(f"phase_interleave_shuffled: a row of {2 * w} x {c} is beyond the kernel's int32 indices")
+        out = self.cp.empty((f, 2 * h, 2 * w, c), dtype=y.dtype)
+        rows, vec = f * 2 * h, 16 // y.dtype.itemsize
+        if out.size:
+            i32 = np.int32
+            self.fn("phase_interleave_shuffled_vec")(shuffle_grid(rows, 2 * w * c // vec, self.sm_count), (BLOCK,), (
+                y, source, out, np.int64(rows), i32(h), i32(w), i32(c), i32(t), i32(ci), i32(f // n), i32(ft),
+                i32(repeats), i32(start)))
+        return out
+
     def softmax_rows_f32(self, x, scale: float = 1.0):
         """softmax_rows of contiguous float32 x (bfloat16 attention's scores), each probability as
         two values of this dtype's storage: (..., L) -> (..., 2L), its rounding in the first half

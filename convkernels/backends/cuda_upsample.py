@@ -24,6 +24,7 @@ and 256x256 of 64 channels 0.72-0.96x.
 from __future__ import annotations
 
 from ..spec import upsample_conv_as_phases, upsample_conv_as_transpose
+from ..tensor_ops import ShuffledResidual
 
 #: `auto` takes the phase form from this many input positions (N x H x W) up, for inputs of at
 #: least PHASES_MIN_CHANNELS channels; for narrower ones from PHASES_NARROW_POSITIONS up
@@ -43,16 +44,26 @@ def form_for(option: str, x_shape) -> str:
 
 
 def upsample_conv2d(be, x, weight, bias, residual):
-    """`be`: the CudaBackend; operands checked by BackendBase.upsample_conv2d."""
+    """`be`: the CudaBackend; operands checked by BackendBase.upsample_conv2d. A ShuffledResidual
+    is read in place by the phase form's copy where its kernel takes it (Kernels.
+    phase_interleave_shuffled: Wan 2.2's DupUp3D shortcuts), else made first."""
     dt = be.dtype_of(x)
+    shuffled = isinstance(residual, ShuffledResidual)
     if form_for(be.options.upsample_form, x.shape) == "transposed":
         w4 = be.weights.get("upsample_as_transpose", weight, lambda v: be.arrays.cast(
             upsample_conv_as_transpose(be.cp, be.arrays.f32(v)), dt))
-        return be.conv_transpose2d(x, w4, bias, stride=2, padding=1, residual=residual)
+        r = be.shuffled_frames(residual) if shuffled else residual
+        return be.conv_transpose2d(x, w4, bias, stride=2, padding=1, residual=r)
     wp = be.weights.get("upsample_as_phases", weight, lambda v: be.arrays.cast(
         upsample_conv_as_phases(be.cp, be.arrays.f32(v)), dt))
     # each phase's block of output channels takes the same bias
     bp = None if bias is None else be.weights.get("upsample_phase_bias", bias, lambda v: be.cp.tile(v, 4))
     y = be.arrays.contiguous(be.conv2d(x, wp, bp, padding=1))
+    kern = be.arrays.kernels(dt)
+    if shuffled:
+        source = be.arrays.contiguous(residual.source)
+        if kern.takes_shuffled(y, source, residual.factors, residual.repeats):
+            return kern.phase_interleave_shuffled(y, source, residual.factors[0], residual.repeats, residual.start)
+        residual = be.shuffled_frames(residual)
     r = None if residual is None else be.arrays.contiguous(residual)
-    return be.arrays.kernels(dt).phase_interleave(y, r)
+    return kern.phase_interleave(y, r)

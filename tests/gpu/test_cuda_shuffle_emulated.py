@@ -3,7 +3,9 @@ builds (cuda_emulation.py), where there is no GPU, with the grid the backend lau
 (shuffle_grid) and with a grid small enough that both of a kernel's strides are taken:
 - pixel_shuffle3 (Wan 2.2's DupUp3D in one copy) against diffusers' own DupUp3D module, bit for bit;
 - phase_interleave (upsample_conv2d's phase form, cuda_upsample.py) after torch's 2x2 conv with
-  spec.upsample_conv_as_phases' weight, against torch's nearest 2x + 3x3 conv (+ a residual).
+  spec.upsample_conv_as_phases' weight, against torch's nearest 2x + 3x3 conv (+ a residual);
+- phase_interleave_shuffled_vec, the same with diffusers' DupUp3D of a source as the residual,
+  read where the source lies.
 (tests/test_ops.py and test_ops_conv.py run the ops on a GPU.)"""
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ extern "C" void run_phase_interleave(const T* y, const T* r, T* out, long long r
         launch(grid, [=] { phase_interleave_vec(y, r, out, rows, H, W, C, has_r); });
     else
         launch(grid, [=] { phase_interleave(y, r, out, rows, H, W, C, has_r); });
+}
+extern "C" void run_phase_interleave_shuffled(const T* y, const T* x, T* out, long long rows, int H, int W, int C,
+                                              int T_in, int Ci, int To, int ft, int repeats, int start, int gx,
+                                              int gy) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = gx; grid.y = gy;
+    launch(grid, [=] { phase_interleave_shuffled_vec(y, x, out, rows, H, W, C, T_in, Ci, To, ft, repeats, start); });
 }
 """
 #: a small GPU's multiprocessor count, so the emulated grids stay a few blocks
@@ -147,3 +156,59 @@ def test_phase_interleave_after_the_phase_conv_is_torchs_upsample_conv(built, sh
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("cin,cout,ft,first,frames", [
+    (16, 16, 2, False, 2), (16, 16, 2, True, 1), (16, 8, 2, False, 2),   # each channel once / every second
+    (16, 8, 2, True, 2),  # a first chunk where the time offset picks the channel: `start` shifts it
+    (32, 16, 1, False, 3), (8, 8, 1, False, 1), (64, 16, 2, False, 1)])  # every 2nd / once / every 4th
+@pytest.mark.parametrize("small_grid", [False, True])
+def test_phase_interleave_shuffled_adds_diffusers_dup_up3d(built, cin, cout, ft, first, frames, small_grid):
+    """The phases of torch's 2x2 conv put in place plus diffusers' DupUp3D of a source (N, T, H, W,
+    Cin), read where it lies: float32 against torch's upsample conv + the shortcut; bfloat16 bit for
+    bit against the same placement and sum rounded once."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    dtype, lib = built
+    repeats = cout * ft * 4 // cin
+    if cout % lanes(dtype) or cin % lanes(dtype) or (ft * 4) % repeats:
+        pytest.skip("phase_interleave_shuffled_vec takes whole vectors of channels and a repeat count dividing 4 ft")
+    rng, seed = fresh_rng()
+    n, h, w = 2, 3, 4
+    start = ft - 1 if first and ft > 1 else 0
+    to = frames * ft - start
+    x = torch.from_numpy(rng.standard_normal((n * to, h, w, cout))).movedim(-1, 1)
+    wt = rng.standard_normal((cout, 3, 3, cout)) / np.sqrt(9 * cout)
+    src = torch.from_numpy(rng.standard_normal((n, frames, h, w, cin)))
+    phases = torch.from_numpy(upsample_conv_as_phases(np, wt)).movedim(-1, 1)
+    y = F.conv2d(x, phases, padding=1).movedim(1, -1).contiguous()        # (N To, H+1, W+1, 4 cout)
+    short = DupUp3D(cin, cout, ft, 2)(src.movedim(-1, 1), first_chunk=first).movedim(1, -1)
+    short = short.reshape(n * to, 2 * h, 2 * w, cout)
+    grid = (1, 3) if small_grid else shuffle_grid(n * to * 2 * h, 2 * w * cout // lanes(dtype), SMS)
+
+    def run(yv: np.ndarray, xv: np.ndarray) -> np.ndarray:
+        out = np.zeros((n * to, 2 * h, 2 * w, cout), yv.dtype)
+        p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+        i = ctypes.c_int
+        lib.run_phase_interleave_shuffled(p(yv), p(xv), p(out), ctypes.c_longlong(n * to * 2 * h), i(h), i(w),
+                                          i(cout), i(frames), i(cin), i(to), i(ft), i(repeats), i(start),
+                                          i(grid[0]), i(grid[1]))
+        return out
+
+    if dtype == "float32":
+        ours = run(y.float().numpy(), src.float().contiguous().numpy())
+        ref = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), torch.from_numpy(wt).movedim(-1, 1),
+                       padding=1).movedim(1, -1) + short
+        assert rel_l2(ours, ref.numpy()) < 1e-5, f"seed {seed}"
+        return
+    yb, sb = y.to(torch.bfloat16), src.to(torch.bfloat16)
+    bits = lambda t: t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    ours = run(bits(yb), bits(sb))
+    placed = torch.zeros((n * to, 2 * h, 2 * w, cout), dtype=torch.float32)
+    for a in (0, 1):
+        for b in (0, 1):
+            p = 2 * a + b
+            placed[:, a::2, b::2] = yb[:, a:a + h, b:b + w, p * cout:(p + 1) * cout].float()
+    short_b = DupUp3D(cin, cout, ft, 2)(sb.float().movedim(-1, 1), first_chunk=first).movedim(1, -1)
+    want = (placed + short_b.reshape(n * to, 2 * h, 2 * w, cout)).to(torch.bfloat16)
+    np.testing.assert_array_equal(ours, bits(want), err_msg=f"seed {seed}")

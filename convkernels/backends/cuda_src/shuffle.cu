@@ -113,3 +113,43 @@ extern "C" __global__ void phase_interleave_vec(const T* y, const T* r, T* out, 
         }
     }
 }
+
+// phase_interleave_vec with the residual a pixel_shuffle (Wan 2.2's DupUp3D shortcut, TensorOps.
+// pixel_shuffle) read from its source where it lies, not from a shuffled copy of output size:
+// x (N, T_in, H, W, Ci) shuffled by (ft, 2, 2) with `repeats`, dropping `start` leading frames, is
+// To = T_in * ft - start frames of (2H, 2W, C); y and out hold N * To frames. Output channel o at
+// offsets (i, a, b) (time, row, column) reads x's channel ((o*ft + i)*2 + a)*2 + b over `repeats`,
+// i.e. o*g + s with g = 4 ft / repeats (a whole number) and s = ((i*2 + a)*2 + b) / repeats: one
+// vector load where g == 1 (s is then 0), else a strided gather. Sums in float32, rounded once.
+extern "C" __global__ void phase_interleave_shuffled_vec(const T* y, const T* x, T* out, long long rows, int H, int W,
+                                                         int C, int T_in, int Ci, int To, int ft, int repeats,
+                                                         int start) {
+    const int cv = C / VEC, row_vecs = 2 * W * cv, g = ft * 4 / repeats;
+    for (long long q = blockIdx.y; q < rows; q += gridDim.y) {
+        const int Y = (int)(q % (2 * H));
+        const long long f = q / (2 * H);
+        const int a = Y & 1, i = Y >> 1;
+        const T* yr = y + (f * (H + 1) + i + a) * (long long)(W + 1) * 4 * C;
+        const int tt = (int)(f % To) + start;
+        const long long n = f / To;
+        const int t0 = tt / ft, ti = tt - t0 * ft;
+        const T* xr = x + ((n * T_in + t0) * H + i) * (long long)W * Ci;
+        T* orow = out + q * (long long)W * 2 * C;
+        for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += gridDim.x * blockDim.x) {
+            const int X = e / cv, c = (e - X * cv) * VEC;
+            const int b = X & 1, j = X >> 1;
+            float fv[VEC], s[VEC];
+            load_vec(yr + (long long)(j + b) * 4 * C + (2 * a + b) * C + c, fv);
+            const T* sp = xr + (long long)j * Ci + c * g + ((ti * 2 + a) * 2 + b) / repeats;
+            if (g == 1) {
+                load_vec(sp, s);
+            } else {
+#pragma unroll
+                for (int p = 0; p < VEC; ++p) s[p] = ld(sp[p * g]);
+            }
+#pragma unroll
+            for (int p = 0; p < VEC; ++p) fv[p] += s[p];
+            store_vec(orow + (long long)e * VEC, fv);
+        }
+    }
+}
