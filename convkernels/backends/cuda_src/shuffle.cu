@@ -5,17 +5,27 @@
 // (i, j, k) reads the repeated channel ((o*ft + i)*fh + j)*fw + k, which is input channel that
 // over `repeats`. Blocks step over output rows (n, t, y) in y and over a row's Wo*Co elements in
 // x, so each row's index split is done once and the writes are contiguous.
+// Where output row r = (n, t, Y) of a pixel shuffle over (ft, fh, .) reads: x's row (n, t0, y0) and
+// the row's block offsets in time (i) and height (j). Shared by the shuffle kernels below.
+struct ShuffleRow { const T* x; int i, j; };
+__device__ __forceinline__ ShuffleRow shuffle_row(const T* x, long long r, int T_in, int H, int W, int Ci, int To,
+                                                  int Ho, int ft, int fh, int start) {
+    const int Y = (int)(r % Ho);
+    const long long q = r / Ho;
+    const int tt = (int)(q % To) + start;
+    const long long n = q / To;
+    const int t0 = tt / ft, y0 = Y / fh;
+    return {x + ((n * T_in + t0) * H + y0) * (long long)W * Ci, tt - t0 * ft, Y - y0 * fh};
+}
+
 extern "C" __global__ void pixel_shuffle3(const T* x, T* y, long long rows, int T_in, int H, int W, int Ci,
                                           int To, int Ho, int Wo, int Co, int ft, int fh, int fw,
                                           int repeats, int start) {
     const int row_len = Wo * Co;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        const int Y = (int)(r % Ho);
-        const long long q = r / Ho;
-        const int tt = (int)(q % To) + start;
-        const long long n = q / To;
-        const int t0 = tt / ft, i = tt - t0 * ft, y0 = Y / fh, j = Y - y0 * fh;
-        const T* xr = x + ((n * T_in + t0) * H + y0) * (long long)W * Ci;
+        const ShuffleRow sr = shuffle_row(x, r, T_in, H, W, Ci, To, Ho, ft, fh, start);
+        const T* xr = sr.x;
+        const int i = sr.i, j = sr.j;
         T* yr = y + r * (long long)row_len;
         for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_len; e += gridDim.x * blockDim.x) {
             const int X = e / Co, o = e - X * Co;
@@ -60,12 +70,9 @@ extern "C" __global__ void pixel_shuffle3_vec(const T* x, T* y, long long rows, 
                                               int repeats, int start) {
     const int g = ft * fh * fw / repeats, cv = Co / VEC, row_vecs = Wo * cv;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        const int Y = (int)(r % Ho);
-        const long long q = r / Ho;
-        const int tt = (int)(q % To) + start;
-        const long long n = q / To;
-        const int t0 = tt / ft, i = tt - t0 * ft, y0 = Y / fh, j = Y - y0 * fh;
-        const T* xr = x + ((n * T_in + t0) * H + y0) * (long long)W * Ci;
+        const ShuffleRow sr = shuffle_row(x, r, T_in, H, W, Ci, To, Ho, ft, fh, start);
+        const T* xr = sr.x;
+        const int i = sr.i, j = sr.j;
         T* yr = y + r * (long long)Wo * Co;
         for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += gridDim.x * blockDim.x) {
             const int X = e / cv, o = (e - X * cv) * VEC;
@@ -130,10 +137,10 @@ extern "C" __global__ void phase_interleave_shuffled_vec(const T* y, const T* x,
         const long long f = q / (2 * H);
         const int a = Y & 1, i = Y >> 1;
         const T* yr = y + (f * (H + 1) + i + a) * (long long)(W + 1) * 4 * C;
-        const int tt = (int)(f % To) + start;
-        const long long n = f / To;
-        const int t0 = tt / ft, ti = tt - t0 * ft;
-        const T* xr = x + ((n * T_in + t0) * H + i) * (long long)W * Ci;
+        // the shortcut's source row: x's row i of the frame f's time step reads, time offset ti
+        const ShuffleRow sr = shuffle_row(x, q, T_in, H, W, Ci, To, 2 * H, ft, 2, start);
+        const T* xr = sr.x;
+        const int ti = sr.i;
         T* orow = out + q * (long long)W * 2 * C;
         for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += gridDim.x * blockDim.x) {
             const int X = e / cv, c = (e - X * cv) * VEC;
