@@ -8,6 +8,7 @@ wheel of the test extra (Linux and Windows); without it these tests skip."""
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
@@ -31,7 +32,11 @@ def _nvrtc_path() -> Path | None:
 def nvrtc():
     path = _nvrtc_path()
     if path is None:
-        pytest.skip("NVRTC is not installed (the nvidia-cuda-nvrtc wheel of the test extra)")
+        try:
+            importlib.metadata.distribution("nvidia-cuda-nvrtc")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("NVRTC is not installed (the nvidia-cuda-nvrtc wheel of the test extra)")
+        pytest.fail("nvidia-cuda-nvrtc is installed, but no libnvrtc under its nvidia/*/lib: has its layout changed?")
     # NVRTC opens its builtins library by name: loaded first, from the wheel's folder, it is found
     for builtins in sorted(path.parent.glob("*nvrtc-builtins*")):
         if ".alt." not in builtins.name:
