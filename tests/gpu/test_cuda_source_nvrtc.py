@@ -47,7 +47,7 @@ def nvrtc():
 def compile_ptx(lib, dtype: str, arch: str) -> str:
     """SOURCE built as CuPy builds it for `dtype`, for virtual architecture `arch` (compute_XX)."""
     prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"kernels.cu", 0, None, None) == 0
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"convkernels_cuda_source", 0, None, None) == 0
     try:
         opts = [f"-DDT={DTYPE_CODES[dtype]}".encode(), f"--gpu-architecture={arch}".encode()]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
