@@ -3,8 +3,9 @@ the residual up block with its parameter-free DupUp3D shortcut, the decoder buil
 unpatchify. Everything else (causal convs, RMS norms, resnets, attention, the resampler and the
 feature cache) is Wan 2.1's, models/wan_vae_layers.py.
 
-Activations are channels-last (N, T, H, W, C) as in the Wan 2.1 layers; the shortcuts and
-unpatchify are reshapes, one concat and one transpose on the backend, no per-element loops.
+Activations are channels-last (N, T, H, W, C) as in the Wan 2.1 layers; a shortcut is a backend
+pixel_shuffle handed to the upsampler's op unmade (a ShuffledResidual), unpatchify a reshape and one
+transpose on the backend, no per-element loops.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ def dup_up_residual(x, out_channels: int, factor_t: int, factor_s: int, first_ch
         raise ValueError(f"DupUp3D: {out_channels} channels x {factor} is not a multiple of {cin}")
     start = factor_t - 1 if first_chunk and factor_t > 1 else 0
     return ShuffledResidual(x, (factor_t, factor_s, factor_s), out_channels * factor // cin, start)
-
 
 
 def unpatchify(backend, x, patch: int):

@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from convkernels import Backend, ShuffledResidual
+from convkernels import Backend
 
 from .layers import Conv, Conv2d
 from .module import Module
@@ -278,15 +278,13 @@ class Resample(Module):
         return b.reshape(out, (n, 2 * t, h, w, c))
 
     def __call__(self, x, state: FeatureCache, residual=None):
-        """residual (N, T', 2H, 2W, out_dim), if given, is added in the conv's epilogue (Wan 2.2's
-        shortcut: no separate add pass over the block's largest activation); a ShuffledResidual
-        already stands for its frames."""
+        """residual, if given, is added in the conv's epilogue, as upsample_conv2d takes it: frames
+        (N*T', 2H, 2W, out_dim), Wan 2.2's shortcut a ShuffledResidual (no separate add pass over
+        the block's largest activation, and on CUDA no shuffled copy of it either)."""
         b = self.backend
         if self.time_conv is not None:
             x = self._double_frames(x, state)
         n, t, h, w, c = x.shape
-        if residual is not None and not isinstance(residual, ShuffledResidual):
-            residual = b.reshape(residual, (n * t, 2 * h, 2 * w, self.out_dim))
         frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias,
                                    residual=residual)
         return b.reshape(frames, (n, t, 2 * h, 2 * w, self.out_dim))

@@ -1,10 +1,5 @@
 // Layout moves that copy bits as they are (any storage type).
 
-// Channels to space (TensorOps.pixel_shuffle) over 3 spatial axes: y (N, To, Ho, Wo, Co) from
-// x (N, T, H, W, Ci), To = T*ft - start, Ho = H*fh, Wo = W*fw. Output channel o at block offsets
-// (i, j, k) reads the repeated channel ((o*ft + i)*fh + j)*fw + k, which is input channel that
-// over `repeats`. Blocks step over output rows (n, t, y) in y and over a row's Wo*Co elements in
-// x, so each row's index split is done once and the writes are contiguous.
 // Where output row r = (n, t, Y) of a pixel shuffle over (ft, fh, .) reads: x's row (n, t0, y0) and
 // the row's block offsets in time (i) and height (j). Shared by the shuffle kernels below.
 struct ShuffleRow { const T* x; int i, j; };
@@ -18,6 +13,11 @@ __device__ __forceinline__ ShuffleRow shuffle_row(const T* x, long long r, int T
     return {x + ((n * T_in + t0) * H + y0) * (long long)W * Ci, tt - t0 * ft, Y - y0 * fh};
 }
 
+// Channels to space (TensorOps.pixel_shuffle) over 3 spatial axes: y (N, To, Ho, Wo, Co) from
+// x (N, T, H, W, Ci), To = T*ft - start, Ho = H*fh, Wo = W*fw. Output channel o at block offsets
+// (i, j, k) reads the repeated channel ((o*ft + i)*fh + j)*fw + k, which is input channel that
+// over `repeats`. Blocks step over output rows (n, t, y) in y and over a row's Wo*Co elements in
+// x, so each row's index split is done once and the writes are contiguous.
 extern "C" __global__ void pixel_shuffle3(const T* x, T* y, long long rows, int T_in, int H, int W, int Ci,
                                           int To, int Ho, int Wo, int Co, int ft, int fh, int fw,
                                           int repeats, int start) {
