@@ -9,7 +9,9 @@ Checks: `kinds` (each request kind alone at its largest default size: peak serve
 server, PSS over its processes), `abandon` (large decodes whose clients give up, then a small
 request), `stall` (a client that never reads its responses), `slow` (70 uploads trickling a byte
 every 2 s beside normal traffic), `early` (async httpx uploading 7.7 MB bodies that are refused
-before they are read), `models` (a mistyped --models entry). Every check counts 5xx answers.
+before they are read), `models` (a mistyped --models entry), `npy` (a 128-byte .npy declaring
+an impossible shape, and one declaring 149 GiB in 64 bytes, on every route that reads .npy: status,
+time and peak server memory). Every check counts 5xx answers.
 """
 from __future__ import annotations
 
@@ -261,14 +263,40 @@ def check_models() -> None:
         print(f"models: --models {entry}: exit {p.returncode}, {len(lines)} line(s): {lines[-1] if lines else ''}")
 
 
+def check_npy(srv: ServerProcess) -> None:
+    """.npy headers declaring what no body holds: answered 400 bad-npy from the header alone, with
+    no allocation of the declared size (np.load allocated it first: 149 GiB for the second)."""
+    def with_header(header: str, data: bytes = b"") -> bytes:
+        h = header.encode()
+        h += b" " * (63 - (10 + len(h)) % 64) + b"\n"
+        return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data
+
+    bodies = {"overflow": with_header("{'descr': '<f4', 'fortran_order': False, "
+                                      "'shape': (4294967296, 4294967296, 1, 0), }"),
+              "149 GiB": with_header("{'descr': '<f4', 'fortran_order': True, 'shape': (4, 100000, 100000), }",
+                                     b"\0" * 64)}
+    routes = ["/v1/models/tiny-vae/decode", "/v1/models/tiny-wan-vae/decode/stream", "/v1/models/tiny-convnext/encode",
+              "/v1/models/tiny-vae/vae/encode"]
+    for name, body in bodies.items():
+        with PeakMemory(srv) as mem:
+            t0 = time.monotonic()
+            answers = [httpx.post(f"{srv.url}{path}", content=body, headers=NPY, timeout=60) for path in routes]
+            secs = time.monotonic() - t0
+        statuses = count([r.status_code for r in answers])
+        kinds = sorted({r.json().get("type", "").rsplit("#", 1)[-1].rsplit("/", 1)[-1] for r in answers})
+        print(f"npy: {len(body)}-byte .npy ({name}) on {len(routes)} routes: {statuses} "
+              f"{kinds}, {1000 * secs / len(routes):.1f} ms each, peak server memory +{mem.growth / 2**20:.0f} MiB "
+              f"(bound: 400 bad-npy, < 1 s, no growth)")
+
+
 def main() -> None:
-    which = set(sys.argv[1:]) or {"kinds", "rss", "abandon", "stall", "slow", "early", "models"}
+    which = set(sys.argv[1:]) or {"kinds", "rss", "abandon", "stall", "slow", "early", "models", "npy"}
     print(f"hostile probe on {describe_machine()}")
-    if which & {"kinds", "rss", "abandon", "stall", "slow"}:
+    if which & {"kinds", "rss", "abandon", "stall", "slow", "npy"}:
         srv = ServerProcess()  # the CPU default: every setting at its default
         try:
             for name, check in (("kinds", check_kinds), ("rss", check_rss), ("abandon", check_abandon), ("stall", check_stall),
-                                ("slow", check_slow)):
+                                ("slow", check_slow), ("npy", check_npy)):
                 if name in which:
                     check(srv)
             codes: dict = {}

@@ -10,13 +10,13 @@ import io
 import json
 import math
 import operator
-import re
 import zipfile
 import zlib
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .npy_parse import parse_npy
 from .problems import Problem
 
 NPY_MEDIA = "application/x-npy"
@@ -86,37 +86,11 @@ def _frombuffer(buf: bytes, dtype_name: str, shape, what: str) -> np.ndarray:
     return bf16_to_f32(arr) if dt == np.dtype("<u2") else arr
 
 
-#: the header np.save writes for a C-order array of a plain dtype (anything else takes np.load)
-_NPY_HEADER = re.compile(rb"\{'descr': '([<>|][a-z][0-9]{1,2})', 'fortran_order': False, 'shape': \(((?:[0-9]+, ?)*[0-9]*)\), \} *\n")
-
-
-def _npy_view(body: bytes) -> np.ndarray | None:
-    """The array of a plain .npy file as a read-only view of the body (no copy), or None where
-    np.load should read it (other versions, Fortran order, structured dtypes, a wrong size)."""
-    if body[:6] != b"\x93NUMPY" or body[6:8] != b"\x01\x00" or len(body) < 10:
-        return None
-    start = 10 + int.from_bytes(body[8:10], "little")
-    m = _NPY_HEADER.fullmatch(body[10:start])
-    if m is None:
-        return None
-    dt = np.dtype(m.group(1).decode())
-    shape = tuple(int(s) for s in m.group(2).split(b",") if s.strip())
-    if dt.hasobject or math.prod(shape) * dt.itemsize != len(body) - start:
-        return None
-    return np.frombuffer(body, dtype=dt, count=math.prod(shape), offset=start).reshape(shape)
-
-
-def read_npy(body: bytes, what: str = "body") -> np.ndarray:
-    """A .npy body (no pickles): common files as a view of the body, the rest through np.load."""
-    view = _npy_view(body)
-    if view is not None:
-        return view
-    try:
-        return np.load(io.BytesIO(body), allow_pickle=False)
-    except ValueError as exc:  # object arrays (pickle), bad header
-        raise Problem(400, "bad-npy", f"{what}: not a loadable .npy array ({exc})") from exc
-    except Exception as exc:
-        raise Problem(400, "bad-npy", f"{what}: not a .npy file ({exc.__class__.__name__}: {exc})") from exc
+def read_npy(body: bytes, what: str = "body", takes_images: bool = False) -> np.ndarray:
+    """A .npy body (npy_parse.parse_npy: sizes checked before anything is made, no pickles); an
+    image sent as one is named in a 415 saying which Content-Type to use instead."""
+    refuse_misnamed(body, NPY_MEDIA, takes_images)
+    return parse_npy(body, what)
 
 
 def read_safetensors(body: bytes, prefer: str) -> np.ndarray:
@@ -199,23 +173,41 @@ def sniff(body: bytes) -> str | None:
     return None
 
 
-def read_tensor_body(body: bytes, content_type: str | None, prefer: str) -> tuple[np.ndarray, dict]:
+def refuse_misnamed(body: bytes, mt: str, takes_images: bool = False) -> None:
+    """A 415 for a body whose magic bytes (`sniff`) contradict how it would be read as `mt`: an
+    image sent to a tensor reader, named, with the Content-Type that takes it (takes_images) or the
+    tensor types this route takes; a .npy file sent as JSON or safetensors (which would otherwise
+    fail as undecodable UTF-8 or a header length past the body, with no hint of the cause)."""
+    sniffed = sniff(body)
+    if sniffed is None:
+        return
+    said = "" if mt in GENERIC_MEDIA else f", not the {mt} its Content-Type says"
+    if sniffed.startswith("image/"):
+        fix = (f"send it with Content-Type: {sniffed}" if takes_images
+               else f"this route takes tensors, not images: send {TENSOR_MEDIA_TEXT}")
+        raise Problem(415, "unsupported-media-type", f"the body is a {sniffed.split('/')[1].upper()} image{said}; {fix}")
+    if sniffed == NPY_MEDIA and mt not in (NPY_MEDIA, "application/npy", *GENERIC_MEDIA):
+        raise Problem(415, "unsupported-media-type",
+                      f"the body looks like a .npy file{said}; send it with Content-Type: {NPY_MEDIA}")
+
+
+def read_tensor_body(body: bytes, content_type: str | None, prefer: str,
+                     takes_images: bool = False) -> tuple[np.ndarray, dict]:
     """Latents (or pixels) from a request body by its Content-Type; a body whose Content-Type
-    says nothing (GENERIC_MEDIA) is recognised by its magic bytes (.npy, else safetensors), and
-    an image there is named in the 415 instead of failing as a malformed safetensors."""
+    says nothing (GENERIC_MEDIA) is recognised by its magic bytes (.npy, else safetensors). A body
+    whose magic bytes contradict its Content-Type (an image, a .npy sent as JSON) is named in a 415
+    (refuse_misnamed) instead of failing in the wrong parser; takes_images: the route also takes
+    image files (the 415 then names the image's own Content-Type)."""
     mt = media_type(content_type)
+    refuse_misnamed(body, mt, takes_images)
     if mt in GENERIC_MEDIA:
         sniffed = sniff(body)
-        if sniffed is not None and sniffed.startswith("image/"):
-            raise Problem(415, "unsupported-media-type",
-                          f"the body is a {sniffed.split('/')[1].upper()} image; this route takes tensors: "
-                          f"send {TENSOR_MEDIA_TEXT}")
         if sniffed is not None or mt != "application/x-www-form-urlencoded":
             mt = sniffed or SAFETENSORS_MEDIA  # unrecognised bytes: safetensors' parser names what is wrong
     if mt == "application/json":
         return read_json_tensor(body)
     if mt in (NPY_MEDIA, "application/npy"):
-        return read_npy(body), {}
+        return parse_npy(body), {}
     if mt == SAFETENSORS_MEDIA:
         return read_safetensors(body, prefer), {}
     raise Problem(415, "unsupported-media-type", f"Content-Type {mt!r} not accepted; send {TENSOR_MEDIA_TEXT}")

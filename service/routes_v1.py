@@ -195,7 +195,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
     elif mt in (codecs.NPY_MEDIA, "application/npy", codecs.SAFETENSORS_MEDIA, "application/json", "",
                 "application/octet-stream"):
         def pixels():
-            arr, _ = codecs.read_tensor_body(body, mt, "pixels")
+            arr, _ = codecs.read_tensor_body(body, mt, "pixels", takes_images=True)
             return codecs.model_pixels(list(validation.source_pixels(arr, svc.settings)), input_size)
         return await svc.offload(len(body), pixels)
     else:

@@ -77,7 +77,7 @@ def frames_pixels(x: np.ndarray, limits: Settings, *, channels_first: bool) -> n
 
 def npy_pixels(hm: HostedModel, body: bytes, limits: Settings) -> np.ndarray:
     """A .npy body, channels last (uint8, or float in [0,1]) -> float32 in [0,1], the model's layout."""
-    x = codecs.read_npy(body, "pixels")
+    x = codecs.read_npy(body, "pixels", takes_images=True)
     if hm.is_video:
         return frames_pixels(x, limits, channels_first=False)
     if x.dtype != np.uint8 and x.dtype.kind != "f":

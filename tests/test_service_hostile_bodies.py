@@ -8,13 +8,19 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+import sys
+import time
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from live_server import npy
+from live_server import REPO, npy
+
+sys.path.insert(0, str(REPO / "tests" / "corpus"))
+import make_corpus  # noqa: E402
 
 DEEP = 100_000  # far past the default recursion limit of 1000
 NESTED = ("[" * DEEP + "]" * DEEP).encode()
@@ -104,9 +110,9 @@ def test_hostile_body_details(live_server):
     """The 4xx names what is wrong (nesting, the dimensions), not just that something is."""
     u = live_server.url
     r = httpx.post(f"{u}{DEC}", content=NESTED, headers=JSON, timeout=60)
-    assert r.status_code == 400 and r.json()["type"].endswith("/bad-json") and "nested too deeply" in r.json()["detail"]
+    assert r.status_code == 400 and r.json()["type"].endswith("#bad-json") and "nested too deeply" in r.json()["detail"]
     r = httpx.post(f"{u}{DEC}", content=st_tensor(DIMS_65, 4), headers=ST, timeout=60)
-    assert r.status_code == 400 and r.json()["type"].endswith("/bad-tensor") and "64" in r.json()["detail"]
+    assert r.status_code == 400 and r.json()["type"].endswith("#bad-tensor") and "64" in r.json()["detail"]
     r = httpx.post(f"{u}{INDEX}", content=SMALL_NESTED_OBJ, headers=JSON, timeout=60)
     assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
 
@@ -166,3 +172,93 @@ def test_unaccepted_types_name_every_accepted_one(live_server):
         r = httpx.post(f"{u}{DEC}", content=png_bytes(), headers=headers, timeout=60)
         assert r.status_code == 415, r.text
         assert "PNG image" in r.json()["detail"] and "application/x-npy" in r.json()["detail"], r.text
+
+
+# ---- hostile .npy on every route that reads one -------------------------------------------------------
+#: the 128-byte .npy of the overflow report: dimensions multiplying past int64, one of them zero
+#: (it was a 500: the reshape of its zero elements raised); and a sibling declaring 149 GiB in 64
+#: bytes, Fortran order (np.load allocated the declared size before it read the data)
+ROW2 = make_corpus.npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 1, 0), }",
+                                   b"")
+LYING = make_corpus.npy_with_header("{'descr': '<f4', 'fortran_order': True, 'shape': (4, 100000, 100000), }",
+                                    b"\0" * 64)
+NPY_CT = {"content-type": "application/x-npy"}
+#: (id, path, headers): every route that takes .npy, by Content-Type and, where that may be left
+#: out, by its magic bytes
+NPY_ROUTES = [
+    ("decode", DEC, NPY_CT),
+    ("decode-sniffed", DEC, {}),
+    ("decode-stream", "/v1/models/tiny-wan-vae/decode/stream", NPY_CT),
+    ("encode", "/v1/models/tiny-convnext/encode", NPY_CT),
+    ("encode-sniffed", "/v1/models/tiny-convnext/encode", {"content-type": "application/octet-stream"}),
+    ("vae-encode", "/v1/models/tiny-vae/vae/encode", NPY_CT),
+    ("vae-encode-sniffed", "/v1/models/tiny-vae/vae/encode", {}),
+]
+
+
+def kind_of(r: httpx.Response) -> str:
+    """The problem kind: what follows the last "/" or "#" of its type reference."""
+    return re.split(r"[/#]", r.json()["type"])[-1]
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.parametrize("path,headers", [r[1:] for r in NPY_ROUTES], ids=[r[0] for r in NPY_ROUTES])
+def test_a_hostile_npy_is_400_bad_npy_at_once_on_every_npy_route(live_server, path, headers):
+    """Refused from its header: within a second (or ten times a trivial request on a busy box),
+    with the server's memory where it was."""
+    assert len(ROW2) == 128
+    u = live_server.url
+    t0 = time.monotonic()
+    httpx.get(f"{u}/healthz", timeout=30)
+    bound = max(1.0, 10 * (time.monotonic() - t0))
+    rss0 = rss_mib(live_server.proc.pid)
+    for body, words in ((ROW2, "larger than any array"), (LYING, "bytes of data")):
+        t0 = time.monotonic()
+        r = httpx.post(f"{u}{path}", content=body, headers=headers, timeout=60)
+        secs = time.monotonic() - t0
+        assert r.status_code == 400 and kind_of(r) == "bad-npy", (r.status_code, r.text[:300])
+        detail = r.json()["detail"]
+        assert words in detail and "\n" not in detail and len(detail) < 300, detail
+        assert secs < bound, f"{secs:.2f}s to refuse a {len(body)}-byte .npy"
+    assert rss_mib(live_server.proc.pid) - rss0 < 32
+    good_decode(u)
+
+
+# ---- bodies whose magic bytes contradict their Content-Type -----------------------------------------------
+ENC, VAE_ENC = "/v1/models/tiny-convnext/encode", "/v1/models/tiny-vae/vae/encode"
+
+
+def one_line_415(r: httpx.Response) -> str:
+    assert r.status_code == 415 and kind_of(r) == "unsupported-media-type", (r.status_code, r.text[:300])
+    detail = r.json()["detail"]
+    assert "\n" not in detail and len(detail) < 300 and "pickle" not in detail, detail
+    return detail
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_an_image_sent_as_npy_is_named_with_the_content_type_to_use(live_server, fmt):
+    """It was a 400 about pickles (np.load's words for bytes that are no .npy)."""
+    data, media = image_bytes(fmt), f"image/{fmt.lower()}"
+    u = live_server.url
+    detail = one_line_415(httpx.post(f"{u}{DEC}", content=data, headers=NPY_CT, timeout=60))
+    assert f"{fmt} image" in detail and "application/x-npy" in detail and "tensors" in detail, detail
+    for path in (ENC, VAE_ENC):  # routes that take the image itself: its own Content-Type is named
+        detail = one_line_415(httpx.post(f"{u}{path}", content=data, headers=NPY_CT, timeout=60))
+        assert f"{fmt} image" in detail and f"Content-Type: {media}" in detail, detail
+        assert httpx.post(f"{u}{path}", content=data, headers={"content-type": media}, timeout=60).status_code == 200
+
+
+def test_an_npy_sent_as_json_or_safetensors_is_named(live_server):
+    """It was a 400 about undecodable UTF-8 (JSON) or a header length past the body (safetensors)."""
+    u = live_server.url
+    lat = npy(np.zeros((1, 4, 3, 3), np.float32))
+    px = npy(np.zeros((1, 8, 8, 3), np.uint8))
+    for path, body in ((DEC, lat), (ENC, px)):
+        for media in ("application/json", "application/vnd.safetensors"):
+            detail = one_line_415(httpx.post(f"{u}{path}", content=body, headers={"content-type": media}, timeout=60))
+            assert "looks like a .npy file" in detail and "Content-Type: application/x-npy" in detail, detail
+        assert httpx.post(f"{u}{path}", content=body, headers=NPY_CT, timeout=60).status_code == 200

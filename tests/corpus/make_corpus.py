@@ -183,6 +183,31 @@ def cases() -> list[dict]:
         "decode", dec, NPY, 400, "bad-npy", "a header that is code, not a literal")
     add("npy_truncated_magic", b"\x93NUMP", "decode", dec, NPY, 400, "bad-npy", "five bytes")
     add("npy_empty", b"", "decode", dec, NPY, 400, "bad-npy", "zero bytes")
+    # the 128-byte file whose dimensions multiply past int64 with a zero among them (a 500 once),
+    # on every route that reads .npy; headers declaring sizes other than the bytes present
+    overflow = npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 1, 0), }",
+                               b"")
+    for route, model in (("decode", dec), ("stream", vid), ("encode", enc), ("vae_encode", dec)):
+        add(f"npy_overflow_zero_dim_{route}", overflow, route, model, NPY, 400, "bad-npy",
+            "shape (2^32, 2^32, 1, 0): no elements, yet no array can have it")
+    add("npy_lying_fortran", npy_with_header("{'descr': '<f4', 'fortran_order': True, 'shape': (4, 100000, 100000), }",
+                                             b"\0" * 64), "decode", dec, NPY, 400, "bad-npy",
+        "Fortran order, header declares 149 GiB, 64 bytes follow")
+    add("npy_extra_bytes", npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 2, 2), }",
+                                           b"\0" * 80), "decode", dec, NPY, 400, "bad-npy",
+        "header declares 64 bytes, 80 follow")
+    add("npy_negative_dim", npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (1, -4, 2, 2), }",
+                                            b"\0" * 64), "decode", dec, NPY, 400, "bad-npy", "a negative dimension")
+    add("npy_header_truncated", b"\x93NUMPY\x01\x00\x76\x00{'descr': '<f4'", "decode", dec, NPY, 400, "bad-npy",
+        "header length 118, 15 bytes follow")
+    add("npy_version_9", b"\x93NUMPY\x09\x00" + b"\0" * 118, "decode", dec, NPY, 400, "bad-npy", "format version 9.0")
+    jfif = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00\xff\xd9"
+    add("jpeg_as_npy_decode", jfif, "decode", dec, NPY, 415, "unsupported-media-type",
+        "a JPEG sent as .npy to decode: named, with the tensor types to send")
+    add("jpeg_as_npy_encode", jfif, "encode", enc, NPY, 415, "unsupported-media-type",
+        "a JPEG sent as .npy to encode: named, with image/jpeg to send it as")
+    add("npy_as_json", npy(lat(1, 4, 3, 3)), "decode", dec, JSON, 415, "unsupported-media-type",
+        "a .npy sent as application/json: named, with application/x-npy to send it as")
     add("npy_int32", npy(np.ones((1, 4, 5, 5), np.int32)), "decode", dec, NPY, 415, "unsupported-dtype", "int latents")
     add("npy_bool", npy(np.ones((1, 4, 5, 5), bool)), "decode", dec, NPY, 415, "unsupported-dtype", "bool latents")
     add("npy_complex", npy(np.ones((1, 4, 5, 5), np.complex64)), "decode", dec, NPY, 415, "unsupported-dtype",
