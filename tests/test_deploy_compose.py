@@ -174,6 +174,18 @@ def test_grafana_provisioning():
     assert graf["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{path}/convserve.json"
 
 
+def test_secrets_have_no_default_and_grafana_requires_its_password():
+    """No password, secret, token or key gets a non-empty default (CONVSERVE_API_KEY and HF_TOKEN
+    default to empty: no auth, no token); Grafana's admin password has none at all: compose refuses
+    to start without GRAFANA_ADMIN_PASSWORD (`${VAR:?message}`) rather than publish admin/admin."""
+    text = (DEPLOY / "compose.yaml").read_text()
+    defaults = re.findall(r"\$\{(\w*(?:PASSWORD|SECRET|TOKEN|KEY)\w*):?-([^}]*)\}", text)
+    assert [(name, value) for name, value in defaults if value] == []
+    password = COMPOSE["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), password
+    assert "GRAFANA_ADMIN_PASSWORD" in (DEPLOY / "README.md").read_text()
+
+
 def test_dashboard_layout_and_topics():
     dashboard = json.loads((DEPLOY / "grafana/dashboards/convserve.json").read_text())
     ids = [p["id"] for p in dashboard["panels"]]

@@ -1,8 +1,10 @@
 """Kubernetes manifests: both overlays rendered with kustomize (kubectl's built-in one where no
 kustomize binary exists; deploy/checks.py's Python subset where neither does, checked against
-the real one here whenever it is installed), every built-in object validated against the Kubernetes OpenAPI
-schemas of the oldest and newest supported versions (kubernetes-validate ships them; strict,
-so unknown fields fail), the ServiceMonitor CRD structurally, and the cross-references no
+the real one here whenever it is installed), alone and with the optional ServiceMonitor component
+(components/servicemonitor: the Prometheus Operator's CRD, which the overlays leave out so that a
+cluster without the operator takes them), every built-in object validated against the Kubernetes
+OpenAPI schemas of the oldest and newest supported versions (kubernetes-validate ships them;
+strict, so unknown fields fail), the ServiceMonitor CRD structurally, and the cross-references no
 schema sees (selectors, named ports, probe paths, drain vs grace period, settings)."""
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is i
 pytest.importorskip("yaml")
 
 OVERLAYS = ("cpu", "gpu")
+K8S = REPO / "deploy" / "k8s"
+SERVICEMONITOR = K8S / "components" / "servicemonitor"
+BUILT_IN = {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "HorizontalPodAutoscaler",
+            "PodDisruptionBudget"}
 #: oldest Kubernetes minor still in upstream support when written, and the newest schema shipped
 K8S_VERSIONS = ("1.30", kv.latest_version())
 SETTINGS_ENV = checks.settings_env_names()
@@ -38,19 +44,29 @@ SETTINGS_ENV = checks.settings_env_names()
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {ov: checks.render_kustomize(REPO / "deploy" / "k8s" / "overlays" / ov) for ov in OVERLAYS}
+    return {ov: checks.render_kustomize(K8S / "overlays" / ov) for ov in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def monitored() -> dict[str, list[dict]]:
+    """Each overlay with the ServiceMonitor component, as an overlay that opts into it renders."""
+    return {ov: checks.render_with_components(K8S / "overlays" / ov, [SERVICEMONITOR]) for ov in OVERLAYS}
 
 
 def test_python_rendering_matches_kustomize():
     if checks.kustomize_command() is None:
         pytest.skip("no kustomize or kubectl: the Python rendering is the only one here")
     for overlay in OVERLAYS:
-        path = REPO / "deploy" / "k8s" / "overlays" / overlay
-        real = {(d["kind"], d["metadata"]["name"]): d for d in checks.render_kustomize(path)}
-        ours = {(d["kind"], d["metadata"]["name"]): d for d in checks.render_kustomize_py(path)}
-        assert ours.keys() == real.keys()
-        for key, doc in real.items():
-            assert ours[key] == doc, (overlay, key)
+        path = K8S / "overlays" / overlay
+        for what, real_docs, our_docs in (
+                (overlay, checks.render_kustomize(path), checks.render_kustomize_py(path)),
+                (f"{overlay}+servicemonitor", checks.render_with_components(path, [SERVICEMONITOR]),
+                 checks.render_with_components(path, [SERVICEMONITOR], python=True))):
+            real = {(d["kind"], d["metadata"]["name"]): d for d in real_docs}
+            ours = {(d["kind"], d["metadata"]["name"]): d for d in our_docs}
+            assert ours.keys() == real.keys(), what
+            for key, doc in real.items():
+                assert ours[key] == doc, (what, key)
 
 
 def by_kind(docs: list[dict], kind: str) -> dict:
@@ -65,15 +81,23 @@ def container(docs: list[dict]) -> dict:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_schemas(rendered, overlay, version):
+def test_schemas(rendered, monitored, overlay, version):
+    # the overlays hold built-in kinds only: a cluster without the Prometheus Operator takes them
     docs = rendered[overlay]
-    assert {d["kind"] for d in docs} == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
-                                         "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor"}
+    assert {d["kind"] for d in docs} == BUILT_IN
+    assert all(d["apiVersion"].split("/")[0] in ("v1", "apps", "autoscaling", "policy") for d in docs)
     assert checks.schema_problems(docs, version) == []
+    # the component adds the ServiceMonitor, and only it
+    with_sm = monitored[overlay]
+    assert {d["kind"] for d in with_sm} == BUILT_IN | {"ServiceMonitor"} and len(with_sm) == len(docs) + 1
+    sm = by_kind(with_sm, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["app.kubernetes.io/name"] == "convserve"
+    assert checks.schema_problems(with_sm, version) == []
 
 
-def test_schema_check_can_fail(rendered):
-    docs = copy.deepcopy(rendered["cpu"])
+def test_schema_check_can_fail(monitored):
+    docs = copy.deepcopy(monitored["cpu"])
     dep = by_kind(docs, "Deployment")
     dep["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/readyz"}}  # typo
     hpa = by_kind(docs, "HorizontalPodAutoscaler")
@@ -87,8 +111,9 @@ def test_schema_check_can_fail(rendered):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_cross_references(rendered, overlay):
+def test_cross_references(rendered, monitored, overlay):
     assert checks.manifest_problems(rendered[overlay], SETTINGS_ENV) == []
+    assert checks.manifest_problems(monitored[overlay], SETTINGS_ENV) == []
 
 
 def _mutate(docs, kind, fn):
@@ -125,9 +150,9 @@ CROSS_MUTATIONS = {
 
 
 @pytest.mark.parametrize("mutation", sorted(CROSS_MUTATIONS))
-def test_cross_reference_checks_catch(rendered, mutation):
+def test_cross_reference_checks_catch(monitored, mutation):
     kind, fn, expect = CROSS_MUTATIONS[mutation]
-    problems = _mutate(rendered["cpu"], kind, fn)
+    problems = _mutate(monitored["cpu"], kind, fn)
     assert any(expect in p for p in problems), (mutation, problems)
 
 
