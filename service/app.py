@@ -19,9 +19,9 @@ log = logging.getLogger("convserve")
 DESCRIPTION = """Decode diffusion latents to images and video, encode images to embeddings.
 
 Errors are RFC 7807 `application/problem+json` (type, title, status, detail). With
-`CONVSERVE_API_KEY` set, every route except `/healthz`, `/readyz`, `/metrics` and
-`/v2/health/*` needs `Authorization: Bearer <key>` (this page and `/openapi.json` too, unless
-`CONVSERVE_PUBLIC_DOCS=true`). A full queue answers 429 with
+`CONVSERVE_API_KEY` set, every route except `/`, `/healthz`, `/readyz`, `/metrics`,
+`/v2/health/*` and this page's static files needs `Authorization: Bearer <key>` (this page and
+`/openapi.json` too, unless `CONVSERVE_PUBLIC_DOCS=true`). A full queue answers 429 with
 `Retry-After`; a draining server answers 503."""
 
 

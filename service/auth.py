@@ -1,4 +1,5 @@
-"""Optional bearer-token auth (CONVSERVE_API_KEY) for everything but health and metrics."""
+"""Optional bearer-token auth (CONVSERVE_API_KEY) for everything but health, metrics, / and the
+Swagger UI's static files (SECURITY.md lists them)."""
 from __future__ import annotations
 
 import secrets

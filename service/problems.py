@@ -9,20 +9,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-PROBLEM_TYPE_BASE = "https://convserve.dev/problems/"
+#: `type` is a relative reference to the problem's entry in the API documentation (docs/api.md,
+#: "Problem types": one anchor per kind). The project has no web site to point at, and a made-up
+#: address would send readers nowhere; clients match the stable kind after the "#".
+PROBLEM_TYPE_BASE = "docs/api.md#"
+#: kinds of the framework's own HTTP errors (no such route, wrong method); any other is http-error
+HTTP_KINDS = {404: "not-found", 405: "method-not-allowed"}
 
 TITLES = {
     400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
     406: "Not Acceptable", 408: "Request Timeout", 409: "Conflict", 413: "Content Too Large",
     415: "Unsupported Media Type", 422: "Unprocessable Content", 429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
     499: "Client Closed Request", 500: "Internal Server Error", 501: "Not Implemented",
     503: "Service Unavailable", 504: "Gateway Timeout",
 }
 
 
 class Problem(Exception):
-    """An error answered as problem+json. `kind` is the last part of the `type` URI and the
-    stable machine-readable name (e.g. 'nan-latents', 'queue-full')."""
+    """An error answered as problem+json. `kind` is the `type` reference's fragment and the
+    stable machine-readable name (e.g. 'non-finite-latents', 'queue-full')."""
 
     def __init__(self, status: int, kind: str, detail: str, *, headers: dict | None = None,
                  title: str | None = None, **extra):
@@ -50,7 +56,7 @@ async def _problem_handler(request: Request, exc: Problem):
 
 
 async def _http_handler(request: Request, exc: StarletteHTTPException):
-    kind = {404: "not-found", 405: "method-not-allowed"}.get(exc.status_code, "http-error")
+    kind = HTTP_KINDS.get(exc.status_code, "http-error")
     return problem_response(Problem(exc.status_code, kind, str(exc.detail),
                                     headers=getattr(exc, "headers", None)))
 
@@ -81,7 +87,9 @@ PROBLEM_SCHEMA = {
     "description": "Problem details (RFC 7807)",
     "content": {"application/problem+json": {"schema": {
         "type": "object",
-        "properties": {"type": {"type": "string"}, "title": {"type": "string"},
+        "properties": {"type": {"type": "string", "description": "docs/api.md#<kind>: the kind's entry in the "
+                                "API documentation; the kind after '#' is the stable name to match"},
+                       "title": {"type": "string"},
                        "status": {"type": "integer"}, "detail": {"type": "string"},
                        "error": {"type": "string"}}}}},
 }

@@ -69,7 +69,7 @@ def check(s, case: dict, data: bytes) -> None:
     assert r.status_code == case["status"], f"{case['name']} ({case['why']}): {r.status_code} {r.text[:300]}"
     assert r.headers["content-type"] == "application/problem+json", case["name"]
     body = r.json()
-    assert body["status"] == case["status"] and body["type"].endswith("/" + case["kind"]), (case["name"], body)
+    assert body["status"] == case["status"] and body["type"].endswith("#" + case["kind"]), (case["name"], body)
     assert body["title"] and body["detail"], case["name"]
     SEEN[case["name"]] = r.status_code
     s.rss_max = max(s.rss_max, rss_kib(s.proc.pid))

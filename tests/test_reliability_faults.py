@@ -125,7 +125,7 @@ def test_worker_exception_fails_only_its_batch_and_the_worker_keeps_serving(serv
     failed = 1 + sum(r.status_code == 500 for r in rs)
     for r in rs:
         if r.status_code == 500:  # failed with it, so it shared its batch: same error id
-            assert r.json()["type"].endswith("/model-error")
+            assert r.json()["type"].endswith("#model-error")
 
     # afterwards every shape decodes again
     for x in (lat(1, 4, 6, 7), lat(2, 4, 5, 5)):
@@ -310,7 +310,7 @@ def test_an_unexpected_exception_in_a_route_is_a_problem_with_an_error_id(caplog
         r = client.get("/boom")
     assert r.status_code == 500 and r.headers["content-type"] == "application/problem+json"
     body = r.json()
-    assert body["type"].endswith("/internal-error") and body["error_id"] in body["detail"]
+    assert body["type"].endswith("#internal-error") and body["error_id"] in body["detail"]
     assert "a bug" not in body["detail"]  # internals stay in the log
     logged = [rec for rec in caplog.records if body["error_id"] in rec.getMessage()]
     assert logged and logged[0].exc_info is not None

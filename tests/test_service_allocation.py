@@ -83,7 +83,7 @@ def assert_aspect_refused(r: httpx.Response) -> None:
     assert r.status_code == 422, (r.status_code, r.text[:300])
     assert r.headers["content-type"] == "application/problem+json"
     doc = r.json()
-    assert doc["type"].endswith("/extreme-aspect-ratio") and "CONVSERVE_MAX_ASPECT_RATIO" in doc["detail"], doc
+    assert doc["type"].endswith("#extreme-aspect-ratio") and "CONVSERVE_MAX_ASPECT_RATIO" in doc["detail"], doc
 
 
 def test_thin_strips_are_refused_on_every_encode_route_with_bounded_memory(srv):

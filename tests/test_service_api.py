@@ -72,7 +72,7 @@ def test_model_cards_and_kernels(live_server):
     r = httpx.get(f"{u}/v1/models/nope")
     assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
     body = r.json()
-    assert body["status"] == 404 and body["type"].endswith("/unknown-model") and "nope" in body["detail"]
+    assert body["status"] == 404 and body["type"].endswith("#unknown-model") and "nope" in body["detail"]
     k = httpx.get(f"{u}/v1/kernels").json()
     assert k["backend"]["backend"] == "numpy"
     assert k["conv_choices"], "warm-up ran convs, so path choices are memoised"
@@ -212,7 +212,7 @@ def test_decode_video_mp4_and_npy(live_server):
     with zipfile.ZipFile(io.BytesIO(r.content)) as zf:
         assert zf.namelist() == ["video_000.mp4", "video_001.mp4"]
     r = post_decode(u, npy(lat), model="tiny-wan-vae", format="png")
-    assert r.status_code == 422 and r.json()["type"].endswith("/bad-format")
+    assert r.status_code == 422 and r.json()["type"].endswith("#bad-format")
 
 
 def _png(arr: np.ndarray) -> bytes:

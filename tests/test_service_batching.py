@@ -117,7 +117,7 @@ def test_overload_429_with_retry_after_while_admitted_succeed(tight):
     for r in rs:
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["type"].endswith("/queue-full")
+            assert r.json()["type"].endswith("#queue-full")
         else:
             assert np.load(__import__("io").BytesIO(r.content)).shape == (1, 128, 128, 3)
     s1 = scrape(tight.url)
@@ -169,7 +169,7 @@ def test_request_timeout_504_and_queued_work_skipped(server_factory, tmp_path):
         ra, rb = a.result(), b.result()
         release.touch()  # only now may the worker finish A (whose client already has its 504)
     for r in (ra, rb):
-        assert r.status_code == 504 and r.json()["type"].endswith("/timeout"), r.text
+        assert r.status_code == 504 and r.json()["type"].endswith("#timeout"), r.text
     s1 = settle(srv.url)
     assert metric(s1, "convserve_rejected_total", model="tiny-vae", reason="timeout") - \
         metric(s0, "convserve_rejected_total", model="tiny-vae", reason="timeout") == 2

@@ -55,7 +55,7 @@ def test_bodies_past_the_memory_budget_get_413_or_503_and_it_all_comes_back(serv
     assert metric(s, "convserve_memory_budget_bytes") == budget and metric(s, "convserve_memory_budget_used_bytes") == 0
     # larger than the whole budget: refused from its Content-Length, before the body is read
     r = httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=b"\0" * (4 << 20), headers=NPY, timeout=30)
-    assert r.status_code == 413 and r.json()["type"].endswith("/over-memory-budget"), r.text
+    assert r.status_code == 413 and r.json()["type"].endswith("#over-memory-budget"), r.text
     # one request held on the worker with 1 MiB of body and its arrays taken ...
     held = latents(1, 1, hold=True)
     filler = np.zeros((1, 4, 64, 96), np.float32)  # 96 KiB of latents, 4.5 MiB of pixels out
@@ -77,7 +77,7 @@ def test_bodies_past_the_memory_budget_get_413_or_503_and_it_all_comes_back(serv
     # a body that fits the budget alone but not beside what is held: 503 with Retry-After
     r = httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=b"\0" * (budget - int(used) + 1), headers=NPY,
                    params={"format": "npy"}, timeout=30)
-    assert r.status_code == 503 and r.json()["type"].endswith("/memory-budget-full"), r.text
+    assert r.status_code == 503 and r.json()["type"].endswith("#memory-budget-full"), r.text
     assert int(r.headers["retry-after"]) >= 1
     release.touch()
     t.join(60)
@@ -96,27 +96,27 @@ def test_a_chunked_body_is_counted_as_it_arrives(server_factory):
             yield b"\0" * (1 << 20)
 
     r = httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=chunks(), headers=NPY, timeout=30)
-    assert r.status_code == 413 and r.json()["type"].endswith("/over-memory-budget"), r.text
+    assert r.status_code == 413 and r.json()["type"].endswith("#over-memory-budget"), r.text
     assert metric(scrape(srv.url), "convserve_memory_budget_used_bytes") == 0
 
 
 def test_work_past_the_compute_cap_is_refused_up_front(server_factory):
     srv = server_factory(models="tiny-vae,tiny-wan-vae", max_request_pixels=64 * 64)
     r = decode(srv.url, latents(8, 9))  # 64x72 output pixels: one row of pixels too many
-    assert r.status_code == 413 and r.json()["type"].endswith("/too-much-work"), r.text
+    assert r.status_code == 413 and r.json()["type"].endswith("#too-much-work"), r.text
     assert "CONVSERVE_MAX_REQUEST_PIXELS" in r.json()["detail"]
     assert decode(srv.url, latents(8, 8)).status_code == 200  # at the cap: served
     # a streamed video is capped per frame group (4 frames of 8x8 latents: 4 x 64 x 64 > cap)
     video = np.zeros((1, 4, 3, 8, 8), np.float32)
     r = httpx.post(f"{srv.url}/v1/models/tiny-wan-vae/decode/stream", content=npy(video), headers=NPY,
                    params={"format": "npy"}, timeout=30)
-    assert r.status_code == 413 and r.json()["type"].endswith("/too-much-work"), r.text
+    assert r.status_code == 413 and r.json()["type"].endswith("#too-much-work"), r.text
     assert metric(scrape(srv.url), "convserve_rejected_total", model="tiny-vae", reason="too_much_work") == 1
 
 
 def test_the_cpu_default_cap_refuses_a_4096_square_decode(live_server):
     r = decode(live_server.url, np.zeros((1, 4, 512, 512), np.float32))
-    assert r.status_code == 413 and r.json()["type"].endswith("/too-much-work"), r.text
+    assert r.status_code == 413 and r.json()["type"].endswith("#too-much-work"), r.text
 
 
 def test_a_tiled_decode_whose_client_left_stops_at_the_next_tile(server_factory, tmp_path):

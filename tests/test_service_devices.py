@@ -93,7 +93,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_get_503(server_factory, t
         os.kill(old_pid, signal.SIGKILL)
         for r in (held.result(30), queued.result(30)):  # answered, not hung: 503 with Retry-After
             assert r.status_code == 503, r.text
-            assert r.json()["type"].endswith("/worker-died") and int(r.headers["retry-after"]) >= 1
+            assert r.json()["type"].endswith("#worker-died") and int(r.headers["retry-after"]) >= 1
     assert httpx.get(f"{srv.url}/healthz").status_code == 200  # the front end stayed up
     wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 200, what="the worker back")
     new = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]

@@ -43,7 +43,7 @@ def assert_problem(r, status, kind, text=None):
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/problem+json"
     body = r.json()
-    assert body["status"] == status and body["type"].endswith("/" + kind) and body["title"], body
+    assert body["status"] == status and body["type"].endswith("#" + kind) and body["title"], body
     if text:
         assert text in body["detail"], body["detail"]
 

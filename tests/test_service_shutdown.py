@@ -53,7 +53,7 @@ def test_sigterm_drains_then_exits_zero(server_factory, tmp_path):
         assert srv.proc.poll() is None, "exited with work in flight"
         late = decode(bodies[1])
         assert late.status_code == 503, late.text
-        assert late.json()["type"].endswith("/shutting-down") and "retry-after" in late.headers
+        assert late.json()["type"].endswith("#shutting-down") and "retry-after" in late.headers
         assert httpx.get(f"{srv.url}/healthz").status_code == 200
         release.touch()
         results = [f.result() for f in futures]

@@ -196,5 +196,5 @@ def test_repository_index(client, server):
     with pytest.raises(InferenceServerException, match="CONVSERVE_MODELS"):
         client.unload_model("tiny-vae")
     r = httpx.post(f"{server.url}/v2/repository/models/tiny-vae/load", timeout=10)
-    assert r.status_code == 405 and r.json()["type"].endswith("/repository-changes-unsupported")
+    assert r.status_code == 405 and r.json()["type"].endswith("#repository-changes-unsupported")
     assert client.is_server_ready() and client.is_model_ready("tiny-vae")

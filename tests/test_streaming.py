@@ -342,7 +342,7 @@ def test_full_queue_answers_429_before_any_frame(srv):
     assert codes == {"running": 200, "queued": 200}
     assert r.status_code == 429 and r.headers["retry-after"] and \
         r.headers["content-type"] == "application/problem+json", (r.status_code, r.text)
-    assert r.json()["type"].endswith("/queue-full")
+    assert r.json()["type"].endswith("#queue-full")
     s1 = scrape(srv.url)
     assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=429) - \
         metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=429) == 1
@@ -350,10 +350,10 @@ def test_full_queue_answers_429_before_any_frame(srv):
 
 def test_errors_are_problems_before_the_stream(srv):
     r = httpx.post(srv.stream_url, content=npy(latents(1, 3, 2, 5, 7)), headers=NPY, timeout=30)
-    assert r.status_code == 422 and r.json()["type"].endswith("/wrong-channels")
+    assert r.status_code == 422 and r.json()["type"].endswith("#wrong-channels")
     r = httpx.post(srv.stream_url, content=npy(latents(2, 4, 2, 5, 7)), headers=NPY, params={"format": "mp4"},
                    timeout=30)
-    assert r.status_code == 422 and r.json()["type"].endswith("/batch-not-streamable")
+    assert r.status_code == 422 and r.json()["type"].endswith("#batch-not-streamable")
     r = httpx.post(f"{srv.url}/v1/models/nope/decode/stream", content=npy(latents(1, 4, 2, 5, 7)), headers=NPY)
     assert r.status_code == 404
     spec = httpx.get(f"{srv.url}/openapi.json").json()
