@@ -1,5 +1,6 @@
 """What every parity test needs beside its reference, torch-free so service helpers can import it:
-fresh seeds, the relative L2 error, and the guard that a reference is worth comparing with."""
+fresh seeds, the relative L2 error, the guard that a reference is worth comparing with, and the
+element-wise bound between two processes' float32 results of one computation."""
 from __future__ import annotations
 
 import os
@@ -37,3 +38,21 @@ def assert_informative(ref, what: str) -> None:
     std, clamped = float(ref.std()), float(np.mean((ref <= 0) | (ref >= 1)))
     assert std > INFORMATIVE_STD and clamped < MAX_CLAMPED, \
         f"{what}: reference flat or saturated (std {std:.4f}, {clamped:.0%} clamped)"
+
+
+# The same float32 model run in two processes (two model workers, a worker and the test, two GPUs)
+# may sum in another order: each process times its own conv paths (a Winograd F(4x4) in one, an
+# im2col gemm in the other) and BLAS splits a gemm by its thread count. Measured on tiny-vae's
+# decode (pixels in [0, 1]): every conv forced onto one path moved a pixel by up to 48 float32 ulps
+# (winograd_f4x3, 5.7e-6), 40 random mixes of paths by up to 54 (6.4e-6); two workers once differed
+# by 1.01e-6, which a 1e-6 bound failed 2 runs in 9. 256 ulps (3.1e-5) leaves about 5x headroom
+# over that and still sits far below a wrong answer: other random weights, or another row's latents,
+# moved some pixel of every decode by over 0.79.
+CROSS_PROCESS_ULPS = 256
+
+
+def cross_process_atol(ref, ulps: int = CROSS_PROCESS_ULPS) -> float:
+    """Element-wise bound between two processes' float32 results of one computation: `ulps` float32
+    units in the last place at the reference's magnitude (at least 1, the pixel range)."""
+    scale = max(1.0, float(np.max(np.abs(np.asarray(ref, dtype=np.float64)))))
+    return ulps * float(np.finfo(np.float32).eps) * scale

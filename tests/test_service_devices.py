@@ -2,8 +2,8 @@
 model_worker.py), on the NumPy backend with several emulated devices (CONVSERVE_DEVICES=0,1 gives
 two CPU workers, cpu:0 and cpu:1, as two GPUs would get):
 
-- requests are spread over the devices, every row is answered, and /metrics, the model cards and
-  Triton's configuration name every device;
+- requests are spread over the devices, every row is answered with this process's decode of it (to
+  float32 summation order), and /metrics, the model cards and Triton's configuration name every device;
 - a model worker killed mid-request (SIGKILL, as an OOM kill or a segfault would) is started
   again: its requests in flight get 503 with Retry-After, none hangs or is lost silently,
   /readyz is false while its model has no live worker, and the front end stays up;
@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 
 from live_server import metric, metric_sum, npy, scrape, start_server
+from reference_checks import cross_process_atol
 
 NPY = {"content-type": "application/x-npy"}
 HOLD = 4242.0  # latents holding this value keep their worker busy until the release file exists
@@ -54,6 +55,34 @@ def cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
+def reference_model(seed: int = 0, path: str | None = None):
+    """tiny-vae in this process: the server's random init is seeded (0 unless told), so the same
+    weights; `path` forces every conv that path takes onto it."""
+    from convkernels import get_backend
+    from models import ModelOptions, load_model
+
+    backend = get_backend("numpy")
+    backend.paths.forced = path
+    return load_model("tiny-vae", "tiny-vae", backend, options=ModelOptions(seed=seed))
+
+
+def test_the_cross_process_bound_admits_every_conv_path_and_refuses_other_weights():
+    """What the bound the devices are held to must tell apart, here in one process: tiny-vae with
+    its convs forced onto each of the backend's paths (what another process's timing may choose)
+    stays within it; the same model with other random weights (a worker that loaded the wrong
+    ones) is far outside it."""
+    xs = [latents() for _ in range(3)]
+    base = reference_model()
+    refs = [base.decode(x) for x in xs]
+    for path in [p.name for p in base.backend.paths.catalogue]:
+        model = reference_model(path=path)
+        for x, ref in zip(xs, refs):
+            np.testing.assert_allclose(model.decode(x), ref, rtol=0, atol=cross_process_atol(ref), err_msg=path)
+    wrong = reference_model(seed=1)
+    for x, ref in zip(xs, refs):
+        assert np.abs(wrong.decode(x) - ref).max() > 1000 * cross_process_atol(ref)
+
+
 def test_requests_spread_over_two_devices_and_every_device_is_reported(server_factory):
     srv = server_factory(models="tiny-vae", devices="0,1", max_batch=2, max_queue_delay_ms=0)
     # ready once one device is; the other may still be warming up
@@ -67,11 +96,17 @@ def test_requests_spread_over_two_devices_and_every_device_is_reported(server_fa
         rs = list(pool.map(lambda x: decode(srv.url, x), xs))
     assert [r.status_code for r in rs] == [200] * len(xs)
     s1 = scrape(srv.url)
-    ref = np.load(io.BytesIO(decode(srv.url, xs[0]).content))  # whichever device runs it: the same image
-    np.testing.assert_allclose(np.load(io.BytesIO(rs[0].content)), ref, rtol=0, atol=1e-6)
     rows = {d: metric(s1, "convserve_device_rows_total", model="tiny-vae", device=d)
             - metric(s0, "convserve_device_rows_total", model="tiny-vae", device=d) for d in ("cpu:0", "cpu:1")}
     assert sum(rows.values()) == len(xs) and min(rows.values()) > 0, rows
+    # whichever device ran a row, its image is this process's decode of it with the same seeded
+    # weights, up to float32 summation order (each worker times its own conv paths): every row is
+    # checked, so a device that computed wrongly (other weights, another row) fails
+    model = reference_model()
+    for i, (x, r) in enumerate(zip(xs, rs)):
+        want = model.decode(x)
+        np.testing.assert_allclose(np.load(io.BytesIO(r.content)), want, rtol=0, atol=cross_process_atol(want),
+                                   err_msg=f"row {i}")
     assert metric(s1, "convserve_worker_up", device="cpu:0") == 1 and metric(s1, "convserve_worker_up", device="cpu:1") == 1
     config = httpx.get(f"{srv.url}/v2/models/tiny-vae/config").json()
     assert [g["name"] for g in config["instance_group"]] == ["tiny-vae_0", "tiny-vae_1"]

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from live_server import metric, npy, scrape, wait_until_every_device_is_ready
-from reference_checks import INFORMATIVE_STD, assert_informative
+from reference_checks import INFORMATIVE_STD, assert_informative, cross_process_atol
 from service_parity import rel_l2, save_models, vae_decode_ref
 
 NPY = {"content-type": "application/x-npy"}
@@ -90,8 +90,10 @@ def test_two_shards_equal_diffusers_and_the_unsharded_decode(two_devices, saved)
     out = r.json()["outputs"][0]
     kserve = np.asarray(out["data"], np.float32).reshape(out["shape"])
     assert rel_l2(kserve, ref) < 1e-4
-    # auto on a small image stays on one device (AUTO_RULES start at 4096x4096): the same pixels
-    assert rel_l2(pixels(decode(two_devices.url, "vae", lat, shards="auto")), whole) < 1e-6
+    # auto on a small image stays on one device (AUTO_RULES start at 4096x4096): the same pixels,
+    # to float32 summation order (either device's worker may run it, with conv paths of its own)
+    np.testing.assert_allclose(pixels(decode(two_devices.url, "vae", lat, shards="auto")), whole, rtol=0,
+                               atol=cross_process_atol(whole))
 
 
 def test_the_cli_sends_shards_to_a_server(two_devices, tmp_path):

@@ -98,6 +98,7 @@ def test_two_gpu_requests_equal_diffusers_and_the_unsharded_decode(tmp_path_fact
 
 def test_a_failing_shard_fails_the_request_and_the_group_comes_back(tmp_path_factory):
     from live_server import metric, scrape, start_server, wait_until_every_device_is_ready
+    from reference_checks import cross_process_atol
 
     gate = tmp_path_factory.mktemp("fault") / "failing"
     gate.write_text("rank 1 fails while this file exists")
@@ -118,7 +119,10 @@ def test_a_failing_shard_fails_the_request_and_the_group_comes_back(tmp_path_fac
             assert r.status_code == 503 and r.headers.get("retry-after"), (r.status_code, r.text[:300])
             assert time.monotonic() < deadline, "the shard group did not come back"
             time.sleep(1)
-        np.testing.assert_allclose(pixels(r), pixels(decode(server.url, "tiny-vae", lat)), atol=1e-5)
+        # the new group's pixels and an unsharded decode on either GPU: two processes, each with the
+        # cuDNN plans it chose, so equal to float32 summation order
+        whole = pixels(decode(server.url, "tiny-vae", lat))
+        np.testing.assert_allclose(pixels(r), whole, rtol=0, atol=cross_process_atol(whole))
         s = scrape(server.url)
         assert metric(s, "convserve_worker_restarts_total", device="cuda:1") >= 1
     finally:
