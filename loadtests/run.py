@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-error-rate", type=float, default=0.001)
     ap.add_argument("--max-p99-ms", type=float, default=2000.0)
     ap.add_argument("--start-server", action="store_true", help="start `convserve serve` on a free port")
-    ap.add_argument("--csv-dir", default=None, help="keep locust's CSVs here")
+    ap.add_argument("--csv-dir", default=None, help="keep locust's CSVs here [a temporary folder, removed at the end]")
     args = ap.parse_args(argv)
     if args.users < 1 or args.users > 256:
         ap.error("--users must be 1..256")
@@ -106,8 +107,11 @@ def main(argv=None) -> int:
         proc, host = _start_server()
     if urlparse(host).hostname not in LOCAL_HOSTS:
         ap.error(f"load tests run against localhost only, not {host}")
+    # without --csv-dir locust's files go to a temporary folder that is removed however the run
+    # ends (failure, exception, Ctrl-C): repeated runs must not pile up folders in /tmp
+    scratch = tempfile.TemporaryDirectory(prefix="convserve-locust-") if not args.csv_dir else None
     try:
-        out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="convserve-locust-"))
+        out_dir = Path(args.csv_dir or scratch.name)
         out_dir.mkdir(parents=True, exist_ok=True)
         prefix = out_dir / args.scenario
         cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
@@ -124,10 +128,15 @@ def main(argv=None) -> int:
         print(report)
         return 0 if ok else 1
     finally:
+        if scratch is not None:
+            scratch.cleanup()
         if proc is not None:
             proc.terminate()
             proc.wait(30)
 
 
 if __name__ == "__main__":
+    # SIGTERM (a CI timeout, `kill`) as an exit, so the finally above still removes the scratch
+    # folder and stops the server it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

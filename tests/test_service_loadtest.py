@@ -1,10 +1,13 @@
-"""A short headless locust run (seconds, localhost) passes loadtests/run.py's assertions, and the
-checker does fail on errors or a slow p99."""
+"""A short headless locust run (seconds, localhost) passes loadtests/run.py's assertions, the
+checker does fail on errors or a slow p99, and a run leaves no temporary folder behind."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,30 @@ def test_short_mixed_run_passes(live_server, tmp_path):
     assert (tmp_path / "mixed.json").exists()
     lines = {line.split()[0]: line.split() for line in p.stdout.splitlines() if line[:6] in ("encode", "decode")}
     assert int(lines["encode"][1]) > 0 and int(lines["decode"][1]) > 0
+
+
+def test_a_run_without_csv_dir_leaves_no_folder_behind(live_server, tmp_path):
+    """Without --csv-dir locust's files go to a temporary folder (here under TMPDIR=tmp_path): it is
+    gone after a passing run, after one that locust refuses (a bad --run-time), and after a run
+    stopped by SIGTERM."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    run = [sys.executable, str(REPO / "loadtests" / "run.py"), "--scenario", "decode", "--users", "2",
+           "--host", live_server.url, "--max-p99-ms", "5000"]
+    left = lambda: sorted(p.name for p in tmp_path.glob("convserve-locust-*"))  # noqa: E731
+    ok = subprocess.run([*run, "--run-time", "2s"], env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "PASS" in ok.stdout, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert left() == []
+    bad = subprocess.run([*run, "--run-time", "soon"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "locust exited" in bad.stderr, bad.stderr[-2000:]
+    assert left() == []
+    p = subprocess.Popen([*run, "--run-time", "60s"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not left():
+            assert p.poll() is None and time.monotonic() < deadline, "no scratch folder appeared"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 143
+    finally:
+        p.kill()
+    assert left() == []
