@@ -259,6 +259,9 @@ async def remote_decode(
         if image_file_fmt and lat.shape[0] != 1:
             raise Problem(422, "one-image-only", f"an image file holds one image, got {lat.shape[0]} latents; "
                           "use output_type=pt for batches")
+        # before the client's scaling: Wan's and Qwen-Image's are per channel, and other channel
+        # counts would not broadcast with them (a 500, not this 422)
+        validation.channels(hm, lat)
         lat = to_model_latents(hm, np.asarray(lat), scaling)
         # raw decoder output (`pt`, not post-processed) must not be clipped; everything else is
         raw = output_type == "pt" and not partial_postprocess

@@ -55,9 +55,15 @@ def _finite_f32(x: np.ndarray, kind: str, what: str) -> np.ndarray:
     return x
 
 
+def channels(hm: HostedModel, lat: np.ndarray) -> None:
+    """N,C,... latents of the model's channel count (checked before anything computes per channel)."""
+    if lat.shape[1] != hm.model.latent_channels:
+        raise Problem(422, "wrong-channels", f"{hm.name} wants {hm.model.latent_channels} latent channels, "
+                      f"got {lat.shape[1]} (shape {list(lat.shape)})")
+
+
 def latents(hm: HostedModel, lat: np.ndarray, limits: Settings | None = None) -> np.ndarray:
     """Latents for a decoder (a missing batch axis added) -> contiguous float32 within the limits."""
-    m = hm.model
     float_latents(lat)
     if lat.ndim == 5 and lat.shape[2] == 1 and hm.single_frame_latents:
         lat = lat[:, :, 0]  # the Qwen-Image pipeline's N,C,1,h,w
@@ -65,9 +71,7 @@ def latents(hm: HostedModel, lat: np.ndarray, limits: Settings | None = None) ->
         lat = lat[None]
     if lat.ndim != hm.latent_ndim:
         raise Problem(422, "bad-shape", f"{hm.name} wants latents {hm.latent_layout}, got shape {list(lat.shape)}")
-    if lat.shape[1] != m.latent_channels:
-        raise Problem(422, "wrong-channels",
-                      f"{hm.name} wants {m.latent_channels} latent channels, got {lat.shape[1]} (shape {list(lat.shape)})")
+    channels(hm, lat)
     if min(lat.shape) < 1:
         raise Problem(422, "bad-shape", f"empty latents: shape {list(lat.shape)}")
     batch(lat.shape[0], "latents", limits)

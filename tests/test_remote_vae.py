@@ -295,6 +295,14 @@ def wan_case(server):
     return lat, sample
 
 
+def denormalised(server, lat):
+    """What the Wan pipeline hands its VAE, and what diffusers' client now sends (do_scaling=False):
+    its latents times the VAE's std plus its mean, per channel. do_scaling=True alone, the server
+    applying them, is deprecated in the client (test_wan_pt_raw_and_unscaled checks it still works)."""
+    mean, std = wan_stats(server.wan)
+    return lat * std + mean
+
+
 def test_wan_pt_raw_and_unscaled(server, wan_case):
     lat, sample = wan_case
     with pytest.warns(FutureWarning):  # do_scaling=True alone: the model's own mean/std
@@ -311,15 +319,16 @@ def test_wan_frames_uint8_and_pil(server, wan_case):
     vp = VideoProcessor(vae_scale_factor=8)
     ref_frames = vp.postprocess_video(sample, output_type="pil")[0]
     ref = pil_u8(ref_frames)
-    u8 = remote_decode(server.url("wan"), lat, do_scaling=True, output_type="pt", partial_postprocess=True,
+    z = denormalised(server, lat)
+    u8 = remote_decode(server.url("wan"), z, do_scaling=False, output_type="pt", partial_postprocess=True,
                        return_type="pt")
     assert u8.dtype == torch.uint8 and tuple(u8.shape) == (9, 40, 48, 3)
     assert max_level_diff(u8.numpy(), ref) <= 1
-    frames = remote_decode(server.url("wan"), lat, do_scaling=True, output_type="pt", partial_postprocess=True)
+    frames = remote_decode(server.url("wan"), z, do_scaling=False, output_type="pt", partial_postprocess=True)
     assert len(frames) == 9 and max_level_diff(pil_u8(frames), ref) <= 1
-    frames = remote_decode(server.url("wan"), lat, processor=vp, do_scaling=True, output_type="pil")
+    frames = remote_decode(server.url("wan"), z, processor=vp, do_scaling=False, output_type="pil")
     assert len(frames) == 9 and max_level_diff(pil_u8(frames), ref) <= 1
-    frames = remote_decode(server.url("wan"), lat, processor=vp, do_scaling=True, output_type="pt")
+    frames = remote_decode(server.url("wan"), z, processor=vp, do_scaling=False, output_type="pt")
     assert len(frames) == 9 and max_level_diff(pil_u8(frames), ref) <= 1
 
 
@@ -328,7 +337,8 @@ def test_wan_mp4(server, wan_case):
     from service.video import read_mp4_frames
 
     lat, sample = wan_case
-    data = remote_decode(server.url("wan"), lat, do_scaling=True, output_type="mp4", return_type="mp4")
+    data = remote_decode(server.url("wan"), denormalised(server, lat), do_scaling=False, output_type="mp4",
+                         return_type="mp4")
     assert isinstance(data, bytes) and data[4:8] == b"ftyp"
     frames = read_mp4_frames(data)
     ref = pil_u8(VideoProcessor(vae_scale_factor=8).postprocess_video(sample, output_type="pil")[0])
@@ -346,15 +356,18 @@ def test_wan_mp4(server, wan_case):
 def test_wan_errors_reach_the_client(server, wan_case):
     lat, _ = wan_case
     with pytest.raises(RuntimeError, match="video VAE"):  # an image file cannot hold a video
-        remote_decode(server.url("wan"), lat, do_scaling=True, output_type="pil")
+        remote_decode(server.url("wan"), denormalised(server, lat), do_scaling=False, output_type="pil")
     with pytest.raises(RuntimeError, match="latent channels"):
-        remote_decode(server.url("wan"), torch.randn(1, 5, 2, 4, 4), output_type="pt", return_type="pt")
+        remote_decode(server.url("wan"), torch.randn(1, 5, 2, 4, 4), do_scaling=False, output_type="pt",
+                      return_type="pt")
     with pytest.raises(RuntimeError, match="no VAE encoder"):
         remote_encode(server.url("wan", "encode"), Image.new("RGB", (16, 16)))
     with pytest.raises(RuntimeError, match="image VAE"):
-        remote_decode(server.url("sd"), torch.randn(1, 4, 4, 4), output_type="mp4", return_type="mp4")
+        remote_decode(server.url("sd"), torch.randn(1, 4, 4, 4), scaling_factor=0.18215, output_type="mp4",
+                      return_type="mp4")
     with pytest.raises(RuntimeError, match="no model named"):
-        remote_decode(server.url("nope"), torch.randn(1, 4, 4, 4), output_type="pt", return_type="pt")
+        remote_decode(server.url("nope"), torch.randn(1, 4, 4, 4), do_scaling=False, output_type="pt",
+                      return_type="pt")
 
 
 # ---- the wire format, without the diffusers client -------------------------------------------------

@@ -97,12 +97,15 @@ def test_remote_decode_packed_tokens(served, height, width):
 
 
 def test_remote_decode_grid_and_tokens_that_do_not_fit(served):
+    """A 4-D grid of the transformer's latents, sent as the packed tokens are (do_scaling=False, as
+    diffusers' client now asks: its do_scaling=True alone is deprecated); the server applies the
+    BatchNorm statistics itself, which no scaling_factor/shift_factor pair could carry."""
     x = torch.from_numpy(grid(h=3, w=2))
-    out = remote_decode(served.remote(), x, output_type="pt", return_type="pt")
+    out = remote_decode(served.remote(), x, do_scaling=False, output_type="pt", return_type="pt")
     assert ref.rel_l2(out, raw_sample(served.vae, x)) < TOL
     with pytest.raises(RuntimeError, match="do not fit"):
-        remote_decode(served.remote(), torch.randn(1, 7, CHANNELS), output_type="pt", return_type="pt",
-                      height=48, width=48)
+        remote_decode(served.remote(), torch.randn(1, 7, CHANNELS), do_scaling=False, output_type="pt",
+                      return_type="pt", height=48, width=48)
 
 
 def test_remote_encode(served):
