@@ -11,7 +11,13 @@ request), `stall` (a client that never reads its responses), `slow` (70 uploads 
 every 2 s beside normal traffic), `early` (async httpx uploading 7.7 MB bodies that are refused
 before they are read), `models` (a mistyped --models entry), `npy` (a 128-byte .npy declaring
 an impossible shape, and one declaring 149 GiB in 64 bytes, on every route that reads .npy: status,
-time and peak server memory). Every check counts 5xx answers.
+time and peak server memory), `heads` (100,000 headers, a 16 MB header line, 24 connections
+sending 60 MB header lines that never end: answers, /healthz latency and server memory
+meanwhile; under httptools, the default, and h11), `uploads` (200 concurrent 7.7 MB uploads sent
+as fast as the server reads, to the one front end: status codes, no 408), `hang` (the model
+worker stopped 20 s and 85 s under traffic, then past a 30 s hang limit) and `frontkill` (a front
+end killed with SIGKILL three times), both in benchmarks/process_faults.py. Every check counts 5xx
+answers.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 from server_process import REPO, ServerProcess  # noqa: E402
+from process_faults import check_frontend_kill, check_hang  # noqa: E402
 
 NPY = {"content-type": "application/x-npy"}
 GIB = 1 << 30
@@ -289,14 +296,99 @@ def check_npy(srv: ServerProcess) -> None:
               f"(bound: 400 bad-npy, < 1 s, no growth)")
 
 
+def _raw_head(port: int, head: bytes, then: bytes = b"", repeat: int = 0) -> tuple[int | str, float]:
+    """Send a request head (and `then` `repeat` times, whatever the server says, as an attacker
+    would); its status and the seconds until it could be read."""
+    import select
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        t0 = time.monotonic()
+        answered = None
+        try:
+            s.sendall(head)
+            for _ in range(repeat):
+                if answered is None and select.select([s], [], [], 0)[0]:
+                    answered = time.monotonic() - t0
+                s.sendall(then)
+        except OSError:
+            pass
+        try:
+            data = s.recv(4096)
+        except OSError as exc:
+            return type(exc).__name__, time.monotonic() - t0
+        status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else (data[:40] or "closed")
+        return status, answered if answered is not None else time.monotonic() - t0
+
+
+def check_heads(srv: ServerProcess, parser: str) -> None:
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+    many = get + b"".join(b"X-H%d: v\r\n" % i for i in range(100_000)) + b"\r\n"
+    status, secs = _raw_head(srv.port, many)
+    count([status])
+    print(f"heads[{parser}]: 100,000 headers ({len(many) / 1e6:.1f} MB): {status} in {secs:.2f}s (bound: 431 at once)")
+    status, secs = _raw_head(srv.port, get + b"X-Big: " + b"a" * (16 << 20) + b"\r\n\r\n")
+    count([status])
+    print(f"heads[{parser}]: one 16 MB header line: {status} in {secs:.2f}s (bound: 431 at once)")
+    stop = threading.Event()
+    lat: list[float] = []
+
+    def watch():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                httpx.get(f"{srv.url}/healthz", timeout=60)
+            except httpx.HTTPError:
+                pass
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with PeakMemory(srv) as mem:
+        watcher.start()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(lambda _: _raw_head(srv.port, get + b"X-Endless: ", b"a" * 65536, 60 * 16),
+                                    range(24)))
+        secs = time.monotonic() - t0
+        stop.set()
+        watcher.join()
+    time.sleep(1)
+    after = pss_bytes(srv.proc.pid)
+    print(f"heads[{parser}]: 24 connections x 60 MB unterminated header lines, {secs:.1f}s: "
+          f"{count([s for s, _ in results])}, answered within {max(t for _, t in results):.2f}s; /healthz "
+          f"max {max(lat) * 1000:.0f} ms over {len(lat)} calls (bound 1 s); server PSS peak "
+          f"+{mem.growth / 2**20:.0f} MiB, +{(after - mem.base) / 2**20:.0f} MiB 1 s after")
+
+
+def check_uploads(srv: ServerProcess) -> None:
+    body = npy(np.random.default_rng(0).integers(0, 256, (1, 1602, 1602, 3), dtype=np.uint8))  # 7.7 MB
+    t0 = time.monotonic()
+
+    def one(_):
+        try:
+            r = httpx.post(f"{srv.url}/v1/models/tiny-convnext/encode", content=body, headers=NPY, timeout=300)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, False
+        return r.status_code, r.status_code in (429, 503) and "retry-after" in r.headers
+
+    with ThreadPoolExecutor(200) as pool:
+        results = list(pool.map(one, range(200)))
+    statuses = [s for s, _ in results]
+    shed = sum(1 for s in statuses if s in (429, 503))
+    print(f"uploads: 200 concurrent {len(body) / 1e6:.1f} MB encode uploads to one front end in "
+          f"{time.monotonic() - t0:.1f}s: {count(statuses)}; Retry-After on {sum(r for _, r in results)}/{shed} "
+          f"429/503 (bound: no 408)")
+
+
 def main() -> None:
-    which = set(sys.argv[1:]) or {"kinds", "rss", "abandon", "stall", "slow", "early", "models", "npy"}
+    which = set(sys.argv[1:]) or {"kinds", "rss", "abandon", "stall", "slow", "early", "models", "npy", "heads",
+                                  "uploads", "hang", "frontkill"}
     print(f"hostile probe on {describe_machine()}")
-    if which & {"kinds", "rss", "abandon", "stall", "slow", "npy"}:
+    if which & {"kinds", "rss", "abandon", "stall", "slow", "npy", "heads", "uploads"}:
         srv = ServerProcess()  # the CPU default: every setting at its default
         try:
             for name, check in (("kinds", check_kinds), ("rss", check_rss), ("abandon", check_abandon), ("stall", check_stall),
-                                ("slow", check_slow), ("npy", check_npy)):
+                                ("slow", check_slow), ("npy", check_npy),
+                                ("heads", lambda s: check_heads(s, "httptools")), ("uploads", check_uploads)):
                 if name in which:
                     check(srv)
             codes: dict = {}
@@ -307,10 +399,17 @@ def main() -> None:
                   f"{httpx.get(srv.url + '/readyz').status_code == 200}")
         finally:
             srv.stop()
+    if "heads" in which:
+        with ServerProcess(http="h11") as h11_srv:
+            check_heads(h11_srv, "h11")
     if "early" in which:
         check_early()
     if "models" in which:
         check_models()
+    if "hang" in which:
+        check_hang()
+    if "frontkill" in which:
+        check_frontend_kill()
     print(f"client-side 5xx (503 excepted): {five_xx}")
 
 

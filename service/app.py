@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
     settings = settings or Settings()
     protocol = http_protocol_class(settings.http)
     protocol.header_timeout_s, protocol.write_timeout_s = settings.header_timeout_s, settings.write_timeout_s
+    protocol.max_head_bytes, protocol.max_headers = settings.max_header_bytes, settings.max_headers
     svc = Service(settings, endpoints)
 
     @asynccontextmanager
@@ -65,8 +66,9 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
         if svc.draining:
             raise problems.Problem(503, "shutting-down", "draining for shutdown")
         if not svc.ready:
-            detail = f"model loading failed: {svc.load_error}" if svc.load_error else "models are loading"
-            raise problems.Problem(503, "not-ready", detail, headers={"Retry-After": "2"})
+            kind, detail = ("not-ready", f"model loading failed: {svc.load_error}") if svc.load_error \
+                else svc.engine.unready()  # loading, or a worker unresponsive (service/heartbeat.py)
+            raise problems.Problem(503, kind, detail, headers={"Retry-After": "2"})
         return JSONResponse({"status": "ready", "models": list(svc.models), "unavailable": svc.failed})
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics: service and kernel registries",

@@ -9,6 +9,9 @@ requests belongs to uvicorn's keep-alive timeout, CONVSERVE_KEEP_ALIVE_S: counti
 answer a client that reuses a connection after `header_timeout_s` of idle with an unsolicited 408.)
 A connection that misses the deadline gets a 408 problem+json and is closed.
 
+A request's head is bounded in bytes and header fields (service/http_heads.py): 431, and the
+connection closes, lingering as below.
+
 A response sent while the request body is still arriving (413 by Content-Length, 401, 404, 429)
 closes the connection, lingering: uvicorn would otherwise discard the unread body for as long as
 the client keeps trickling it, holding the connection open, and a plain close with unread bytes
@@ -26,7 +29,6 @@ aborted, which frees the response bytes queued for it (a client that never reads
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import h11
@@ -38,7 +40,8 @@ except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None
 
 from . import metrics
-from .problems import Problem
+from .body_wait import EXTENSION, Arrivals
+from .http_heads import TOO_MANY_FIELDS, CountedHeadersConnection, HeadLimits, problem_response
 
 log = logging.getLogger("convserve.http")
 
@@ -72,14 +75,11 @@ class _LingeringTransport:
 
 
 def _timeout_response(seconds: float) -> bytes:
-    body = json.dumps(Problem(408, "header-timeout", f"request headers not complete within {seconds:g} s "
-                              "(CONVSERVE_HEADER_TIMEOUT_S)").body()).encode()
-    head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/problem+json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
-    return head.encode() + body
+    return problem_response(408, "Request Timeout", "header-timeout",
+                             f"request headers not complete within {seconds:g} s (CONVSERVE_HEADER_TIMEOUT_S)")
 
 
-class _HeaderDeadline:
+class _HeaderDeadline(HeadLimits):
     """What both protocol classes share: the header timer and the close after a response sent
     while the request body was unread. A subclass says, in its parser's terms, when the
     connection waits for a request's headers, whether a next request has begun arriving, and
@@ -97,6 +97,9 @@ class _HeaderDeadline:
     _linger_timer: asyncio.TimerHandle | None = None
     _linger_end = 0.0
     _lingered_bytes = 0
+    _linger_max_bytes = LINGER_MAX_BYTES
+    _arrived_at = 0.0  # loop time the connection last delivered bytes (service/body_wait.py)
+    _fd = -1
 
     def _waiting_for_headers(self) -> bool:
         raise NotImplementedError
@@ -109,6 +112,8 @@ class _HeaderDeadline:
 
     def connection_made(self, transport) -> None:
         self._real_transport = transport
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
         super().connection_made(_LingeringTransport(transport, self))
         self._arm_header_timer()
 
@@ -123,14 +128,23 @@ class _HeaderDeadline:
     def data_received(self, data: bytes) -> None:
         if self._lingering:  # the rest of a body answered early: dropped unparsed
             self._lingered_bytes += len(data)
-            if self._lingered_bytes > LINGER_MAX_BYTES:
+            if self._lingered_bytes > self._linger_max_bytes:
                 self._real_transport.close()
             else:
                 self._rearm_linger()
             return
-        super().data_received(data)
+        self._arrived_at = self.loop.time()
+        self.feed(data)  # with a request head's bytes counted (service/http_heads.py)
         if self._header_timer is None and self._waiting_for_headers():  # a kept-alive connection's next request began
             self._arm_header_timer()
+
+    def _head_complete(self) -> None:
+        super()._head_complete()
+        self._cancel_header_timer()  # a request's headers were parsed: its deadline is met
+
+    def _arrivals(self, cycle) -> None:
+        """The new request's view of its connection, for its body reader (service/body_wait.py)."""
+        cycle.scope.setdefault("extensions", {})[EXTENSION] = Arrivals(self, cycle, self._fd)
 
     def on_response_complete(self) -> None:
         if self._body_unread() and not self.transport.is_closing():
@@ -143,8 +157,9 @@ class _HeaderDeadline:
             self._arm_header_timer()
 
     # ---- lingering close ------------------------------------------------------------------------
-    def _linger(self) -> None:
+    def _linger(self, max_bytes: int = LINGER_MAX_BYTES) -> None:
         self._lingering = True
+        self._linger_max_bytes = max_bytes
         self._cancel_header_timer()
         real = self._real_transport
         real.resume_reading()  # flow control may have paused reading while the body buffered
@@ -213,11 +228,32 @@ class _HeaderDeadline:
 
 
 class HeaderTimeoutH11Protocol(_HeaderDeadline, H11Protocol):
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.conn = CountedHeadersConnection(h11.SERVER, config.h11_max_incomplete_event_size or
+                                             h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
+        self.conn.max_headers = self.max_headers
+
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:  # a request's headers were parsed: its deadline is met
-            self._cancel_header_timer()
+        if self.cycle is not cycle:  # a request's headers were parsed
+            self._head_complete()
+            self._arrivals(self.cycle)
+
+    @property
+    def _head_refusal(self) -> str | None:
+        return self.conn.refused
+
+    def _in_head(self) -> bool:
+        # while a request is answered (DONE), h11 buffers what comes unparsed, and uvicorn stops
+        # reading: counted below once the next request's turn comes
+        return self.conn.their_state is h11.IDLE
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # the next request's head, unfinished, may be buffered
+            self._head_bytes = len(self.conn.trailing_data[0])
 
     def _waiting_for_headers(self) -> bool:
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
@@ -236,15 +272,38 @@ if HttpToolsProtocol is not None:
         response just completed" is the current cycle only when that cycle is complete."""
 
         _headers_begun = False  # a request's first bytes were parsed, its headers not yet complete
+        _in_body = False  # the parser is in a request's body
+        _header_count = 0
 
         def on_message_begin(self) -> None:
             self._headers_begun = True
+            self._header_count = 0
             super().on_message_begin()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > self.max_headers:
+                # raised through llhttp, it ends the parse; uvicorn answers 400, which
+                # send_400_response turns into this 431
+                self._head_refusal = TOO_MANY_FIELDS.format(self.max_headers)
+                raise ValueError(self._head_refusal)
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._headers_begun = False
-            self._cancel_header_timer()  # a request's headers were parsed: its deadline is met
+            self._in_body = True
+            self._head_complete()
+            cycle = self.cycle
             super().on_headers_complete()
+            if self.cycle is not cycle:
+                self._arrivals(self.cycle)
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
+
+        def _in_head(self) -> bool:
+            return not self._in_body
 
         def _waiting_for_headers(self) -> bool:
             cycle = self.cycle

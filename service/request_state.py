@@ -5,10 +5,10 @@ while the body arrives. `service` is the front end's pipeline.Service (typed loo
 imports this module)."""
 from __future__ import annotations
 
-import asyncio
 import contextvars
 from typing import Any
 
+from .body_wait import BodyWait
 from .engine import Lease
 from .uploads import Upload
 
@@ -34,14 +34,15 @@ class AdmittedRequest:
 CURRENT: contextvars.ContextVar[AdmittedRequest | None] = contextvars.ContextVar("convserve_request", default=None)
 
 
-def begin_upload() -> Upload | None:
-    """The current request's body begins to arrive: tracked, so a full queue may take its place
-    if it is too slow (service/uploads.py). None outside an admitted request."""
+def begin_upload(wait: BodyWait) -> Upload | None:
+    """The current request's body begins to arrive (`wait`: the server's waiting on it): tracked,
+    so a full queue may take its place if it is too slow (service/uploads.py). None outside an
+    admitted request."""
     req = CURRENT.get()
     if req is None or not req.reserved:
         return None
     svc = req.service
-    req.upload = Upload(asyncio.get_running_loop().time(), release=lambda: svc._unreserve(req))
+    req.upload = Upload(wait, release=lambda: svc._unreserve(req))
     svc.uploads.live.add(req.upload)
     return req.upload
 

@@ -70,7 +70,9 @@ def run_frontend(settings: Settings, endpoints: list[tuple[str, str]], sockets: 
     app = create_app(settings, endpoints, accept_once_ready=parent_pid is not None)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             http=http_protocol_class(settings.http), timeout_graceful_shutdown=5,
-                            timeout_keep_alive=settings.keep_alive_s)
+                            timeout_keep_alive=settings.keep_alive_s,
+                            # h11's own bound on an unfinished head, set to ours: one limit under both parsers
+                            h11_max_incomplete_event_size=settings.max_header_bytes)
     DrainingServer(config, app.state.service, settings.shutdown_grace_s, on_drain=on_drain,
                    parent_pid=parent_pid).run(sockets=sockets)
 

@@ -92,7 +92,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     backend: Literal["auto", "numpy", "mlx", "cuda"] = "auto"
-    dtype: str | None = None
+    #: the backend's compute dtype (each takes some: numpy float32|float64, mlx and cuda
+    #: float16|bfloat16|float32); None = the backend's default
+    dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     models: str = DEFAULT_MODELS
     max_batch: int = Field(8, ge=1)
     max_queue_delay_ms: float = Field(5.0, ge=0)
@@ -100,6 +102,10 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(60.0, gt=0)
     #: a connection must deliver each request's complete headers this soon (slowloris guard)
     header_timeout_s: float = Field(10.0, gt=0)
+    #: a request's head (request line and headers) may have this many bytes and header fields,
+    #: under either parser; past either: 431 at once, connection closed (service/http_heads.py)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    max_headers: int = Field(100, ge=1)
     #: how long an idle kept-alive connection stays open; well above client pools' idle expiry
     #: (httpx 5 s, requests/urllib3 none) so the server never closes a connection a client is reusing
     keep_alive_s: float = Field(75.0, gt=0)
@@ -111,8 +117,10 @@ class Settings(BaseSettings):
     #: (service/memory_budget.py); 0 = auto: 1/16 of the container's or machine's memory, within
     #: 256 MiB..4 GiB, shared by the front ends. Beyond it: 503 with Retry-After
     memory_budget_bytes: int = Field(0, ge=0)
-    #: after `min_body_rate_grace_s`, an admitted body must arrive at this many bytes a second on
-    #: average or its request gets 408 and its queue place goes (0 = no minimum)
+    #: after `min_body_rate_grace_s` of the server waiting on it, an admitted body must arrive at
+    #: this many bytes per second the server waited for them, or its request gets 408 and its
+    #: queue place goes (0 = no minimum). Only waiting with none of the client's bytes at the
+    #: server counts, never time the server took to read them (service/body_wait.py)
     min_body_rate: int = Field(64 * 1024, ge=0)
     min_body_rate_grace_s: float = Field(5.0, ge=0)
     #: a response the client stops reading is dropped after this many seconds with no progress
@@ -122,6 +130,10 @@ class Settings(BaseSettings):
     #: model for: work past it is refused up front with 413 instead of holding a device for
     #: minutes. 0 = auto by backend: numpy 1 Mpx (1024x1024), mlx 64 Mpx, cuda 512 Mpx
     max_request_pixels: int = Field(0, ge=0)
+    #: a new input shape's first run measures its conv paths; where that would be past the cap
+    #: (service/compute_cap.py) such runs go one at a time, spending a credit of this many seconds
+    #: that refills at half a second a second; past it: 429 `new-shape-limit` with Retry-After
+    new_shape_burst_s: float = Field(60.0, ge=0)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work
     max_pixels: int = Field(4096 * 4096, ge=1)
     #: long side / short side of an image to encode; a thin strip is no picture (and the resize
@@ -137,6 +149,14 @@ class Settings(BaseSettings):
     unfold_limit_bytes: int | None = None
     tile_size: int | None = None
     shutdown_grace_s: float = Field(30.0, ge=0)
+    #: a model worker with no heartbeat for this long (stopped, deadlocked, a call holding the
+    #: interpreter lock) is unresponsive: not ready, its requests 503 `worker-unresponsive`
+    #: with Retry-After, or sent to another device's worker (service/heartbeat.py)
+    worker_heartbeat_s: float = Field(3.0, gt=0)
+    #: a worker silent, or in one model call, for this long is hung: the supervisor kills it
+    #: (SIGKILL) and starts another. 0 = auto: max(180 s, 3x request_timeout_s), past the
+    #: request timeout and a shard group's deadline (heartbeat.hang_limit)
+    worker_hang_s: float = Field(0.0, ge=0)
     log_level: str = "info"
     #: threads (per front-end process) that encode PNG/JPEG/WebP/MP4 and decode uploaded images
     #: off the event loop
