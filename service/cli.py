@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -13,7 +14,8 @@ from typing import Iterator, Optional
 import numpy as np
 import typer
 
-from .cli_checks import check_model_entries, fail, fetch_hub_weights, input_file, model_entries, validated
+from .cli_checks import (check_backend, check_model_entries, fail, fetch_hub_weights, input_file, listen_socket,
+                         model_entries, settings_problem, validated)
 from .cli_files import check_output, read_tensor, write_decoded
 from .cli_remote import post, remote_decode
 
@@ -22,6 +24,11 @@ __all__ = ["app", "check_model_entries", "settings_from_flags"]
 # show_locals off: an unexpected error's traceback must not print the locals (an API key, whole arrays)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="convserve: decode latents to images/video and encode images, over HTTP or locally.")
+
+#: CONVSERVE_MODELS's default (service.settings.DEFAULT_MODELS, which the help names: not imported
+#: from there, as importing the settings imports prometheus_client; tests/test_service_cli.py
+#: holds the two equal)
+DEFAULT_MODELS = "tiny-vae,tiny-convnext,tiny-wan-vae?"
 
 #: prometheus_client's multiprocess directory variable (service.metrics.MULTIPROC_ENV; not
 #: imported from there, since importing it imports prometheus_client, which reads the variable)
@@ -32,13 +39,14 @@ def settings_from_flags(**flags):
     """The service's Settings, built once per command: the flags given (None = not given) over
     the CONVSERVE_* variables and the defaults. Every process of a server receives this object
     (service/supervisor.py hands it to the model workers and front ends it starts); an invalid
-    value is one line."""
+    value is one line naming it (--flag or CONVSERVE_VARIABLE) and what it accepts."""
     from .settings import Settings
 
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        return Settings(**{k: v for k, v in flags.items() if v is not None})
-    except ValueError as exc:
-        fail(f"settings: {exc}")
+        return Settings(**given)
+    except ValueError as exc:  # pydantic's ValidationError: a multi-line report
+        fail(settings_problem(exc, set(given)))
 
 
 @contextmanager
@@ -57,29 +65,46 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@app.command()
-def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE_HOST, 127.0.0.1]"),
-          port: Optional[int] = typer.Option(None, help="port [CONVSERVE_PORT, 8000]"),
-          models: Optional[str] = typer.Option(None, help="name=preset[:weights],...; weights: a folder, a "
-                                               ".safetensors file or a Hub reference org/name/subfolder@revision "
-                                               "(both optional) [CONVSERVE_MODELS]"),
-          backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda [CONVSERVE_BACKEND]"),
-          dtype: Optional[str] = typer.Option(None, help="compute dtype [backend default]"),
+@app.command(short_help="Run the HTTP server (CPU default: tiny presets on NumPy).")
+def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE_HOST; default 127.0.0.1]"),
+          port: Optional[int] = typer.Option(None, help="TCP port [CONVSERVE_PORT; default 8000]"),
+          models: Optional[str] = typer.Option(None, help="models to serve, name=preset[:weights],... (a trailing ? "
+                                               "makes one optional); weights: a folder, a .safetensors file or a "
+                                               "Hub reference org/name, optionally /subfolder and @revision [CONVSERVE_MODELS; "
+                                               f"default {DEFAULT_MODELS}]"),
+          backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda; auto: cuda where CuPy and a GPU "
+                                                "are, else mlx on Apple silicon, else numpy [CONVSERVE_BACKEND; "
+                                                "default auto]"),
+          dtype: Optional[str] = typer.Option(None, help="compute dtype: float32|float64 on numpy, "
+                                              "float16|bfloat16|float32 on mlx and cuda [CONVSERVE_DTYPE; default "
+                                              "float32 on numpy and mlx, float16 on cuda]"),
           workers: Optional[int] = typer.Option(None, help="HTTP front-end processes; 0 = auto: 1 on CPU "
-                                                "backends, half the cores (<= 16) with GPUs [CONVSERVE_WORKERS]"),
+                                                "backends, half the cores (<= 16) with GPUs [CONVSERVE_WORKERS; "
+                                                "default 0]"),
           devices: Optional[str] = typer.Option(None, help="GPUs that get a model worker each: all, or 0,1 "
-                                                "[CONVSERVE_DEVICES]"),
-          max_batch: Optional[int] = typer.Option(None, help="rows per model call [8]"),
-          max_queue_delay_ms: Optional[float] = typer.Option(None, help="batching window [5]"),
-          max_queue: Optional[int] = typer.Option(None, help="queued requests (per front end) before 429 [64]"),
-          request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout [60]"),
-          keep_alive_s: Optional[float] = typer.Option(None, help="idle kept-alive connections close after [75]"),
-          api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY'"),
-          shutdown_grace_s: Optional[float] = typer.Option(None, help="drain time after SIGTERM [30]"),
-          warmup_sizes: Optional[str] = typer.Option(None, help="image sizes run once before ready, e.g. 512,1024x768"),
-          log_level: Optional[str] = typer.Option(None, help="debug|info|warning [info]")):
-    """Run the HTTP server: one model worker per device, HTTP front ends in front (CPU default:
-    tiny presets on NumPy, one front end, one worker)."""
+                                                "[CONVSERVE_DEVICES; default all]"),
+          max_batch: Optional[int] = typer.Option(None, help="rows per model call [CONVSERVE_MAX_BATCH; default 8]"),
+          max_queue_delay_ms: Optional[float] = typer.Option(None, help="batching window in ms "
+                                                             "[CONVSERVE_MAX_QUEUE_DELAY_MS; default 5]"),
+          max_queue: Optional[int] = typer.Option(None, help="queued requests (per front end) before 429 "
+                                                  "[CONVSERVE_MAX_QUEUE; default 64]"),
+          request_timeout_s: Optional[float] = typer.Option(None, help="per-request timeout in seconds "
+                                                            "[CONVSERVE_REQUEST_TIMEOUT_S; default 60]"),
+          keep_alive_s: Optional[float] = typer.Option(None, help="idle kept-alive connections close after this "
+                                                       "many seconds [CONVSERVE_KEEP_ALIVE_S; default 75]"),
+          api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY' "
+                                                "[CONVSERVE_API_KEY; default none]"),
+          shutdown_grace_s: Optional[float] = typer.Option(None, help="seconds to drain after SIGTERM "
+                                                           "[CONVSERVE_SHUTDOWN_GRACE_S; default 30]"),
+          warmup_sizes: Optional[str] = typer.Option(None, help="image sizes run once before ready, e.g. "
+                                                     "512,1024x768 [CONVSERVE_WARMUP_SIZES; default none]"),
+          log_level: Optional[str] = typer.Option(None, help="debug|info|warning [CONVSERVE_LOG_LEVEL; "
+                                                  "default info]")):
+    """Run the HTTP server: one model worker per device, HTTP front ends in front of them. On a
+    CPU the default serves the tiny presets (random weights) on NumPy, with one front end and one
+    worker. Every option has a CONVSERVE_* variable (docs/settings.md lists all); a flag wins over
+    its variable. A start-up problem (a bad value, a port in use, a backend that cannot run here, a
+    model that does not load) ends the command with one line and exit code 2."""
     import shutil
     import tempfile
 
@@ -99,6 +124,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
                                        request_timeout_s=request_timeout_s, keep_alive_s=keep_alive_s, api_key=api_key,
                                        shutdown_grace_s=shutdown_grace_s, warmup_sizes=warmup_sizes,
                                        log_level=log_level)
+        check_backend(settings.backend)
         logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         entries = model_entries(settings.models)
         check_model_entries(entries)  # a typo'd preset or a missing path: one line, before anything starts
@@ -116,15 +142,25 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
 
 
 def _serve(settings, uvicorn) -> None:
+    import _thread
+
     from .server import frontend_main, run_frontend
     from .memory_budget import auto_budget_bytes
     from .supervisor import Supervisor, frontends_for
 
-    sock = uvicorn.Config("service.app:create_app", host=settings.host, port=settings.port).bind_socket()
+    sock = listen_socket(settings.host, settings.port)
     try:
         sup = Supervisor(settings)
     except ValueError as exc:
+        sock.close()
         fail(str(exc))
+    # A worker whose first load fails ends start-up (Supervisor._first_loads) from another
+    # thread: it interrupts this one as Ctrl-C would. While uvicorn serves, its handler drains
+    # every front end and run_frontend returns; before that, the SIGINT handler set here raises
+    # KeyboardInterrupt (also where the shell started us with SIGINT ignored). Either way the
+    # workers are stopped and the command exits 2 with the supervisor's one line.
+    sup.on_fatal = lambda: _thread.interrupt_main(signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sup.start_workers()
         count = frontends_for(settings, sup.devices)
@@ -136,12 +172,18 @@ def _serve(settings, uvicorn) -> None:
                                             settings.host, settings.port, count,
                                             ", ".join(d.label for d in sup.devices))
         run_frontend(settings, sup.endpoints, [sock], on_drain=sup.signal_frontends)
+    except KeyboardInterrupt:
+        if sup.fatal is None:
+            raise
     finally:
+        signal.signal(signal.SIGINT, previous)
         sup.stop(settings.shutdown_grace_s)
         sock.close()
+    if sup.fatal is not None:
+        fail(sup.fatal)
 
 
-@app.command()
+@app.command(short_help="Download Hub weights into the Hugging Face cache.")
 def pull(models: Optional[list[str]] = typer.Argument(
         None, help="MODELS entries (name=preset:org/name, optionally org/name/subfolder@revision; comma "
                    "lists) or bare Hub references; default: CONVSERVE_MODELS")):
@@ -188,23 +230,23 @@ def _load_local(settings, preset: str, weights: Optional[str], backend: str):
         fail(str(exc).strip("'\""))
 
 
-@app.command()
+@app.command(short_help="Decode latents to images, MP4 or .npy (local or --url).")
 def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json latents"),
            output: Path = typer.Option(..., "-o", "--output", help="out.png|.jpg|.webp, out.mp4, out.npy or a folder"),
-           preset: Optional[str] = typer.Option(None, help="model preset [tiny-vae; tiny-wan-vae for 5-D latents]"),
+           preset: Optional[str] = typer.Option(None, help="model preset (default tiny-vae; tiny-wan-vae for 5-D latents)"),
            weights: Optional[str] = typer.Option(None, help="a .safetensors file, diffusers folder or Hub reference"),
            backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
            tiled: str = typer.Option("auto", help="on|off|auto"),
            tile_size: Optional[int] = typer.Option(None, help="output pixels per tile side [CONVSERVE_TILE_SIZE; "
                                                    "the model's own]"),
-           quality: int = typer.Option(90, min=1, max=100),
-           fps: float = typer.Option(16.0),
+           quality: int = typer.Option(90, min=1, max=100, help="JPEG, WebP and MP4 quality"),
+           fps: float = typer.Option(16.0, help="frames per second of an MP4"),
            url: Optional[str] = typer.Option(None, help="decode on a running server instead (e.g. http://127.0.0.1:8000)"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
            shards: str = typer.Option("1", help="split the decode by rows over this many GPUs, exactly "
                                       "(CUDA; SD, SDXL, FLUX.1, FLUX.2, Qwen-Image, Wan 2.1 and 2.2 VAEs; docs/sharding.md); with --url "
                                       "also auto: the server's rule"),
-           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
+           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY", help="with --url: the server's key")):
     """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the
     server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
     from tqdm import tqdm
@@ -252,16 +294,16 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
                f"{', '.join(map(str, written[:4]))}{' ...' if len(written) > 4 else ''}")
 
 
-@app.command()
+@app.command(short_help="Encode images to embeddings, top-k labels (local or --url).")
 def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
            preset: str = typer.Option("tiny-convnext", help="encoder preset"),
            weights: Optional[str] = typer.Option(None, help="an HF folder, .safetensors file or Hub reference"),
-           backend: str = typer.Option("auto"),
+           backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
            top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="print the k most likely labels"),
            output: Optional[Path] = typer.Option(None, "-o", "--output", help="save embeddings as .npy"),
            url: Optional[str] = typer.Option(None, help="encode on a running server instead"),
            model: Optional[str] = typer.Option(None, help="with --url: the served model name"),
-           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY")):
+           api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY", help="with --url: the server's key")):
     """Encode images to embeddings (and top-k labels when the checkpoint has a head)."""
     from tqdm import tqdm
 
@@ -302,10 +344,11 @@ def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
         typer.echo(json.dumps(line))
 
 
-@app.command()
+@app.command(short_help="A quick local throughput number for one preset (no HTTP).")
 def bench(preset: str = typer.Option("tiny-vae", help="model preset"),
-          backend: str = typer.Option("auto"),
-          size: int = typer.Option(32, help="latent side (decoders) or image side is the model's input size"),
+          backend: str = typer.Option("auto", help="auto|numpy|mlx|cuda"),
+          size: int = typer.Option(32, help="decoders: the latents' side (the images are 8x that for most "
+                                   "VAEs); encoders take their own input size"),
           frames: int = typer.Option(3, help="latent frames (video decoders)"),
           batch: str = typer.Option("1,4", help="comma list of batch sizes"),
           seconds: float = typer.Option(3.0, help="time per batch size")):

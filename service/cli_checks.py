@@ -1,8 +1,12 @@
 """What `convserve` checks before any work, each problem one line on stderr and a non-zero exit
-(never a traceback): input files, the server's validation of local inputs, MODELS entries (known
-presets, existing weights paths) and their Hub weights, resolved into the cache."""
+(never a traceback): setting values, the backend asked for, the port to listen on, input files,
+the server's validation of local inputs, MODELS entries (known presets, existing weights paths)
+and their Hub weights, resolved into the cache."""
 from __future__ import annotations
 
+import errno
+import importlib.util
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +17,60 @@ def fail(message: str, code: int = 2):
     """A start-up or usage error as one line on stderr and a non-zero exit, not a traceback."""
     typer.echo(f"convserve: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def settings_problem(exc: ValueError, flags: set[str]) -> str:
+    """pydantic's multi-line report of bad settings as one line: each value named as it was given
+    (--flag when in `flags`, else its CONVSERVE_ variable), what it was and what is accepted
+    (a Literal's choices: "--backend 'gpu': input should be 'auto', 'numpy', 'mlx' or 'cuda'")."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return f"settings: {exc}"
+    parts = []
+    for err in errors():
+        field = str(err["loc"][0]) if err.get("loc") else "settings"
+        where = f"--{field.replace('_', '-')} " if field in flags else f"CONVSERVE_{field.upper()}="
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}{err.get('input')!r}: {msg[:1].lower()}{msg[1:]}")
+    return "; ".join(parts)
+
+
+def check_backend(name: str) -> None:
+    """A backend asked for by name that cannot run here is one line before any worker starts (its
+    worker would fail to load, and start-up with it, later and amid log lines). Asks only what
+    takes no CUDA context: whether the packages are installed and the driver's device count."""
+    if name == "cuda":
+        missing = [pkg for module, pkg in (("cupy", "CuPy"), ("cudnn", "the cuDNN frontend"))
+                   if importlib.util.find_spec(module) is None]
+        if missing:
+            fail(f"backend 'cuda': {' and '.join(missing)} not installed (the cuda extra: pip install -e '.[cuda]'); "
+                 "on a CPU use --backend auto or numpy")
+        from convkernels.registry import visible_cuda_devices
+        if visible_cuda_devices() == 0:
+            fail("backend 'cuda': no CUDA GPU is visible (driver, CUDA_VISIBLE_DEVICES); "
+                 "on a CPU use --backend auto or numpy")
+    elif name == "mlx" and importlib.util.find_spec("mlx") is None:
+        fail("backend 'mlx': mlx is not installed (the mlx extra: pip install -e '.[mlx]')")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound as uvicorn binds one (whose own bind prints a bare
+    `[Errno 98] Address already in use` and exits 1): a port in use, a privileged port or an
+    address that is not this machine's is one line naming the flag to change."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            fail(f"port {port} on {host} is in use (another server?): choose another with --port or CONVSERVE_PORT")
+        if exc.errno == errno.EACCES:
+            fail(f"port {port} on {host} needs privileges to listen on: choose one above 1024 with --port or "
+                 "CONVSERVE_PORT")
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / CONVSERVE_HOST, --port / CONVSERVE_PORT)")
+    sock.set_inheritable(True)  # the further front ends (processes) accept on it too
+    return sock
 
 
 def input_file(path: Path) -> Path:

@@ -31,6 +31,10 @@ class WorkerSpec:
     parent_pid: int
     #: every worker's address in device order: shards=N groups the first N (service/shard_leader.py)
     group: tuple[str, ...] = ()
+    #: the first start's: a connection on which the initial load's outcome goes to the supervisor
+    #: (None, or why it failed), which ends start-up on a failure; None on a restart, whose load
+    #: failure is served as 503s instead (service/supervisor.py)
+    report: Any = None
 
 
 class ModelHost:
@@ -92,9 +96,24 @@ class ModelHost:
             log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
         except Exception as exc:  # the worker stays up (live, not ready) and says why
             self.load_error = f"{exc.__class__.__name__}: {exc}"
-            log.exception("model loading failed")
+            if self.spec.report is None:
+                log.exception("model loading failed")
+            else:  # start-up ends with this one line (the supervisor's); the traceback on demand
+                log.debug("model loading failed", exc_info=True)
         finally:
             self.on_change()
+            self._report()
+
+    def _report(self) -> None:
+        """The first start's load outcome to the supervisor (WorkerSpec.report), once."""
+        conn = self.spec.report
+        if conn is None:
+            return
+        try:
+            conn.send(self.load_error)
+            conn.close()
+        except OSError:  # the supervisor is gone or stopping: nothing waits for it
+            pass
 
     def description(self) -> dict:
         state = "ready" if self.ready else "failed" if self.load_error else "loading"

@@ -30,7 +30,8 @@ INFLIGHT = Gauge("convserve_inflight_requests", "Requests admitted and not yet a
 QUEUE_DEPTH = Gauge("convserve_queue_depth", "Requests waiting in the batcher queue",
                     ["model"], registry=REGISTRY, multiprocess_mode="livesum")
 REJECTED = Counter("convserve_rejected_total",
-                   "Requests not run: queue_full, memory_budget, too_much_work, timeout, client_gone, shutting_down",
+                   "Requests not run: queue_full, memory_budget, too_much_work, new_shape_limit, timeout, "
+                   "client_gone, shutting_down",
                    ["model", "reason"], registry=REGISTRY)
 MEMORY_BUDGET_USED = Gauge("convserve_memory_budget_used_bytes",
                            "Bytes of admitted bodies and their arrays the front ends hold (their memory budget's use)",

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from . import metrics, shard_option, validation
+from .compute_cap import ComputeCap
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .model_host import HostedModel
 from .model_stats import ModelStats, ns
@@ -36,11 +37,6 @@ DisconnectCheck = Callable[[], Awaitable[bool]]
 DISCONNECT_POLL_S = 0.1
 #: how often a further front end, starting, looks whether it can serve yet
 SETTLE_POLL_S = 0.02
-#: the compute cap per request (Service.check_work) where CONVSERVE_MAX_REQUEST_PIXELS is 0, by
-#: backend: 1024x1024 on the CPU, where a full SD-VAE decodes 512x512 in ~9 s on 2 cores, so the
-#: cap's ~35 s stays inside the default request timeout (a 2048x2048 decode of even the tiny test
-#: VAE outlasted it: docs/reliability.md); GPUs go much further
-AUTO_REQUEST_PIXELS = {"numpy": 1024 * 1024, "mlx": 64 << 20, "cuda": 512 << 20}
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
 
@@ -79,6 +75,8 @@ class Service:
         #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats): the request half;
         #: the workers keep the batch half
         self.stats = ModelStats()
+        #: the compute cap: pixels per request, and new shapes' path measurement (service/compute_cap.py)
+        self.cap = ComputeCap(settings, lambda: self.backend_name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -218,13 +216,7 @@ class Service:
     def check_work(self, hm: HostedModel, pixels: int, what: str) -> None:
         """The compute cap: a request whose work (output pixels over frames and batch; input
         pixels for an encoder) is past the backend's cap is refused before it takes a device."""
-        cap = self.settings.max_request_pixels or AUTO_REQUEST_PIXELS.get(self.backend_name, AUTO_REQUEST_PIXELS["cuda"])
-        if pixels > cap:
-            metrics.REJECTED.labels(hm.name, "too_much_work").inc()
-            raise Problem(413, "too-much-work",
-                          f"{what} on {hm.name} is {pixels} pixels of work; the {self.backend_name} backend takes "
-                          f"at most {cap} per request (CONVSERVE_MAX_REQUEST_PIXELS): send a smaller or "
-                          "shorter request, fewer at a time, or stream a video")
+        self.cap.check(hm, pixels, what)
 
     def take_memory(self, model: str, lease: Lease, nbytes: int, what: str, *, held: int = 0,
                     force: bool = False) -> None:
@@ -371,11 +363,13 @@ class Service:
         (service/shard_option.py): N > 1 decodes untiled on the first N devices together."""
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         out_shape = hm.output_shape(lat.shape)
-        self.check_work(hm, math.prod(out_shape[:-1]), f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
+        pixels = math.prod(out_shape[:-1])
+        self.check_work(hm, pixels, f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
         options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}  # leader_link adds shards (None: any worker)
         link = shard_option.leader_link(self.engine, hm.name, self.shards_for(hm, lat.shape, shards, tiled), options)
-        sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
-                             disconnected, link=link)
+        with self.cap.first_run(hm, ("decode", lat.shape, tiled, options.get("shards")), pixels):
+            sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
+                                 disconnected, link=link)
         return sub.arrays()["out"]
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
@@ -386,7 +380,9 @@ class Service:
         check = validation.vae_frames if hm.is_video else validation.vae_images
         px = await self.offload(images.nbytes, check, hm, images, self.settings)  # NaN scan
         self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
-        sub = await self.run(hm, "vae_encode", {}, px, {"out": (hm.encoded_shape(px.shape), "float32")}, disconnected)
+        with self.cap.first_run(hm, ("vae_encode", px.shape), math.prod(px.shape[:-1])):
+            sub = await self.run(hm, "vae_encode", {}, px, {"out": (hm.encoded_shape(px.shape), "float32")},
+                                 disconnected)
         return sub.arrays()["out"]
 
     async def encode(self, hm: HostedModel, pixels: np.ndarray, *,

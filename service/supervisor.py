@@ -9,7 +9,10 @@ Front ends and workers meet through Unix sockets in a private run directory (070
 travel in each front end's shared-memory arena (service/shm.py). A process that dies is started
 again (with a growing pause if it keeps dying); the requests a dead worker held are answered 503
 by their front ends, which reconnect when it is back. SIGTERM drains every front end (in-flight
-work finishes, up to SHUTDOWN_GRACE_S), then stops the workers."""
+work finishes, up to SHUTDOWN_GRACE_S), then stops the workers. A worker's first load that fails,
+or its death before that load is done, ends start-up (`_first_loads`: `convserve serve` exits 2
+with one line); a restarted worker whose load fails stays up, not ready, and its requests get
+503s."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,7 +24,7 @@ import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 
 from convkernels.registry import visible_cuda_devices
@@ -117,6 +120,10 @@ class Supervisor:
         self.frontends: list[_Child] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        #: why start-up failed (a worker's first load did), and what to call then (the CLI's:
+        #: it ends the server, which exits 2 with this line)
+        self.fatal: str | None = None
+        self.on_fatal = lambda: None
 
     # ---- workers ---------------------------------------------------------------------------------
     def start_workers(self) -> None:
@@ -124,10 +131,36 @@ class Supervisor:
         for device, (label, address) in zip(self.devices, self.endpoints):
             spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group)
             self.workers.append(_Child(f"convserve-worker-{label}", worker_main, (spec,)))
+        reports = {}
         for child in self.workers:
-            child.start(self.ctx)
+            spec = child.args[0]
+            reports[spec.device], sender = self.ctx.Pipe(duplex=False)
+            child.args = (replace(spec, report=sender),)
+            child.start(self.ctx)  # (spawn pickles the args here, the sender with them)
+            child.args = (spec,)  # a restart reports nothing: its load failure is served as 503s
+            sender.close()  # the worker's copy only: its death before reporting reads as EOF
             metrics.WORKER_UP.labels(self._device_of(child)).set(1)
         threading.Thread(target=self._watch, name="convserve-supervisor", daemon=True).start()
+        threading.Thread(target=self._first_loads, args=(reports,), name="convserve-first-loads", daemon=True).start()
+
+    def _first_loads(self, reports: dict) -> None:
+        """Each worker's first load, as it reports it (service/device_host.py): one that failed
+        (weights that do not parse, a backend or dtype that cannot run), or a worker that died
+        before reporting, fails start-up: `fatal` says why, `on_fatal` ends the server. Serving
+        on, live but never ready, would leave an orchestrator nothing to restart."""
+        pending = {conn: device for device, conn in reports.items()}
+        while pending and not self._stopping.is_set():
+            for conn in wait(list(pending), timeout=0.5):  # then looks at _stopping again
+                device = pending.pop(conn)
+                try:
+                    error = conn.recv()
+                except (EOFError, OSError):
+                    error = "it exited while loading (the log above says how)"
+                conn.close()
+                if error is not None and not self._stopping.is_set():
+                    self.fatal = f"model worker {device} failed to load its models: {error}"
+                    self.on_fatal()
+                    return
 
     def add_frontend(self, name: str, target, args: tuple) -> None:
         child = _Child(name, target, args)

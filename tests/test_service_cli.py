@@ -267,3 +267,139 @@ def test_server_without_pyav_answers_mp4_requests_in_one_line(server_factory, tm
     assert "server answered 501" in line and "PyAV" in line
     invoke("decode", vid, "-o", tmp_path / "v.npy.npy", "--url", srv.url)  # npy frames need no PyAV
     assert np.load(tmp_path / "v.npy.npy").shape == (1, 5, 32, 40, 3)
+
+
+# ---- start-up: a server that cannot serve exits 2 with one line, never serves on half-started -------
+def serve_fails(tmp_path, *args, env: dict | None = None, timeout: float = 120) -> str:
+    """`convserve serve ARGS` in a process of its own (as an orchestrator starts it), which must
+    exit 2 with exactly one line on stderr and no traceback; returns that line."""
+    import os
+    import sys
+
+    from live_server import REPO, free_port
+
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    run_env.update({"CONVSERVE_BACKEND": "numpy", "CONVSERVE_PORT": str(free_port()), **(env or {})})
+    r = subprocess.run([sys.executable, "-m", "service.cli", "serve", *map(str, args)], cwd=REPO, env=run_env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convserve: error: "), r.stderr[-3000:]
+    return lines[0]
+
+
+def test_serve_start_up_problems_are_one_line_and_exit_2(tmp_path):
+    from convkernels.registry import cuda_status
+
+    if not cuda_status()[0]:  # no CuPy (or no GPU): --backend cuda cannot run here
+        line = serve_fails(tmp_path, "--backend", "cuda")
+        assert "backend 'cuda'" in line and "--backend auto or numpy" in line, line
+    line = serve_fails(tmp_path, "--dtype", "float99")
+    assert "--dtype 'float99'" in line and "'bfloat16', 'float32' or 'float64'" in line, line
+    line = serve_fails(tmp_path, "--backend", "gpu")  # any bad value: the setting and its choices
+    assert "--backend 'gpu'" in line and "'auto', 'numpy', 'mlx' or 'cuda'" in line, line
+    line = serve_fails(tmp_path, env={"CONVSERVE_MAX_BATCH": "0"})  # from the environment: its variable
+    assert "CONVSERVE_MAX_BATCH='0'" in line and "greater than or equal to 1" in line, line
+    import socket
+    with socket.socket() as taken:  # a port in use: named, with the flag that changes it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = serve_fails(tmp_path, "--port", port)
+    assert f"port {port} on 127.0.0.1 is in use" in line and "--port" in line and "Errno" not in line, line
+
+
+def test_a_model_that_fails_to_load_at_start_fails_start_up(tmp_path):
+    """Weights that do not parse are found by the model worker, after the front end is up: the
+    server exits 2 with the worker's reason as its one line (before: a traceback, then /healthz
+    200 and /readyz 503 for ever, which no orchestrator restarts)."""
+    bad = tmp_path / "vae.safetensors"
+    bad.write_bytes(b"\xff" * 64)  # a header length past the end of the file
+    line = serve_fails(tmp_path, "--models", f"v=tiny-vae:{bad}", env={"CONVSERVE_LOG_LEVEL": "warning"})
+    assert "model worker cpu failed to load its models" in line and "WeightsError" in line, line
+    assert "vae.safetensors" in line, line
+
+
+def test_a_restarted_worker_that_fails_to_load_is_served_as_503(tmp_path):
+    """Only the first start's load ends start-up: a worker restarted later whose load fails
+    leaves the server up, not ready, its requests 503 (docs/reliability.md)."""
+    import os
+    import signal
+
+    import httpx
+
+    from live_server import REPO, start_server, wait_for
+
+    weights = tmp_path / "vae.safetensors"
+    shutil.copy(REPO / "tests" / "golden" / "tiny_vae_decoder.safetensors", weights)
+    srv = start_server(tmp_path, models=f"v=tiny-vae:{weights}")
+    try:
+        pid = httpx.get(f"{srv.url}/v1/models/v", timeout=10).json()["devices"][0]["pid"]
+        weights.write_bytes(b"\xff" * 64)  # the next load fails
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: "WeightsError" in httpx.get(f"{srv.url}/readyz", timeout=10).text,
+                 what="the restarted worker's failed load")
+        assert srv.proc.poll() is None and httpx.get(f"{srv.url}/healthz", timeout=10).status_code == 200
+        r = httpx.post(f"{srv.url}/v1/models/v/decode", content=b"", timeout=10)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+    finally:
+        srv.stop()
+
+
+def test_help_at_80_columns_says_the_key_facts():
+    """Each command's summary on one line (docstrings broke mid-sentence), serve's options with
+    their variable and the settings' own defaults, the dtypes to choose from, bench --size."""
+    import re
+
+    from typer.main import get_command
+
+    from service.cli import DEFAULT_MODELS
+    from service.settings import DEFAULT_MODELS as SETTINGS_DEFAULT_MODELS, Settings
+
+    def rendered(*args) -> str:
+        r = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "80"})
+        assert r.exit_code == 0, r.output
+        assert max(len(line) for line in r.output.splitlines()) <= 80, r.output
+        return r.output
+
+    top = rendered()
+    for summary in ("Run the HTTP server (CPU default: tiny presets on NumPy).",
+                    "Decode latents to images, MP4 or .npy (local or --url).",
+                    "A quick local throughput number for one preset (no HTTP)."):
+        assert any(summary in line for line in top.splitlines()), top
+
+    def flat(text: str) -> str:  # the panels' text as one line: wrapped words joined again
+        return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+    serve = flat(rendered("serve"))
+    assert DEFAULT_MODELS == SETTINGS_DEFAULT_MODELS and f"default {DEFAULT_MODELS}" in serve, serve
+    assert "float32|float64 on numpy, float16|bfloat16|float32 on mlx and cuda" in serve, serve
+    for param in get_command(app).commands["serve"].params:
+        field = Settings.model_fields.get(param.name)
+        if field is None or param.name == "dtype":  # --help; dtype's default is the backend's
+            continue
+        default = field.default
+        shown = "none" if default in (None, "") else f"{default:g}" if isinstance(default, float) else str(default)
+        assert f"[CONVSERVE_{param.name.upper()}; default {shown}]" in param.help, (param.name, param.help)
+    bench = flat(rendered("bench"))
+    assert "decoders: the latents' side (the images are 8x that for most VAEs)" in bench, bench
+    assert "model preset (default tiny-vae; tiny-wan-vae for 5-D latents)" in flat(rendered("decode"))
+
+
+def test_deploy_checks_without_the_test_extra_name_it_in_one_line(tmp_path):
+    """`python deploy/checks.py` after the plain install: the packages it needs, in one line."""
+    import os
+    import sys
+
+    from live_server import REPO
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.modules['yaml'] = None\n")  # as if not installed
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    r = subprocess.run([sys.executable, str(REPO / "deploy" / "checks.py")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pyyaml" in lines[0] and "pip install -e '.[test]'" in lines[0], r.stderr

@@ -177,3 +177,52 @@ def test_tile_size_setting_reaches_the_models(srv):
     # a decode larger than one tile still answers the full image
     r = decode(srv, npy(lat(1, 4, 15, 14)), format="npy", tiled="on")
     assert r.status_code == 200 and r.headers["x-output-shape"] == "1,120,112,3"
+
+
+HOLD = 4242.0  # latents holding this value keep the worker busy until the release file exists
+
+
+def test_new_shapes_past_the_cap_are_paced_and_a_known_shape_never_is(server_factory, tmp_path):
+    """A client changing the width each time cannot keep the only worker measuring conv paths
+    (service/compute_cap.py): a new input shape whose first run, charged NEW_SHAPE_FACTOR times
+    its pixels, would be past the cap runs one at a time and within a time credit (none here:
+    NEW_SHAPE_BURST_S=0); others get 429 new-shape-limit with a Retry-After that holds. The shape
+    just measured is never held back, nor a new one that fits the cap even when measured."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from live_server import metric, scrape, wait_for
+
+    release = tmp_path / "release"
+    # 16xW latents decode to 128x8W pixels: within the cap of 40000, past it charged x8
+    big = server_factory(models="tiny-vae", max_request_pixels=40_000, new_shape_burst_s=0,
+                         fault_hold_value=HOLD, fault_hold_release_file=release)
+    headers = {"content-type": "application/x-npy"}
+
+    def post(h, w, hold=False):
+        x = lat(1, 4, h, w)
+        if hold:
+            x[0, 0, 0, 0] = HOLD
+        return decode(big, npy(x), headers=headers, format="npy")
+
+    with ThreadPoolExecutor(2) as pool:
+        t0 = time.monotonic()
+        first = pool.submit(post, 16, 16, True)
+        wait_for(lambda: release.with_name("release.holding").exists(), what="the first 16x16 decode on the worker")
+        same = pool.submit(post, 16, 16)  # the shape being measured: it waits for it, not refused
+        assert_problem(post(16, 17), 429, "new-shape-limit", "CONVSERVE_WARMUP_SIZES")  # one at a time
+        # the first run lasts 2 s at least: its charge outlasts the next request's round trip
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - t0)))
+        release.touch()
+        assert first.result().status_code == 200 and same.result().status_code == 200
+    r = post(16, 18)  # right after: the credit is spent
+    assert_problem(r, 429, "new-shape-limit")
+    retry = int(r.headers["retry-after"])
+    assert 1 <= retry <= 60, retry
+    for _ in range(3):
+        assert post(16, 16).status_code == 200  # the known shape: never held back
+    for w in (5, 6, 7):  # 64x8W pixels: within the cap even charged x8, so not paced
+        assert post(8, w).status_code == 200
+    time.sleep(retry)  # the Retry-After holds: then a new large shape runs
+    assert post(16, 18).status_code == 200
+    assert metric(scrape(big.url), "convserve_rejected_total", model="tiny-vae", reason="new_shape_limit") == 2
