@@ -159,6 +159,7 @@ class Supervisor:
                 conn.close()
                 if error is not None and not self._stopping.is_set():
                     self.fatal = f"model worker {device} failed to load its models: {error}"
+                    self._stopping.set()  # no restarts now: a front end killed while starting stays down
                     self.on_fatal()
                     return
 
