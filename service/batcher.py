@@ -112,6 +112,9 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopped = False
         self.row_seconds = 0.0
+        #: time.monotonic() when the running batch started, 0.0 while none runs (the worker's
+        #: heartbeat carries it: a call stuck past the hang limit gets the worker restarted)
+        self.busy_since = 0.0
         #: the device thread: every model call runs on it
         self._depth_changed = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
@@ -239,7 +242,14 @@ class Batcher:
             if batch is None:
                 return
             if batch:
-                self._run(batch)
+                self.busy_since = time.monotonic()
+                try:
+                    self._run(batch)
+                finally:
+                    self.busy_since = 0.0
+                    # its inputs (views of front ends' arenas) go now, not when the next batch comes:
+                    # the arena of a front end that has gone is unmapped once no view of it is left
+                    batch = None
 
     def _run(self, batch: list[WorkItem]) -> None:
         model = batch[0].model

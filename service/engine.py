@@ -9,10 +9,14 @@ settling, the links' bookkeeping.
 Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
 from this front end (ties in turn); the worker batches what every front end sends it.
 
-Block lifetime (the rule of service/shm.py): a submission's blocks are freed only when both its
-request is done with them (`Lease.close`) and the worker has answered for it (`done`, or the
-link's loss). A request that timed out or lost its client therefore keeps its output block until
-the worker is past writing into it."""
+Block lifetime (the rule of service/shm.py): service/submission.py; a request answered before
+its worker (timeout, client gone, worker unresponsive) keeps its blocks until the worker answers.
+
+Liveness (service/heartbeat.py): every CHECK_S the event loop reads each worker's heartbeat; a
+worker silent past CONVSERVE_WORKER_HEARTBEAT_S is unresponsive: its link is not ready (no new
+work; another device's worker takes the model's requests, else they get 503
+`worker-unresponsive`), and its requests in flight are answered so at once and withdrawn. It is
+ready again when it beats again; one hung past the hang limit is the supervisor's to kill."""
 from __future__ import annotations
 
 import asyncio
@@ -23,86 +27,21 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
-
+from .heartbeat import BeatReader, beat_path
 from .model_host import HostedModel
 from .shm import Arena, TensorRef
+from .submission import Lease, NoWorker, Submission, WorkerFailure
+
+__all__ = ["Engine", "Lease", "Link", "NoWorker", "Submission", "WorkerFailure"]
 
 log = logging.getLogger("convserve.engine")
 
 #: how often a link to a worker that is not (yet, or no longer) there tries again
 RECONNECT_S = 0.1
-
-
-class WorkerFailure(Exception):
-    """A worker's answer that is not a result: (kind, message, error id), or its loss."""
-
-    def __init__(self, kind: str, message: str, error_id: str | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.error_id = kind, message, error_id
-
-
-class NoWorker(Exception):
-    """No live, ready worker serves the model right now."""
-
-
-class Submission:
-    """One message to a worker that awaits its `done`, and the arena blocks it names."""
-
-    def __init__(self, engine: "Engine", link: "Link", rid: int, rows: int, offsets: list[int],
-                 outputs: dict[str, TensorRef]):
-        self.engine, self.link, self.rid, self.rows = engine, link, rid, rows
-        self.offsets, self.outputs = offsets, outputs
-        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.started = False
-        self.settled = False
-        self.released = False
-
-    def settle(self, error, payload) -> None:
-        if self.settled:
-            return
-        self.settled = True
-        if not self.future.done():
-            if error is None:
-                self.future.set_result(payload)
-            else:
-                self.future.set_exception(WorkerFailure(*error))
-        self._maybe_free()
-
-    def release(self) -> None:
-        """The request is done with the blocks (its response is built)."""
-        self.released = True
-        self._maybe_free()
-
-    def _maybe_free(self) -> None:
-        if self.settled and self.released and self.offsets:
-            for off in self.offsets:
-                self.engine.arena.free(off)
-            self.offsets = []
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {name: self.engine.arena.array(ref) for name, ref in self.outputs.items()}
-
-
-class Lease:
-    """The arena blocks of one request: raw blocks and submissions, let go together when the
-    request's response is built (Service.admit's block)."""
-
-    def __init__(self, arena: Arena):
-        self.arena = arena
-        self.submissions: list[Submission] = []
-        #: run once the blocks are let go (the memory budget's give-backs)
-        self.on_close: list[Callable[[], None]] = []
-
-    def close(self) -> None:
-        for sub in self.submissions:
-            sub.release()
-        self.submissions = []
-        callbacks, self.on_close = self.on_close, []
-        for fn in callbacks:
-            fn()
+#: how often the event loop reads the workers' heartbeats
+CHECK_S = 0.25
 
 
 class Link:
@@ -110,6 +49,9 @@ class Link:
 
     def __init__(self, device: str, address: str):
         self.device, self.address = device, address
+        self.beat = BeatReader(beat_path(address))
+        #: why the worker counts as unresponsive (its heartbeat is late), or None
+        self.unresponsive: str | None = None
         self.conn: Connection | None = None
         self.desc: dict = {"state": "connecting", "models": {}, "failed": {}, "load_error": None}
         self.pending: dict[int, Submission] = {}
@@ -118,15 +60,15 @@ class Link:
 
     @property
     def ready(self) -> bool:
-        return self.conn is not None and self.desc.get("state") == "ready"
+        return self.conn is not None and self.desc.get("state") == "ready" and not self.unresponsive
 
     def serves(self, model: str) -> bool:
         return self.ready and model in self.desc["models"]
 
 
 class Engine:
-    def __init__(self, endpoints: list[tuple[str, str]], arena: Arena):
-        self.arena = arena
+    def __init__(self, endpoints: list[tuple[str, str]], arena: Arena, heartbeat_s: float = 3.0):
+        self.arena, self.heartbeat_s = arena, heartbeat_s
         self.links = [Link(device, address) for device, address in endpoints]
         self._rid = itertools.count(1)
         self._turn = itertools.count()
@@ -143,6 +85,7 @@ class Engine:
         for link in self.links:
             threading.Thread(target=self._keep, args=(link,), name=f"convserve-link-{link.device}",
                              daemon=True).start()
+        self._check_beats()
 
     def close(self) -> None:
         self._closing.set()
@@ -159,6 +102,11 @@ class Engine:
         """A ready worker for the service, and one for every model any worker serves (worked
         out when a worker's state changes: every request asks)."""
         return self._ready
+
+    def unready(self) -> tuple[str, str]:
+        """Why the service is not ready: (problem kind, detail)."""
+        late = [link.unresponsive for link in self.links if link.unresponsive]
+        return ("worker-unresponsive", "; ".join(late)) if late else ("not-ready", "models are still loading")
 
     def _update_ready(self) -> None:
         self._ready = any(link.ready for link in self.links) and all(
@@ -185,7 +133,8 @@ class Engine:
 
     def devices(self, model: str | None = None) -> list[dict]:
         """Every device and its worker's state (the card and /v1/models show it)."""
-        return [{"device": link.device, "state": link.desc.get("state") if link.conn is not None else "down",
+        return [{"device": link.device, "state": "down" if link.conn is None else
+                 "unresponsive" if link.unresponsive else link.desc.get("state"),
                  "gpu": link.desc.get("gpu"), "pid": link.desc.get("pid"), "rows_outstanding": link.rows}
                 for link in self.links if model is None or model in link.desc.get("models", {})]
 
@@ -203,13 +152,14 @@ class Engine:
         first `shards` devices (service/shard_leader.py); NoWorker unless all of them are ready."""
         group = self.links[:shards]
         if len(group) < shards or not all(link.serves(model) for link in group):
-            raise NoWorker(model)
+            raise NoWorker()
         return group[0]
 
     def _pick(self, model: str) -> Link:
         live = [link for link in self.links if link.serves(model)]
         if not live:
-            raise NoWorker(model)
+            late = [link.unresponsive for link in self.links if link.unresponsive and model in link.desc["models"]]
+            raise NoWorker("worker-unresponsive", "; ".join(late)) if late else NoWorker()
         least = min(link.rows for link in live)
         ties = [link for link in live if link.rows == least]
         return ties[next(self._turn) % len(ties)]
@@ -238,6 +188,8 @@ class Engine:
         blocks) resolves when the worker answers. Raises NoWorker, or shm.ArenaFull / TooLarge,
         with nothing held then but `in_ref` (the caller's)."""
         link = link or self._pick(model)
+        if link.unresponsive:  # a stream's or shard group's own worker
+            raise NoWorker("worker-unresponsive", link.unresponsive)
         out_refs: dict[str, TensorRef] = {}
         try:
             for name, (shape, dtype) in outputs.items():
@@ -247,7 +199,7 @@ class Engine:
                 self.arena.free(ref.offset)
             raise
         offsets = ([in_ref.offset] if in_ref is not None else []) + [r.offset for r in out_refs.values()]
-        sub = Submission(self, link, next(self._rid), rows, offsets, out_refs)
+        sub = Submission(self.arena, link, next(self._rid), rows, offsets, out_refs)
         lease.submissions.append(sub)
         self.waiting += 1
         self._send(link, sub, ("submit", sub.rid, model, op, options, in_ref, out_refs))
@@ -262,7 +214,7 @@ class Engine:
 
     def request(self, link: Link, msg: tuple) -> Submission:
         """A message answered by one `done` that names no blocks (queries, stream control)."""
-        sub = Submission(self, link, next(self._rid), 0, [], {})
+        sub = Submission(self.arena, link, next(self._rid), 0, [], {})
         sub.started = True
         sub.released = True
         self._send(link, sub, (msg[0], sub.rid, *msg[1:]))
@@ -317,14 +269,43 @@ class Engine:
         self._update_ready()
         log.info("worker %s (pid %s): %s", link.device, desc.get("pid"), desc["state"])
 
+    def _check_beats(self) -> None:
+        """Each worker's heartbeat (on the event loop, every CHECK_S): unresponsive or back."""
+        if self._closing.is_set():
+            return
+        now = time.monotonic()
+        for link in self.links:
+            silent = link.beat.silent_s(now) if link.conn is not None else 0.0
+            if silent > self.heartbeat_s and not link.unresponsive:
+                self._went_silent(link, silent)
+            elif silent <= self.heartbeat_s and link.unresponsive:
+                log.warning("worker %s answers again", link.device)
+                link.unresponsive = None
+                self._update_ready()
+        self.loop.call_later(CHECK_S, self._check_beats)
+
+    def _went_silent(self, link: Link, silent: float) -> None:
+        link.unresponsive = (f"the model worker of {link.device} is unresponsive (no heartbeat for {silent:.1f}s); "
+                             "it is restarted if it stays hung")
+        self._update_ready()
+        log.warning("%s, %d request(s) in flight", link.unresponsive, len(link.pending))
+        for sub in list(link.pending.values()):
+            if not sub.started:  # no longer waiting: out of the queue admission bounds
+                sub.started = True
+                self.waiting -= 1
+            sub.fail(("worker-unresponsive", link.unresponsive, None))
+            self.cancel(sub)  # should it wake, it drops the work; its answer then frees the blocks
+
     def _on_lost(self, link: Link, why: str) -> None:
         link.conn = None
+        link.unresponsive = None
         link.desc = {**link.desc, "state": "down"}
         self._update_ready()
         lost = list(link.pending.values())
         for sub in lost:
             self._forget(link, sub)
-            sub.settle(("worker-died", f"the model worker of {link.device} stopped ({why})", None), None)
+            sub.settle(("worker-died", f"the model worker of {link.device} stopped ({why}); it is being restarted",
+                        None), None)
         if lost:
             log.warning("worker %s lost with %d request(s) in flight: %s", link.device, len(lost), why)
 

@@ -1,14 +1,15 @@
 """A model worker: the one process that owns a device (one GPU, or the CPU) and the models on it.
 
 HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
-(service/supervisor.py) starts it, and starts it again when it dies. What it does:
+(service/supervisor.py) starts it, and starts it again when it dies or hangs. What it does:
 
 - loads the backend and every configured model once, warms them up, then says it is ready;
 - takes requests from any number of front ends: each front end sends the descriptor of its
   shared-memory arena once (service/shm.py), then messages naming tensors in it, never the data;
 - runs them through one Batcher (requests of every front end batch together) and writes each
   result into the output block its front end allocated, then answers `done`;
-- keeps the stateful part of streamed decodes (the causal decoder's generator) between steps.
+- keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
+- beats (service/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
 The wire protocol, front end -> worker (tuples, pickled by multiprocessing.connection):
   ("hello", frontend_pid, arena_size) followed by the arena's descriptor (SCM_RIGHTS)
@@ -44,13 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from . import oom_recovery
+from . import oom_recovery, shm
 from .batcher import Cancelled, Closed
 from .model_host import HostedModel
 from .shm import ArenaView, TensorRef
 from .shard_leader import ShardFailed
 from .stream_steps import GeneratorSteps, StreamClosed
 from .device_host import ModelHost, WorkerSpec
+from .heartbeat import Beat, beat_path
 
 log = logging.getLogger("convserve.worker")
 
@@ -118,12 +120,15 @@ class FrontendLink:
         self.send(("done", rid, error, payload))
 
     def deliver(self, rid: int, out_refs: dict[str, TensorRef], future) -> None:
-        """A finished request's outputs into its blocks, and its answer into the outbox."""
+        """A finished request's outputs into its blocks, and its answer into the outbox (none
+        once its front end has gone: its arena is released)."""
         exc = future.exception()
-        if exc is None:
+        if exc is None and not self.closed:
             try:
                 _write_outputs(self.view, out_refs, future.result())
             except Exception as write_exc:
+                if self.closed:  # gone meanwhile
+                    return
                 log.exception("writing the outputs of request %s failed", rid)
                 exc = write_exc
         with self._outbox_lock:
@@ -148,6 +153,8 @@ class FrontendLink:
         self._drop_all()
         self.host.shard_member.link_closed(self)
         self.conn.close()
+        if self.view is not None:  # its pages leave this process with it (service/shm.py's rules)
+            self.view.release()
 
     def handle(self, msg: tuple) -> None:
         op = msg[0]
@@ -172,9 +179,6 @@ class FrontendLink:
         else:
             log.warning("unknown message %r", op)
 
-    def _fail(self, rid: int, exc: BaseException) -> None:
-        self.answer(rid, error_info(exc), None)
-
     def _submit(self, rid, model, op, options, in_ref, out_refs):
         if op == "stream_open":
             return self._stream_open(rid, model, in_ref, options)
@@ -192,7 +196,7 @@ class FrontendLink:
             key = (model, op, inputs.shape[1:], inputs.dtype.str, tuple(sorted(options.items())))
             item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
         except Exception as exc:
-            self._fail(rid, exc)
+            self.answer(rid, error_info(exc), None)
             return
         self.items[rid] = item
 
@@ -219,14 +223,13 @@ class FrontendLink:
                 frames = oom_recovery.frames(hm, latents, options.get("tiled"), uint8)
             steps = GeneratorSteps(frames)
         except Exception as exc:
-            self._fail(rid, exc)
+            self.answer(rid, error_info(exc), None)
             return
         self.streams[rid] = (hm, steps, latents)
         self.answer(rid, None, rid)
 
     def _stream(self, stream_id) -> tuple:
-        """A stream's (model, steps, latents); each step runs as a solo item (a generator's next
-        step has nothing to batch with)."""
+        """A stream's (model, steps, latents); each step runs as a solo item (nothing to batch with)."""
         entry = self.streams.get(stream_id)
         if entry is None:
             raise StreamClosed("no such stream")
@@ -317,6 +320,7 @@ class Worker:
             for link in set(links) - watched:
                 sel.register(link.conn, selectors.EVENT_READ, link)
                 watched.add(link)
+            shm.sweep()  # released arenas that a batch still viewed, once it is done
             for key, _ in sel.select(PARENT_POLL_S):
                 link = key.data
                 if link is None:
@@ -334,16 +338,17 @@ class Worker:
                     self._unwatch(sel, watched, link, exc)
 
     def _unwatch(self, sel, watched: set, link: FrontendLink, why: BaseException) -> None:
+        """The front end is gone (or broke the protocol): its work, streams and arena go."""
         sel.unregister(link.conn)
         watched.discard(link)
-        self._drop(link)
-
-    def _drop(self, link: FrontendLink) -> None:
         with self._links_lock:
             self.links = [other for other in self.links if other is not link]
         link.close()
 
     def run(self) -> None:
+        # first: the supervisor counts a worker silent past the hang limit as hung (service/heartbeat.py)
+        Beat(beat_path(self.spec.address), self.spec.settings.worker_heartbeat_s,
+             lambda: self.host.batcher.busy_since if self.host.batcher is not None else 0.0)
         if os.path.exists(self.spec.address):
             os.unlink(self.spec.address)
         listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)

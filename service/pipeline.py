@@ -63,7 +63,7 @@ class Service:
         """endpoints: (device, Unix socket address) of every model worker (the supervisor's)."""
         self.settings = settings
         self.arena = Arena(settings.shm_bytes)
-        self.engine = Engine(list(endpoints), self.arena)
+        self.engine = Engine(list(endpoints), self.arena, settings.worker_heartbeat_s)
         self.codec_pool = ThreadPoolExecutor(settings.codec_threads, thread_name_prefix="convserve-codec")
         self.budget = MemoryBudget(settings.memory_budget_bytes or auto_budget_bytes(1), self.retry_after)
         metrics.MEMORY_BUDGET_LIMIT.inc(self.budget.limit)
@@ -140,7 +140,7 @@ class Service:
         hm = self.models.get(name)
         if hm is None:
             if not self.ready and not self.draining:
-                raise Problem(503, "not-ready", "models are still loading", headers={"Retry-After": "2"})
+                raise Problem(503, *self.engine.unready(), headers={"Retry-After": "2"})
             raise Problem(404, "unknown-model", f"no model named {name!r}; served: {sorted(self.models)}")
         return hm
 
@@ -151,7 +151,7 @@ class Service:
         if self.draining:
             raise self._refused(model, full=False, close=True)
         if not self.ready:
-            raise Problem(503, "not-ready", "models are still loading", headers={"Retry-After": "2"})
+            raise Problem(503, *self.engine.unready(), headers={"Retry-After": "2"})
         if self.queued() >= self.settings.max_queue and not self.uploads.evict_slowest(self.settings.min_body_rate):
             raise self._refused(model, full=True)
         self.reserved += 1
@@ -285,11 +285,10 @@ class Service:
             if in_ref is not None:
                 self.arena.free(in_ref.offset)
             raise Problem(503, "shared-memory-full", str(exc), headers={"Retry-After": self.retry_after()}) from None
-        except NoWorker:
+        except NoWorker as exc:  # none up, or its worker unresponsive (service/heartbeat.py)
             if in_ref is not None:
                 self.arena.free(in_ref.offset)
-            raise Problem(503, "no-live-worker", f"no model worker serving {hm.name} is up; retry shortly",
-                          headers={"Retry-After": "2"}) from None
+            raise Problem(503, exc.kind, f"{hm.name}: {exc.detail}", headers={"Retry-After": "2"}) from None
         deadline = time.perf_counter() + self.settings.request_timeout_s
         try:
             while True:
@@ -335,10 +334,9 @@ class Service:
     def _failure(self, hm: HostedModel, exc: WorkerFailure) -> Problem:
         if exc.kind == "device-oom":
             return Problem(503, "device-out-of-memory", exc.message, headers={"Retry-After": self.retry_after()})
-        if exc.kind == "worker-died":
-            metrics.count_fault(hm.name, "worker_died", "failed")
-            return Problem(503, "worker-died", f"{exc.message}; it is being restarted",
-                           headers={"Retry-After": "2"})
+        if exc.kind in ("worker-died", "worker-unresponsive"):  # its front end answers: service/engine.py
+            metrics.count_fault(hm.name, exc.kind.replace("-", "_"), "failed")
+            return Problem(503, exc.kind, exc.message, headers={"Retry-After": "2"})
         if exc.kind == "shard-failed":
             metrics.count_fault(hm.name, "shard_failed", "failed")
             return Problem(503, "shard-failed", exc.message, headers={"Retry-After": self.retry_after()})

@@ -15,7 +15,12 @@ file is sparse: pages cost memory only once touched, and `trim()` gives large id
 Rules the rest keeps:
 - Only the front end allocates and frees; the worker only reads inputs and writes outputs.
 - A block is freed only after the worker has answered for it (result, failure, or its death),
-  never while a submitted request may still write into it (service/engine.py's Lease)."""
+  never while a submitted request may still write into it (service/engine.py's Lease).
+- A worker's mapping of a front end's arena lives as long as that front end's link: the worker
+  `release()`s it when the link ends (the front end stopped or died), and it is unmapped then, or,
+  while arrays still view it (a running batch's inputs), at the first `sweep()` after they are
+  gone; a dead front end's pages never stay mapped in a worker. The worker keeps no descriptor of
+  it (the mapping holds the file), so each front end is one memfd in a worker's /proc/<pid>/fd."""
 from __future__ import annotations
 
 import math
@@ -79,10 +84,12 @@ class _Mapping:
 
     def array(self, ref: TensorRef) -> np.ndarray:
         """The tensor at `ref`, as a view of the shared pages (writable)."""
-        n = ref.nbytes
+        n, buf = ref.nbytes, self._buf
+        if buf is None:
+            raise ValueError("the arena is released (its front end is gone)")
         if ref.offset < 0 or ref.offset + n > self.size:
             raise ValueError(f"tensor {ref} lies outside the arena ({self.size} bytes)")
-        return self._buf[ref.offset:ref.offset + n].view(ref.dtype).reshape(ref.shape)
+        return buf[ref.offset:ref.offset + n].view(ref.dtype).reshape(ref.shape)
 
     def close(self) -> None:
         self._buf = None
@@ -170,4 +177,41 @@ class Arena(_Mapping):
 
 
 class ArenaView(_Mapping):
-    """A model worker's mapping of one front end's arena, from the descriptor it was sent."""
+    """A model worker's mapping of one front end's arena, from the descriptor it was sent (closed
+    once mapped: the mapping holds the file)."""
+
+    def __init__(self, fd: int, size: int):
+        try:
+            super().__init__(fd, size)
+        finally:
+            os.close(fd)
+        self.fd = -1
+
+    def release(self) -> None:
+        """Its front end's link ended: unmap now, or at a `sweep()` once no array views it."""
+        self._buf = None
+        if not self._unmap():
+            with _lingering_lock:
+                _lingering.append(self)
+
+    close = release
+
+    def _unmap(self) -> bool:
+        try:
+            self.map.close()
+            return True
+        except BufferError:  # arrays still view it
+            return False
+
+
+#: released views that arrays still viewed (ArenaView.release), unmapped by sweep()
+_lingering: list[ArenaView] = []
+_lingering_lock = threading.Lock()
+
+
+def sweep() -> None:
+    """Unmap the released views no array views any more (a worker calls it as it goes about its
+    work: each wake-up of its I/O thread, at least every half second)."""
+    if _lingering:
+        with _lingering_lock:
+            _lingering[:] = [view for view in _lingering if not view._unmap()]

@@ -6,13 +6,21 @@ HTTP front ends (service/app.py) in front of them, all started here and kept run
     model workers       one per GPU (CONVSERVE_DEVICES), or one for the CPU / Apple GPU
 
 Front ends and workers meet through Unix sockets in a private run directory (0700), and tensors
-travel in each front end's shared-memory arena (service/shm.py). A process that dies is started
-again (with a growing pause if it keeps dying); the requests a dead worker held are answered 503
-by their front ends, which reconnect when it is back. SIGTERM drains every front end (in-flight
-work finishes, up to SHUTDOWN_GRACE_S), then stops the workers. A worker's first load that fails,
-or its death before that load is done, ends start-up (`_first_loads`: `convserve serve` exits 2
-with one line); a restarted worker whose load fails stays up, not ready, and its requests get
-503s."""
+travel in each front end's shared-memory arena (service/shm.py). SIGTERM drains every front end
+(in-flight work finishes, up to SHUTDOWN_GRACE_S), then stops the workers.
+
+The rules this module keeps for its children (it alone starts, kills and reaps them):
+- A child that dies is reaped at once (no zombie), its exit code or signal is logged, and it is
+  started again: at once if it had lived STABLE_AFTER_S, else after a pause that doubles while
+  it keeps dying. The requests a dead worker held are answered 503 `worker-died` by their front
+  ends, which reconnect when it is back; a dead front end's arena leaves the workers with its link.
+- A worker that is hung (service/heartbeat.py: no heartbeat, or one model call running, past the
+  hang limit) is killed here, with SIGKILL (a stopped or deadlocked process answers nothing
+  else), then reaped and restarted as any dead child. Front ends never kill: they stop sending
+  to a worker whose heartbeat is late, and it is ready again if it beats before the limit.
+- A worker's first load that fails, or its death before that load is done, ends start-up
+  (`_first_loads`: `convserve serve` exits 2 with one line); a restarted worker whose load
+  fails stays up, not ready, and its requests get 503s."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,7 +37,7 @@ from multiprocessing.connection import wait
 
 from convkernels.registry import visible_cuda_devices
 
-from . import metrics
+from . import heartbeat, metrics
 from .model_worker import STOP_SIGNAL, WorkerSpec
 from .model_worker import main as worker_main
 from .settings import Settings, parse_devices
@@ -40,6 +48,11 @@ log = logging.getLogger("convserve.supervisor")
 #: doubles each time (up to MAX_PAUSE_S), so a crash loop does not spin
 STABLE_AFTER_S = 60.0
 MAX_PAUSE_S = 30.0
+#: how often the supervisor looks for dead and hung children
+WATCH_S = 0.5
+#: a child whose sentinel fired has closed its last descriptor and is exiting: its exit status
+#: is there within milliseconds (joining with no wait saw it still running, and left a zombie)
+REAP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -101,11 +114,28 @@ class _Child:
         self.started = 0.0
         self.pause = 1.0
         self.restarts = 0
+        #: a worker's heartbeat record (service/heartbeat.py); None for a front end
+        self.beat: heartbeat.BeatReader | None = None
+        #: why it was killed here (hung), for the line that reports its death
+        self.killed_for: str | None = None
 
     def start(self, ctx) -> None:
+        self.started = time.monotonic()  # before it starts: its first beat is later than this
+        self.killed_for = None
         self.proc = ctx.Process(target=self.target, args=self.args, name=self.name, daemon=False)
         self.proc.start()
-        self.started = time.monotonic()
+
+
+def exit_text(code: int | None) -> str:
+    """multiprocessing's exit code as words: a negative code is the signal that ended it."""
+    if code is None:
+        return "no exit status yet"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 class Supervisor:
@@ -130,7 +160,10 @@ class Supervisor:
         group = tuple(address for _, address in self.endpoints)  # shards=N: the first N (service/shard_leader.py)
         for device, (label, address) in zip(self.devices, self.endpoints):
             spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group)
-            self.workers.append(_Child(f"convserve-worker-{label}", worker_main, (spec,)))
+            child = _Child(f"convserve-worker-{label}", worker_main, (spec,))
+            heartbeat.create(heartbeat.beat_path(address))
+            child.beat = heartbeat.BeatReader(heartbeat.beat_path(address))
+            self.workers.append(child)
         reports = {}
         for child in self.workers:
             spec = child.args[0]
@@ -172,22 +205,39 @@ class Supervisor:
         return child.args[0].device if child in self.workers else child.name
 
     def _watch(self) -> None:
+        limit = heartbeat.hang_limit(self.settings)
         while not self._stopping.is_set():
             with self._lock:
                 children = [c for c in (*self.workers, *self.frontends) if c.proc is not None]
             sentinels = {c.proc.sentinel: c for c in children}
-            for sentinel in wait(list(sentinels), timeout=0.5):
+            for sentinel in wait(list(sentinels), timeout=WATCH_S):
                 if self._stopping.is_set():
                     return
                 self._restart(sentinels[sentinel])
+            if not self._stopping.is_set():
+                self._kill_hung(limit)
+
+    def _kill_hung(self, limit: float) -> None:
+        now = time.monotonic()
+        for child in self.workers:
+            why = None if child.killed_for else child.beat.hung(now, limit, child.started)
+            if why is None:
+                continue
+            log.error("%s (pid %s) is hung: %s (the limit is %gs, CONVSERVE_WORKER_HANG_S); killing it",
+                      child.name, child.proc.pid, why, limit)
+            child.killed_for = f"hung: {why}"
+            try:
+                os.kill(child.proc.pid, signal.SIGKILL)  # its sentinel fires: _restart reaps and restarts it
+            except ProcessLookupError:
+                pass
 
     def _restart(self, child: _Child) -> None:
         proc = child.proc
-        proc.join(0)
+        proc.join(REAP_S)  # reaped now: no zombie, and its real exit status
         lived = time.monotonic() - child.started
         worker = child in self.workers
-        log.error("%s (pid %s) died with exit code %s after %.1fs; restarting", child.name, proc.pid,
-                  proc.exitcode, lived)
+        log.error("%s (pid %s) died (%s%s) after %.1fs; restarting", child.name, proc.pid, exit_text(proc.exitcode),
+                  f", killed here: {child.killed_for}" if child.killed_for else "", lived)
         if os.environ.get(metrics.MULTIPROC_ENV):
             from prometheus_client import multiprocess
             multiprocess.mark_process_dead(proc.pid)  # its live gauges leave the sums
