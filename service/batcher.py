@@ -93,10 +93,14 @@ class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
                  stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
-                 on_start: Callable[[list[WorkItem]], None] | None = None):
+                 on_start: Callable[[list[WorkItem]], None] | None = None,
+                 on_busy: Callable[[float], None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
         (the seam of the injected model-call faults, service/fault_injection.py). on_start(batch):
-        told which items a model call is about to run (the worker tells their front ends)."""
+        told which items a model call is about to run (the worker tells their front ends).
+        on_busy(started): on the device thread, when a model call starts (time.monotonic()) and
+        ends (0.0): the worker's heartbeat record carries it (service/heartbeat.py)."""
+        self.on_busy = on_busy or (lambda started: None)
         self.on_start = on_start
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
@@ -112,9 +116,6 @@ class Batcher:
         self._cond = threading.Condition()
         self._stopped = False
         self.row_seconds = 0.0
-        #: time.monotonic() when the running batch started, 0.0 while none runs (the worker's
-        #: heartbeat carries it: a call stuck past the hang limit gets the worker restarted)
-        self.busy_since = 0.0
         #: the device thread: every model call runs on it
         self._depth_changed = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
@@ -242,11 +243,11 @@ class Batcher:
             if batch is None:
                 return
             if batch:
-                self.busy_since = time.monotonic()
+                self.on_busy(time.monotonic())
                 try:
                     self._run(batch)
                 finally:
-                    self.busy_since = 0.0
+                    self.on_busy(0.0)
                     # its inputs (views of front ends' arenas) go now, not when the next batch comes:
                     # the arena of a front end that has gone is unmapped once no view of it is left
                     batch = None

@@ -52,6 +52,7 @@ class ModelHost:
         self.stats = ModelStats()
         self.on_change = lambda: None
         self.on_start = lambda batch: None
+        self.on_busy = lambda started: None  # the worker's heartbeat record (service/heartbeat.py)
         self.device_thread: threading.Thread | None = None
         #: finished requests, from the device thread to the delivery thread (Worker._deliver)
         self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
@@ -88,7 +89,7 @@ class ModelHost:
             # worker's own queue only has to hold what they admitted, however many they are.
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
-                                   name=self.spec.device, on_start=self.on_start,
+                                   name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread

@@ -275,10 +275,13 @@ class Engine:
             return
         now = time.monotonic()
         for link in self.links:
-            silent = link.beat.silent_s(now) if link.conn is not None else 0.0
+            # only a ready worker is judged: one loading its models is not ready anyway, and
+            # its warm-up's compiles may hold the interpreter lock for seconds
+            judged = link.conn is not None and link.desc.get("state") == "ready"
+            silent = link.beat.unresponsive(now, self.heartbeat_s) if judged else 0.0
             if silent > self.heartbeat_s and not link.unresponsive:
                 self._went_silent(link, silent)
-            elif silent <= self.heartbeat_s and link.unresponsive:
+            elif not silent and link.unresponsive:
                 log.warning("worker %s answers again", link.device)
                 link.unresponsive = None
                 self._update_ready()

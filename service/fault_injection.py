@@ -7,6 +7,7 @@ instead of guessing how long a decode takes on a loaded machine. The faults are 
 production paths (oom_recovery.py, the worker) and counted in `convserve_faults_total`."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from pathlib import Path
@@ -83,6 +84,10 @@ def _call_faults(inputs: np.ndarray, settings: FaultSettings) -> None:
         release = Path(settings.hold_release_file or "")
         if settings.hold_release_file:
             release.with_name(release.name + ".holding").touch()
+        if settings.hold_lock_s:
+            # a PyDLL function keeps the interpreter lock through its call: libc's sleep() then
+            # stands for a long C call that never lets the lock go
+            ctypes.PyDLL(None).sleep(int(settings.hold_lock_s))
         deadline = time.monotonic() + HOLD_MAX_S
         while not (settings.hold_release_file and release.exists()) and time.monotonic() < deadline:
             time.sleep(0.005)

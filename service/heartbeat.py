@@ -1,30 +1,37 @@
 """A model worker's heartbeat: how its front ends and the supervisor tell a hung worker (stopped,
 deadlocked, stuck in one device call) from a busy one.
 
-Each worker has a beat record: a 16-byte file beside its socket in the server's private run
+Each worker has a beat record: a 24-byte file beside its socket in the server's private run
 directory (service/supervisor.py makes it), mapped shared by:
 
-    the worker (one writer)  its heartbeat thread (`Beat`), every `interval()` seconds: the time
-                             of the beat, and when the model call running on its device started
-                             (0 while none runs)
-    each front end (reader)  service/engine.py: a worker whose last beat is older than
-                             CONVSERVE_WORKER_HEARTBEAT_S is *unresponsive*: not ready (/readyz
-                             503 for a model no other worker serves), new requests 503
-                             `worker-unresponsive` with Retry-After (or to another device's
-                             worker), its requests in flight answered so at once
+    the worker (writers)     its heartbeat thread (`Beat`), every `interval()` seconds: the time
+                             of the beat; its device thread (the batcher), when a model call
+                             starts and ends (0 while none runs); its pid, once
+    each front end (reader)  service/engine.py judges a *ready* worker: one whose last beat is
+                             older than CONVSERVE_WORKER_HEARTBEAT_S while it runs no model call,
+                             or whose process is stopped (SIGSTOP, a debugger; read from /proc), is
+                             *unresponsive*: not ready (/readyz 503 for a model no other worker
+                             serves), new requests 503 `worker-unresponsive` with Retry-After (or to
+                             another device's worker), its requests in flight answered so at once
     the supervisor (reader)  a worker whose last beat, or whose running model call, is older than
                              `hang_limit()` is *hung*: the supervisor, and only it, kills it
                              (SIGKILL) and starts another, as for any worker that dies
 
 A worker that beats again (SIGCONT, a lock let go) before the hang limit is ready again.
 
+Why a late beat during a model call is not enough for the front ends: the worker's threads share
+the interpreter lock, and a C call that holds it (NVRTC compiling a kernel, the cuDNN frontend
+building a plan for a new shape: over 3 s on an H200) silences the heartbeat thread exactly as a
+stopped process does. Such a worker is busy, not hung, and its request must not get a 503. The
+process state tells the two apart where /proc exists; elsewhere a call is judged by the hang
+limit alone. The device thread writes the call's start itself, before it takes the lock for the
+call, so the record shows the call even when the heartbeat thread never runs during it.
+
 Why shared memory and not a message on the worker's socket: a send blocks once a front end that
 stopped reading has a full socket buffer, and a heartbeat thread blocked there would silence the
 worker for every front end; a store into a mapped page never blocks, and one record serves every
 reader. Times are time.monotonic(), the system-wide monotonic clock (CLOCK_MONOTONIC on Linux,
-mach_absolute_time on macOS), so they compare across processes. The worker's threads share the
-interpreter lock: a C call that holds it longer than the heartbeat limit silences the beat just as
-a stopped process does, and is treated the same."""
+mach_absolute_time on macOS), so they compare across processes."""
 from __future__ import annotations
 
 import logging
@@ -33,11 +40,13 @@ import os
 import struct
 import threading
 import time
-from typing import Callable
 
 log = logging.getLogger("convserve.heartbeat")
 
-_RECORD = struct.Struct("=dd")  # last beat, start of the running model call (0: none)
+_RECORD = struct.Struct("=ddq")  # last beat, start of the running model call (0: none), the worker's pid
+_TIME = struct.Struct("=d")
+_CALL_AT = 8  # the offset of the running call's start
+_PID_AT = 16
 #: a worker that has not beaten since it started is given at least this long (an interpreter
 #: starting and importing NumPy and the models on a loaded machine) before it counts as hung
 START_S = 60.0
@@ -78,21 +87,39 @@ def _map(path: str, write: bool) -> mmap.mmap:
 
 
 class Beat:
-    """The worker's heartbeat thread: `busy()` is when the running model call started (0: none)."""
+    """The worker's side: a heartbeat thread, and `call()` for the device thread."""
 
-    def __init__(self, path: str, heartbeat_s: float, busy: Callable[[], float]):
+    def __init__(self, path: str, heartbeat_s: float):
         self._map = _map(path, write=True)
-        self._every, self._busy = interval(heartbeat_s), busy
+        self._every = interval(heartbeat_s)
+        struct.pack_into("=q", self._map, _PID_AT, os.getpid())
+        self.call(0.0)  # a restarted worker starts idle, whatever its predecessor was doing
         self.beat()  # at once: a worker that restarts is not taken for its silent predecessor
         threading.Thread(target=self._run, name="convserve-heartbeat", daemon=True).start()
 
     def beat(self) -> None:
-        _RECORD.pack_into(self._map, 0, time.monotonic(), self._busy())
+        _TIME.pack_into(self._map, 0, time.monotonic())
+
+    def call(self, started: float) -> None:
+        """A model call started at `started` (time.monotonic()), or none runs (0)."""
+        _TIME.pack_into(self._map, _CALL_AT, started)
 
     def _run(self) -> None:
         while True:
             time.sleep(self._every)
             self.beat()
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a tracer): its state in /proc/PID/stat. False where
+    there is no /proc, or no such process (its death is seen on its socket)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()  # the name, in parentheses, may hold spaces
+    return bool(fields) and fields[0] in (b"T", b"t")
 
 
 class BeatReader:
@@ -102,9 +129,9 @@ class BeatReader:
         self.path = path
         self._map: mmap.mmap | None = None
 
-    def read(self) -> tuple[float, float] | None:
-        """(last beat, start of the running model call or 0), or None without a record (no
-        supervisor made one: nothing to judge by)."""
+    def read(self) -> tuple[float, float, int] | None:
+        """(last beat, start of the running model call or 0, the worker's pid), or None without a
+        record (no supervisor made one: nothing to judge by)."""
         if self._map is None:
             try:
                 self._map = _map(self.path, write=False)
@@ -112,17 +139,25 @@ class BeatReader:
                 return None
         return _RECORD.unpack_from(self._map, 0)
 
-    def silent_s(self, now: float, since: float = 0.0) -> float:
-        """Seconds without a beat (counted from `since` at the earliest: when the worker started)."""
+    def unresponsive(self, now: float, limit: float) -> float:
+        """A front end's judgement of a ready worker: the seconds it has been silent where that
+        counts (past `limit` with no model call running, or at all while its process is stopped),
+        else 0."""
         record = self.read()
-        return 0.0 if record is None else now - max(record[0], since)
+        if record is None:
+            return 0.0
+        beat, busy, pid = record
+        silent = now - beat
+        if silent <= limit:
+            return 0.0
+        return silent if not busy or stopped(pid) else 0.0
 
     def hung(self, now: float, limit: float, started: float) -> str | None:
         """Why the worker that started at `started` counts as hung, or None."""
         record = self.read()
         if record is None:
             return None
-        beat, busy = record
+        beat, busy, _ = record
         if beat < started:  # not beaten yet since it started
             silent = now - started
             return f"no heartbeat in {silent:.0f}s since it started" if silent > max(limit, START_S) else None

@@ -347,8 +347,7 @@ class Worker:
 
     def run(self) -> None:
         # first: the supervisor counts a worker silent past the hang limit as hung (service/heartbeat.py)
-        Beat(beat_path(self.spec.address), self.spec.settings.worker_heartbeat_s,
-             lambda: self.host.batcher.busy_since if self.host.batcher is not None else 0.0)
+        self.host.on_busy = Beat(beat_path(self.spec.address), self.spec.settings.worker_heartbeat_s).call
         if os.path.exists(self.spec.address):
             os.unlink(self.spec.address)
         listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)

@@ -262,6 +262,10 @@ class FaultSettings(BaseSettings):
     poison_value: float | None = None
     hold_value: float | None = None
     hold_release_file: str | None = None
+    #: a held call first keeps the interpreter lock this many whole seconds, as a C call that holds
+    #: it would (NVRTC or the cuDNN frontend compiling for a new shape): the heartbeat thread is
+    #: silent meanwhile, yet the worker is busy, not hung
+    hold_lock_s: int | None = None
     #: rank k of every sharded decode fails at its first collective (service/shard_leader.py);
     #: with shard_fail_file, only while that file exists (a test ends the fault by removing it)
     shard_fail_rank: int | None = None

@@ -108,6 +108,24 @@ def test_a_stopped_worker_s_model_is_served_by_another_device(server_factory):
     wait_for(lambda: [d["state"] for d in devices(srv.url)] == ["ready", "ready"], 10, "cpu:0 ready again")
 
 
+def test_a_call_holding_the_interpreter_lock_is_busy_not_unresponsive(server_factory, tmp_path):
+    """A model call that keeps the interpreter lock past the heartbeat limit (on an H200, CuPy's
+    and the cuDNN frontend's compiles for a new shape did, over 3 s) silences the heartbeat thread
+    as a stopped worker would; the process is running, so the worker is busy: its request gets
+    200, not 503 `worker-unresponsive`, and /readyz stays 200 meanwhile."""
+    release = tmp_path / "release"
+    release.touch()  # no wait on the file: only the lock is held
+    srv = server_factory(models="tiny-vae", max_batch=1, worker_heartbeat_s=1.0, worker_hang_s=60,
+                         fault_hold_value=HOLD, fault_hold_release_file=release, fault_hold_lock_s=4)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(decode, srv.url, latents(hold=True))
+        wait_for(lambda: release.with_name("release.holding").exists(), 60, "the call holding the lock")
+        time.sleep(2.5)  # past the 1 s heartbeat limit, inside the 4 s hold
+        assert readyz(srv.url).status_code == 200
+        assert held.result().status_code == 200
+    assert [d["state"] for d in devices(srv.url)] == ["ready"]
+
+
 def spawned(pid: int) -> list[int]:
     """The server's spawned children: its model workers and further front ends (of every thread:
     the supervisor's thread starts those that died again)."""
