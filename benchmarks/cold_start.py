@@ -1,5 +1,5 @@
 """Cold vs warm start of a real server: time to /readyz, then the first, second and third request
-of one size (issue #11: "a restarted server's first request must not autotune again"; issue #17:
+of one size (the plan cache: "a restarted server's first request must not autotune again"; first calls:
 the first request of a new SD-VAE 512 shape within 10 s on the GPU, and on CUDA the second request
 captures the forward as a CUDA graph, the third replays it).
 

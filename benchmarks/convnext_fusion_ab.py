@@ -1,4 +1,4 @@
-"""A/B of the ConvNeXt block fusions on the CUDA backend (issue #20): ConvNeXt-T 224 fp16,
+"""A/B of the ConvNeXt block fusions on the CUDA backend: ConvNeXt-T 224 fp16,
 graphed, pixels already on the device, at batch 1, 32 and 128, with each switch on and off in one
 run, against PyTorch eager (timm convnext_tiny, else transformers ConvNextModel; fp16,
 channels-last) on the same GPU. Prints median ms, images/s, ratio ours / PyTorch (below 1 = we are
@@ -36,7 +36,7 @@ CONFIGS = [  # name, CudaOptions fields (the rest at their defaults)
     ("no vectorised LayerNorm", {"ln_vec": False}),
     ("dw bias in the conv, not the norm", {"dw_bias_in_ln": False}),
     ("+ dw conv + LayerNorm fused", {"dw_ln": True}),
-    ("none (main before #20)", {"lt_epilogues": False, "ln_vec": False, "dw_bias_in_ln": False}),
+    ("none (main before the fusions)", {"lt_epilogues": False, "ln_vec": False, "dw_bias_in_ln": False}),
 ]
 
 

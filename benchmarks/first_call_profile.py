@@ -1,4 +1,4 @@
-"""Where the first call of a new shape spends its time on the GPU (issue #17: the first SD-VAE 512
+"""Where the first call of a new shape spends its time on the GPU (the first-call bound: the first SD-VAE 512
 request of a server with no plan cache must take <= 10 s): one fresh process per case runs
 `model.decode` once under cProfile and prints its wall time and the functions that took longest.
 

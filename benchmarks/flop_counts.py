@@ -1,7 +1,7 @@
 """How much arithmetic a decode is, and so the least time it can take: the diffusers class's
 forward counted by torch.utils.flop_counter on the meta device (no weights, no compute, any size),
-for the workloads whose targets sit near that floor (issue #31: TAESD 1024x1024 in 1 ms on an H100
-and 100 ms on 2 CPU cores; Wan 2.2 121x704x1280 at 2x PyTorch eager; issue #32: Wan 2.1 81x480x832
+for the workloads whose targets sit near that floor (the 2026 VAE families: TAESD 1024x1024 in 1 ms on an H100
+and 100 ms on 2 CPU cores; Wan 2.2 121x704x1280 at 2x PyTorch eager; the sharded decode: Wan 2.1 81x480x832
 in 0.5 s on 2 GPUs), and SD-VAE 512 for scale.
 
 The floor is FLOPs / peak: `--peak-tflops` (default 989, an H100 or H200 SXM's dense float16 and

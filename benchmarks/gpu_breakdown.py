@@ -1,4 +1,4 @@
-"""Where the wall time of one graphed forward goes on the GPU (issue #17: wall minus kernel time).
+"""Where the wall time of one graphed forward goes on the GPU (wall minus kernel time).
 
 For SD-VAE decode 1x4x64x64 -> 512x512 and ConvNeXt-T 224 (batch 1 and 32), fp16, CUDA graphs on,
 each stage of `model.decode` / `model.encode` is timed on its own (host clock, device synchronised

@@ -1,4 +1,4 @@
-"""Issue #31's GPU rows: the 2026 VAE families (TAESD, FLUX.2, Qwen-Image, Wan 2.2) on the CUDA
+"""The GPU rows of the 2026 VAE families (TAESD, FLUX.2, Qwen-Image, Wan 2.2) on the CUDA
 backend against the diffusers class on PyTorch, eager and torch.compile, in one process.
 
 Both sides use random weights (timing only; parity is in the GPU tests of each family, tests/gpu/).

@@ -2,7 +2,7 @@
 diffusers class on PyTorch eager, from one CUPTI trace each (torch.profiler sees every kernel the
 process launches, CuPy's included).
 
-For the workloads whose speed target was missed (issue #31: Wan 2.2 720p at 1.57x eager where 2x
+For the workloads whose speed target was missed (the 2026 VAE families: Wan 2.2 720p at 1.57x eager where 2x
 is asked, TAESD 1024^2 at 2.7 ms where 1 ms is asked), this says where the time goes before any of
 it is changed: kernels grouped by name, total device ms, launches, and the share of the whole.
 
@@ -11,7 +11,7 @@ Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_kernel_profil
 cuDNN plans, the service's CONVSERVE_CUDA_AUTOTUNE: which kernels the timing picks over cuDNN's
 heuristic choice)
 
-shardpath (issue #32): Wan 2.1's sharded decode path (models/sharded_wan_decode.py) run as one shard of
+shardpath (the sharded decode): Wan 2.1's sharded decode path (models/sharded_wan_decode.py) run as one shard of
 the whole rows beside the unsharded decode, both eager (no CUDA graphs), same latents: a sharded
 decode on N GPUs can only approach 1/N of one GPU's time if its path costs what the unsharded one
 does on the same rows; the table says where it does not.

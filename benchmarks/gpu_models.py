@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 
-# work of the reference architectures (2 x multiply-adds): the SD-VAE figure is issue #11's (diffusers'
+# work of the reference architectures (2 x multiply-adds): the SD-VAE figure is the CUDA targets' (diffusers'
 # nearest-upsample + 3x3 decoder; our sub-pixel upsampling does fewer), ConvNeXt-T is 4.47 GMAC/image
 SD_VAE_512_TFLOP = 2.48
 CONVNEXT_T_224_TFLOP = 2 * 4.47e-3

@@ -1,4 +1,4 @@
-"""The exhaustion probe of issue #29, run by hand against a real `convserve serve` on the CPU
+"""The exhaustion probe, run by hand against a real `convserve serve` on the CPU
 default: each check prints one line with what it measured and the bound it is held to.
 
   python benchmarks/hostile_probe.py            # every check (~4 minutes on 2 cores)

@@ -27,7 +27,7 @@ WORKLOADS = [  # name, kind, preset, shape (ours: NHWC pixels or NCHW latents)
     ("wan2.1-vae decode 5x16x16 -> 17x128x128", "video", "wan2.1-vae", (1, 16, 5, 16, 16)),
     ("taesd decode 64x64 -> 512x512", "tiny", "taesd", (1, 4, 64, 64)),
     ("taesd decode 128x128 -> 1024x1024", "tiny", "taesd", (1, 4, 128, 128)),
-    # the other 2026 families (issue #31), at small sizes: the published configs are wide
+    # the other 2026 families, at small sizes: the published configs are wide
     ("flux2-vae decode 128x16x16 -> 256x256", "flux2", "flux2-vae", (1, 128, 16, 16)),
     ("qwen-image-vae decode 16x32x32 -> 256x256", "qwen", "qwen-image-vae", (1, 16, 32, 32)),
     ("wan2.2-vae decode 48x2x8x8 -> 5x128x128", "wan22", "wan2.2-vae", (1, 48, 2, 8, 8)),

@@ -1,4 +1,4 @@
-"""Throughput through the HTTP service vs the raw model, same machine, same run (issue #28: the
+"""Throughput through the HTTP service vs the raw model, same machine, same run (the service split's target: the
 service delivers >= 0.9 of the raw model's throughput in every format, on every GPU of a host).
 
 raw: the model's own call (`decode` / `encode`) in a child process on batches of --batch rows

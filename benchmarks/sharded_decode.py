@@ -1,4 +1,4 @@
-"""Issue #32's rows: one decode (SD-VAE by default; Wan 2.1 with --preset wan2.1-vae --latent
+"""The sharded decode's rows: one decode (SD-VAE by default; Wan 2.1 with --preset wan2.1-vae --latent
 16x21x60x104 --dtype bfloat16), untiled and exact, on 1 GPU and split by rows over 2 (and 4) GPUs,
 in one run: wall time (the slowest rank, host latents to host pixels), the CuPy
 pool's bytes per GPU (the recorded graphs' pools included), and the sharded output's distance
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--f32-reference", action="store_true",
-                    help="also decode once in float32 on one GPU and give every row's distance from it (issue "
-                         "#32: a sharded half-precision decode is within the one-GPU decode's own error)")
+                    help="also decode once in float32 on one GPU and give every row's distance from it "
+                         "(a sharded half-precision decode is within the one-GPU decode's own error)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="every rank (the one-GPU baseline too) without CUDA graphs: the lower-memory setting")
     ap.add_argument("--autotune", action="store_true",

@@ -15,12 +15,12 @@ own convserve_time_to_first_frame_seconds (mean over the runs) is printed beside
     python benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 31x90x160 --shards 4  # 4 GPUs
 
 With --shards N, the started server gets devices 0..N-1 and shard groups on, and every request asks
-for `shards=N`: one decode split by rows over N GPUs (issue #32), its frame groups streamed as
+for `shards=N`: one decode split by rows over N GPUs, its frame groups streamed as
 every GPU completes them.
 
 With --raw, the raw model's own decode (`model.decode`, float32 frames back to host memory, in a
 child process, best of --reps) is timed on the same latents, and each route's time to its last
-byte is printed as raw / route (issue #28: the service delivers >= 0.9 of the raw decode's speed).
+byte is printed as raw / route (the service split's target: it delivers >= 0.9 of the raw decode's speed).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Where a streamed Wan 2.1 decode's first frame group spends its time on the GPU (issue #20's
-"first group <= 0.1 s"): the latents' host preparation, the first chunk's ops queued by the host
+"""Where a streamed Wan 2.1 decode's first frame group spends its time on the GPU (the streamed decode's
+"first group <= 0.1 s" target): the latents' host preparation, the first chunk's ops queued by the host
 (the time until `_decode_chunk` returns), its wait for the device, and the same chunk's summed
 kernel time with the costliest kernels (gpu_models.kernel_ms: CUPTI, memcpys not counted; the
 run of 2026-11-25 02:57 counted them, 0.7 of its 6.1 ms). Queueing close to the

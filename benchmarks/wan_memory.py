@@ -1,4 +1,4 @@
-"""Peak live array memory of one Wan 2.1 VAE decode on the NumPy backend (issue 20, item 5).
+"""Peak live array memory of one Wan 2.1 VAE decode on the NumPy backend.
 
 The model code is the one the CUDA backend runs, so references it keeps alive show up here as
 they do in the CuPy pool. Live bytes are numpy's allocations as `tracemalloc` traces them,

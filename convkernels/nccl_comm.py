@@ -1,5 +1,5 @@
 """The ShardComm of real devices: one rank per process, one GPU each, joined by NCCL through
-CuPy's `cupy.cuda.nccl` (issue #32). It has the collectives shard_comm.ThreadShards emulates,
+CuPy's `cupy.cuda.nccl`. It has the collectives shard_comm.ThreadShards emulates,
 with the same semantics, so the sharded model code tested on the CPU runs here unchanged.
 
 Rules it keeps:

@@ -1,5 +1,5 @@
 """How the shards of one decode talk to each other: the three collectives a spatially sharded
-conv model needs (issue #32), behind one small interface.
+conv model needs, behind one small interface.
 
 A decode split by rows over N devices runs the same model code on every shard; where a layer
 needs what another shard holds, it calls its communicator:

@@ -1,5 +1,5 @@
 """The two layers that need another shard's data when an image or video is split by rows over
-devices (issue #32), computed exactly: a conv, which needs its neighbours' edge rows (the halo),
+devices, computed exactly: a conv, which needs its neighbours' edge rows (the halo),
 and GroupNorm, whose statistics cover the whole image. Everything else in a VAE decoder (RMS
 norm over channels, activations, pointwise convs) is row-local and runs on a shard as it is.
 

@@ -1,4 +1,4 @@
-"""The image VAE's decode split by rows over shards (issue #32), equal to the unsharded decode.
+"""The image VAE's decode split by rows over shards, equal to the unsharded decode.
 
 Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.py; SD, SDXL,
 FLUX.1, and FLUX.2's `Flux2VAEModel`, whose decoder is the same), with the model's own

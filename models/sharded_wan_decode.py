@@ -1,4 +1,4 @@
-"""The Wan video VAEs' decode split by rows over shards (issue #32), equal to the unsharded,
+"""The Wan video VAEs' decode split by rows over shards, equal to the unsharded,
 untiled decode (models/wan_vae.py): Wan 2.1's, Qwen-Image's (Wan 2.1's on one frame) and Wan
 2.2's (models/wan22_vae.py; below).
 

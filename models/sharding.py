@@ -1,5 +1,5 @@
-"""Which served models a decode can be split over shards for, and the one call each shard makes
-(issue #32): the service's model workers (service/shard_leader.py) and the standalone group
+"""Which served models a decode can be split over shards for, and the one call each shard makes:
+the service's model workers (service/shard_leader.py) and the standalone group
 (service/shard_group.py) ask here instead of knowing the families.
 
 Five families are sharded, by latent rows (FAMILIES, one place):

@@ -1,4 +1,4 @@
-"""One decode across several GPUs (issue #32): a group of processes, one per GPU and narrowed to
+"""One decode across several GPUs: a group of processes, one per GPU and narrowed to
 it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), each decoding its
 band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wan_decode for the
 Wan 2.1 video VAE); the bands' pixels are joined here.

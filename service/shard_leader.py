@@ -1,4 +1,4 @@
-"""A `shards=N` decode inside the service (issue #32): the model worker of the first device leads,
+"""A `shards=N` decode inside the service: the model worker of the first device leads,
 the workers of the next N-1 devices follow, joined by NCCL (convkernels.nccl_comm).
 
 Why one leader: every member of a group must run the group's collectives in the same order, or

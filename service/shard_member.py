@@ -1,4 +1,4 @@
-"""A shard group's follower (issue #32): the side of the workers of devices 1..N-1, which the
+"""A shard group's follower: the side of the workers of devices 1..N-1, which the
 first device's worker leads (service/shard_leader.py, whose docstring holds the group's rules and
 messages). A follower keeps its communicators (one per group size, made when the leader asks), its
 bands' streamed decodes, and decodes what the leader hands it on its own device thread, between

@@ -1,4 +1,4 @@
-"""A decode's `shards` option (issue #32): `1` (the default: one device), `N` (the first N devices
+"""A decode's `shards` option: `1` (the default: one device), `N` (the first N devices
 decode it together, exactly, service/shard_leader.py) or `auto` (the rule below decides). Read on
 REST (`?shards=`), in KServe's request parameters, and by the CLI's `decode --shards`.
 

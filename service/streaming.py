@@ -1,4 +1,4 @@
-"""Streamed video decode (issue 13): frame groups leave the server as the causal decoder finishes
+"""Streamed video decode: frame groups leave the server as the causal decoder finishes
 them, as fragmented MP4 for players or length-prefixed .npy records for programs.
 
 One request path: the route is counted and admitted by Service.admit, the latents pass

@@ -196,7 +196,7 @@ def test_dashboard_layout_and_topics():
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}", p["title"]
     exprs = " ".join(e for _, e in checks.dashboard_targets(dashboard))
-    # what the dashboard must show (issue 8): request rate, latency percentiles, queue depth and
+    # what the dashboard must show: request rate, latency percentiles, queue depth and
     # wait, batch sizes, path mix per op, conv latency by path, plan-cache hit rate
     for needle in ("rate(convserve_requests_total", "histogram_quantile(0.99, sum by (le, model, endpoint) "
                    "(rate(convserve_request_seconds_bucket", "convserve_queue_depth", "convserve_queue_wait_seconds_bucket",

@@ -8,7 +8,8 @@
 - no module over MAX_LINES lines, except the few named below with the reason;
 - no CONVSERVE_ setting is read below service/ (the backends and models get their knobs as
   arguments), and the few environment variables read there are other tools' own conventions;
-- no comment or document cites a file that is not in the repository.
+- no comment or document cites a file that is not in the repository;
+- no code or document names an issue number: each names the capability instead.
 
 The tools run from this environment's own bin directory (the fresh venv's, in CI)."""
 from __future__ import annotations
@@ -130,3 +131,23 @@ def test_no_comment_cites_a_file_outside_the_repository():
                     continue
                 missing.append(f"{path.relative_to(REPO)}:{n}: {cited}")
     assert not missing, "\n".join(missing[:60]) + (f"\n... {len(missing)} in all" if len(missing) > 60 else "")
+
+
+#: an issue's number, whatever the wording: "issue" or "issues" then a number (with or without its
+#: hash), a hash and a number in parentheses, or a hash and two or three digits ending the word (the
+#: second of "issues #a, #b", a bare one's possessive). A hex colour (#1f77b4, #00ff00) and an
+#: anchor (#worker-unresponsive) are not: the digits must end the word, no hex digit after them
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+\b|\(#\d+\)|\B#\d{2,3}\b(?![0-9a-fA-F])")
+TEXT_SUFFIXES = (".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".cu", ".c", ".json")
+
+
+def test_no_code_or_document_names_an_issue_number():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    tracked = [REPO / f for f in files.stdout.split()
+               if (f.endswith(TEXT_SUFFIXES) or Path(f).name.startswith("Dockerfile")) and (REPO / f).exists()]
+    named = [f"{path.relative_to(REPO)}:{n}: {m.group(0)}"
+             for path in tracked
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             for m in ISSUE_NUMBER.finditer(line)]
+    assert not named, ("name the capability, not the issue:\n" + "\n".join(named[:60])
+                       + (f"\n... {len(named)} in all" if len(named) > 60 else ""))

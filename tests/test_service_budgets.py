@@ -1,4 +1,4 @@
-"""No request can exhaust the server (issue #29), on a real server over real sockets:
+"""No request can exhaust the server, on a real server over real sockets:
 
 - the memory budget: a body larger than a front end's budget gets 413 before a byte of it is read;
   bodies that do not fit beside the ones admitted get 503 with Retry-After; everything taken is

@@ -1,4 +1,4 @@
-"""Issue 7's proof: `convserve serve` with CONVSERVE_BACKEND=mlx (Metal on a Mac, MLX's CPU device
+"""The MLX backend's service proof: `convserve serve` with CONVSERVE_BACKEND=mlx (Metal on a Mac, MLX's CPU device
 elsewhere, so this runs in CI) serves decode and encode requests that match diffusers / transformers
 in float32 (rel L2 < 1e-4), with every conv counted under backend="mlx" in /metrics.
 The checks themselves live in tests/service_parity.py, shared with the CUDA test."""

@@ -1,4 +1,4 @@
-"""The image VAE's decode split by rows over N emulated shards (issue #32: threads of the NumPy
+"""The image VAE's decode split by rows over N emulated shards (threads of the NumPy
 backend joined by ThreadShards, NCCL's collective semantics) equals the unsharded decode, ours
 and diffusers' with the same weights, over odd row splits; with any one of the three exchanges
 (conv halo, GroupNorm statistics, attention's keys and values) kept shard-local instead, it

@@ -1,4 +1,4 @@
-"""The 2026 families' decodes split by rows over N emulated shards (issue #32, threads of the
+"""The 2026 families' decodes split by rows over N emulated shards (threads of the
 NumPy backend joined by ThreadShards, NCCL's collective semantics): FLUX.2 (the SD decoder behind
 BatchNorm de-normalisation and 2x2 unpatchify), Qwen-Image (the Wan 2.1 decoder on one frame) and
 Wan 2.2 (residual up blocks with DupUp3D shortcuts, 2x2 output patches) each equal the unsharded

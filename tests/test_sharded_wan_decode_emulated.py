@@ -1,4 +1,4 @@
-"""The Wan 2.1 video VAE's decode split by rows over N emulated shards (issue #32: threads of the
+"""The Wan 2.1 video VAE's decode split by rows over N emulated shards (threads of the
 NumPy backend joined by ThreadShards, NCCL's collective semantics) equals the unsharded untiled
 decode, ours and diffusers' AutoencoderKLWan with the same weights, over odd row splits and three
 latent frames (so the later frame groups run with a full causal cache). With the conv halo or

@@ -1,4 +1,4 @@
-"""Spatial sharding's building blocks (issue #32) on emulated shards: N threads of the NumPy
+"""Spatial sharding's building blocks on emulated shards: N threads of the NumPy
 backend joined by convkernels.shard_comm.ThreadShards, which has NCCL's collective semantics.
 A conv with its halo exchanged, and GroupNorm with its statistics all-reduced, computed shard by
 shard over odd row splits, must equal torch's conv2d, causal conv3d and group_norm of the whole

@@ -11,7 +11,7 @@ Per storage dtype:
   twice as deep, and so sums with 16 bits of each probability. With the probabilities rounded
   once, the attention's error was 1.4x PyTorch's own bfloat16 attention's, which keeps them in
   float32 (2026-11-26, tests/gpu/test_cuda_attention_bf16.py), and a Qwen-Image decode's went past
-  the 1.5x that issue #31 allows.
+  the 1.5x that the 2026 families' half-precision criterion allows.
   (Before, bfloat16 attention cast q, k and v to float32 and ran both products as float32 GEMMs,
   several times slower on tensor-core GPUs: the 262k-token mid-block attention of a 4096x4096
   FLUX.2 or Qwen-Image decode.)

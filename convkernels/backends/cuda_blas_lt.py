@@ -1,7 +1,7 @@
 """Linear layers with their bias, activation and residual fused into the GEMM, through
 cuBLASLt's C API (ctypes) in the style of cuda_blas.py: a ConvNeXt block's two MLP matmuls were
-each followed by a separate `epilogue` kernel that read and wrote the whole activation again
-(issue #20). cuBLASLt applies the bias (CUBLASLT_EPILOGUE_BIAS) or bias + GELU
+each followed by a separate `epilogue` kernel that read and wrote the whole activation again.
+cuBLASLt applies the bias (CUBLASLT_EPILOGUE_BIAS) or bias + GELU
 (CUBLASLT_EPILOGUE_GELU_BIAS) in the GEMM's own epilogue, and adds a residual as C with beta = 1
 (D = alpha * A B + beta * C + bias, C and D distinct buffers): fc1 and fc2 are one launch each.
 

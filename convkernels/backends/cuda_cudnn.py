@@ -10,7 +10,7 @@ Autotune (optional) is bounded: it builds and times only the heuristic's first
 `autotune_max_plans` plans that build (default 4), with CUDA events on the call's own buffers,
 and pins the fastest; the plan cache persists the winner. Building every plan
 (build_plan_policy.ALL, ~1 s for a 3x3 512-channel conv) for each of a decoder's ~40 keys made
-the first SD-VAE 512 request take a minute (issue #17); the fastest plan is almost always among
+the first SD-VAE 512 request take a minute; the fastest plan is almost always among
 the heuristic's first few, and the first plan alone was far slower only sometimes (measured).
 """
 from __future__ import annotations

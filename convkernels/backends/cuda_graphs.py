@@ -1,4 +1,4 @@
-"""Whole-forward CUDA graphs for the CUDA backend (issues #11 and #17), on by default.
+"""Whole-forward CUDA graphs for the CUDA backend, on by default.
 
 A model's forward issues ~100-200 small launches (cuDNN executes, CuPy kernels, cuBLAS); each
 costs 50-70 us of Python on the host, so at batch 1 the GPU mostly waits for the host. A

@@ -75,15 +75,15 @@ if [ "${FIRSTCALL:-0}" = 1 ]; then  # where a new shape's first call spends its 
   timeout ${FIRSTCALL_TIMEOUT:-300} python3 benchmarks/first_call_profile.py 2>&1 | tee "$OUT/first_call.log" \
     | grep -E "=====|first decode|second decode" | tail -n 12
 fi
-if [ "${STREAM:-0}" = 1 ]; then  # issue #13's GPU row: streamed Wan 2.1 decode, real config
+if [ "${STREAM:-0}" = 1 ]; then  # the streamed decode's GPU row: streamed Wan 2.1 decode, real config
   timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
     --shapes ${STREAM_SHAPES:-21x60x104} --reps 2 2>&1 | tee "$OUT/streaming.log" | tail -n 8
 fi
-if [ "${FIRSTCHUNK:-0}" = 1 ]; then  # issue #20's streamed first group: host queueing vs kernels
+if [ "${FIRSTCHUNK:-0}" = 1 ]; then  # the streamed decode's first group: host queueing vs kernels
   timeout ${FIRSTCHUNK_TIMEOUT:-200} python3 benchmarks/wan_first_chunk.py 2>&1 | tee "$OUT/wan_first_chunk.log" \
     | grep -v -i warn | tail -n 18
 fi
-if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # issue #28: through the service vs the raw model
+if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # the multi-process service: through it vs the raw model
   timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
     --preset sd-vae --latent 64 --format ${SD_FORMATS:-png,jpeg,webp,npy} --batch 8 --concurrency 64 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
@@ -95,12 +95,12 @@ if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
     --log "$OUT/service_enc_server.log" 2>&1 | tee -a "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
-if [ "${WANSVC:-0}" = 1 ]; then  # issue #28: Wan 2.1 81x480x832 through the service vs the raw decode
+if [ "${WANSVC:-0}" = 1 ]; then  # the multi-process service: Wan 2.1 81x480x832 through the service vs the raw decode
   timeout ${WANSVC_TIMEOUT:-400} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
     --shapes ${WANSVC_SHAPES:-21x60x104} --reps ${WANSVC_REPS:-2} --raw 2>&1 | tee "$OUT/service_wan.log" \
     | grep -v -i warn | tail -n 8
 fi
-if [ -n "${MULTI:-}" ]; then  # issue #28: SD-VAE decode through one endpoint on 1, 2, 4 GPUs (MULTI=0,0,1,0,1,2,3 style list)
+if [ -n "${MULTI:-}" ]; then  # the multi-process service: SD-VAE decode through one endpoint on 1, 2, 4 GPUs (MULTI=0,0,1,0,1,2,3 style list)
   raw=""  # the raw model (one GPU) is measured with the first device list only
   for devs in ${MULTI//;/ }; do
     timeout ${MULTI_TIMEOUT:-240} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
@@ -115,15 +115,15 @@ if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
   timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
     --log "$OUT/cold_start_server.log" 2>&1 | tee "$OUT/cold_start.log" | tail -n 8
 fi
-if [ -n "${FAMILIES:-}" ]; then  # issue #31: the 2026 VAE families vs diffusers (FAMILIES=taesd,flux2,qwen,wan22)
+if [ -n "${FAMILIES:-}" ]; then  # the 2026 VAE families vs diffusers (FAMILIES=taesd,flux2,qwen,wan22)
   timeout ${FAMILIES_TIMEOUT:-300} python3 benchmarks/gpu_families.py --only "$FAMILIES" --compile 2>&1 \
     | tee "$OUT/gpu_families.log" | grep -v -i warn | tail -n 12
 fi
-if [ -n "${SHARDED:-}" ]; then  # issue #32: one decode over 1, 2, 4 GPUs (SHARDED='--size 4096' or a Wan latent)
+if [ -n "${SHARDED:-}" ]; then  # the sharded decode: one decode over 1, 2, 4 GPUs (SHARDED='--size 4096' or a Wan latent)
   timeout ${SHARDED_TIMEOUT:-300} python3 benchmarks/sharded_decode.py $SHARDED 2>&1 \
     | tee -a "$OUT/sharded_decode.log" | grep -v -i warn | tail -n 10
 fi
-if [ "${AB:-0}" = 1 ]; then  # issue #20: each ConvNeXt fusion switch on and off vs PyTorch eager
+if [ "${AB:-0}" = 1 ]; then  # the ConvNeXt block fusions: each switch on and off vs PyTorch eager
   timeout ${AB_TIMEOUT:-300} python3 benchmarks/convnext_fusion_ab.py 2>&1 | tee "$OUT/convnext_fusion_ab.log" | tail -n 30
 fi
 exit $status

@@ -238,7 +238,7 @@ def test_a_graph_holds_its_cudnn_workspace_when_a_later_conv_replaces_it(saved):
 
 def test_tiled_decode_replays_one_graph_per_repeated_tile_shape(saved):
     """A tiled decode sends every tile through the graphed forward: tiles of one shape are
-    captured once and replayed (item 3 of issue #17). The result matches diffusers' own tiled
+    captured once and replayed (tiled decodes through CUDA graphs). The result matches diffusers' own tiled
     decode with the same tile size and overlap."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Issue #31's half-precision criterion for the 2026 VAE families: ours in float16 / bfloat16 must be
+"""The half-precision criterion for the 2026 VAE families: ours in float16 / bfloat16 must be
 within 1.5x of PyTorch's own error at that precision. Both are measured against the same reference,
 the diffusers class in float32 on the GPU with TF32 off; PyTorch's half-precision run is the same
 diffusers module cast to that dtype (the pipeline's de-normalisation and post-processing stay in

@@ -1,4 +1,4 @@
-"""Issue 5's proof: `convserve serve` with CONVSERVE_BACKEND=cuda (float16) on the GPU answers decode
+"""The CUDA backend's service proof: `convserve serve` with CONVSERVE_BACKEND=cuda (float16) on the GPU answers decode
 and encode requests over HTTP that match diffusers / transformers run by PyTorch in float32 on the
 CPU (rel L2 < 1e-2), with every conv counted under backend="cuda" in /metrics.
 The checks live in tests/service_parity.py, shared with the MLX test. Skipped without a CUDA GPU +

@@ -1,4 +1,4 @@
-"""Issue #28 on a host with several GPUs: `convserve serve` with CONVSERVE_DEVICES=0,1 starts one
+"""The multi-process service on a host with several GPUs: `convserve serve` with CONVSERVE_DEVICES=0,1 starts one
 model worker per GPU behind one endpoint; concurrent requests are spread over both (rows per
 device in /metrics), each worker sees only its own GPU, every answer equals the single-GPU decode
 of the same latents (the same weights, the same kernels), and a worker killed mid-run is started
