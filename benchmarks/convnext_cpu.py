@@ -118,7 +118,7 @@ def main():
     backend.paths.forced = args.force_path
     if args.candidate_dw:
         import convnext_numpy_probes
-        from convkernels.backends import numpy_conv
+        from convkernels.backends.numpy import conv as numpy_conv
         numpy_conv.conv_depthwise_shift = convnext_numpy_probes.dw_candidate
     print(f"machine: {describe_machine()}")
     with open("/proc/loadavg") as f:

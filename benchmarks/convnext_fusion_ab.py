@@ -7,7 +7,7 @@ faster), summed GPU kernel time (CUPTI) and the kernel launches per forward.
 Switches (CudaOptions fields; every configuration gets a fresh backend and model;
 a server takes them as CONVSERVE_CUDA_<NAME> settings):
 - lt_epilogues: fc1 bias + GELU and fc2 bias + residual inside cuBLASLt's GEMM
-  (cuda_blas_lt.py) instead of cuBLAS + the `epilogue` kernel
+  (cuda/blas_lt.py) instead of cuBLAS + the `epilogue` kernel
 - lt_gelu_approx: cuBLASLt's tanh GELU for ConvNeXt's erf GELU (off: fc1 unfused)
 - ln_vec: LayerNorm with the row in registers (ln_rows_vec) instead of ln_rows
 - dw_bias_in_ln: the depthwise conv runs without its bias, which the LayerNorm
@@ -79,8 +79,8 @@ def main():
     import cupy as cp
     import torch
 
-    from convkernels.backends.cuda_backend import CudaBackend
-    from convkernels.backends.cuda_options import CudaOptions
+    from convkernels.backends.cuda.backend import CudaBackend
+    from convkernels.backends.cuda.options import CudaOptions
     from models import load_model
 
     batches = [int(b) for b in args.batches.split(",")]

@@ -25,8 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 
-from convkernels.backends import numpy_conv as nc  # noqa: E402
-from convkernels.backends.numpy_activations import apply_activation  # noqa: E402
+from convkernels.backends.numpy import conv as nc  # noqa: E402
+from convkernels.backends.numpy.activations import apply_activation  # noqa: E402
 from convkernels.spec import ConvKey, ConvSpec  # noqa: E402
 
 # Eigen's generic_fast_erf_float (also XLA's): erf(z) ~ z * P(z^2) / Q(z^2) on [-4, 4]
@@ -119,7 +119,7 @@ def dw_toeplitz(x: np.ndarray, w: np.ndarray, pad: int) -> np.ndarray:
 
 
 def dw_candidate(x: np.ndarray, w: np.ndarray, key: ConvKey, original=nc.conv_depthwise_shift) -> np.ndarray:
-    """Drop-in for numpy_conv.conv_depthwise_shift: banded gemm on maps up to 28 wide, row-blocked
+    """Drop-in for numpy.conv.conv_depthwise_shift: banded gemm on maps up to 28 wide, row-blocked
     shifts above; anything but stride 1 / dilation 1 / symmetric 'same' padding goes to `original`."""
     spec = key.spec
     k = key.kernel

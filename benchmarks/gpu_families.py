@@ -17,7 +17,7 @@ Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu_families.py [
 $OUT/gpu_families_<sections>[_autotune][_<form>].json. --autotune times the candidate cuDNN plans
 of every conv key on the first decode (the service's CONVSERVE_CUDA_AUTOTUNE; off by default
 there and here); --upsample-form picks the upsamplers' form (CONVSERVE_CUDA_UPSAMPLE_FORM,
-convkernels/backends/cuda_upsample.py).
+convkernels/backends/cuda/upsample.py).
 """
 from __future__ import annotations
 

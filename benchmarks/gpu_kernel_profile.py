@@ -106,7 +106,7 @@ def shard_path(args, rng) -> None:
     import time
 
     from convkernels import get_backend
-    from convkernels.shard_comm import run_sharded
+    from convkernels.collectives.shard_comm import run_sharded
     from models import load_model, sharding
 
     t, h, w = map(int, args.wan21_latent.split("x"))

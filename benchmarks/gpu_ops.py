@@ -209,7 +209,7 @@ def profile_host_overhead(be, rng, calls=500):
 
     # attention pieces, device time each (events)
     import cupy as cp
-    from convkernels.backends.cuda_kernels import Kernels
+    from convkernels.backends.cuda.kernels import Kernels
     q = be.asarray(rng.standard_normal((1, 1, 4096, 512)).astype(np.float32))
     kt = cp.swapaxes(q, -1, -2)
     kern = Kernels.for_dtype("float16")

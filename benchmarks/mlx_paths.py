@@ -22,7 +22,7 @@ from machine import describe_machine  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from convkernels import ConvSpec  # noqa: E402
-from convkernels.backends.mlx_backend import MlxBackend  # noqa: E402
+from convkernels.backends.mlx.backend import MlxBackend  # noqa: E402
 
 
 def make_runner(path, x, w, spec, **options):

@@ -1,5 +1,5 @@
 """The CUDA backend's two forms of upsample_conv2d (nearest 2x + 3x3 conv; convkernels/backends/
-cuda_upsample.py) side by side, in one process on one GPU: the transposed conv (the default) and
+cuda/upsample.py) side by side, in one process on one GPU: the transposed conv (the default) and
 the phase form (a forward 2x2 conv + one copy placing its phases), each forced
 (CudaOptions.upsample_form); `auto` picks between them by size.
 

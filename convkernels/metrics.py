@@ -24,7 +24,7 @@ PLAN_BUILD_SECONDS = Histogram(
     ["backend"], registry=REGISTRY,
     buckets=(1e-5, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0))
 
-# ---- CUDA graphs (convkernels/backends/cuda_graphs.py) -------------------------------------------
+# ---- CUDA graphs (convkernels/backends/cuda/graphs.py) -------------------------------------------
 CUDA_GRAPH_REPLAYS = Counter(
     "convkernels_cuda_graph_replays_total", "Forward calls (one per batch) served by replaying a CUDA graph",
     ["backend"], registry=REGISTRY)

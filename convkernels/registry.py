@@ -80,16 +80,16 @@ def get_backend(name: str = "auto", cuda_options: dict | None = None, numpy_opti
                 log.info("backend auto -> numpy (cuda: %s; mlx: %s)", why, why_m)
                 name = "numpy"
     if name == "numpy":
-        from .backends.numpy_backend import NumpyBackend
+        from .backends.numpy.backend import NumpyBackend
         return NumpyBackend(**options, **(numpy_options or {}))
     if name == "mlx":
         if importlib.util.find_spec("mlx") is None:
             raise RuntimeError("backend 'mlx' needs the mlx extra: pip install 'convserve[mlx]'")
-        from .backends.mlx_backend import MlxBackend
+        from .backends.mlx.backend import MlxBackend
         return MlxBackend(**options)
     ok, why = cuda_status()
     if not ok:
         raise RuntimeError(f"backend 'cuda' is not usable here: {why}")
-    from .backends.cuda_backend import CudaBackend
-    from .backends.cuda_options import CudaOptions
+    from .backends.cuda.backend import CudaBackend
+    from .backends.cuda.options import CudaOptions
     return CudaBackend(CudaOptions(**options, **(cuda_options or {})))

@@ -4,11 +4,11 @@ and GroupNorm, whose statistics cover the whole image. Everything else in a VAE 
 norm over channels, activations, pointwise convs) is row-local and runs on a shard as it is.
 
 They take the shard's rows (channels-last: images N,H,W,C with rows on axis 1, videos N,T,H,W,C
-with rows on axis 2), its communicator (shard_comm.ShardComm) and its backend, whose ops
+with rows on axis 2), its communicator (collectives.shard_comm.ShardComm) and its backend, whose ops
 (slice, concat, conv) they are written in, once for every backend; and return what the
-unsharded layer returns for those rows. A video's causal conv (halo_conv3d) needs only rows from
-its neighbours, never frames: its time padding, and the cache of earlier frames a chunked decode
-keeps, are the shard's own. Where a shard holds the image's own top or bottom, the conv's zero
+unsharded layer returns for those rows. A video's causal conv (row_halo_parts, then
+haloed_conv3d) needs only rows from its neighbours, never frames: its time padding, and the cache
+of earlier frames a chunked decode keeps, are the shard's own. Where a shard holds the image's own top or bottom, the conv's zero
 padding stands for the missing rows (row_halo_parts): no shard copies zero rows in.
 
 GroupNorm is exact through one all-reduce of its statistics: each shard's float64 sums of x and
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shard_comm import ShardComm
+from .collectives.shard_comm import ShardComm
 
 
 def halo_rows(backend, comm: ShardComm, x, halo: int, axis: int = 1):
@@ -89,8 +89,8 @@ def halo_upsample_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual_
 
 def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, rows_pad: tuple[int, int] = (0, 0), residual=None,
                   activation: str | None = None):
-    """The conv of halo_conv3d on input that already carries its row halo (row_halo_parts on axis
-    2): `time_pad` zero frames in front (a causal conv's), none behind, width padded 'same', rows
+    """A stride-1 3-D conv of a video's rows (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
+    input that already carries its row halo (row_halo_parts on axis 2): `time_pad` zero frames in front (a causal conv's), none behind, width padded 'same', rows
     by `rows_pad` (the zero rows row_halo_parts left missing). A lone frame padded with kT - 1
     zero frames meets only the kernel's last tap, so only that tap is run (what CausalConv3d does
     on a decode's first frame)."""
@@ -99,20 +99,6 @@ def haloed_conv3d(backend, x, w, bias=None, *, time_pad: int = 0, rows_pad: tupl
         w, time_pad = backend.concat([backend.slice(w, 1, kt - 1, kt)], axis=1), 0
     return backend.conv3d(x, w, bias, padding=((time_pad, 0), tuple(rows_pad), ((kw - 1) // 2,) * 2),
                           residual=residual, activation=activation)
-
-
-def halo_conv3d(backend, comm: ShardComm, x, w, bias=None, *, time_pad: int = 0, residual=None,
-                activation: str | None = None):
-    """A stride-1 3-D conv of a whole video (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
-    this shard's rows: 'same' in space (halo (kH-1)/2 rows from each neighbour), `time_pad` zero
-    frames in front in time (a causal conv; a conv that keeps a cache of earlier frames gives it
-    row_halo_parts' frames, halo included, and calls haloed_conv3d itself)."""
-    _odd_space_kernel(w, "halo_conv3d")
-    rows_pad = (0, 0)
-    if (int(w.shape[2]) - 1) // 2:
-        x, rows_pad = row_halo_parts(backend, comm, x, (int(w.shape[2]) - 1) // 2, axis=2)
-    return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, rows_pad=rows_pad, residual=residual,
-                         activation=activation)
 
 
 def exact_group_norm(backend, comm: ShardComm, x, num_groups: int, weight=None, bias=None, eps: float = 1e-6,

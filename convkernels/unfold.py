@@ -29,7 +29,7 @@ The array namespace has numpy's pad, empty, zeros and ascontiguousarray, plus
 as_strided(x, shape, strides) and strides(x) in elements (not bytes), matmul_weights(wt), the
 transposed weight matrix in the layout the product takes, and evaluate(x), which runs what a
 lazy library has queued (each tile before the next is built, so the bound holds).
-`NumpyLike(numpy)` and `NumpyLike(cupy)` are two; mlx_paths.MLX_ARRAYS is mlx.core's.
+`NumpyLike(numpy)` and `NumpyLike(cupy)` are two; backends.mlx.paths.MLX_ARRAYS is mlx.core's.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.
 FLUX.1, and FLUX.2's `Flux2VAEModel`, whose decoder is the same), with the model's own
 parameters, on its rows of the latents, de-normalised by the model's own decoder_latents (FLUX.2's
 unpatchify turns each latent row into two of the decoder's: row-local), and talks to the other
-shards only through its communicator (convkernels.shard_comm.ShardComm):
+shards only through its communicator (convkernels.collectives.shard_comm.ShardComm):
 - each 3x3 conv (conv_in, the resnets' convs, the upsamplers' convs, conv_out) gets its halo, one
   row above and one below, from its neighbours (sharded_ops.halo_conv2d); 1x1 convs
   (post_quant_conv, conv_shortcut) are row-local and run as they are;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm, split_rows
+from convkernels.collectives.shard_comm import ShardComm, split_rows
 from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_upsample_conv2d
 
 from .contract import PIXEL_RANGE

@@ -6,7 +6,7 @@ Every shard runs the decoder of one `WanVAEDecoder` with the model's own paramet
 of the latents (channels-last N,T,h,w,C, rows on axis 2), the first latent frame alone and
 then runs of frames (ChunkPlan: small bands take two at a time) with its own FeatureCache, by
 the unsharded decode's cache rules, and talks to the other shards only
-through its communicator (convkernels.shard_comm.ShardComm):
+through its communicator (convkernels.collectives.shard_comm.ShardComm):
 - each causal conv with a 3x3 spatial kernel (conv_in, the residual blocks' convs, conv_out)
   gets one row above and one below from its neighbours (sharded_ops.halo_rows) BEFORE its
   causal cache joins the earlier frames, and the cache keeps those haloed frames: a cached
@@ -44,7 +44,7 @@ from typing import Iterator
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm
+from convkernels.collectives.shard_comm import ShardComm
 from convkernels.sharded_ops import halo_rows, halo_upsample_conv2d, haloed_conv3d
 
 from .contract import PIXEL_RANGE

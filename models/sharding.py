@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from convkernels.shard_comm import ShardComm, run_sharded, run_together, split, split_rows, thread_group
+from convkernels.collectives.shard_comm import ShardComm, run_sharded, run_together, split, split_rows, thread_group
 
 from .autoencoder_kl import AutoencoderKLModel
 from .flux2_vae import Flux2VAEModel
@@ -109,7 +109,7 @@ def decode_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp
 def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
                     comm_wrapper=None) -> np.ndarray:
     """model.decode(latents, tiled=False) on `shards` emulated shards of one backend (threads,
-    convkernels.shard_comm.ThreadShards): each band decoded by decode_band, the pixel rows joined.
+    convkernels.collectives.shard_comm.ThreadShards): each band decoded by decode_band, the pixel rows joined.
     comm_wrapper(comm, rank) -> comm, if given, stands between each shard and its communicator
     (tests and injected faults break one shard with it)."""
     lat = np.asarray(latents)

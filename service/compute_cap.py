@@ -4,7 +4,7 @@ before the request takes a device (service/pipeline.py calls it).
 - Pixels. Output pixels (frames x height x width, over the batch; input pixels for encoders)
   past the backend's cap are refused with 413 `too-much-work` (CONVSERVE_MAX_REQUEST_PIXELS).
 - New shapes. The first request of an input shape pays for choosing the conv paths of every conv
-  it runs, which the NumPy backend measures (convkernels/backends/numpy_autotune.py): on a 2-core
+  it runs, which the NumPy backend measures (convkernels/backends/numpy/autotune.py): on a 2-core
   CPU a tiny-vae 512x512 decode took 11.6 s the first time and 1.0-1.7 s after. So such a first
   run is charged NEW_SHAPE_FACTOR times its pixels. Where that still fits the cap, nothing
   changes: even measured, the request is no more work than one the cap lets through. Where it

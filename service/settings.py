@@ -182,7 +182,7 @@ class Settings(BaseSettings):
     #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.
     warmup_sizes: str = ""
     #: CUDA backend: replay each model forward as one CUDA graph from its second call per input
-    #: shape (convkernels/backends/cuda_graphs.py); graphs held at most, LRU over all models
+    #: shape (convkernels/backends/cuda/graphs.py); graphs held at most, LRU over all models
     cuda_graphs: bool = True
     cuda_graph_capacity: int = Field(16, ge=1)
     #: CUDA backend: a graph whose memory pool would hold more bytes is dropped after capture and
@@ -206,7 +206,7 @@ class Settings(BaseSettings):
     cuda_ln_vec: bool = True
     #: CUDA backend: the decoders' upsamplers (nearest 2x + 3x3 conv) as a forward 2x2 conv and a
     #: copy placing its four phases ("phases"), as one transposed conv ("transposed"), or by the
-    #: input's size ("auto"; convkernels/backends/cuda_upsample.py says when each is faster)
+    #: input's size ("auto"; convkernels/backends/cuda/upsample.py says when each is faster)
     cuda_upsample_form: Literal["auto", "phases", "transposed"] = "auto"
 
     @field_validator("warmup_sizes")

@@ -1,5 +1,5 @@
 """One decode across several GPUs: a group of processes, one per GPU and narrowed to
-it as the service's model workers are, joined by NCCL (convkernels.nccl_comm), each decoding its
+it as the service's model workers are, joined by NCCL (convkernels.collectives.nccl), each decoding its
 band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wan_decode for the
 Wan 2.1 video VAE); the bands' pixels are joined here.
 
@@ -43,7 +43,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before CuPy is imported: this process sees one GPU
     try:
         from convkernels import get_backend
-        from convkernels.nccl_comm import NcclShards
+        from convkernels.collectives.nccl import NcclShards
         from models import ModelOptions, load_model, sharding
         from models.wan_vae import joined_groups
 
@@ -81,7 +81,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
             video = sharding.check(model).video  # Qwen-Image's latents may be N,C,1,h,w too
             if comm is None and job["whole"]:  # the single-GPU baseline, as served
                 return timed(model.decode_frames(rows, tiled=False)) if video else model.decode(rows, tiled=False)
-            from convkernels.shard_comm import run_sharded
+            from convkernels.collectives.shard_comm import run_sharded
 
             def one(c):
                 if video:
@@ -124,8 +124,8 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).
     chunk_plan: (frames, graphed), how a sharded video's ranks step their latent frames
     (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
-    from convkernels.nccl_comm import NcclShards
-    from convkernels.shard_comm import split, split_rows
+    from convkernels.collectives.nccl import NcclShards
+    from convkernels.collectives.shard_comm import split, split_rows
     from models.sharding import LATENT_ROWS, PIXEL_ROWS
 
     lat = np.ascontiguousarray(latents, np.float32)

@@ -1,5 +1,5 @@
 """A `shards=N` decode inside the service: the model worker of the first device leads,
-the workers of the next N-1 devices follow, joined by NCCL (convkernels.nccl_comm).
+the workers of the next N-1 devices follow, joined by NCCL (convkernels.collectives.nccl).
 
 Why one leader: every member of a group must run the group's collectives in the same order, or
 NCCL pairs the wrong operations and hangs. The front ends are many processes; the first device's
@@ -44,7 +44,7 @@ from multiprocessing.reduction import send_handle
 import numpy as np
 
 from convkernels.host import pixels_to_uint8
-from convkernels.shard_comm import split
+from convkernels.collectives.shard_comm import split
 from models import sharding
 
 from .shm import Arena
@@ -71,7 +71,7 @@ def comm_class(backend, settings):
     if backend.name == "cuda":
         if not settings.shard_groups:
             return None
-        from convkernels.nccl_comm import NcclShards
+        from convkernels.collectives.nccl import NcclShards
         return NcclShards
     if not settings.shard_comm:
         return None

@@ -2,7 +2,7 @@
 model workers into a real multi-process shard group, so the leader/follower protocol of
 service/shard_leader.py (connections, the join, bands out and pixels back, failures) runs without
 GPUs, with an existing collective library in NCCL's place. Same interface as
-convkernels.nccl_comm.NcclShards: `unique_id()` on the leader, `join(uid, rank, size)` on every
+convkernels.collectives.nccl.NcclShards: `unique_id()` on the leader, `join(uid, rank, size)` on every
 rank, then exchange_rows / allreduce_sum / allgather on NumPy arrays.
 
 A server loads it with CONVSERVE_SHARD_COMM=gloo_shards:GlooShards and tests/ on PYTHONPATH

@@ -61,10 +61,10 @@ def backend_names() -> list[str]:
 def backend_classes() -> list[type]:
     classes = [type(get_backend("numpy"))]
     if importlib.util.find_spec("mlx") is not None:
-        from convkernels.backends.mlx_backend import MlxBackend
+        from convkernels.backends.mlx.backend import MlxBackend
         classes.append(MlxBackend)
     if importlib.util.find_spec("cupy") is not None and importlib.util.find_spec("cudnn") is not None:
-        from convkernels.backends.cuda_backend import CudaBackend
+        from convkernels.backends.cuda.backend import CudaBackend
         classes.append(CudaBackend)
     return classes
 

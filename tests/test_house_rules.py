@@ -34,7 +34,7 @@ OVER_BUDGET = {
 #: environment variables read below service/: each is another tool's own convention, not a setting
 ENV_READS = {
     "convkernels/_cpu/__init__.py": {"OMP_WAIT_POLICY"},     # OpenMP's: idle threads must not spin
-    "convkernels/backends/cuda_blas.py": {"CUDA_PATH"},      # the CUDA toolkit's install location
+    "convkernels/backends/cuda/blas.py": {"CUDA_PATH"},      # the CUDA toolkit's install location
     "models/hub.py": {"HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME"},  # Hugging Face's cache and offline mode
 }
 

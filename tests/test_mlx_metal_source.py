@@ -15,7 +15,7 @@ pytest.importorskip("mlx.core")
 
 from torch_reference import fresh_rng, ref_conv, rel_l2  # noqa: E402
 
-from convkernels.backends import mlx_metal  # noqa: E402
+from convkernels.backends.mlx import metal as mlx_metal  # noqa: E402
 
 HARNESS = r"""
 #include <barrier>

@@ -13,9 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from torch_reference import fresh_rng, ref_conv, ref_conv_transpose, rel_l2  # noqa: E402
 
 from convkernels import REGISTRY, ConvKey, ConvSpec, get_backend  # noqa: E402
-from convkernels.backends import mlx_metal  # noqa: E402
-from convkernels.backends.mlx_backend import MlxBackend  # noqa: E402
-from convkernels.backends.mlx_paths import MlxEnv, parse_version  # noqa: E402
+from convkernels.backends.mlx import metal as mlx_metal  # noqa: E402
+from convkernels.backends.mlx.backend import MlxBackend  # noqa: E402
+from convkernels.backends.mlx.paths import MlxEnv, parse_version  # noqa: E402
+from mlx_metal_emulation import emulate  # noqa: E402
 
 TOL = 1e-5
 
@@ -95,7 +96,7 @@ def test_metal_kernel_grid_covers_every_output_once_and_reads_right_inputs(case)
     wt = rng.standard_normal((c, k, k, 1))
     b = rng.standard_normal(c)
     taps = wt.reshape(c, k * k).T  # (KH*KW, C), as the runner passes it
-    res = mlx_metal.emulate(tiling, n, h, w, c, oh, ow, pt, pl, x=x, taps=taps, bias=b)
+    res = emulate(tiling, n, h, w, c, oh, ow, pt, pl, x=x, taps=taps, bias=b)
     assert (res["stores"] == 1).all(), f"outputs stored {np.unique(res['stores'])} times"
     assert (res["tile_loads"] == 1).all(), "every shared-tile slot must be loaded exactly once"
     assert int(res["bad_reads"]) == 0
@@ -109,11 +110,11 @@ def test_grid_emulation_catches_a_floor_div_grid(monkeypatch):
     tiling = mlx_metal.DepthwiseTiling(3, 3, 1, 1)
     monkeypatch.setattr(mlx_metal.DepthwiseTiling, "groups",
                         lambda self, n, c, oh, ow: (c // mlx_metal.TC, ow // mlx_metal.TW, oh // mlx_metal.TH * n))
-    res = mlx_metal.emulate(tiling, 1, 60, 60, 16, 60, 60, 1, 1)
+    res = emulate(tiling, 1, 60, 60, 16, 60, 60, 1, 1)
     assert (res["stores"] == 0).any()
     monkeypatch.undo()
     monkeypatch.setattr(mlx_metal, "TAP_TILE", "((lid_z + kh) * TGW + lid_y + kw) * TC + lid_x")
-    res = mlx_metal.emulate(mlx_metal.DepthwiseTiling(3, 3, 2, 2), 1, 15, 15, 8, 8, 8, 1, 1)
+    res = emulate(mlx_metal.DepthwiseTiling(3, 3, 2, 2), 1, 15, 15, 8, 8, 8, 1, 1)
     assert int(res["bad_reads"]) > 0
 
 

@@ -77,7 +77,7 @@ def reference_decode(vae, config, latents: np.ndarray) -> np.ndarray:
 def test_decode_matches_diffusers(tmp_path, monkeypatch, config, shapes, norm_band_bytes):
     if norm_band_bytes is not None:  # the generic (layer_norm) RMS route, in bands
         from convkernels import BackendBase
-        from convkernels.backends.numpy_backend import NumpyBackend
+        from convkernels.backends.numpy.backend import NumpyBackend
         monkeypatch.setattr(NumpyBackend, "_rms_norm", BackendBase._rms_norm)
         monkeypatch.setattr(BackendBase, "RMS_BAND_BYTES", norm_band_bytes)
     seed = fresh_seed()
@@ -363,7 +363,7 @@ def test_a_backend_that_runs_ahead_gets_one_frame_group_of_look_ahead():
     """On a backend whose copies to the host overlap later work (cuda), frame group k+1 is queued
     before group k is waited for, from the second group on; the first group leaves before any
     later work is queued (its latency is the stream's start). The frames are the same."""
-    from convkernels.backends.numpy_backend import NumpyBackend
+    from convkernels.backends.numpy.backend import NumpyBackend
 
     events = []
 

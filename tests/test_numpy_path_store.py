@@ -12,7 +12,7 @@ import pytest
 from torch_reference import fresh_rng, ref_conv, rel_l2
 
 from convkernels import get_backend
-from convkernels.backends.numpy_path_store import PathStore
+from convkernels.backends.numpy.path_store import PathStore
 
 TOL = 1e-5
 

@@ -106,7 +106,7 @@ def test_upsample_conv2d_matches_torch(target, shape, cout, phases):
     non-square; a second call reads what the first derived (cuda: the transposed weight, or with
     the phase form forced, the phase weight and its bias)."""
     if phases and target.name != "cuda":
-        pytest.skip("the phase form is an option of the cuda backend (cuda_upsample.py)")
+        pytest.skip("the phase form is an option of the cuda backend (cuda/upsample.py)")
     be = backend(target, upsample_form="phases") if phases else backend(target)
     rng, seed = fresh_rng()
     x, xh = put(be, rng.standard_normal(shape))
@@ -143,7 +143,7 @@ def test_upsample_conv2d_adds_a_shuffled_residual_as_diffusers_dup_up3d(target, 
 
     from convkernels import ShuffledResidual
     if phases and target.name != "cuda":
-        pytest.skip("the phase form is an option of the cuda backend (cuda_upsample.py)")
+        pytest.skip("the phase form is an option of the cuda backend (cuda/upsample.py)")
     be = backend(target, upsample_form="phases") if phases else backend(target)
     rng, seed = fresh_rng()
     n, h, w = 2, 3, 5

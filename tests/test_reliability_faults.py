@@ -201,7 +201,7 @@ def test_bad_weights_fail_start_up_naming_the_tensor(tmp_path):
 def test_plan_cache_ignores_unreadable_and_lying_files(tmp_path):
     """Beyond tests/gpu/test_plan_cache.py (garbage, truncated, foreign GPU, rejected blob): a
     directory where the file should be, an empty file, and a header length that lies."""
-    from convkernels.backends.cuda_plan_cache import FILE_MAGIC, PlanCache, PlanEntry, PlanKey, PlanSerializer, PlanStore
+    from convkernels.backends.cuda.plan_cache import FILE_MAGIC, PlanCache, PlanEntry, PlanKey, PlanSerializer, PlanStore
 
     class Ser(PlanSerializer):
         def dumps(self, entry):

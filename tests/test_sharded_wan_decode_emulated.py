@@ -14,7 +14,7 @@ from test_models_wan import WAN_ODD, WAN_SMALL, make_reference, one_torch_thread
 from torch_reference import assert_informative, fresh_seed, rel_l2
 
 from convkernels import get_backend
-from convkernels.shard_comm import run_sharded, split, split_rows
+from convkernels.collectives.shard_comm import run_sharded, split, split_rows
 from models.sharded_wan_decode import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
 from models.sharding import decode_emulated
 from models.wan_vae import build

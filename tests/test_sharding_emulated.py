@@ -1,5 +1,5 @@
 """Spatial sharding's building blocks on emulated shards: N threads of the NumPy
-backend joined by convkernels.shard_comm.ThreadShards, which has NCCL's collective semantics.
+backend joined by convkernels.collectives.shard_comm.ThreadShards, which has NCCL's collective semantics.
 A conv with its halo exchanged, and GroupNorm with its statistics all-reduced, computed shard by
 shard over odd row splits, must equal torch's conv2d, causal conv3d and group_norm of the whole
 image or video."""
@@ -13,13 +13,29 @@ import torch
 import torch.nn.functional as F
 
 from convkernels import get_backend
-from convkernels.shard_comm import run_sharded, split, split_rows
-from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_conv3d, halo_upsample_conv2d
+from convkernels.collectives.shard_comm import run_sharded, split, split_rows
+from convkernels.sharded_ops import (_odd_space_kernel, exact_group_norm, halo_conv2d, halo_upsample_conv2d,
+                                     haloed_conv3d, row_halo_parts)
 from torch_reference import rel_l2
 
 
 def nchw(x):
     return torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))
+
+
+def halo_conv3d(backend, comm, x, w, bias=None, *, time_pad: int = 0, residual=None,
+                activation: str | None = None):
+    """A stride-1 3-D conv of a whole video (N,T,H,W,C, rows on axis 2; weight O,kT,kH,kW,I) on
+    this shard's rows: 'same' in space (halo (kH-1)/2 rows from each neighbour), `time_pad` zero
+    frames in front in time (a causal conv; a conv that keeps a cache of earlier frames gives it
+    row_halo_parts' frames, halo included, and calls haloed_conv3d itself, as the sharded Wan
+    decode does; so this whole-video form is the tests' own)."""
+    _odd_space_kernel(w, "halo_conv3d")
+    rows_pad = (0, 0)
+    if (int(w.shape[2]) - 1) // 2:
+        x, rows_pad = row_halo_parts(backend, comm, x, (int(w.shape[2]) - 1) // 2, axis=2)
+    return haloed_conv3d(backend, x, w, bias, time_pad=time_pad, rows_pad=rows_pad, residual=residual,
+                         activation=activation)
 
 
 def test_rows_split_evenly_on_aligned_boundaries():

@@ -1,4 +1,4 @@
-"""The CPU emulation of the CUDA backend's kernels (cuda_kernels.py's SOURCE, compiled as C++):
+"""The CPU emulation of the CUDA backend's kernels (cuda/kernels.py's SOURCE, compiled as C++):
 one host thread per CUDA thread, a barrier for __syncthreads, a barrier per warp for warp shuffles,
 locked atomics. A test adds `extern "C"` runners that launch its kernels with the grid the
 backend's wrapper uses, and calls them through ctypes, where there is no GPU."""
@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from convkernels.backends.cuda_kernels import BLOCK, DTYPE_CODES, SOURCE
+from convkernels.backends.cuda.kernels import BLOCK, DTYPE_CODES, SOURCE
 
 PRELUDE = r"""
 #include <atomic>

@@ -1,4 +1,4 @@
-"""bfloat16 attention on the GPU (cuda_attention.py: bfloat16 products with float32 accumulation,
+"""bfloat16 attention on the GPU (cuda/attention.py: bfloat16 products with float32 accumulation,
 float32 scores, bfloat16 probabilities) within 1.5x of PyTorch's own bfloat16 error, both measured
 against float64 attention of the same bfloat16 inputs. VAE mid-block shapes: one head of 512 or
 384 channels over thousands of tokens, with scores large enough that rounding them would show.

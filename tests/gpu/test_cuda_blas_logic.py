@@ -1,4 +1,4 @@
-"""cuda_blas.plan_matmul, the row-major -> cuBLAS argument planner the CUDA backend's matmuls go
+"""cuda.blas.plan_matmul, the row-major -> cuBLAS argument planner the CUDA backend's matmuls go
 through: each plan is executed with NumPy exactly as cuBLAS reads its arguments (column-major,
 ld, op, batch strides, from the operands' flat buffers) and compared with np.matmul on the same
 views. Runs everywhere (no GPU): the same plans drive cublasGemmEx in the op suite on a GPU
@@ -11,11 +11,39 @@ import pytest
 from torch_reference import fresh_rng, rel_l2
 
 from convkernels import ConvSpec
-from convkernels.backends import cuda_blas
-from convkernels.backends.cuda_blas import OP_N, OP_T, NeedsCopy, execute_plan_numpy, plan_matmul
+from convkernels.backends.cuda import blas as cuda_blas
+from convkernels.backends.cuda.blas import OP_N, OP_T, GemmPlan, NeedsCopy, plan_matmul
 from convkernels.unfold import NumpyLike, conv_unfold_gemm
 
 TOL = 1e-12  # float64 on both sides: only summation order differs
+
+
+def execute_plan_numpy(plan: GemmPlan, first: np.ndarray, first_offset: int, second: np.ndarray,
+                       second_offset: int, out_dtype=np.float64) -> np.ndarray:
+    """What cuBLAS computes for `plan`, read from flat buffers the way cuBLAS reads them (column
+    major, ld, op, batch strides); returns the row-major (batch..., M, N) result."""
+    first, second = np.ravel(first), np.ravel(second)
+    c = np.zeros(plan.batch * plan.stride_c, dtype=out_dtype)
+
+    def matrix(buf, offset, op, ld, rows, cols):
+        # the column-major op(X) of shape (rows, cols): X stored (rows, cols) for N, (cols, rows) for T
+        r, cc = (rows, cols) if op == OP_N else (cols, rows)
+        if ld < max(1, r):
+            raise AssertionError(f"ld {ld} < {r} rows: cuBLAS rejects this plan")
+        if offset + (r - 1) + (cc - 1) * ld >= buf.size:
+            raise AssertionError("plan reads past the operand's buffer")
+        isz = buf.itemsize
+        stored = np.lib.stride_tricks.as_strided(buf[offset:], shape=(r, cc), strides=(isz, ld * isz))
+        return stored if op == OP_N else stored.T
+
+    for i in range(plan.batch):
+        x = matrix(first, first_offset + i * plan.stride_first, plan.op_first, plan.ld_first, plan.m, plan.k)
+        y = matrix(second, second_offset + i * plan.stride_second, plan.op_second, plan.ld_second, plan.k, plan.n)
+        col = x.astype(np.float64) @ y.astype(np.float64)  # (m, n) column-major: C^T
+        dst = np.lib.stride_tricks.as_strided(c[i * plan.stride_c:], shape=(plan.m, plan.n),
+                                              strides=(c.itemsize, plan.ldc * c.itemsize))
+        dst[...] = col
+    return c.reshape(*plan.batch_shape, plan.n, plan.m)
 
 
 def _strides(x) -> tuple:

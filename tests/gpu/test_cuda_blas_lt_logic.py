@@ -1,4 +1,4 @@
-"""The pure parts of the cuBLASLt fused linear (convkernels/backends/cuda_blas_lt.py), on the CPU:
+"""The pure parts of the cuBLASLt fused linear (convkernels/backends/cuda/blas_lt.py), on the CPU:
 which epilogue a layer gets, and the layouts handed to cuBLASLt for x @ W^T, executed here the
 way cuBLASLt reads them (column-major stored matrices, ld, op) and checked against
 torch.nn.functional.linear. Runs without a GPU."""
@@ -9,8 +9,8 @@ import pytest
 
 from torch_reference import F, fresh_rng, rel_l2, torch
 
-from convkernels.backends.cuda_blas import OP_N, OP_T
-from convkernels.backends.cuda_blas_lt import (EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_GELU, EPILOGUE_GELU_BIAS,
+from convkernels.backends.cuda.blas import OP_N, OP_T
+from convkernels.backends.cuda.blas_lt import (EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_GELU, EPILOGUE_GELU_BIAS,
                                                EPILOGUE_RELU, EPILOGUE_RELU_BIAS, MAX_ALIGNMENT, alignment, lt_epilogue,
                                                lt_key, lt_layouts, plan_linear)
 
@@ -106,7 +106,7 @@ def test_epilogue_semantics_match_torch(epilogue, activation, has_bias, has_res)
 
 
 def test_tanh_gelu_stays_within_half_precision_of_erf_gelu():
-    """The bound cuda_blas_lt.py gives for running ConvNeXt's erf GELU as cuBLASLt's tanh GELU."""
+    """The bound cuda/blas_lt.py gives for running ConvNeXt's erf GELU as cuBLASLt's tanh GELU."""
     v = torch.linspace(-10, 10, 200001, dtype=torch.float64)
     diff = (F.gelu(v) - F.gelu(v, approximate="tanh")).abs().max().item()
     assert diff < 5e-4, diff

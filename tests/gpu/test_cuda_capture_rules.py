@@ -1,4 +1,4 @@
-"""What may run inside a captured CUDA graph (convkernels/backends/cuda_graphs.py), checked in the
+"""What may run inside a captured CUDA graph (convkernels/backends/cuda/graphs.py), checked in the
 source of the code a model forward runs on the CUDA backend: no CuPy cuBLAS (cp.matmul, `@`,
 dot, einsum, tensordot: CuPy refuses them during capture), no host synchronisation (.get(),
 asnumpy, .item(), synchronize), no cuRAND, no cp.array / cp.concatenate (host-built buffers a
@@ -12,17 +12,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "convkernels" / "backends"
-MODULES = ["cuda_backend.py", "cuda_arrays.py", "cuda_conv_paths.py", "cuda_fusions.py", "cuda_kernels.py",
-           "../unfold.py", "cuda_blas.py", "cuda_blas_lt.py", "cuda_cudnn.py"]
+MODULES = ["cuda/backend.py", "cuda/arrays.py", "cuda/conv_paths.py", "cuda/fusions.py", "cuda/kernels.py",
+           "../unfold.py", "cuda/blas.py", "cuda/blas_lt.py", "cuda/cudnn.py"]
 
 #: (module, function) -> why it may do what a capture forbids
 EAGER_ONLY = {
-    ("cuda_backend.py", "to_host"): "the device -> host copy after the forward",
-    ("cuda_backend.py", "synchronize"): "called by the host between forwards",
-    ("cuda_backend.py", "flush_timings"): "reads conv timings after the batch",
-    ("cuda_conv_paths.py", "measure"): "path measurement; raises CaptureMissed under capture",
-    ("cuda_cudnn.py", "_autotune"): "plan timing while a plan is built; never under capture",
-    ("cuda_blas.py", "execute_plan_numpy"): "the CPU emulation of a plan, for tests",
+    ("cuda/backend.py", "to_host"): "the device -> host copy after the forward",
+    ("cuda/backend.py", "synchronize"): "called by the host between forwards",
+    ("cuda/backend.py", "flush_timings"): "reads conv timings after the batch",
+    ("cuda/conv_paths.py", "measure"): "path measurement; raises CaptureMissed under capture",
+    ("cuda/cudnn.py", "_autotune"): "plan timing while a plan is built; never under capture",
 }
 
 CUBLAS = {"matmul", "dot", "einsum", "tensordot", "inner", "outer", "vdot"}
@@ -57,7 +56,7 @@ def violations(module: str) -> list[str]:
                 chain = _chain(child.func)
                 attr = child.func.attr
                 on_cupy = len(chain) >= 2 and chain[-2] in ("cp", "cupy") or chain[:2] == ["self", "cp"]
-                if attr in CUBLAS and "blas" not in chain:  # self.blas.matmul is cuda_blas.py's C-API route
+                if attr in CUBLAS and "blas" not in chain:  # self.blas.matmul is cuda/blas.py's C-API route
                     found.append(f"{where}: {'.'.join(chain)} (CuPy cuBLAS)")
                 elif attr in HOST_SYNC:
                     found.append(f"{where}: {'.'.join(chain)} (host synchronisation)")

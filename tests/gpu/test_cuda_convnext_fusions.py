@@ -1,5 +1,5 @@
 """ConvNeXt block fusions on CUDA. Linear layers with bias / activation / residual fused into
-the GEMM through cuBLASLt (convkernels/backends/cuda_blas_lt.py) against torch.nn.functional: odd sizes (M odd, K and N
+the GEMM through cuBLASLt (convkernels/backends/cuda/blas_lt.py) against torch.nn.functional: odd sizes (M odd, K and N
 not multiples of 8, leading batch axes), every dtype; the fused path actually taken where it
 can be; the backend options lt_epilogues=False and lt_gelu_approx=False as A/B switches; fused
 linears inside a captured CUDA graph; and ConvNeXt against transformers with cuBLASLt's tanh
@@ -30,8 +30,8 @@ def needs_cuda():
 def fresh_backend(dtype="float16", **options):
     """A backend of its own, with its own options (the fusion switches: dw_ln, dw_bias_in_ln,
     lt_epilogues, lt_gelu_approx, ln_vec; cuda_graphs, ...)."""
-    from convkernels.backends.cuda_backend import CudaBackend
-    from convkernels.backends.cuda_options import CudaOptions
+    from convkernels.backends.cuda.backend import CudaBackend
+    from convkernels.backends.cuda.options import CudaOptions
     return CudaBackend(CudaOptions(dtype=dtype, **options))
 
 
@@ -83,7 +83,7 @@ def test_linear_matches_torch(backends, dtype, x_shape, n, has_bias, activation,
 def test_the_fused_path_is_taken_for_the_convnext_mlp():
     """ConvNeXt-T stage 1 shapes at batch 2 (M = 2*56*56): fc1 (bias + GELU) and fc2 (bias +
     residual) each get a cuBLASLt algorithm, not the separate epilogue kernel."""
-    from convkernels.backends.cuda_blas_lt import EPILOGUE_BIAS, EPILOGUE_GELU_BIAS
+    from convkernels.backends.cuda.blas_lt import EPILOGUE_BIAS, EPILOGUE_GELU_BIAS
 
     be = fresh_backend("float16")
     rng, seed = fresh_rng()
@@ -101,7 +101,7 @@ def test_the_fused_path_is_taken_for_the_convnext_mlp():
 
 
 def test_switches_turn_the_fusion_off():
-    from convkernels.backends.cuda_blas_lt import EPILOGUE_BIAS
+    from convkernels.backends.cuda.blas_lt import EPILOGUE_BIAS
 
     rng, seed = fresh_rng()
     xh = rng.standard_normal((9, 40))
@@ -123,7 +123,7 @@ def test_switches_turn_the_fusion_off():
 
 def test_fused_linears_are_captured_and_replay_correctly():
     """An MLP with residual inside a CUDA graph: eager, capture + replay, replay, fresh inputs."""
-    from convkernels.backends.cuda_graphs import GraphedForward
+    from convkernels.backends.cuda.graphs import GraphedForward
 
     be = fresh_backend("float16", cuda_graphs=True)
     rng, seed = fresh_rng()
@@ -203,7 +203,7 @@ def test_depthwise_layer_norm_matches_torch(mode, dtype, n, h, w, c):
     """LayerNorm(depthwise 7x7 conv + bias) against torch: odd, non-square images, batch > 1,
     C = 40 (5 vectors of fp16, 10 of fp32), C = 36 (no whole fp16 vectors: dw_ln declines, ln_rows
     takes the bias), 768 and 1024 (fp32 rows do not fit dw_ln's registers: the other route)."""
-    from convkernels.backends.cuda_kernels import LN_MAXV
+    from convkernels.backends.cuda.kernels import LN_MAXV
     from torch_reference import ref_conv
 
     be = fresh_backend(dtype, dw_ln=mode == "dw_ln")

@@ -1,4 +1,4 @@
-"""The CPU-side bookkeeping of whole-forward CUDA graphs (convkernels/backends/cuda_graphs.py):
+"""The CPU-side bookkeeping of whole-forward CUDA graphs (convkernels/backends/cuda/graphs.py):
 the per-backend LRU over every model's graphs, releasing what it evicts, the exported gauges
 (read back from the Prometheus registry's text), and the service settings that reach the
 backend constructor. Runs everywhere; test_cuda_graphs.py checks the same on a GPU."""
@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from convkernels import REGISTRY
-from convkernels.backends.cuda_graphs import GraphCache
+from convkernels.backends.cuda.graphs import GraphCache
 
 
 class Entry:
@@ -133,7 +133,7 @@ def test_service_settings_pass_the_fusion_switches_to_the_cuda_backend(monkeypat
     assert {k: cuda[k] for k in FUSIONS} == {k: not v for k, v in FUSIONS.items()}
     # the backend's options take every cuda option, with the same fusion defaults (importable
     # without cupy)
-    from convkernels.backends.cuda_options import CudaOptions
+    from convkernels.backends.cuda.options import CudaOptions
     defaults = {f.name: f.default for f in dataclasses.fields(CudaOptions)}
     assert {k: defaults[k] for k in FUSIONS} == FUSIONS
     assert set(cuda) <= set(defaults)
@@ -153,7 +153,7 @@ def test_records_until_a_shape_runs_eagerly_for_good():
     """GraphedForward.records (what Wan's decode asks before taking its functional step): True
     for shapes never seen and ones still capturable; False once a shape is ungraphable or its
     graph was over the byte bound. Several inputs make one key, in order."""
-    from convkernels.backends.cuda_graphs import GraphedForward
+    from convkernels.backends.cuda.graphs import GraphedForward
 
     graphed = GraphedForward(object(), lambda *xs: xs, GraphCache(backend_name="graph-test-records"))
     x, cache = np.zeros((1, 2, 3, 4), np.float16), np.zeros((1, 2, 5, 4), np.float16)

@@ -1,5 +1,5 @@
 """CUDA-graph replay of whole forwards (CONVSERVE_CUDA_GRAPHS, on by default,
-convkernels/backends/cuda_graphs.py): every replay with fresh inputs matches the reference
+convkernels/backends/cuda/graphs.py): every replay with fresh inputs matches the reference
 implementation (diffusers / transformers with identical random weights, PyTorch fp32 on the CPU),
 every model forward in every dtype and path setting is captured (none falls back to eager), the
 cuBLAS C-API matmuls capture, conv counters advance per replay as in an eager run, the LRU bound
@@ -24,8 +24,8 @@ def needs_cuda():
 
 
 def graphed_backend(capacity: int = 8, dtype: str = "float16", **options):
-    from convkernels.backends.cuda_backend import CudaBackend
-    from convkernels.backends.cuda_options import CudaOptions
+    from convkernels.backends.cuda.backend import CudaBackend
+    from convkernels.backends.cuda.options import CudaOptions
     return CudaBackend(CudaOptions(dtype=dtype, cuda_graphs=True, graph_capacity=capacity, **options))
 
 
@@ -37,7 +37,7 @@ def replays_total() -> float:
 
 def test_graphs_are_on_by_default():
     from convkernels import get_backend
-    from convkernels.backends.cuda_graphs import GraphedForward
+    from convkernels.backends.cuda.graphs import GraphedForward
 
     be = get_backend("cuda")
     assert be.cuda_graphs and isinstance(be.graphed(lambda x: x), GraphedForward)
@@ -99,7 +99,7 @@ def test_a_plan_cache_too_small_for_the_forward_defers_then_gives_up_capturing(s
     """Every capture meets a plan the LRU plan cache dropped: building it is eager-only work,
     so the capture is deferred (that call runs eagerly) and, after a few tries, abandoned for
     the shape. Every answer stays right."""
-    from convkernels.backends.cuda_graphs import MAX_MISSED_CAPTURES
+    from convkernels.backends.cuda.graphs import MAX_MISSED_CAPTURES
     from models import load_model
 
     model = load_model("vae", "tiny-vae", graphed_backend(plan_cache_capacity=1), weights=str(saved.root / "vae"))

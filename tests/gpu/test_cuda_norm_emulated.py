@@ -1,5 +1,5 @@
 """The CUDA backend's GroupNorm, LayerNorm, depthwise + LayerNorm and vectorised depthwise
-kernels and its 8-bit pixel conversion to_u8 (cuda_kernels.py, the source CuPy compiles) run on the CPU: the
+kernels and its 8-bit pixel conversion to_u8 (cuda/kernels.py, the source CuPy compiles) run on the CPU: the
 float32 build of the same source, compiled as C++ (cuda_emulation.py), launched with the grid the
 backend's wrapper uses (gn_chunks). Checks the thread-to-column mapping, the 16-byte vector
 path, groups that split a vector, the chunking and the folded finalize, rows held in registers
@@ -16,7 +16,7 @@ from cuda_emulation import build
 
 from torch_reference import F, fresh_rng, from_t, ref_activation, ref_conv, rel_l2, to_t, torch
 
-from convkernels.backends.cuda_kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, dw_ln_applies, gn_chunks,
+from convkernels.backends.cuda.kernels import (ACT_CODES, BLOCK, DW_TW, LN_MAXV, dw_ln_applies, gn_chunks,
                                                ln_vectorised, rms_vectorised)
 
 #: the launch geometry the emulated GroupNorm uses: an H100's multiprocessor count (the backend

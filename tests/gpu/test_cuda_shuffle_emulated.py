@@ -1,8 +1,8 @@
-"""The CUDA backend's copy kernels (cuda_src/shuffle.cu) on the CPU, in the float32 and bfloat16
+"""The CUDA backend's copy kernels (cuda/src/shuffle.cu) on the CPU, in the float32 and bfloat16
 builds (cuda_emulation.py), where there is no GPU, with the grid the backend launches
 (shuffle_grid) and with a grid small enough that both of a kernel's strides are taken:
 - pixel_shuffle3 (Wan 2.2's DupUp3D in one copy) against diffusers' own DupUp3D module, bit for bit;
-- phase_interleave (upsample_conv2d's phase form, cuda_upsample.py) after torch's 2x2 conv with
+- phase_interleave (upsample_conv2d's phase form, cuda/upsample.py) after torch's 2x2 conv with
   spec.upsample_conv_as_phases' weight, against torch's nearest 2x + 3x3 conv (+ a residual);
 - phase_interleave_shuffled_vec, the same with diffusers' DupUp3D of a source as the residual,
   read where the source lies.
@@ -17,7 +17,7 @@ from cuda_emulation import build
 
 from torch_reference import F, fresh_rng, rel_l2, torch
 
-from convkernels.backends.cuda_kernels import shuffle_grid
+from convkernels.backends.cuda.kernels import shuffle_grid
 from convkernels.spec import upsample_conv_as_phases
 
 RUNNER = r"""
@@ -103,7 +103,7 @@ def test_pixel_shuffle3_is_dup_up3d(built, cin, cout, ft, fs, first, shape, smal
 
 
 def interleave(lib, y: np.ndarray, r: np.ndarray | None, grid=None, vec: bool = False) -> np.ndarray:
-    """The kernel as cuda_kernels.phase_interleave launches it: y (N, H+1, W+1, 4C) -> (N, 2H, 2W, C)."""
+    """The kernel as cuda.kernels.phase_interleave launches it: y (N, H+1, W+1, 4C) -> (N, 2H, 2W, C)."""
     n, h1, w1, c4 = y.shape
     h, w, c = h1 - 1, w1 - 1, c4 // 4
     out = np.zeros((n, 2 * h, 2 * w, c), y.dtype)

@@ -1,4 +1,4 @@
-"""The CUDA backend's attention softmax kernels (cuda_src/softmax.cu) on the CPU, in the bfloat16
+"""The CUDA backend's attention softmax kernels (cuda/src/softmax.cu) on the CPU, in the bfloat16
 build (cuda_emulation.py), where there is no GPU: softmax_rows_f32, which bfloat16 attention runs
 on its float32 scores and which writes each probability as two bfloat16 values (its rounding, then
 the rest), and softmax_rows, on scores stored as bfloat16. Rows longer than a block's 256 threads,

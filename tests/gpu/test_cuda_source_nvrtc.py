@@ -1,4 +1,4 @@
-"""The CUDA backend's kernel source (cuda_kernels.SOURCE, what CuPy's RawModule compiles on the
+"""The CUDA backend's kernel source (cuda.kernels.SOURCE, what CuPy's RawModule compiles on the
 GPU) compiled by NVRTC itself, where there is no GPU: NVRTC compiles to PTX without a device. The
 emulation tests build the same source as C++ and check what the kernels compute. This checks what
 only NVRTC can: that every storage dtype's build compiles (inline PTX, intrinsics, the arch
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from convkernels.backends.cuda_kernels import DTYPE_CODES, SOURCE
+from convkernels.backends.cuda.kernels import DTYPE_CODES, SOURCE
 
 
 def _nvrtc_path() -> Path | None:
@@ -64,7 +64,7 @@ def compile_ptx(lib, dtype: str, arch: str) -> str:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-#: every kernel the source defines (the wrappers in cuda_kernels.py launch them by these names)
+#: every kernel the source defines (the wrappers in cuda/kernels.py launch them by these names)
 KERNELS = re.findall(r'extern "C" __global__ void (\w+)\(', SOURCE)
 
 

@@ -1,5 +1,5 @@
 """The CPU-side rules of the CUDA backend's block copies and host transfers
-(convkernels/backends/cuda_transfer.py): when parts joined along an axis are contiguous blocks,
+(convkernels/backends/cuda/transfer.py): when parts joined along an axis are contiguous blocks,
 and that a transfer waits for its copy exactly once, also when it is dropped unread (its pinned
 buffer must not go back to CuPy's pool while a copy may still write into it). Runs everywhere;
 the op suite (tests/test_ops.py, concat and to_host_async) and tests/gpu/test_cuda_paths.py
@@ -10,7 +10,7 @@ import gc
 
 import numpy as np
 
-from convkernels.backends.cuda_transfer import HostTransfer, axis_blocks
+from convkernels.backends.cuda.transfer import HostTransfer, axis_blocks
 
 
 class Event:

@@ -1,4 +1,4 @@
-"""upsample_conv2d's form on CUDA (convkernels/backends/cuda_upsample.py), decided on the host:
+"""upsample_conv2d's form on CUDA (convkernels/backends/cuda/upsample.py), decided on the host:
 `auto` by the input's size, a forced form as given, a misspelt one refused where the options are
 made, and the service setting reaching the backend's options. Runs everywhere; test_ops_conv.py
 runs both forms on a GPU against torch."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from convkernels.backends.cuda_options import CudaOptions
-from convkernels.backends.cuda_upsample import (PHASES_MIN_CHANNELS, PHASES_MIN_POSITIONS,
+from convkernels.backends.cuda.options import CudaOptions
+from convkernels.backends.cuda.upsample import (PHASES_MIN_CHANNELS, PHASES_MIN_POSITIONS,
                                                 PHASES_NARROW_POSITIONS, form_for)
 from service.settings import Settings
 

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from convkernels import REGISTRY
-from convkernels.backends.cuda_plan_cache import (Fallback, NoPlan, PlanCache, PlanEntry, PlanKey,
+from convkernels.backends.cuda.plan_cache import (Fallback, NoPlan, PlanCache, PlanEntry, PlanKey,
                                                   PlanSerializer, PlanStore)
 
 

@@ -1,5 +1,5 @@
 """The sharded decode on real GPUs: each sharded family's decode split by latent rows over two GPUs, one process
-each, joined by NCCL (service.shard_group, convkernels.nccl_comm), equals the unsharded decode on
+each, joined by NCCL (service.shard_group, convkernels.collectives.nccl), equals the unsharded decode on
 one GPU; a rank that fails fails the call without hanging the others. Skipped with fewer than two
 GPUs (the CPU emulation of the same code: tests/test_sharded_decode_emulated.py)."""
 from __future__ import annotations

@@ -34,7 +34,7 @@ def cuda_backend_available():
     ("tiny-wan2.2-vae", wan22_ref.WAN22_ODD, "float16", (1, 7, 3, 3, 5), False),
     ("wan2.2-vae", FULL, "float32", (1, 48, 3, 3, 4), False),
     ("wan2.2-vae", FULL, "bfloat16", (1, 48, 3, 4, 6), False),
-    # the upsamplers (their DupUp3D shortcut as the residual) in the phase form (cuda_upsample.py);
+    # the upsamplers (their DupUp3D shortcut as the residual) in the phase form (cuda/upsample.py);
     # the tiny configs: two more full-size decodes beside the others ran the suite's 8 workers out
     # of GPU memory
     ("tiny-wan2.2-vae", wan22_ref.WAN22_SMALL, "float32", (2, 12, 3, 5, 7), True),

@@ -3,7 +3,7 @@ everything a plan depends on, with a FALLBACK marker for keys cuDNN has no plan 
 optional persistence of built plans to a directory keyed by GPU name + cuDNN version.
 
 Pure Python on purpose: the builder, the serializer and the plan objects are supplied by the
-caller (cuda_cudnn.py), so the cache logic is tested without a GPU.
+caller (cudnn.py), so the cache logic is tested without a GPU.
 
 Events (`convkernels_plan_cache_events_total{backend="cuda",event}`), per lookup:
   hit / miss   exactly one of the two for every lookup;
@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import astuple, dataclass, field
 from typing import Any, Callable
 
-from ..metrics import PLAN_BUILD_SECONDS, PLAN_CACHE_EVENTS
+from ...metrics import PLAN_BUILD_SECONDS, PLAN_CACHE_EVENTS
 
 log = logging.getLogger("convkernels.cuda")
 
@@ -77,7 +77,7 @@ class Fallback:
 
 
 class PlanSerializer:
-    """How built plans go to and come back from bytes (cuda_cudnn supplies the real one)."""
+    """How built plans go to and come back from bytes (cudnn.py supplies the real one)."""
 
     def dumps(self, entry: PlanEntry) -> bytes | None:  # None: this plan is not persisted
         return None

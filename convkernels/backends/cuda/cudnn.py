@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .cuda_plan_cache import NoPlan, PlanEntry, PlanKey, PlanSerializer
+from .plan_cache import NoPlan, PlanEntry, PlanKey, PlanSerializer
 
 log = logging.getLogger("convkernels.cuda")
 

@@ -12,7 +12,8 @@ cuBLAS is column-major; our arrays are row-major. A row-major (M, K) @ (K, N) = 
 the column-major (N, K) x (K, M) = (N, M) product of the same buffers, so the operands swap and no
 data moves. `plan_matmul` is the pure function that turns row-major shapes and strides (elements)
 into the cuBLAS arguments; a transposed view becomes op T, a strided batch one batch stride. The
-CPU tests execute its plans with NumPy exactly as cuBLAS reads them (`execute_plan_numpy`).
+CPU tests execute its plans with NumPy exactly as cuBLAS reads them
+(tests/gpu/test_cuda_blas_logic.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..spec import prod
+from ...spec import prod
 
 OP_N, OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
@@ -129,34 +130,6 @@ def plan_matmul(a_shape, a_strides, b_shape, b_strides) -> GemmPlan:
     return GemmPlan(m=n, n=m, k=k, op_first=lb.op, ld_first=lb.ld, stride_first=lb.batch_stride,
                     op_second=la.op, ld_second=la.ld, stride_second=la.batch_stride,
                     ldc=max(1, n), stride_c=m * n, batch=prod(lead), batch_shape=lead)
-
-
-def execute_plan_numpy(plan: GemmPlan, first: np.ndarray, first_offset: int, second: np.ndarray,
-                       second_offset: int, out_dtype=np.float64) -> np.ndarray:
-    """What cuBLAS computes for `plan`, read from flat buffers the way cuBLAS reads them (column
-    major, ld, op, batch strides); returns the row-major (batch..., M, N) result. For CPU tests."""
-    first, second = np.ravel(first), np.ravel(second)
-    c = np.zeros(plan.batch * plan.stride_c, dtype=out_dtype)
-
-    def matrix(buf, offset, op, ld, rows, cols):
-        # the column-major op(X) of shape (rows, cols): X stored (rows, cols) for N, (cols, rows) for T
-        r, cc = (rows, cols) if op == OP_N else (cols, rows)
-        if ld < max(1, r):
-            raise AssertionError(f"ld {ld} < {r} rows: cuBLAS rejects this plan")
-        if offset + (r - 1) + (cc - 1) * ld >= buf.size:
-            raise AssertionError("plan reads past the operand's buffer")
-        isz = buf.itemsize
-        stored = np.lib.stride_tricks.as_strided(buf[offset:], shape=(r, cc), strides=(isz, ld * isz))
-        return stored if op == OP_N else stored.T
-
-    for i in range(plan.batch):
-        x = matrix(first, first_offset + i * plan.stride_first, plan.op_first, plan.ld_first, plan.m, plan.k)
-        y = matrix(second, second_offset + i * plan.stride_second, plan.op_second, plan.ld_second, plan.k, plan.n)
-        col = x.astype(np.float64) @ y.astype(np.float64)  # (m, n) column-major: C^T
-        dst = np.lib.stride_tricks.as_strided(c[i * plan.stride_c:], shape=(plan.m, plan.n),
-                                              strides=(c.itemsize, plan.ldc * c.itemsize))
-        dst[...] = col
-    return c.reshape(*plan.batch_shape, plan.n, plan.m)
 
 
 # ---- the device side --------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..spec import ConvKey, ConvSpec, prod
-from ..unfold import conv_unfold_gemm
+from ...spec import ConvKey, ConvSpec, prod
+from ...unfold import conv_unfold_gemm
 
 # Upstream releases that made our workaround paths unnecessary (guards compare mx.__version__).
 DEPTHWISE_TAIL_FIXED = (0, 32, 0)   # PR 3446: tail-aware Metal depthwise kernel

@@ -35,7 +35,7 @@ extern "C" __global__ void pixel_shuffle3(const T* x, T* y, long long rows, int 
     }
 }
 
-// upsample_conv2d's phase form (cuda_upsample.py): the four output phases, channel blocks of the
+// upsample_conv2d's phase form (upsample.py): the four output phases, channel blocks of the
 // 2x2 conv's y (N, H+1, W+1, 4C), to their places in out (N, 2H, 2W, C):
 // out[n, 2i+a, 2j+b, c] = y[n, i+a, j+b, (2a+b)C + c], plus r[n, 2i+a, 2j+b, c] where has_r (added
 // in float32, rounded once; r is any valid pointer otherwise). Blocks step over output rows (n, Y)

@@ -23,12 +23,12 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..backend import BackendBase
-from ..host import HostReady
-from ..paths import ConvPath
-from ..spec import ConvKey, is_subpixel_upsample, upsample_conv_as_transpose, upsample_shapes
-from . import mlx_metal
-from . import mlx_paths as mp
+from ...backend import BackendBase
+from ...host import HostReady
+from ...paths import ConvPath
+from ...spec import ConvKey, is_subpixel_upsample, upsample_conv_as_transpose, upsample_shapes
+from . import metal
+from . import paths as mp
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # numpy-style names of MLX dtypes (getattr: float64 only exists in recent MLX)
@@ -244,7 +244,7 @@ class MlxBackend(BackendBase):
         if self.env.depthwise_gate and mx.metal.is_available():
             s = key.spec
             b = None if bias is None else self._mx(bias)
-            out = mlx_metal.depthwise_metal(x, w, b, key.out_shape[1:3], s.padding[0][0], s.padding[1][0],
+            out = metal.depthwise_metal(x, w, b, key.out_shape[1:3], s.padding[0][0], s.padding[1][0],
                                             s.stride)
             return self._epilogue(out, None, residual, activation)
         return self._epilogue(mp.pad_to_multiple_conv(x, w, key), bias, residual, activation)

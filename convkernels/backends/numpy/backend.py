@@ -6,16 +6,16 @@ import weakref
 
 import numpy as np
 
-from .. import _cpu
-from ..backend import BackendBase
-from ..paths import ConvPath
-from ..spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
-from ..unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
-from . import numpy_conv as nc
-from .numpy_activations import apply_activation, c_ready, gelu
-from .numpy_autotune import time_paths, work_key
-from .numpy_blas import BlasThreads
-from .numpy_path_store import PathStore
+from ... import _cpu
+from ...backend import BackendBase
+from ...paths import ConvPath
+from ...spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
+from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
+from . import conv as nc
+from .activations import apply_activation, c_ready, gelu
+from .autotune import time_paths, work_key
+from .blas import BlasThreads
+from .path_store import PathStore
 
 DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 
@@ -175,7 +175,7 @@ class NumpyBackend(BackendBase):
         if key.w_shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
             # depthwise paths call no BLAS: pinning its threads would cost ~10 us for nothing
             return self._count_and_time(path, key, x, w, bias, residual, activation)
-        # small convs run their gemms on one BLAS thread (numpy_blas.SMALL_GEMM_MACS)
+        # small convs run their gemms on one BLAS thread (blas.SMALL_GEMM_MACS)
         rows = prod(key.x_shape[:-1]) * prod(spec.stride) if spec.transpose else \
             key.x_shape[0] * prod(key.out_shape[1:-1])
         macs = float(rows) * key.w_shape[0] * prod(key.w_shape[1:])

@@ -1,5 +1,5 @@
 """Linear layers with their bias, activation and residual fused into the GEMM, through
-cuBLASLt's C API (ctypes) in the style of cuda_blas.py: a ConvNeXt block's two MLP matmuls were
+cuBLASLt's C API (ctypes) in the style of blas.py: a ConvNeXt block's two MLP matmuls were
 each followed by a separate `epilogue` kernel that read and wrote the whole activation again.
 cuBLASLt applies the bias (CUBLASLT_EPILOGUE_BIAS) or bias + GELU
 (CUBLASLT_EPILOGUE_GELU_BIAS) in the GEMM's own epilogue, and adds a residual as C with beta = 1
@@ -14,13 +14,13 @@ logits (exact GELU 0.77e-2; PyTorch's own bf16 run 0.7e-2; H100, 2026-11-25), pa
 float32 answers to 1e-5, and cuBLASLt does not document its GELU's accuracy. Bias and residual
 fuse in every dtype.
 
-Capture rules (cuda_graphs.py): descriptors, layouts, preferences and the heuristic's algorithm
+Capture rules (graphs.py): descriptors, layouts, preferences and the heuristic's algorithm
 are host objects, created and cached per key on the first (eager) call; a key first seen under
 capture raises CaptureMissed. The bias pointer is set on the cached descriptor right before each
 call (host state, read at launch). The workspace is this object's own, allocated once, and a
 captured graph keeps it alive (CudaBackend.recording_calls).
 
-The pure parts (epilogue choice, layouts from a cuda_blas GemmPlan, cache key) are tested on the
+The pure parts (epilogue choice, layouts from a blas.py GemmPlan, cache key) are tested on the
 CPU; the calls themselves in tests/gpu/test_cuda_convnext_fusions.py.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from .cuda_blas import (_CUDA_TYPES, COMPUTE_32F, COMPUTE_32F_FAST_TF32, CUDA_R_32F, OP_N, WORKSPACE_BYTES,
+from .blas import (_CUDA_TYPES, COMPUTE_32F, COMPUTE_32F_FAST_TF32, CUDA_R_32F, OP_N, WORKSPACE_BYTES,
                         GemmPlan, load_cuda_library, plan_matmul)
 
 log = logging.getLogger("convkernels.cuda.blaslt")
@@ -86,7 +86,7 @@ def lt_layouts(plan: GemmPlan) -> LtLayouts:
 
 
 def plan_linear(x_shape, x_strides, w_shape, w_strides) -> GemmPlan:
-    """x (M, K) @ w (N, K)^T as a cuda_blas plan (strides in elements); the weight's transpose is
+    """x (M, K) @ w (N, K)^T as a blas.py plan (strides in elements); the weight's transpose is
     a view, read as op T."""
     return plan_matmul(tuple(x_shape), tuple(x_strides), (w_shape[1], w_shape[0]), (w_strides[1], w_strides[0]))
 

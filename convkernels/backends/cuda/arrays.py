@@ -3,7 +3,7 @@ widening of arrays on their way to the host, and weights derived once per weight
 
 Storage: float16 and float32 are CuPy dtypes; bfloat16 has no CuPy dtype, so bfloat16 tensors
 are uint16 arrays of bf16 bit patterns (dtype_name reports 'bfloat16'). Casts from and to
-bfloat16, and the widening for the host, run in our kernels (cuda_kernels.py).
+bfloat16, and the widening for the host, run in our kernels (kernels.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .cuda_kernels import STORAGE, Kernels
+from .kernels import STORAGE, Kernels
 
 DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                np.dtype(np.float64): "float64"}

@@ -1,14 +1,14 @@
 """Measured path choice of the NumPy backend: every valid path of a large conv is timed on random
 operands and the fastest is kept (Winograd vs shift-gemm vs unfold flips with channels, size and
-BLAS build). numpy_path_store.py keeps the choices on disk."""
+BLAS build). path_store.py keeps the choices on disk."""
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
-from ..paths import ConvPath
-from ..spec import ConvKey
+from ...paths import ConvPath
+from ...spec import ConvKey
 
 #: after each autotune round, paths this many times slower than the fastest stop being timed
 AUTOTUNE_DROP_FACTOR = 2.5

@@ -8,10 +8,10 @@ CUDA graph the second time, and from then on copies the input into the captured 
 launches the graph and copies the outputs out: one launch instead of hundreds.
 
 What may run inside a capture (the backend keeps to it): no host synchronisation, no CuPy
-cuBLAS (matmuls go through cuda_blas.py's own handle), no cuRAND, no plan building or path
+cuBLAS (matmuls go through blas.py's own handle), no cuRAND, no plan building or path
 measuring (a cache miss under capture raises CaptureMissed: that call runs eagerly and the next
 one captures again), and no host-side cache entry pointing into the capture's memory. NCCL
-collectives queued on the capturing stream may be captured (convkernels/nccl_comm.py, the sharded
+collectives queued on the capturing stream may be captured (convkernels/collectives/nccl.py, the sharded
 Wan decode's steady chunks): only with nothing asked of the host (an all-gather is told its
 lengths), and a graph's replay then issues them in the order its eager run would, which every
 rank of the group keeps.
@@ -46,8 +46,8 @@ import weakref
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 
-from ..metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REPLAYS, CUDA_GRAPHS_HELD
-from .cuda_transfer import copy_into
+from ...metrics import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_POOL_BYTES, CUDA_GRAPH_REPLAYS, CUDA_GRAPHS_HELD
+from .transfer import copy_into
 
 log = logging.getLogger("convkernels.cuda.graphs")
 

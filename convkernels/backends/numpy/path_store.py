@@ -25,7 +25,7 @@ FORMAT = 1
 def machine_fingerprint() -> dict:
     import numpy as np
 
-    from .. import _cpu
+    from ... import _cpu
 
     cpu = platform.processor() or ""
     try:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .. import _cpu
+from ... import _cpu
 
 
 # erf(z) ~ z * P(z^2) / Q(z^2) on [-4, 4]: the float32 rational fit of Eigen / XLA (no exp).

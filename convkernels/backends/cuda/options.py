@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cuda_graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
-from .cuda_graphs import DEFAULT_MAX_GRAPH_BYTES
+from .graphs import DEFAULT_CAPACITY as GRAPH_CAPACITY
+from .graphs import DEFAULT_MAX_GRAPH_BYTES
 
-#: upsample_conv2d's forms (cuda_upsample.py)
+#: upsample_conv2d's forms (upsample.py)
 UPSAMPLE_FORMS = ("auto", "phases", "transposed")
 #: bytes of one im2col / col2im buffer of gemm_fallback before it tiles
 DEFAULT_UNFOLD_LIMIT = 1 << 30
@@ -42,15 +42,15 @@ class CudaOptions:
     #: share of convs whose device time is measured (two CUDA events each)
     timing_sample_rate: float = 0.1
     #: upsample_conv2d's form: "phases" (a forward 2x2 conv and a copy placing its phases),
-    #: "transposed" (one transposed conv) or "auto" (by the input's size); cuda_upsample.py says
+    #: "transposed" (one transposed conv) or "auto" (by the input's size); upsample.py says
     #: why both exist (CONVSERVE_CUDA_UPSAMPLE_FORM)
     upsample_form: str = "auto"
-    #: whole forwards replayed as CUDA graphs from their second call (cuda_graphs.py;
+    #: whole forwards replayed as CUDA graphs from their second call (graphs.py;
     #: CONVSERVE_CUDA_GRAPHS, CONVSERVE_CUDA_GRAPH_CAPACITY, CONVSERVE_CUDA_GRAPH_MAX_BYTES)
     cuda_graphs: bool = True
     graph_capacity: int = GRAPH_CAPACITY
     graph_max_bytes: int = DEFAULT_MAX_GRAPH_BYTES
-    # ConvNeXt block fusions (cuda_fusions.py), on/off for A/B runs (benchmarks/convnext_fusion_ab.py);
+    # ConvNeXt block fusions (fusions.py), on/off for A/B runs (benchmarks/convnext_fusion_ab.py);
     # the defaults are the measured best. CONVSERVE_CUDA_DW_LN, _DW_BIAS_IN_LN, _LT_EPILOGUES,
     # _LT_GELU_APPROX and _LN_VEC set them.
     #: depthwise conv + bias + LayerNorm as one kernel

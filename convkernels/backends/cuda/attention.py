@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import prod
+from ...spec import prod
 
 #: bound on one chunk of attention scores (its probabilities take as much again)
 SCORE_BYTES = 256 << 20

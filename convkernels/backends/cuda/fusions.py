@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 
-from .cuda_arrays import STORAGE, dtype_name
-from .cuda_blas_lt import CublasLt, CublasLtError, lt_epilogue
-from .cuda_graphs import CaptureMissed
-from .cuda_kernels import dw_ln_applies
+from .arrays import STORAGE, dtype_name
+from .blas_lt import CublasLt, CublasLtError, lt_epilogue
+from .graphs import CaptureMissed
+from .kernels import dw_ln_applies
 
 log = logging.getLogger("convkernels.cuda")
 
@@ -98,7 +98,7 @@ class CudaFusions:
             return None
         if dt == "float32" and activation in ("gelu", "gelu_tanh"):
             return None  # float32 answers to 1e-5: cuBLASLt's GELU is not promised that close
-        # the tanh GELU for erf-GELU layers in float16 (cuda_blas_lt.py says why);
+        # the tanh GELU for erf-GELU layers in float16 (blas_lt.py says why);
         # lt_gelu_approx=False keeps those layers on the exact erf epilogue kernel
         approx = self.options.lt_gelu_approx and dt == "float16"
         epilogue = lt_epilogue(bias is not None, activation, residual is not None, approx)

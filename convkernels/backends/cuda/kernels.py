@@ -3,7 +3,7 @@ conv epilogue (bias, activation, residual), activations, GroupNorm (+activation)
 passes, channels-last LayerNorm and RMS norm (+activation), row softmax, float32 casts, and 8-bit
 pixels for the host.
 
-The CUDA C is in cuda_src/*.cu (package data, read through importlib.resources), joined in the
+The CUDA C is in src/*.cu (package data, read through importlib.resources), joined in the
 order of CU_FILES into one source: common.cu first (storage types, activations, reductions,
 vector loads), then the kernels. Storage types: float32 is `float`; float16 and bfloat16 are
 both `unsigned short` bit patterns converted to float in registers (bfloat16 has no CuPy dtype,
@@ -32,8 +32,8 @@ CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.
 
 
 def load_source() -> str:
-    """The kernels' CUDA C: cuda_src/*.cu in CU_FILES order (later files use earlier ones)."""
-    folder = resources.files(__package__).joinpath("cuda_src")
+    """The kernels' CUDA C: src/*.cu in CU_FILES order (later files use earlier ones)."""
+    folder = resources.files(__package__).joinpath("src")
     return "\n".join(folder.joinpath(name).read_text(encoding="utf-8") for name in CU_FILES)
 
 
@@ -334,7 +334,7 @@ class Kernels:
         return y
 
     def phase_interleave(self, y, residual=None):
-        """upsample_conv2d's phase form (cuda_upsample.py): contiguous y (N, H+1, W+1, 4C), the 2x2
+        """upsample_conv2d's phase form (upsample.py): contiguous y (N, H+1, W+1, 4C), the 2x2
         conv's four phases, to (N, 2H, 2W, C) in place order, plus contiguous `residual` of that
         shape if given."""
         n, h1, w1, c4 = y.shape

@@ -23,8 +23,8 @@ and 256x256 of 64 channels 0.72-0.96x.
 """
 from __future__ import annotations
 
-from ..spec import upsample_conv_as_phases, upsample_conv_as_transpose
-from ..tensor_ops import ShuffledResidual
+from ...spec import upsample_conv_as_phases, upsample_conv_as_transpose
+from ...tensor_ops import ShuffledResidual
 
 #: `auto` takes the phase form from this many input positions (N x H x W) up, for inputs of at
 #: least PHASES_MIN_CHANNELS channels; for narrower ones from PHASES_NARROW_POSITIONS up

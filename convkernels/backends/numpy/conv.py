@@ -11,8 +11,8 @@ from typing import Callable
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..spec import ConvKey, prod
-from ..unfold import NumpyLike, windows
+from ...spec import ConvKey, prod
+from ...unfold import NumpyLike, windows
 
 #: numpy as the array namespace of convkernels/unfold.py
 NUMPY = NumpyLike(np)
@@ -67,7 +67,7 @@ def conv_depthwise_shift(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarr
 def conv_depthwise_direct(x: np.ndarray, w: np.ndarray, key: ConvKey, bias: np.ndarray | None) -> np.ndarray:
     """2-D depthwise conv through the compiled kernel: padding handled by tap ranges (no padded
     copy of the input), bias folded into the accumulator init."""
-    from .._cpu import _kernels
+    from ..._cpu import _kernels
 
     spec = key.spec
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -219,7 +219,7 @@ def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_byt
     """3x3 stride-1 conv2d by Winograd with the tile transforms in the C extension and the
     `tile.planes` gemms in BLAS. `u`: the transformed weights (planes, C, O) when the caller
     caches them."""
-    from .._cpu import _kernels
+    from ..._cpu import _kernels
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, h, wd, c = x.shape
@@ -269,7 +269,7 @@ def conv_winograd_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: in
     frames an output frame reads are one (tiles, KT*C) matrix per plane: a single batched gemm
     with a KT-times deeper reduction than per-tap gemms, no accumulation passes. Zero time padding
     is zero V. Tiled over rows of output tiles so V stays under `limit_bytes`."""
-    from .._cpu import _kernels
+    from ..._cpu import _kernels
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, t_in, h, wd, c = x.shape

@@ -1,6 +1,6 @@
 """The CUDA backend's conv paths and their measured choice.
 
-- `cudnn`: a cuDNN frontend graph per conv key, from the plan cache (cuda_plan_cache.py); a key
+- `cudnn`: a cuDNN frontend graph per conv key, from the plan cache (plan_cache.py); a key
   cuDNN has no plan for is cached as FALLBACK and runs gemm_fallback, and the metrics then name
   the path that ran.
 - `gemm_fallback` / `tiled_unfold`: explicit im2col / col2im (convkernels/unfold.py on CuPy) +
@@ -9,7 +9,7 @@
 - `small_kd_2d`: a 3-d conv as kD accumulated 2-d cuDNN convs over frames.
 - `depthwise_direct`: our depthwise 2-d kernel with the epilogue fused.
 The last two are chosen only by measurement (autotune). Every runner returns (out, the path that
-ran). Under a CUDA graph capture (cuda_graphs.py) nothing here builds a plan or measures, and the
+ran). Under a CUDA graph capture (graphs.py) nothing here builds a plan or measures, and the
 workspace and plans the captured work uses are held by the graph.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 import statistics
 
-from ..paths import ConvPath
-from ..spec import ConvKey, ConvSpec
-from ..unfold import NumpyLike, conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
-from .cuda_arrays import storage_dtype
-from .cuda_plan_cache import Fallback, PlanKey
+from ...paths import ConvPath
+from ...spec import ConvKey, ConvSpec
+from ...unfold import NumpyLike, conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
+from .arrays import storage_dtype
+from .plan_cache import Fallback, PlanKey
 
 log = logging.getLogger("convkernels.cuda")
 

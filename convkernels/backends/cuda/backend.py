@@ -1,17 +1,17 @@
 """The CUDA backend: CuPy arrays, convolutions through cuDNN frontend graphs, the rest as our
 CuPy kernels. Its parts, one module each:
 
-- cuda_options.py: the settings (CudaOptions, the one constructor argument).
-- cuda_arrays.py: storage dtypes and casts (bfloat16 as uint16 bit patterns; to_host returns
+- options.py: the settings (CudaOptions, the one constructor argument).
+- arrays.py: storage dtypes and casts (bfloat16 as uint16 bit patterns; to_host returns
   float32, which holds every bf16 value exactly), weights derived once per buffer.
-- cuda_conv_paths.py: the conv paths (cudnn, gemm_fallback / tiled_unfold, small_kd_2d,
+- conv_paths.py: the conv paths (cudnn, gemm_fallback / tiled_unfold, small_kd_2d,
   depthwise_direct) and their measured choice; the metric label is the path that actually ran.
-- cuda_fusions.py: ConvNeXt's fused depthwise conv + LayerNorm and cuBLASLt linear epilogues.
-- cuda_graphs.py: whole-forward CUDA graphs, and the capture state every part consults (its
+- fusions.py: ConvNeXt's fused depthwise conv + LayerNorm and cuBLASLt linear epilogues.
+- graphs.py: whole-forward CUDA graphs, and the capture state every part consults (its
   docstring states what may run inside a capture).
-- cuda_kernels.py (+ cuda_src/*.cu): norms, activations, casts, depthwise, softmax kernels.
-- cuda_attention.py: attention, as cuBLAS products around the softmax kernel, per dtype.
-- cuda_blas.py, cuda_blas_lt.py, cuda_cudnn.py, cuda_plan_cache.py, cuda_transfer.py: cuBLAS,
+- kernels.py (+ src/*.cu): norms, activations, casts, depthwise, softmax kernels.
+- attention.py: attention, as cuBLAS products around the softmax kernel, per dtype.
+- blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py: cuBLAS,
   cuBLASLt and cuDNN through their C APIs, the plan cache, block copies.
 
 Host <-> device copies happen only in asarray / to_host / to_host_async. Latency: sampled convs
@@ -28,20 +28,20 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..backend import BackendBase
-from ..paths import ConvPath
-from ..spec import prod
-from .cuda_arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
-from .cuda_attention import SCORE_BYTES, attention
-from .cuda_blas import Cublas
-from .cuda_conv_paths import CudaConvPaths
-from .cuda_cudnn import CudnnConvBuilder
-from .cuda_fusions import CudaFusions
-from .cuda_graphs import CaptureState, GraphCache, GraphedForward
-from .cuda_options import DEFAULT_UNFOLD_LIMIT, CudaOptions
-from .cuda_plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
-from .cuda_transfer import copy_into, start_to_host
-from .cuda_upsample import upsample_conv2d
+from ...backend import BackendBase
+from ...paths import ConvPath
+from ...spec import prod
+from .arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
+from .attention import SCORE_BYTES, attention
+from .blas import Cublas
+from .conv_paths import CudaConvPaths
+from .cudnn import CudnnConvBuilder
+from .fusions import CudaFusions
+from .graphs import CaptureState, GraphCache, GraphedForward
+from .options import DEFAULT_UNFOLD_LIMIT, CudaOptions
+from .plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
+from .transfer import copy_into, start_to_host
+from .upsample import upsample_conv2d
 
 MAX_PENDING_TIMINGS = 8192
 
@@ -50,7 +50,7 @@ class CudaBackend(BackendBase):
     name = "cuda"
     supported_dtypes = ("float16", "bfloat16", "float32")
     attention_score_bytes = SCORE_BYTES
-    reads_shuffled_residual = True  # the phase form adds it in place (cuda_upsample.py)
+    reads_shuffled_residual = True  # the phase form adds it in place (upsample.py)
     runs_ahead = True
     path_memo_events = False  # the plan cache emits the plan cache events
 
@@ -80,7 +80,7 @@ class CudaBackend(BackendBase):
         self.capture = CaptureState()
         self.arrays = CudaArrays(cp)
         self.weights = DerivedWeights(self.capture)
-        # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (cuda_blas.py)
+        # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (blas.py)
         self.blas = Cublas(cp, allow_tf32=options.allow_tf32)
         self.handle = cudnn.create_handle()
         builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=options.allow_tf32, autotune=options.autotune,
@@ -108,7 +108,7 @@ class CudaBackend(BackendBase):
 
     # ---- arrays -------------------------------------------------------------------------------
     def asarray(self, host, dtype=None):
-        """Host array -> device array in `dtype` (cuda_arrays.CudaArrays.from_host)."""
+        """Host array -> device array in `dtype` (arrays.CudaArrays.from_host)."""
         dt = dtype or self.dtype
         if dt not in self.supported_dtypes:
             raise ValueError(f"cuda backend: unsupported dtype {dt!r}; use one of {self.supported_dtypes}")
@@ -194,7 +194,7 @@ class CudaBackend(BackendBase):
         return out
 
     def _upsample_conv2d(self, x, weight, bias, residual=None):
-        return upsample_conv2d(self, x, weight, bias, residual)  # its two forms: cuda_upsample.py
+        return upsample_conv2d(self, x, weight, bias, residual)  # its two forms: upsample.py
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         return self.fusions.depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps)
@@ -302,7 +302,7 @@ class CudaBackend(BackendBase):
         return out.reshape(x.shape[0], *(x.shape[1 + i] * scale[i] for i in range(nd)), x.shape[-1])
 
     def _pixel_shuffle(self, x, factors, repeats, start):
-        """One copy kernel (cuda_src/shuffle.cu) for 2 or 3 spatial axes, not the reference's repeat
+        """One copy kernel (src/shuffle.cu) for 2 or 3 spatial axes, not the reference's repeat
         and transposed copy; a 2-D input is one frame of a 3-D one."""
         if len(factors) not in (2, 3) or (len(factors) == 2 and start) or x.dtype not in STORAGE.values():
             return super()._pixel_shuffle(x, factors, repeats, start)
@@ -342,7 +342,7 @@ class CudaBackend(BackendBase):
         return contiguous(self.cp.moveaxis(y, -1, axis)) if moved else y
 
     def _mm(self, a, b):
-        """cuBLAS through its C API (cuda_blas.py; bfloat16 as bfloat16): capturable into a CUDA
+        """cuBLAS through its C API (blas.py; bfloat16 as bfloat16): capturable into a CUDA
         graph, unlike cp.matmul. Transposed views stay views (cuBLAS takes them as op T) and
         batches are one strided-batched call."""
         if a.dtype == b.dtype and a.dtype in STORAGE.values():
@@ -351,7 +351,7 @@ class CudaBackend(BackendBase):
         return self.blas.matmul(self.arrays.f32(a), self.arrays.f32(b))
 
     def _attention(self, q, k, v, scale):
-        return attention(self, q, k, v, scale)  # cuda_attention.py: chunked, per storage dtype
+        return attention(self, q, k, v, scale)  # attention.py: chunked, per storage dtype
 
     def _concat(self, xs, axis):
         """One copy per part into the result. cp.concatenate joins more than two small arrays in

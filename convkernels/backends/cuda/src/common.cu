@@ -1,4 +1,4 @@
-// Shared by every kernel of cuda_kernels.py, compiled once per storage dtype with -DDT=0 (float32),
+// Shared by every kernel of kernels.py, compiled once per storage dtype with -DDT=0 (float32),
 // 1 (float16) or 2 (bfloat16): the storage type T and its loads/stores to float (half types are
 // unsigned short bit patterns converted in registers, so no cuda_fp16.h / cuda_bf16.h include is
 // needed), the activations, warp and block reductions, and 16-byte vector loads and stores.
