@@ -357,7 +357,7 @@ def png_bytes(rgb: np.ndarray, strategy: int = zlib.Z_RLE) -> bytes:
 
     PIL's PNG writer spends most of its time choosing a filter per row (level 0 cost 16 of level 1's
     25 ms on a 512x512 image); this writes that image in 7 ms, 362 KB vs PIL's 426 KB, with the
-    standard library's zlib (benchmarks/image_codecs.py, RESULTS.md "image codecs"). Z_RLE only
+    standard library's zlib (benchmarks/service/image_codecs.py, RESULTS.md "image codecs"). Z_RLE only
     repeats the previous byte: exact synthetic gradients (period-3 patterns) come out far larger than
     PIL's, still below a quarter of the raw pixels; decoded images, never noise-free, come out smaller."""
     h, w, c = rgb.shape
@@ -378,7 +378,7 @@ def png_bytes(rgb: np.ndarray, strategy: int = zlib.Z_RLE) -> bytes:
 
 _IDAT_MAX = 1 << 30
 # WebP method (0 fastest .. 6 smallest): 0 encoded a 512x512 image in 6 ms vs method 4's (PIL's
-# default) 27 ms, for 11-15 % more bytes at the same PSNR (benchmarks/image_codecs.py).
+# default) 27 ms, for 11-15 % more bytes at the same PSNR (benchmarks/service/image_codecs.py).
 WEBP_METHOD = 0
 
 

@@ -195,7 +195,7 @@ class Settings(BaseSettings):
     #: the heuristic's first ones; bounds a new shape's first call
     cuda_autotune_plans: int = Field(4, ge=1)
     #: CUDA backend, ConvNeXt block fusions (A/B switches; the defaults are the measured best,
-    #: benchmarks/convnext_fusion_ab.py): the depthwise conv + bias + LayerNorm as one kernel;
+    #: benchmarks/gpu/convnext_fusion_ab.py): the depthwise conv + bias + LayerNorm as one kernel;
     #: else the depthwise conv's bias added by the LayerNorm; linear bias / GELU / residual in
     #: cuBLASLt's GEMM; cuBLASLt's tanh GELU for erf-GELU layers (float16 only); LayerNorm with
     #: the row in registers where it fits

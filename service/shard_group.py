@@ -4,7 +4,7 @@ band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wa
 Wan 2.1 video VAE); the bands' pixels are joined here.
 
 This is the standalone form (a fresh group per call: `convserve decode --shards`, the GPU tests and
-benchmarks/sharded_decode.py use it); the service's `shards=` requests use its per-GPU workers,
+benchmarks/gpu/sharded_decode.py use it); the service's `shards=` requests use its per-GPU workers,
 led by the first (service/shard_leader.py).
 Every rank loads the same model: the same weights file, or the same seeded random init.
 
@@ -118,7 +118,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
     decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
     timing_comm: "module:Class" of a communicator each rank uses instead of its NCCL one, for timing
-    what the shards compute apart from what they exchange (benchmarks/sharded_decode.py --no-exchange:
+    what the shards compute apart from what they exchange (benchmarks/gpu/sharded_decode.py --no-exchange:
     its output is not the decode's). cuda_options: every rank's CUDA backend options (CudaOptions
     fields: the server's are Settings.backend_options()["cuda_options"]; {"cuda_graphs": False} runs
     every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).

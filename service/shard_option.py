@@ -33,8 +33,8 @@ class AutoRule:
 
 
 SD_LAYOUT, WAN21 = "autoencoder-kl", "wan2.1"
-_H200X4 = "4x H200, 2026-11-26, benchmarks/sharded_decode.py"
-_H100X2 = "2x H100, 2026-11-26 ~17:43 UTC, benchmarks/sharded_decode.py"
+_H200X4 = "4x H200, 2026-11-26, benchmarks/gpu/sharded_decode.py"
+_H100X2 = "2x H100, 2026-11-26 ~17:43 UTC, benchmarks/gpu/sharded_decode.py"
 AUTO_RULES: tuple[AutoRule, ...] = (
     AutoRule(SD_LAYOUT, 4096 * 4096, 2, f"SD-VAE 4096x4096 fp16: 2 GPUs 0.52x one GPU's time ({_H200X4})"),
     AutoRule(SD_LAYOUT, 4096 * 4096, 4, f"SD-VAE 4096x4096 fp16: 4 GPUs 0.26x ({_H200X4})"),

@@ -1,4 +1,4 @@
-"""benchmarks/cpu_contention.py: how cpu_runtimes.py tells a run shared with other work from a clean
+"""benchmarks/cpu/cpu_contention.py: how cpu_runtimes.py tells a run shared with other work from a clean
 one, on synthetic /proc/stat and /proc/cpuinfo text, and once on a real busy neighbour."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "cpu"))
 from cpu_contention import Window, cpu_description, idle_ticks, others_cores  # noqa: E402
 
 STAT = """cpu  900 0 100 5000 40 0 0 0 0 0

@@ -149,7 +149,7 @@ def test_hf_parity_on_mlx_backend(small_cls):
 
 def test_bfloat16_normalises_on_the_host_instead_of_folding_into_the_stem(small_cls):
     """In bfloat16 the stem keeps the checkpoint's conv and the host normalises the pixels in
-    float32 (benchmarks/convnext_bf16_stem_fold.py says why); the output still matches
+    float32 (benchmarks/analysis/convnext_bf16_stem_fold.py says why); the output still matches
     transformers within bf16's precision (MLX computing in bfloat16, on its CPU device here)."""
     pytest.importorskip("mlx.core")
     try:

@@ -3,7 +3,7 @@ it serves (its capacity, measured first in the same run), open loop, for a few s
 and 429/503 + Retry-After come back (problem+json); the queue never holds more than its setting
 (convserve_queue_depth scraped throughout); admitted requests finish within their bound; the
 server keeps serving; afterwards it is idle, with no leaked memory or threads.
-The same functions print a table at several factors: benchmarks/overload.py."""
+The same functions print a table at several factors: benchmarks/service/overload.py."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ import httpx
 
 from live_server import REPO, metric, scrape
 
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "service"))
 import overload  # noqa: E402
 
 FACTOR = 4.0

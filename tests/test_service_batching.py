@@ -1,7 +1,7 @@
 """The dynamic batcher over HTTP: batches > 1 under concurrent load with every row answered; a
 full queue answers 429 + Retry-After while admitted requests succeed; a client that disconnects
 has its queued work skipped; a request past its timeout gets 504. The throughput gain over
-batch-1 serving is measured in benchmarks/batching.py, not asserted here: speed on a shared
+batch-1 serving is measured in benchmarks/service/batching.py, not asserted here: speed on a shared
 2-core box is no pass/fail signal. Where a test needs the worker busy, a held request keeps it
 busy until the test releases it (CONVSERVE_FAULT_HOLD_*), whatever the machine's speed."""
 from __future__ import annotations

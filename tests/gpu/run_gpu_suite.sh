@@ -8,9 +8,9 @@
 # shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
 # e.g. '--workers 6 --devices 0,1'), COLD=1 (cold vs warm start),
 # WANSVC=1 (Wan through the service vs raw), MULTI='0;0,1;0,1,2,3' (SD-VAE decode over 1, 2, 4 GPUs),
-# AB=1 (ConvNeXt fusion switches on/off, benchmarks/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
-# Wan decode's first frame group spends its time, benchmarks/wan_first_chunk.py), FAMILIES=taesd,flux2,qwen,wan22
-# (benchmarks/gpu_families.py), SHARDED='--size 4096 --gpus 1,2,4' (benchmarks/sharded_decode.py).
+# AB=1 (ConvNeXt fusion switches on/off, benchmarks/gpu/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
+# Wan decode's first frame group spends its time, benchmarks/gpu/wan_first_chunk.py), FAMILIES=taesd,flux2,qwen,wan22
+# (benchmarks/gpu/gpu_families.py), SHARDED='--size 4096 --gpus 1,2,4' (benchmarks/gpu/sharded_decode.py).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # a machine without network: wheels placed in .whl/ (git-ignored) are installed aside first
@@ -58,52 +58,52 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   [ -s "$OUT/failures.txt" ] && { echo "== failures as they happened:"; grep "^====" "$OUT/failures.txt"; }
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  timeout 240 python3 benchmarks/gpu_ops.py ${OPS_ARGS:-} 2>&1 | tee "$OUT/gpu_ops.log" | tail -n ${OPS_TAIL:-20}
+  timeout 240 python3 benchmarks/gpu/gpu_ops.py ${OPS_ARGS:-} 2>&1 | tee "$OUT/gpu_ops.log" | tail -n ${OPS_TAIL:-20}
 fi
 if [ -n "${MODELS:-}" ]; then
-  timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu_models.py --only "$MODELS" ${MODELS_ARGS:-} 2>&1 \
+  timeout ${MODELS_TIMEOUT:-300} python3 benchmarks/gpu/gpu_models.py --only "$MODELS" ${MODELS_ARGS:-} 2>&1 \
     | tee "$OUT/gpu_models.log" | tail -n 30
 fi
 if [ "${COMPILE:-0}" = 1 ]; then  # the same table with torch.compile beside (adds its compile time per shape)
-  timeout ${COMPILE_TIMEOUT:-600} python3 benchmarks/gpu_models.py --only "${MODELS:-sd,convnext}" --compile \
+  timeout ${COMPILE_TIMEOUT:-600} python3 benchmarks/gpu/gpu_models.py --only "${MODELS:-sd,convnext}" --compile \
     ${MODELS_ARGS:-} 2>&1 | tee "$OUT/gpu_models_compile.log" | tail -n 30
 fi
 if [ "${BREAKDOWN:-0}" = 1 ]; then  # where one graphed forward's wall time goes, stage by stage
-  timeout ${BREAKDOWN_TIMEOUT:-240} python3 benchmarks/gpu_breakdown.py 2>&1 | tee "$OUT/gpu_breakdown.log" | tail -n 8
+  timeout ${BREAKDOWN_TIMEOUT:-240} python3 benchmarks/gpu/gpu_breakdown.py 2>&1 | tee "$OUT/gpu_breakdown.log" | tail -n 8
 fi
 if [ "${FIRSTCALL:-0}" = 1 ]; then  # where a new shape's first call spends its time (cProfile)
-  timeout ${FIRSTCALL_TIMEOUT:-300} python3 benchmarks/first_call_profile.py 2>&1 | tee "$OUT/first_call.log" \
+  timeout ${FIRSTCALL_TIMEOUT:-300} python3 benchmarks/gpu/first_call_profile.py 2>&1 | tee "$OUT/first_call.log" \
     | grep -E "=====|first decode|second decode" | tail -n 12
 fi
 if [ "${STREAM:-0}" = 1 ]; then  # the streamed decode's GPU row: streamed Wan 2.1 decode, real config
-  timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
+  timeout ${STREAM_TIMEOUT:-300} python3 benchmarks/service/streaming.py --models wan=wan2.1-vae --backend cuda \
     --shapes ${STREAM_SHAPES:-21x60x104} --reps 2 2>&1 | tee "$OUT/streaming.log" | tail -n 8
 fi
 if [ "${FIRSTCHUNK:-0}" = 1 ]; then  # the streamed decode's first group: host queueing vs kernels
-  timeout ${FIRSTCHUNK_TIMEOUT:-200} python3 benchmarks/wan_first_chunk.py 2>&1 | tee "$OUT/wan_first_chunk.log" \
+  timeout ${FIRSTCHUNK_TIMEOUT:-200} python3 benchmarks/gpu/wan_first_chunk.py 2>&1 | tee "$OUT/wan_first_chunk.log" \
     | grep -v -i warn | tail -n 18
 fi
 if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # the multi-process service: through it vs the raw model
-  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
+  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service/service_throughput.py --workload decode --backend cuda \
     --preset sd-vae --latent 64 --format ${SD_FORMATS:-png,jpeg,webp,npy} --batch 8 --concurrency 64 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
     --log "$OUT/service_sd_server.log" 2>&1 | tee -a "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
 fi
 if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
-  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service_throughput.py --workload encode --backend cuda \
+  timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service/service_throughput.py --workload encode --backend cuda \
     --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
     --log "$OUT/service_enc_server.log" 2>&1 | tee -a "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
 if [ "${WANSVC:-0}" = 1 ]; then  # the multi-process service: Wan 2.1 81x480x832 through the service vs the raw decode
-  timeout ${WANSVC_TIMEOUT:-400} python3 benchmarks/streaming.py --models wan=wan2.1-vae --backend cuda \
+  timeout ${WANSVC_TIMEOUT:-400} python3 benchmarks/service/streaming.py --models wan=wan2.1-vae --backend cuda \
     --shapes ${WANSVC_SHAPES:-21x60x104} --reps ${WANSVC_REPS:-2} --raw 2>&1 | tee "$OUT/service_wan.log" \
     | grep -v -i warn | tail -n 8
 fi
 if [ -n "${MULTI:-}" ]; then  # the multi-process service: SD-VAE decode through one endpoint on 1, 2, 4 GPUs (MULTI=0,0,1,0,1,2,3 style list)
   raw=""  # the raw model (one GPU) is measured with the first device list only
   for devs in ${MULTI//;/ }; do
-    timeout ${MULTI_TIMEOUT:-240} python3 benchmarks/service_throughput.py --workload decode --backend cuda \
+    timeout ${MULTI_TIMEOUT:-240} python3 benchmarks/service/service_throughput.py --workload decode --backend cuda \
       --preset sd-vae --latent 64 --format ${MULTI_FORMATS:-png,jpeg} --batch 8 --concurrency ${MULTI_CONC:-128} \
       --client-procs ${CLIENTS:-8} --requests ${MULTI_REQUESTS:-3072} --reps 3 --devices "$devs" $raw \
       ${SERVICE_ARGS:-} --log "$OUT/service_multi_server.log" 2>&1 | tee -a "$OUT/service_multi.log" \
@@ -112,18 +112,18 @@ if [ -n "${MULTI:-}" ]; then  # the multi-process service: SD-VAE decode through
   done
 fi
 if [ "${COLD:-0}" = 1 ]; then  # cold vs warm start on one plan-cache directory
-  timeout ${COLD_TIMEOUT:-400} python3 benchmarks/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
+  timeout ${COLD_TIMEOUT:-400} python3 benchmarks/service/cold_start.py --backend cuda --models sd=sd-vae --size 512 \
     --log "$OUT/cold_start_server.log" 2>&1 | tee "$OUT/cold_start.log" | tail -n 8
 fi
 if [ -n "${FAMILIES:-}" ]; then  # the 2026 VAE families vs diffusers (FAMILIES=taesd,flux2,qwen,wan22)
-  timeout ${FAMILIES_TIMEOUT:-300} python3 benchmarks/gpu_families.py --only "$FAMILIES" --compile 2>&1 \
+  timeout ${FAMILIES_TIMEOUT:-300} python3 benchmarks/gpu/gpu_families.py --only "$FAMILIES" --compile 2>&1 \
     | tee "$OUT/gpu_families.log" | grep -v -i warn | tail -n 12
 fi
 if [ -n "${SHARDED:-}" ]; then  # the sharded decode: one decode over 1, 2, 4 GPUs (SHARDED='--size 4096' or a Wan latent)
-  timeout ${SHARDED_TIMEOUT:-300} python3 benchmarks/sharded_decode.py $SHARDED 2>&1 \
+  timeout ${SHARDED_TIMEOUT:-300} python3 benchmarks/gpu/sharded_decode.py $SHARDED 2>&1 \
     | tee -a "$OUT/sharded_decode.log" | grep -v -i warn | tail -n 10
 fi
 if [ "${AB:-0}" = 1 ]; then  # the ConvNeXt block fusions: each switch on and off vs PyTorch eager
-  timeout ${AB_TIMEOUT:-300} python3 benchmarks/convnext_fusion_ab.py 2>&1 | tee "$OUT/convnext_fusion_ab.log" | tail -n 30
+  timeout ${AB_TIMEOUT:-300} python3 benchmarks/gpu/convnext_fusion_ab.py 2>&1 | tee "$OUT/convnext_fusion_ab.log" | tail -n 30
 fi
 exit $status

@@ -13,7 +13,7 @@ from service.settings import Settings
 
 
 def test_auto_takes_the_phase_form_where_it_measured_faster():
-    # the upsamplers benchmarks/upsample_forms.py timed on an H100, each on its measured side
+    # the upsamplers benchmarks/gpu/upsample_forms.py timed on an H100, each on its measured side
     assert form_for("auto", (1, 64, 64, 512)) == "transposed"      # SD-VAE 512's first: 0.92-0.95x
     assert form_for("auto", (1, 128, 128, 512)) == "phases"        # its second: 1.18-1.19x
     assert form_for("auto", (1, 256, 256, 256)) == "phases"        # its last: 1.07-1.19x

@@ -1,7 +1,7 @@
 """A restarted process on a persisted plan cache, the way `convserve serve` runs it: plans
 loaded from disk (not built), on a worker thread other than the one that made the backend, with
 autotune and CUDA graphs on, three calls (eager, capture, replay). The first H100 run of
-benchmarks/cold_start.py (2026-11-24) lost the warm server on its first request after the log
+benchmarks/service/cold_start.py (2026-11-24) lost the warm server on its first request after the log
 said a stored plan "did not load (cuda_stream_is_capturing(fake_stream...) failed with context is
 destroyed)"; each run here is a subprocess with faulthandler on, so a crash shows its stack."""
 from __future__ import annotations

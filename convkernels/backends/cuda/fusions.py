@@ -1,5 +1,5 @@
 """Fused ops of the CUDA backend, each behind a CudaOptions switch for A/B runs
-(benchmarks/convnext_fusion_ab.py; the defaults are the measured best). ConvNeXt's block is
+(benchmarks/gpu/convnext_fusion_ab.py; the defaults are the measured best). ConvNeXt's block is
 depthwise conv -> LayerNorm -> linear + GELU -> linear + residual:
 
 - `depthwise_conv_layer_norm` (the contract's optional capability): LayerNorm(depthwise conv +
@@ -38,7 +38,7 @@ class CudaFusions:
         block), or None where this does not apply (the caller runs conv2d then layer_norm):
         - dw_ln=True: one kernel (dw_ln; the conv output never goes to memory). Off by
           default: our depthwise kernel against cuDNN's is a measured choice
-          (benchmarks/convnext_fusion_ab.py).
+          (benchmarks/gpu/convnext_fusion_ab.py).
         - else: cuDNN's conv without the bias, which the LayerNorm kernel adds as it reads the
           conv output. A depthwise conv + bias graph may build only unfused (then the bias costs a
           pass of its own) or on a slower fusion engine; the bare depthwise conv is the one

@@ -89,7 +89,7 @@ def rms_vectorised(channels: int, itemsize: int, ptrs) -> bool:
 
 
 #: ln_rows_vec (a row in one warp's registers) won at few rows and lost at many on the H100
-#: (benchmarks/convnext_fusion_ab.py, 2026-11-24, ConvNeXt-T: b1 0.617 vs 0.722 ms with it,
+#: (benchmarks/gpu/convnext_fusion_ab.py, 2026-11-24, ConvNeXt-T: b1 0.617 vs 0.722 ms with it,
 #: b32 2.31 vs 2.22 ms, b128 7.73 vs 7.29 ms); ln_rows takes norms over more rows than this
 LN_VEC_MAX_ROWS = 16384
 

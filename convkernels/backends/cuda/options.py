@@ -50,7 +50,7 @@ class CudaOptions:
     cuda_graphs: bool = True
     graph_capacity: int = GRAPH_CAPACITY
     graph_max_bytes: int = DEFAULT_MAX_GRAPH_BYTES
-    # ConvNeXt block fusions (fusions.py), on/off for A/B runs (benchmarks/convnext_fusion_ab.py);
+    # ConvNeXt block fusions (fusions.py), on/off for A/B runs (benchmarks/gpu/convnext_fusion_ab.py);
     # the defaults are the measured best. CONVSERVE_CUDA_DW_LN, _DW_BIAS_IN_LN, _LT_EPILOGUES,
     # _LT_GELU_APPROX and _LN_VEC set them.
     #: depthwise conv + bias + LayerNorm as one kernel

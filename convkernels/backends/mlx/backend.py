@@ -360,7 +360,7 @@ class MlxBackend(BackendBase):
                 "autotune": self.autotune}
 
 
-# Cost factor of small_kd_2d vs mlx_native on MLX's CPU device. benchmarks/mlx_paths.py on MLX
+# Cost factor of small_kd_2d vs mlx_native on MLX's CPU device. benchmarks/mlx/mlx_paths.py on MLX
 # 0.32.4 CPU (2 shared, loaded Xeon cores), three runs: 5x15x26 512->512 at 1.95x / 0.70x / 1.38x,
 # the 256-channel shapes at 1.00-1.33x. Not a consistent win, so MLX's own dispatch keeps these
 # convs (autotune=True measures per key instead).

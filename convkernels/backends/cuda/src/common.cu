@@ -17,7 +17,7 @@ __device__ __forceinline__ float ld(T v) { return __uint_as_float(((unsigned int
 __device__ __forceinline__ T st(float f) {
 #if __CUDA_ARCH__ >= 800
     // one instruction where the chip has it (sm80 on): with the rounding below, a bf16 RMS norm +
-    // SiLU was compute-bound on an H100 (benchmarks/rms_norm_bandwidth.py, benchmarks/RESULTS.md)
+    // SiLU was compute-bound on an H100 (benchmarks/gpu/rms_norm_bandwidth.py, benchmarks/RESULTS.md)
     unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 #else
     unsigned int u = __float_as_uint(f);

@@ -1,0 +1,120 @@
+"""A real `convserve serve` in a child process for the benchmarks: start it with CONVSERVE_*
+settings, wait for /readyz (timing it), read its /metrics, stop it."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, timeout: float = 600.0, log_path: str | None = None, launcher: tuple = ("-m", "service.cli"),
+                 **settings):
+        """settings: CONVSERVE_<KEY> values (models=..., backend=..., max_batch=...). Any
+        CONVSERVE_* variable of this process is dropped first, so a run is what it says.
+        launcher: the interpreter arguments before `serve` (another entry to the same CLI)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+        env.update({"CONVSERVE_LOG_LEVEL": "warning"})
+        env.update({f"CONVSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, *launcher, "serve", "--host", "127.0.0.1",
+                                      "--port", str(self.port)], cwd=REPO, env=env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited {self.proc.returncode}" + (f"; log: {log_path}" if log_path else ""))
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - t0
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise SystemExit("server not ready")
+
+    def metrics(self) -> dict[tuple, float]:
+        """/metrics as {(sample name, sorted label items): value}."""
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def batch_stats(self, model: str) -> tuple[float, float]:
+        """(batches run, rows run) for one model so far."""
+        snap = self.metrics()
+        key = (("model", model),)
+        return snap.get(("convserve_batch_size_count", key), 0.0), snap.get(("convserve_batch_size_sum", key), 0.0)
+
+    def wait_all_devices(self, model: str, timeout: float = 600.0) -> list[dict]:
+        """/readyz turns true with one device ready: wait for every model worker's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            devices = httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])
+            if devices and all(d["state"] == "ready" for d in devices) or time.monotonic() > deadline:
+                return devices
+            time.sleep(0.2)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server's processes by role: front ends (this process and
+        the ones it spawned) and model workers (whose pids the model cards name)."""
+        workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
+        pids = [self.proc.pid]
+        try:
+            pids += [int(k) for k in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+        except OSError:
+            pass
+        out = {"front ends": 0.0, "model workers": 0.0}
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if pid != self.proc.pid and b"spawn_main" not in cmd:
+                continue  # multiprocessing's resource tracker
+            secs = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out["model workers" if pid in workers else "front ends"] += secs
+        return out
+
+    def frontends(self) -> int:
+        """HTTP front-end processes: this server process and the front ends it spawned."""
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return -1
+        workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
+        spawned = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        return 1 + sum(int(k) not in workers for k in spawned)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

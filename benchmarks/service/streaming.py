@@ -1,0 +1,244 @@
+"""Streamed video decode: time to the first frame vs time to the full clip, on a real convserve.
+
+Same server, same latents, same run, interleaved: the peer is the non-streaming
+`POST /v1/models/{name}/decode?format=npy` (the whole clip in one answer); ours is
+`POST /v1/models/{name}/decode/stream` as `.npy` records and as fragmented MP4. Client-side
+times from sending the request: first group = the first frame group fully received (the
+first .npy record, or init segment + first moof/mdat), full = the last byte. The server's
+own convserve_time_to_first_frame_seconds (mean over the runs) is printed beside them.
+
+    python benchmarks/service/streaming.py                       # starts `convserve serve`: tiny-wan-vae, numpy
+    python benchmarks/service/streaming.py --shapes 9x16x16 9x32x32 --reps 3
+    python benchmarks/service/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104   # GPU
+    python benchmarks/service/streaming.py --url http://host:8000 --model wan                          # a running server
+    python benchmarks/service/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 21x60x104 --raw    # + raw model
+    python benchmarks/service/streaming.py --models wan=wan2.1-vae --backend cuda --shapes 31x90x160 --shards 4  # 4 GPUs
+
+With --shards N, the started server gets devices 0..N-1 and shard groups on, and every request asks
+for `shards=N`: one decode split by rows over N GPUs, its frame groups streamed as
+every GPU completes them.
+
+With --raw, the raw model's own decode (`model.decode`, float32 frames back to host memory, in a
+child process, best of --reps) is timed on the same latents, and each route's time to its last
+byte is printed as raw / route (the service split's target: it delivers >= 0.9 of the raw decode's speed).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # this group's scripts; the repo (benchmarks.machine)
+from benchmarks.machine import describe_machine  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+NPY = {"content-type": "application/x-npy"}
+
+
+def npy(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def first_group_end(data: bytes, fmt: str) -> bool:
+    """True once `data` holds the whole first frame group."""
+    if fmt == "npy":
+        return len(data) >= 8 and len(data) >= 8 + struct.unpack("<Q", data[:8])[0]
+    i = 0
+    while i + 8 <= len(data):
+        size = int.from_bytes(data[i:i + 4], "big")
+        if i + size > len(data):
+            return False
+        if data[i + 4:i + 8] == b"mdat":
+            return True
+        i += size
+    return False
+
+
+def timed_stream(url: str, body: bytes, fmt: str, **params) -> tuple[float, float, int]:
+    t0 = time.perf_counter()
+    first, head, size = None, bytearray(), 0
+    with httpx.stream("POST", url, content=body, headers=NPY, params={"format": fmt, **params}, timeout=3600) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"stream answered {r.status_code}: {r.read()[:300]!r}")
+        for chunk in r.iter_raw():
+            size += len(chunk)
+            if first is None:  # keep bytes only until the first group is whole: the client stays cheap
+                head += chunk
+                if first_group_end(bytes(head), fmt):
+                    first, head = time.perf_counter() - t0, None
+    return first, time.perf_counter() - t0, size
+
+
+def timed_decode(url: str, body: bytes, fmt: str = "npy", **params) -> float:
+    t0 = time.perf_counter()
+    r = httpx.post(url, content=body, headers=NPY, params={"format": fmt, **params}, timeout=3600)
+    if r.status_code != 200:
+        raise SystemExit(f"decode answered {r.status_code}: {r.text[:300]}")
+    return time.perf_counter() - t0
+
+
+def wait_for_every_device(url: str, model: str, timeout: float = 600) -> None:
+    """/readyz answers once any worker is ready; a shard group needs every one of its workers,
+    and the leader's links to them (503 shard-group-not-ready with Retry-After until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        devices = httpx.get(f"{url}/v1/models/{model}", timeout=30).json().get("devices", [])
+        if devices and all(d["state"] == "ready" for d in devices):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the devices of {model} did not all get ready in {timeout:.0f} s: {devices}")
+        time.sleep(0.2)
+
+
+def first_sharded_call(url: str, body: bytes, shards: int, timeout: float = 300) -> None:
+    """One sharded decode that succeeds: the group forms on the first N-shard request, and until
+    each follower has linked up the answer is 503 with Retry-After."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(url, content=body, headers=NPY, params={"format": "npy", "shards": shards}, timeout=3600)
+        if r.status_code == 200:
+            return
+        if r.status_code != 503 or time.monotonic() > deadline:
+            raise SystemExit(f"sharded decode answered {r.status_code}: {r.text[:300]}")
+        time.sleep(float(r.headers.get("Retry-After", "1")))
+
+
+def server_stages(url: str, model: str) -> dict[str, float]:
+    """Sum per stage of convserve_stream_first_frame_stage_seconds for the model."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("convserve_stream_first_frame_stage_seconds_sum") and f'model="{model}"' in line:
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            sums[stage] = sums.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def server_ttff(url: str, model: str) -> tuple[float, float]:
+    """(sum, count) of convserve_time_to_first_frame_seconds for the model."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("convserve_time_to_first_frame_seconds_") and f'model="{model}"' in line:
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("convserve_time_to_first_frame_seconds_sum"):
+                total += value
+            elif line.startswith("convserve_time_to_first_frame_seconds_count"):
+                count += value
+    return total, count
+
+
+def raw_decode_s(preset: str, backend: str, latents: np.ndarray, reps: int) -> float:
+    """The model's own decode of `latents` (best of reps after a warm-up), in a child process."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".npy") as f:
+        np.save(f.name, latents)
+        code = ("import sys, time, numpy as np; sys.path.insert(0, '.'); from convkernels import get_backend; "
+                "from models import load_model; "
+                f"m = load_model('w', {preset!r}, get_backend({backend!r})); x = np.load({f.name!r}); m.decode(x); "
+                "best = 1e9\n"
+                f"for _ in range({reps}):\n t0 = time.perf_counter(); m.decode(x); best = min(best, time.perf_counter() - t0)\n"
+                "print(best)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+        if out.returncode:
+            raise SystemExit(f"raw decode failed:\n{out.stderr[-2000:]}")
+        return float(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", help="a running server (default: start one)")
+    ap.add_argument("--models", default="wan=tiny-wan-vae", help="CONVSERVE_MODELS of the started server")
+    ap.add_argument("--backend", default="numpy", help="CONVSERVE_BACKEND of the started server (CPU default: numpy)")
+    ap.add_argument("--model", default="wan", help="the video decoder's served name")
+    ap.add_argument("--shapes", nargs="+", default=["9x16x16"], help="latent TxHxW")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--raw", action="store_true", help="also time the raw model's decode (a child process)")
+    ap.add_argument("--shards", type=int, default=1, help="split each decode by rows over this many GPUs")
+    args = ap.parse_args()
+
+    srv = None
+    url = args.url
+    sharded = {"shards": args.shards} if args.shards > 1 else {}
+    if url is None:
+        extra = dict(devices=",".join(map(str, range(args.shards))), shard_groups=1) if sharded else {}
+        srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600,
+                            **extra)
+        url = srv.url
+    if sharded:
+        wait_for_every_device(url, args.model)
+    try:
+        card = httpx.get(f"{url}/v1/models/{args.model}", timeout=30).json()
+        c = card["latent_channels"]
+        print(f"machine: {describe_machine()}")
+        print(f"server: {card['name']} = {card['preset']} ({card.get('weights')}), backend {card['backend']} "
+              f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved"
+              + (f"; every decode split over {args.shards} GPUs" if sharded else ""))
+        print(f"{'latents TxHxW':>13s} {'frames':>14s} {'full clip s':>11s} {'npy 1st s':>9s} {'npy end s':>9s} "
+              f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
+        rng = np.random.default_rng(0)
+        base = f"{url}/v1/models/{args.model}"
+        raw_rows = []
+        for shape in args.shapes:
+            t, h, w = (int(v) for v in shape.split("x"))
+            lat = rng.standard_normal((1, c, t, h, w)).astype(np.float32)
+            body = npy(lat)
+            if sharded:
+                first_sharded_call(f"{base}/decode", body, args.shards)
+            if args.raw:
+                raw = raw_decode_s(card["preset"], args.backend, lat, args.reps)
+                mp4, u8 = [], []
+                timed_decode(f"{base}/decode", body, "mp4")
+                for _ in range(args.reps):
+                    mp4.append(timed_decode(f"{base}/decode", body, "mp4", **sharded))
+                    u8.append(timed_decode(f"{base}/decode", body, "npy", dtype="uint8", **sharded))
+            # warm-up: path choice for these shapes; the second call records the steady chunks' graphs
+            for _ in range(2):
+                timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
+            full, npy1, npyend, mp41, mp4end = [], [], [], [], []
+            s0, st0 = server_ttff(url, args.model), server_stages(url, args.model)
+            for _ in range(args.reps):
+                full.append(timed_decode(f"{base}/decode", body, **sharded))
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
+                npy1.append(a), npyend.append(b)
+                a, b, _ = timed_stream(f"{base}/decode/stream", body, "mp4", **sharded)
+                mp41.append(a), mp4end.append(b)
+            s1, st1 = server_ttff(url, args.model), server_stages(url, args.model)
+            med = statistics.median
+            frames = f"{1 + 4 * (t - 1)}x{h * 8}x{w * 8}"
+            ttff = (s1[0] - s0[0]) / max(s1[1] - s0[1], 1)
+            print(f"{shape:>13s} {frames:>14s} {med(full):11.3f} {med(npy1):9.3f} {med(npyend):9.3f} "
+                  f"{med(mp41):9.3f} {med(mp4end):9.3f} {med(full) / med(npy1):7.1f}x {med(npyend) / med(full):11.2f}x "
+                  f"{ttff:13.3f}", flush=True)
+            streams = max(s1[1] - s0[1], 1)
+            print("    server's time to first frame by stage (mean): " + ", ".join(
+                f"{st} {1e3 * (st1.get(st, 0.0) - st0.get(st, 0.0)) / streams:.1f} ms" for st in st1), flush=True)
+            if args.raw:
+                raw_rows.append((shape, frames, raw, {"npy": med(full), "npy uint8": med(u8), "mp4": med(mp4),
+                                                      "npy streamed": med(npyend),
+                                                      "mp4 streamed": med(mp4end)}))
+        if raw_rows:
+            print("\nraw model decode (float32 frames to host) vs each route's last byte, raw / route:")
+            print("| latents | frames | raw s | npy s | npy uint8 s | mp4 s | npy streamed s | mp4 streamed s |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+            for shape, frames, raw, routes in raw_rows:
+                cells = " | ".join(f"{v:.3f} ({raw / v:.2f})" for v in routes.values())
+                print(f"| {shape} | {frames} | {raw:.3f} | {cells} |")
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+if __name__ == "__main__":
+    main()
