@@ -205,7 +205,7 @@ class ChunkPlan:
 
 
 #: (a shard's latent positions per frame (band rows x width) up to, its chunk plan); larger bands
-#: step one frame at a time, eagerly. Measured 2026-11-26 (benchmarks/RESULTS.md, "Sharded Wan in
+#: step one frame at a time, eagerly. Measured 2026-11-26 (benchmarks/HISTORY.md, "Sharded Wan in
 #: runs of latent frames"), Wan 2.1 81x480x832 bf16: on 4 GPUs (15 x 104 = 1560 positions) runs of
 #: 3 took 283.8 ms on 4x H200 (4: 269.7 ms at 1.24x the memory; one frame graphed, the earlier
 #: default, 370 ms against 2 eager 350 on 4x H100); on 2 GPUs (3120) runs of 2 took 520.3 ms (4:

@@ -357,7 +357,7 @@ def png_bytes(rgb: np.ndarray, strategy: int = zlib.Z_RLE) -> bytes:
 
     PIL's PNG writer spends most of its time choosing a filter per row (level 0 cost 16 of level 1's
     25 ms on a 512x512 image); this writes that image in 7 ms, 362 KB vs PIL's 426 KB, with the
-    standard library's zlib (benchmarks/service/image_codecs.py, RESULTS.md "image codecs"). Z_RLE only
+    standard library's zlib (benchmarks/service/image_codecs.py, HISTORY.md "image codecs"). Z_RLE only
     repeats the previous byte: exact synthetic gradients (period-3 patterns) come out far larger than
     PIL's, still below a quarter of the raw pixels; decoded images, never noise-free, come out smaller."""
     h, w, c = rgb.shape

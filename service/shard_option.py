@@ -29,7 +29,7 @@ class AutoRule:
     family: str       # models.sharding.ShardedFamily.name: a row is measured on that family alone
     min_pixels: int   # decoded pixels of the whole request (N x frames x H x W) from which it paid
     shards: int       # how many devices paid there
-    evidence: str     # the measurement behind the row (benchmarks/RESULTS.md, "sharded_decode")
+    evidence: str     # the measurement behind the row (benchmarks/HISTORY.md, "sharded_decode")
 
 
 SD_LAYOUT, WAN21 = "autoencoder-kl", "wan2.1"

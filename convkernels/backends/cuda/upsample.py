@@ -15,7 +15,7 @@ input:
 
 CudaOptions.upsample_form picks one, or `auto` (the default) by the input's positions (N x H x W)
 and channels (`form_for`). On an H100, in bfloat16 and float16 alike (benchmarks/gpu/upsample_forms.py,
-2026-11-26 ~18:00 UTC; benchmarks/RESULTS.md), the phase form was faster at 16384 positions and
+2026-11-26 ~18:00 UTC; benchmarks/HISTORY.md), the phase form was faster at 16384 positions and
 more with 256 channels or more (SD-VAE's 128x128 and 256x256 upsamplers 1.07-1.19x, Wan 2.1's and
 Wan 2.2's over 4 frames 1.21-1.61x), and with 64 channels only at 262144 (TAESD's 512x512: 1.12-1.15x).
 It was slower below: SD-VAE's 64x64 of 512 channels (4096 positions) 0.92-0.95x, TAESD's 128x128
