@@ -1,16 +1,20 @@
 """The model contract the service is written against (models/contract.py): every preset family
 follows its kind's Protocol; a decoder's retry-smaller answers (smaller_tiling) shrink to a floor
 and each is a tiling the model decodes in (tests/test_tiled_decode.py checks accepted tilings
-against diffusers); `tile_size` reaches each decoder family as its own tile settings."""
+against diffusers); `tile_size` reaches each decoder family as its own tile settings; every family
+builds through one path that refuses an unknown preset or config with one error type."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models import ModelOptions, load_model, tiling
+from models import ModelConfigError, ModelOptions, load_model
+from models.nn import tiling
+from models.registry import FAMILIES
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
                              TiledDecoder, VideoDecoder, example_input, forward)
 
@@ -29,6 +33,19 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
     assert isinstance(model, PROTOCOLS[model.kind])
     # only decoders answer retry-smaller
     assert isinstance(model, TiledDecoder) == (model.kind != IMAGE_ENCODER)
+
+
+@pytest.mark.parametrize("module", FAMILIES)
+def test_every_family_refuses_an_unknown_preset_or_config_with_one_error(backend, module):
+    """One build path (ModelFamily.build): an unknown preset or config field is a ModelConfigError (a
+    ValueError) naming what was asked and the choices, whichever family is asked (before, three
+    families raised KeyError and four ValueError for an unknown preset)."""
+    family = importlib.import_module(f"models.{module}").FAMILY
+    with pytest.raises(ModelConfigError, match=r"unknown .*preset 'no-such-preset'; known: \["):
+        family.build("x", "no-such-preset", backend)
+    tiny = next(p for p in family.presets if p.startswith("tiny-"))
+    with pytest.raises(ModelConfigError, match=r"not_a_field.*; (known|config fields): \["):
+        family.build("x", tiny, backend, None, ModelOptions(config={"not_a_field": 1}))
 
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
