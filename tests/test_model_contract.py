@@ -16,7 +16,7 @@ from models import ModelConfigError, ModelOptions, load_model
 from models.nn import tiling
 from models.registry import FAMILIES
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
-                             TiledDecoder, VideoDecoder, example_input, forward)
+                             PerChannelLatents, TiledDecoder, VideoDecoder, example_input, forward)
 
 PROTOCOLS = {IMAGE_DECODER: ImageDecoder, VIDEO_DECODER: VideoDecoder, IMAGE_ENCODER: ImageEncoder}
 
@@ -33,6 +33,21 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
     assert isinstance(model, PROTOCOLS[model.kind])
     # only decoders answer retry-smaller
     assert isinstance(model, TiledDecoder) == (model.kind != IMAGE_ENCODER)
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
+                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-convnext"])
+def test_per_channel_latent_statistics_are_typed_and_match_the_card(backend, preset):
+    """The Wan-family decoders (Wan 2.1, Wan 2.2, Qwen-Image) give their latents_mean/latents_std as
+    `latent_stats` (what the service scales remote-VAE latents with), the values their card's config
+    shows; the others, normalised by a scaling factor or not at all, do not claim it."""
+    model = load_model(preset, preset, backend)
+    per_channel = preset in ("tiny-wan-vae", "tiny-wan2.2-vae", "tiny-qwen-image-vae")
+    assert isinstance(model, PerChannelLatents) == per_channel
+    if per_channel:
+        cfg = model.card()["config"]
+        assert model.latent_stats == (tuple(cfg["latents_mean"]), tuple(cfg["latents_std"]))
+        assert len(model.latent_stats[1]) == model.latent_channels
 
 
 @pytest.mark.parametrize("module", FAMILIES)
