@@ -1,7 +1,10 @@
 """convserve models: image VAEs, the Wan video VAE and ConvNeXt, written on the backend
-interface. Public API (docs/interfaces.md): `load_model`, `PRESETS`, `ModelOptions`."""
-from .family import ModelOptions
-from .registry import PRESETS, PresetInfo, load_model
-from .weights import WeightsError
+interface. Public API (docs/interfaces.md): `load_model`, `PRESETS`, `ModelOptions`.
 
-__all__ = ["PRESETS", "ModelOptions", "PresetInfo", "WeightsError", "load_model"]
+models/nn/ holds what the families share (the module base, layers, weights, tiling); each family is
+a package (models/<family>/) declared in models/registry.py's FAMILIES."""
+from .family import ModelOptions
+from .nn.weights import ModelConfigError, WeightsError
+from .registry import PRESETS, PresetInfo, load_model
+
+__all__ = ["PRESETS", "ModelConfigError", "ModelOptions", "PresetInfo", "WeightsError", "load_model"]

@@ -70,6 +70,16 @@ class VideoDecoder(TiledDecoder, Protocol):
 
 
 @runtime_checkable
+class PerChannelLatents(Protocol):
+    """A decoder whose pipeline normalises latents per channel (the Wan VAEs, the Qwen-Image VAE):
+    latents = (z - latents_mean) / latents_std, which its decode undoes. The service reads the
+    statistics here (to scale remote-VAE latents), never from the card."""
+
+    #: (latents_mean, latents_std), one entry per latent channel, as the model's config has them
+    latent_stats: tuple[tuple[float, ...], tuple[float, ...]]
+
+
+@runtime_checkable
 class ImageEncoder(Model, Protocol):
     input_size: int
     embed_dim: int

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .weights import WeightsError
+from .nn.weights import WeightsError
 
 HF_SCHEME = "hf://"
 

@@ -1,9 +1,10 @@
 """One place that knows every preset: `load_model` and `PRESETS` of docs/interfaces.md.
 
-Each model family is a module under models/ named in FAMILIES whose `FAMILY` (models/family.py)
-declares its kind, its presets (beside the model they configure) and its builder. Families are
-imported on first use and a family whose module is missing (or fails to import) is left out with
-a warning, so one broken family never takes the others down.
+Each model family is a package under models/ named in FAMILIES whose `FAMILY` (models/family.py)
+declares its kind, its presets (beside the model they configure) and how its model is made;
+`ModelFamily.build` is the one build path. Families are imported on first use and a family whose
+package is missing (or fails to import) is left out with a warning, so one broken family never
+takes the others down.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from convkernels import Backend
 
 from .family import ModelFamily, ModelOptions
 from .hub import resolve_weights
+from .nn.weights import ModelConfigError
 
 log = logging.getLogger("convserve.models")
 
-#: the family modules under models/, each with its FAMILY declaration
+#: the family packages under models/, each with its FAMILY declaration (the one list of families)
 FAMILIES: tuple[str, ...] = (
     "autoencoder_kl",  # diffusers AutoencoderKL image VAEs (SD, SDXL, FLUX.1)
     "flux2_vae",       # diffusers AutoencoderKLFlux2 image VAE (FLUX.2)
@@ -38,7 +40,7 @@ TINY_PREFIX = "tiny-"
 class PresetInfo:
     name: str
     kind: str
-    family: str  # the models/ module that builds it
+    family: str  # the models/ package that builds it
     config: dict = field(default_factory=dict)
     description: str = ""
 
@@ -83,7 +85,7 @@ class _Presets(Mapping):
 
 
 def family_of(module: str, unavailable: dict[str, str]) -> ModelFamily | None:
-    """The FAMILY of models/<module>.py, or None (its reason in `unavailable`) when it is missing
+    """The FAMILY of the package models/<module>/, or None (its reason in `unavailable`) when it is missing
     or broken."""
     try:
         family = importlib.import_module(f"{__package__}.{module}").FAMILY
@@ -110,11 +112,13 @@ def load_model(name: str, preset: str, backend: Backend, weights: str | None = N
     diffusers/HF model folder, a .safetensors file or a Hub reference `org/name[/subfolder][@revision]`
     (models/hub.py; the model then has `weights_provenance`), None = seeded random init.
     options: ModelOptions (tile_size, seed, config overrides) or the family's own subclass
-    (PresetInfo.family's FAMILY.options); None = the family's defaults."""
+    (PresetInfo.family's FAMILY.options); None = the family's defaults. An unknown preset, another
+    family's options or a config the family refuses raise ModelConfigError (a ValueError); weights
+    that do not fit raise WeightsError."""
     if preset not in PRESETS:
         missing = "; ".join(f"{f}: {why}" for f, why in PRESETS.unavailable.items())
-        raise KeyError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
-                       + (f" (families unavailable: {missing})" if missing else ""))
+        raise ModelConfigError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}"
+                               + (f" (families unavailable: {missing})" if missing else ""))
     info = PRESETS[preset]
     build = family_of(info.family, {}).build
     local, hub = resolve_weights(weights)

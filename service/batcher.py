@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-from models import interrupt
+from models.nn import interrupt
 
 from . import metrics
 from .model_stats import BatchTimes, ModelStats, ns

@@ -226,7 +226,7 @@ def _load_local(settings, preset: str, weights: Optional[str], backend: str):
         fail(f"backend {backend!r}: {exc}")
     try:
         return load_entry(entry, be, settings.tile_size)
-    except (ValueError, KeyError) as exc:  # a WeightsError, a preset's refusal of the settings
+    except (ValueError, KeyError) as exc:  # a WeightsError or a ModelConfigError (unknown preset, refused config)
         fail(str(exc).strip("'\""))
 
 

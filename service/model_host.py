@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, SINGLE_FRAME_LATENTS, VIDEO_DECODER, ImageDecoder, Kind,
-                             Model, ServedModel, VideoDecoder, example_input, forward)
+                             Model, PerChannelLatents, ServedModel, VideoDecoder, example_input, forward)
 
 from . import metrics
 from .settings import ModelEntry
@@ -44,9 +44,11 @@ class ModelView:
     labels: list[str] | None = None
     #: models.sharding's family name (a decode can be split over devices), None where none is written
     shard_family: str | None = None
+    #: per-channel latent statistics (latents_mean, latents_std) of a PerChannelLatents decoder, else None
+    latent_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
-              "labels")
+              "labels", "latent_stats")
 
     @classmethod
     def of(cls, model: ServedModel) -> "ModelView":
@@ -164,11 +166,12 @@ class HostedModel:
         decode() sees z = latents / scale + shift. Image VAEs: scaling/shift factor; Wan and
         Qwen-Image: the pipeline's latents * std + mean, i.e. scale = 1/std, shift = mean (shaped
         1,C,1,1,1, or 1,C,1,1 for an image decoder's N,C,h,w)."""
-        card = self.model.card()
         if self.per_channel_scaling:
-            cfg, shape = card["config"], (1, -1) + (1,) * (self.latent_ndim - 2)
-            std = np.asarray(cfg["latents_std"], np.float64).reshape(shape)
-            return 1.0 / std, np.asarray(cfg["latents_mean"], np.float64).reshape(shape)
+            mean, std = cast(PerChannelLatents, self.model).latent_stats
+            shape = (1, -1) + (1,) * (self.latent_ndim - 2)
+            std = np.asarray(std, np.float64).reshape(shape)
+            return 1.0 / std, np.asarray(mean, np.float64).reshape(shape)
+        card = self.model.card()
         return float(card["scaling_factor"]), float(card.get("shift_factor") or 0.0)
 
     def tensors(self) -> tuple[list[dict], list[dict]]:

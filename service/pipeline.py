@@ -302,7 +302,7 @@ class Service:
                     break
                 if disconnected is not None and await disconnected():
                     # queued: withdrawn; running: its batch stops at the next tile or frame group
-                    # once every requester in it has gone (models/interrupt.py)
+                    # once every requester in it has gone (models/nn/interrupt.py)
                     self.engine.cancel(sub)
                     metrics.REJECTED.labels(hm.name, "client_gone").inc()
                     log.info("client gone: dropped a %s %s request", "running" if sub.started else "queued", hm.name)

@@ -1,6 +1,6 @@
 """One decode across several GPUs: a group of processes, one per GPU and narrowed to
 it as the service's model workers are, joined by NCCL (convkernels.collectives.nccl), each decoding its
-band of latent rows (models.sharded_decode for the image VAEs, models.sharded_wan_decode for the
+band of latent rows (models.sharding.autoencoder_kl for the image VAEs, models.sharding.wan for the
 Wan 2.1 video VAE); the bands' pixels are joined here.
 
 This is the standalone form (a fresh group per call: `convserve decode --shards`, the GPU tests and
@@ -45,7 +45,7 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         from convkernels import get_backend
         from convkernels.collectives.nccl import NcclShards
         from models import ModelOptions, load_model, sharding
-        from models.wan_vae import joined_groups
+        from models.wan_vae.model import joined_groups
 
         backend = get_backend("cuda", dtype=job["dtype"], cuda_options=job["cuda_options"])
         model = load_model("sharded", job["preset"], backend, weights=job["weights"],
@@ -123,7 +123,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     fields: the server's are Settings.backend_options()["cuda_options"]; {"cuda_graphs": False} runs
     every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).
     chunk_plan: (frames, graphed), how a sharded video's ranks step their latent frames
-    (models.sharded_wan_decode.ChunkPlan; by default their bands decide)."""
+    (models.sharding.wan.ChunkPlan; by default their bands decide)."""
     from convkernels.collectives.nccl import NcclShards
     from convkernels.collectives.shard_comm import split, split_rows
     from models.sharding import LATENT_ROWS, PIXEL_ROWS

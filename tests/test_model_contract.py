@@ -1,18 +1,22 @@
 """The model contract the service is written against (models/contract.py): every preset family
 follows its kind's Protocol; a decoder's retry-smaller answers (smaller_tiling) shrink to a floor
 and each is a tiling the model decodes in (tests/test_tiled_decode.py checks accepted tilings
-against diffusers); `tile_size` reaches each decoder family as its own tile settings."""
+against diffusers); `tile_size` reaches each decoder family as its own tile settings; every family
+builds through one path that refuses an unknown preset or config with one error type."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models import ModelOptions, load_model, tiling
+from models import ModelConfigError, ModelOptions, load_model
+from models.nn import tiling
+from models.registry import FAMILIES
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, VIDEO_DECODER, ImageDecoder, ImageEncoder,
-                             TiledDecoder, VideoDecoder, example_input, forward)
+                             PerChannelLatents, TiledDecoder, VideoDecoder, example_input, forward)
 
 PROTOCOLS = {IMAGE_DECODER: ImageDecoder, VIDEO_DECODER: VideoDecoder, IMAGE_ENCODER: ImageEncoder}
 
@@ -29,6 +33,34 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
     assert isinstance(model, PROTOCOLS[model.kind])
     # only decoders answer retry-smaller
     assert isinstance(model, TiledDecoder) == (model.kind != IMAGE_ENCODER)
+
+
+@pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
+                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-convnext"])
+def test_per_channel_latent_statistics_are_typed_and_match_the_card(backend, preset):
+    """The Wan-family decoders (Wan 2.1, Wan 2.2, Qwen-Image) give their latents_mean/latents_std as
+    `latent_stats` (what the service scales remote-VAE latents with), the values their card's config
+    shows; the others, normalised by a scaling factor or not at all, do not claim it."""
+    model = load_model(preset, preset, backend)
+    per_channel = preset in ("tiny-wan-vae", "tiny-wan2.2-vae", "tiny-qwen-image-vae")
+    assert isinstance(model, PerChannelLatents) == per_channel
+    if per_channel:
+        cfg = model.card()["config"]
+        assert model.latent_stats == (tuple(cfg["latents_mean"]), tuple(cfg["latents_std"]))
+        assert len(model.latent_stats[1]) == model.latent_channels
+
+
+@pytest.mark.parametrize("module", FAMILIES)
+def test_every_family_refuses_an_unknown_preset_or_config_with_one_error(backend, module):
+    """One build path (ModelFamily.build): an unknown preset or config field is a ModelConfigError (a
+    ValueError) naming what was asked and the choices, whichever family is asked (before, three
+    families raised KeyError and four ValueError for an unknown preset)."""
+    family = importlib.import_module(f"models.{module}").FAMILY
+    with pytest.raises(ModelConfigError, match=r"unknown .*preset 'no-such-preset'; known: \["):
+        family.build("x", "no-such-preset", backend)
+    tiny = next(p for p in family.presets if p.startswith("tiny-"))
+    with pytest.raises(ModelConfigError, match=r"not_a_field.*; (known|config fields): \["):
+        family.build("x", tiny, backend, None, ModelOptions(config={"not_a_field": 1}))
 
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",

@@ -14,7 +14,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from convkernels import get_backend  # noqa: E402
 from models import ModelOptions  # noqa: E402
 from models.convnext import PRESETS, build  # noqa: E402
-from models.weights import WeightsError  # noqa: E402
+from models.nn.weights import WeightsError  # noqa: E402
 
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
@@ -156,7 +156,7 @@ def test_bfloat16_normalises_on_the_host_instead_of_folding_into_the_stem(small_
         bf16 = get_backend("mlx", dtype="bfloat16")
     except Exception as exc:  # mlx installed but unusable here
         pytest.skip(f"mlx backend unavailable: {exc}")
-    from models.convnext import folds_input_norm
+    from models.convnext.model import folds_input_norm
 
     assert not folds_input_norm("bfloat16") and folds_input_norm("float16") and folds_input_norm("float32")
     ref_model, folder = small_cls
@@ -180,7 +180,7 @@ def test_hf_single_file_without_config(backend, small_cls):
     check_parity(model, ref_model, 97)
 
 
-# timm's ConvNeXt module layout (timm/models/convnext.py): stem = Sequential(Conv2d, LayerNorm2d),
+# timm's ConvNeXt module layout (timm/models/convnext/model.py): stem = Sequential(Conv2d, LayerNorm2d),
 # stages[i] = ConvNeXtStage(downsample=Sequential(LayerNorm2d, Conv2d) | Identity, blocks=Sequential
 # of ConvNeXtBlock(conv_dw, norm, mlp=Mlp(fc1, act, fc2), gamma)), head = NormMlpClassifierHead(norm, fc).
 def hf_to_timm_name(name: str) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models import PRESETS, ModelOptions, WeightsError, load_model
+from models import PRESETS, ModelConfigError, ModelOptions, WeightsError, load_model
 from models.autoencoder_kl import AutoencoderKLOptions
 from reference_checks import assert_informative, fresh_seed, rel_l2  # noqa: F401 (re-used by other test files)
 
@@ -249,14 +249,14 @@ def test_bad_inputs_are_refused(backend):
         model.decode(np.zeros((1, 16, 8, 8), np.float32))
     with pytest.raises(ValueError, match="images"):
         model.encode(np.zeros((1, 3, 16, 16), np.float32))
-    with pytest.raises(ValueError, match="unknown AutoencoderKL overrides"):
+    with pytest.raises(ModelConfigError, match="unknown AutoencoderKL overrides"):
         load_model("demo", "tiny-vae", backend, options=ModelOptions(config={"not_a_field": 1}))
     with pytest.raises(TypeError):  # a setting the options do not have is a typo, not ignored
         AutoencoderKLOptions(tile_latent=8)
-    with pytest.raises(ValueError, match="another family's options"):
+    with pytest.raises(ModelConfigError, match="another family's options"):
         from models.wan_vae import WanVAEOptions
         load_model("demo", "tiny-vae", backend, options=WanVAEOptions(tile_sample_stride=48))
-    with pytest.raises(KeyError, match="unknown preset"):
+    with pytest.raises(ModelConfigError, match="unknown preset 'no-such-vae'; known: .*'tiny-vae'"):
         load_model("demo", "no-such-vae", backend)
 
 

@@ -14,7 +14,7 @@ import pytest
 from convkernels import get_backend
 from models import ModelOptions
 from models.wan_vae import PRESETS, WanVAEDecoder, WanVAEOptions, build
-from models.weights import WeightsError
+from models.nn.weights import WeightsError
 from reference_checks import assert_informative, fresh_seed, rel_l2
 
 torch = pytest.importorskip("torch")
@@ -321,8 +321,8 @@ def test_registry_serves_the_wan_presets():
 def test_feature_cache_stays_bounded(monkeypatch):
     """Memory must not grow with clip length: every cache slot holds at most CACHE_T frames
     and the number of slots is fixed after the first chunks."""
-    import models.wan_vae as wan_vae
-    from models.wan_vae_layers import CACHE_T, FeatureCache, holds_frames
+    import models.wan_vae.model as wan_vae
+    from models.wan_vae.layers import CACHE_T, FeatureCache, holds_frames
 
     seen: list[FeatureCache] = []
 

@@ -15,9 +15,9 @@ import pytest
 from convkernels import get_backend
 from models import ModelOptions, load_model
 from models.wan22_vae import PRESETS, Wan22VAEDecoder, build
-from models.wan22_vae_layers import dup_up_residual, unpatchify
+from models.wan22_vae.layers import dup_up_residual, unpatchify
 from models.wan_vae import WanVAEOptions
-from models.weights import WeightsError
+from models.nn.weights import WeightsError
 from torch_reference import assert_informative, fresh_seed, rel_l2
 
 torch = pytest.importorskip("torch")

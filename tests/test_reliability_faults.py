@@ -247,7 +247,7 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
     called as the worker calls it; the result equals the model's own decode in those tiles."""
     from convkernels import get_backend
     from models import load_model
-    from models.tiling import video_tiles
+    from models.nn.tiling import video_tiles
     from service import fault_injection, oom_recovery
     from service.model_host import HostedModel
     from service.settings import ModelEntry

@@ -106,7 +106,7 @@ def test_one_shard_is_the_unsharded_decode(case):
 
 
 def test_a_model_of_another_family_is_refused_by_name():
-    """TAESD has no sharded decode (models/sharding.py says why): a layer walk written for another
+    """TAESD has no sharded decode (models/sharding/__init__.py says why): a layer walk written for another
     family would decode it wrongly, so it is refused, naming what is offered."""
     model = load_model("t", "tiny-taesd", get_backend("numpy"))
     with pytest.raises(ValueError, match="AutoencoderTinyModel") as e:

@@ -15,10 +15,10 @@ from torch_reference import assert_informative, fresh_seed, rel_l2
 
 from convkernels import get_backend
 from convkernels.collectives.shard_comm import run_sharded, split, split_rows
-from models.sharded_wan_decode import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
+from models.sharding.wan import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
 from models.sharding import decode_emulated
 from models.wan_vae import build
-from models.wan_vae_layers import CausalConv3d
+from models.wan_vae.layers import CausalConv3d
 from test_sharded_decode_emulated import _OneLocal  # one collective kept shard-local (the guards)
 
 CONFIGS = {"wan-small": WAN_SMALL, "wan-odd-channels": WAN_ODD}

@@ -12,7 +12,7 @@ import pytest
 
 from convkernels import get_backend
 from models import load_model
-from models import tiling
+from models.nn import tiling
 from models.autoencoder_kl import AutoencoderKLOptions
 
 torch = pytest.importorskip("torch")

@@ -1,4 +1,4 @@
-"""A video decoder's latents prepared frame by frame (models/video_latents.py): each slice is
+"""A video decoder's latents prepared frame by frame (models/wan_vae/latents.py): each slice is
 the de-normalised, channels-last clip's slice, computed here independently with NumPy; bad
 latents (anywhere in the clip, or overflowing only once de-normalised) fail before any slice."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from convkernels import get_backend
-from models.video_latents import PreparedLatents
+from models.wan_vae.latents import PreparedLatents
 from models.wan_vae import build
 
 STD = np.array([1.5, 0.8, 1.2, 2.0], np.float32).reshape(1, 4, 1, 1, 1)

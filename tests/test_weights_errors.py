@@ -8,7 +8,7 @@ from safetensors.numpy import save_file
 
 from convkernels import get_backend
 from models import WeightsError, load_model
-from models.weights import check_state_dict, checkpoint_family
+from models.nn.weights import check_state_dict, checkpoint_family
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Why the ConvNeXt stem does not fold (x - mean) / std into its conv in bfloat16
-(models/convnext.py `folds_input_norm`). PyTorch alone, no convserve code: for random-weight tiny
+(models/convnext/model.py `folds_input_norm`). PyTorch alone, no convserve code: for random-weight tiny
 ConvNeXts (tests/service_parity.make_convnext), the relative L2 error of transformers' own bf16 run
 against its fp32 run, (A) as published (pixels normalised in fp32, then bf16) and (B) with the
 normalisation folded into the stem conv in float64 and raw pixels in bf16, as our stem did.

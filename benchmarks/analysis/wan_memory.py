@@ -29,7 +29,7 @@ from benchmarks.machine import describe_machine  # noqa: E402
 
 from convkernels import get_backend  # noqa: E402
 from models import load_model  # noqa: E402
-from models.wan_vae_layers import FeatureCache  # noqa: E402
+from models.wan_vae.layers import FeatureCache  # noqa: E402
 
 MIB = 1 << 20
 

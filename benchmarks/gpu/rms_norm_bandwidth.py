@@ -61,7 +61,7 @@ def main() -> None:
             host = rng.standard_normal((n, h, w, c)).astype(np.float32)
             gamma = rng.uniform(0.5, 1.5, c).astype(np.float32)
             x, g = be.asarray(host), be.asarray(gamma)
-            eps = 1e-24 / c  # F.normalize's 1e-12 floor on the norm, as models/wan_vae_layers.py
+            eps = 1e-24 / c  # F.normalize's 1e-12 floor on the norm, as models/wan_vae/layers.py
             ms = bench(lambda: be.rms_norm(x, g, eps, "silu"), CpEvents(cp), reps=args.reps)
             ours = np.asarray(be.to_host(be.rms_norm(x, g, eps, "silu")), np.float32)
             tx = torch.from_numpy(host).cuda().to(tdt)

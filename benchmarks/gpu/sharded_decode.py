@@ -74,7 +74,7 @@ def main() -> None:
                          "apart from what they exchange")
     ap.add_argument("--plans", default="",
                     help="video only: comma-separated chunk plans to time on each group size above one, FRAMES "
-                         "then g (graphed) or e (eager), e.g. 1e,1g,2e,2g (models.sharded_wan_decode.ChunkPlan); "
+                         "then g (graphed) or e (eager), e.g. 1e,1g,2e,2g (models.sharding.wan.ChunkPlan); "
                          "default: the plan the bands choose")
     args = ap.parse_args()
     plans = [(int(p[:-1]), p[-1] == "g") for p in args.plans.split(",") if p] or [None]

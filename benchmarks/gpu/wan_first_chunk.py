@@ -28,7 +28,7 @@ def main() -> None:
     from convkernels import get_backend
     from models import load_model
     from models.contract import PIXEL_RANGE
-    from models.wan_vae_layers import FeatureCache
+    from models.wan_vae.layers import FeatureCache
 
     be = get_backend("cuda", dtype=args.dtype)
     model = load_model("wan", "wan2.1-vae", be)

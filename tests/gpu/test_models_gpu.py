@@ -190,7 +190,7 @@ def test_a_2048_image_that_fits_is_decoded_whole():
     counted as the backend holds it (blocks of attention_score_bytes, not the 65536^2 matrix), so
     the default decode is the untiled one: no tile seams, and the same pixels as tiled=False."""
     from models import load_model
-    from models.tiling import plan_decode
+    from models.nn.tiling import plan_decode
 
     be = backend("float16")
     model = load_model("sd", "sd-vae", be)

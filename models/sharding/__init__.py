@@ -3,11 +3,11 @@ the service's model workers (service/shard_leader.py) and the standalone group
 (service/shard_group.py) ask here instead of knowing the families.
 
 Five families are sharded, by latent rows (FAMILIES, one place):
-- the AutoencoderKL image VAEs (SD, SDXL, FLUX.1): models/sharded_decode.py, latents N,C,h,w;
+- the AutoencoderKL image VAEs (SD, SDXL, FLUX.1): models/sharding/autoencoder_kl.py, latents N,C,h,w;
 - FLUX.2's, the same decoder behind its BatchNorm de-normalisation and 2x2 unpatchify (a
   latent row of its patched grid is two of the decoder's: row-local);
 - the Wan 2.1 video VAE and Wan 2.2's (its residual up blocks and output patches):
-  models/sharded_wan_decode.py, latents N,C,T,h,w;
+  models/sharding/wan.py, latents N,C,T,h,w;
 - Qwen-Image's, the Wan 2.1 decoder on one frame, latents N,C,h,w or N,C,1,h,w.
 TAESD is not: it has no norm and no attention, so its shards would only trade halos, and one
 GPU decodes a 1024x1024 image in ~2 ms; sharding cannot pay there. A family not in FAMILIES is
@@ -26,13 +26,13 @@ import numpy as np
 
 from convkernels.collectives.shard_comm import ShardComm, run_sharded, run_together, split, split_rows, thread_group
 
-from .autoencoder_kl import AutoencoderKLModel
-from .flux2_vae import Flux2VAEModel
-from .qwen_image_vae import QwenImageVAEDecoder
-from .sharded_decode import sharded_decode
-from .sharded_wan_decode import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
-from .wan22_vae import Wan22VAEDecoder
-from .wan_vae import WanVAEDecoder
+from ..autoencoder_kl.model import AutoencoderKLModel
+from ..flux2_vae.model import Flux2VAEModel
+from ..qwen_image_vae.model import QwenImageVAEDecoder
+from .autoencoder_kl import sharded_decode
+from .wan import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
+from ..wan22_vae.model import Wan22VAEDecoder
+from ..wan_vae.model import WanVAEDecoder
 
 #: the latents' and the pixels' row axes, for every family
 LATENT_ROWS, PIXEL_ROWS = -2, -3

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from .weights import RenameRules, rename
+from ..nn.weights import RenameRules, rename
 
 if TYPE_CHECKING:
-    from .taesd import AutoencoderTinyConfig
+    from .model import AutoencoderTinyConfig
 
 _ORIGINAL = re.compile(r"^\d+\.")
 _DIFFUSERS_PREFIXES = ("decoder.layers.", "encoder.layers.")

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from .weights import RenameRules, rename
+from ..nn.weights import RenameRules, rename
 
 if TYPE_CHECKING:
-    from .wan_vae import WanVAEConfig
+    from .model import WanVAEConfig
 
 #: a key only the original Wan naming has (diffusers detects the format by the same key)
 ORIGINAL_MARKER = "decoder.middle.0.residual.0.gamma"

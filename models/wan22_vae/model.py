@@ -1,9 +1,10 @@
 """The Wan 2.2 video VAE (TI2V-5B's `Wan-AI/Wan2.2-TI2V-5B-Diffusers/vae`: diffusers
 `AutoencoderKLWan` with `is_residual=True`), `kind == "video-decoder"`, with its encoder when the
-checkpoint holds it: the Wan 2.2 VAE family (its presets, model and builder; `FAMILY`), built on the
-Wan 2.1 family (models/wan_vae.py).
+checkpoint holds it: the Wan 2.2 VAE family's presets, config and model (its `FAMILY` is in the package's
+__init__.py), built on the
+Wan 2.1 family (models/wan_vae/model.py).
 
-What Wan 2.2 changes in the decoder (models/wan22_vae_layers.py): residual up blocks whose input
+What Wan 2.2 changes in the decoder (models/wan22_vae/layers.py): residual up blocks whose input
 is added back through a parameter-free DupUp3D shortcut, no channel halving between blocks (each
 upsampler keeps its width), its own decoder width (`decoder_base_dim`), and a 2x2 patch: the
 decoder gives 3 * 2 * 2 channels at 8x that unpatchify makes RGB at 16x. Decoding is Wan 2.1's:
@@ -15,7 +16,7 @@ chunked and causal, one latent frame at a time (1 frame, then 4 per later latent
             -> clamp to [-1, 1], x / 2 + 0.5 -> frames (N, 1 + 4 (T - 1), 16h, 16w, 3) in [0, 1]
 
     encode: frames (N, 1 + 4k, H, W, 3) in [0, 1] -> x * 2 - 1 -> patchify (2x2 -> 12 channels)
-            -> the residual encoder (AvgDown3D shortcuts, models/wan22_vae_encoder.py) chunk by chunk,
+            -> the residual encoder (AvgDown3D shortcuts, models/wan22_vae/encoder.py) chunk by chunk,
                1 frame then 4, with the causal cache -> quant_conv -> posterior mean
             -> (mean - latents_mean) * (1 / latents_std)   (the TI2V pipeline's prepare_latents)
             -> (N, 48, 1 + k, H/16, W/16)
@@ -33,18 +34,16 @@ import numpy as np
 
 from convkernels import Backend
 
-from . import interrupt
-from .contract import VIDEO_DECODER
-from .family import ModelFamily, ModelOptions, family_options
-from .module import random_state_dict
-from .tiling import plan_video_tiles, stitch_video_tiles, video_tiles
-from .wan22_vae_encoder import ResidualEncoder3d, patchify
-from .wan22_vae_layers import unpatchify
-from .wan_vae import INIT_RULES, WanVAEConfig, WanVAEDecoder, WanVAEOptions
-from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
-from .wan_vae_encoder import EncoderTree
-from .wan_vae_layers import FeatureCache
-from .weights import WeightsError, diffusers_config
+from ..nn import interrupt
+from ..nn.module import random_state_dict
+from ..nn.tiling import plan_video_tiles, stitch_video_tiles, video_tiles
+from ..nn.weights import WeightsError
+from ..wan_vae.checkpoint import checkpoint_naming, normalize_keys
+from ..wan_vae.encoder import EncoderTree
+from ..wan_vae.layers import FeatureCache
+from ..wan_vae.model import INIT_RULES, WanVAEConfig, WanVAEDecoder, WanVAEOptions
+from .encoder import ResidualEncoder3d, patchify
+from .layers import ResidualDecoder3d, unpatchify
 
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder vae, config.json (the same 48 values as the original
 # Wan 2.2 release's Wan2_2_VAE and diffusers' conversion script vae22_diffusers_config)
@@ -139,6 +138,7 @@ class Wan22VAEDecoder(WanVAEDecoder):
     (N, 1 + 4*(T-1), 16h, 16w, 3) in [0, 1]; and, when the checkpoint has the encoder
     (`has_encoder`), frames -> normalised latents."""
 
+    decoder_class = ResidualDecoder3d
     architecture = ("diffusers AutoencoderKLWan, is_residual (Wan 2.2 video VAE: residual up and down blocks "
                     "with DupUp3D and AvgDown3D shortcuts, 2x2 patches)")
 
@@ -238,19 +238,3 @@ def host_unpatchify(x: np.ndarray, patch: int) -> np.ndarray:
     c = cp // (patch * patch)
     x = x.reshape(n, t, h, w, c, patch, patch).transpose(0, 1, 2, 6, 3, 5, 4)
     return np.ascontiguousarray(x.reshape(n, t, h * patch, w * patch, c))
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          options: ModelOptions | None = None) -> Wan22VAEDecoder:
-    """A Wan 2.2 video VAE decoder from a preset name, optional weights (a diffusers folder with
-    config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
-    architecture; or a single .safetensors in diffusers naming, read with the preset's config) and
-    options (WanVAEOptions; their `config` overrides config fields)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Wan 2.2 VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    options = family_options(options, WanVAEOptions)
-    cfg, tensors = diffusers_config(weights, "AutoencoderKLWan", Wan22VAEConfig, PRESETS[preset], options.config)
-    return Wan22VAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
-
-
-FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build, WanVAEOptions)

@@ -1,7 +1,7 @@
 """The Wan 2.2 VAE decoder's own blocks (diffusers `AutoencoderKLWan` with `is_residual=True`):
 the residual up block with its parameter-free DupUp3D shortcut, the decoder built from them, and
 unpatchify. Everything else (causal convs, RMS norms, resnets, attention, the resampler and the
-feature cache) is Wan 2.1's, models/wan_vae_layers.py.
+feature cache) is Wan 2.1's, models/wan_vae/layers.py.
 
 Activations are channels-last (N, T, H, W, C) as in the Wan 2.1 layers; a shortcut is a backend
 pixel_shuffle handed to the upsampler's op unmade (a ShuffledResidual), unpatchify a reshape and one
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from convkernels import ShuffledResidual
 
-from .module import Module
-from .wan_vae_layers import ChannelRMSNorm, CausalConv3d, FeatureCache, MidBlock, Resample, ResidualBlock
+from ..nn.module import Module
+from ..wan_vae.layers import ChannelRMSNorm, CausalConv3d, FeatureCache, MidBlock, Resample, ResidualBlock
 
 
 def dup_up_residual(x, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool = False):

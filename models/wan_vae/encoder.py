@@ -1,6 +1,6 @@
 """The Wan VAE encoder: diffusers' WanEncoder3d + quant_conv, on one frame (an image, all an image
 VAE built on it, Qwen-Image, needs) or chunked and causal with a FeatureCache as diffusers' `_encode`
-runs a video (1 frame, then 4 per chunk; the Wan 2.2 encoder, models/wan22_vae_encoder.py, does).
+runs a video (1 frame, then 4 per chunk; the Wan 2.2 encoder, models/wan22_vae/encoder.py, does).
 
 On a lone first frame every causal conv sees only zero padding before it (CausalConv3d's lone-frame
 path) and the temporal downsamplers' time convs do not run (diffusers only caches that frame for the
@@ -10,9 +10,9 @@ chunk's last frame and this chunk's. Channels-last as the decoder: activations N
 """
 from __future__ import annotations
 
-from .layers import Conv2d
-from .module import Module
-from .wan_vae_layers import CausalConv3d, ChannelRMSNorm, FeatureCache, MidBlock, ResidualBlock
+from ..nn.layers import Conv2d
+from ..nn.module import Module
+from .layers import CausalConv3d, ChannelRMSNorm, FeatureCache, MidBlock, ResidualBlock
 
 
 class Downsample(Module):

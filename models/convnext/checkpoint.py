@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from .weights import RenameRules, WeightsError, rename
+from ..nn.weights import RenameRules, WeightsError, rename
 
 if TYPE_CHECKING:
-    from .convnext import ConvNeXtConfig
+    from .model import ConvNeXtConfig
 
 #: (timm name, Hugging Face name) templates, one pair per module: {0} and {1} stand for block
 #: indices (in the same order on both sides), {p} for the Hugging Face prefix (`convnext.` in a

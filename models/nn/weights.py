@@ -16,6 +16,12 @@ class WeightsError(ValueError):
     """A checkpoint does not fit the model; the message counts every problem and names the first few."""
 
 
+class ModelConfigError(ValueError):
+    """A model cannot be built as asked: an unknown preset, another family's options, an unknown
+    config field or a config the family does not support. The message names the preset or field
+    and the choices."""
+
+
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bf16",
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
               "BOOL": np.bool_}
@@ -109,7 +115,7 @@ def diffusers_config(weights: str | os.PathLike | None, class_name: str, cfg_cls
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
     unknown = sorted(k for k in overrides if k not in fields)
     if unknown:
-        raise ValueError(f"unknown {class_name} overrides {unknown}; config fields: {sorted(fields)}")
+        raise ModelConfigError(f"unknown {class_name} overrides {unknown}; config fields: {sorted(fields)}")
     cfg_dict, tensors = dict(preset_cfg), None
     if weights is not None:
         tensors, file_cfg = read_checkpoint(weights)

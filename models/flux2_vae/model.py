@@ -1,5 +1,5 @@
 """diffusers `AutoencoderKLFlux2` (the FLUX.2 image VAE) on the backend interface: the FLUX.2 VAE
-family (its presets, model and builder; `FAMILY`).
+family's presets, config and model (its `FAMILY` is in the package's __init__.py).
 
 FLUX.2's encoder and decoder are the SD layout of `autoencoder_kl` with 32 latent channels, so the
 model is that family's model with the FLUX.2 pipeline's latent handling around it. What the
@@ -23,12 +23,12 @@ import numpy as np
 
 from convkernels import Backend
 
-from . import autoencoder_kl
-from .autoencoder_kl import _SD_BLOCKS, _TINY_BLOCKS, AutoencoderKLConfig, AutoencoderKLModel, AutoencoderKLOptions
-from .contract import IMAGE_DECODER, ROW_MAJOR_TOKENS
-from .family import ModelFamily, ModelOptions, family_options
-from .module import Module
-from .weights import diffusers_config
+from ..autoencoder_kl import model as autoencoder_kl
+from ..autoencoder_kl.config import _SD_BLOCKS, _TINY_BLOCKS, AutoencoderKLConfig, AutoencoderKLOptions
+from ..autoencoder_kl.model import AutoencoderKLModel
+from ..contract import ROW_MAJOR_TOKENS
+from ..nn.module import Module
+from ..nn.weights import ModelConfigError
 
 #: the pipeline patchifies 2x2 (its _patchify_latents is written for that size alone)
 PATCH = 2
@@ -78,7 +78,7 @@ class Flux2VAEConfig(AutoencoderKLConfig):
             problems.append(f"decoder_block_out_channels {list(widths)}: one per up block, each a multiple "
                             f"of norm_num_groups {self.norm_num_groups}")
         if problems:
-            raise ValueError("unsupported AutoencoderKLFlux2 config: " + "; ".join(problems))
+            raise ModelConfigError("unsupported AutoencoderKLFlux2 config: " + "; ".join(problems))
 
     @property
     def decoder_widths(self) -> tuple[int, ...]:
@@ -175,17 +175,3 @@ class Flux2VAEModel(AutoencoderKLModel):
         # the remote-VAE route unpacks this pipeline's (B, h' * w', 128) tokens by it
         # latent_patch: the service checks an encode's image sides give whole patches
         return {**super().card(), "packed_latents": ROW_MAJOR_TOKENS, "latent_patch": PATCH}
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          options: ModelOptions | None = None) -> Flux2VAEModel:
-    """Make a model from a preset, a checkpoint (diffusers folder with config.json naming
-    AutoencoderKLFlux2, or a .safetensors file) and options (AutoencoderKLOptions)."""
-    if preset not in PRESETS:
-        raise KeyError(f"unknown FLUX.2 VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    options = family_options(options, AutoencoderKLOptions)
-    cfg, tensors = diffusers_config(weights, "AutoencoderKLFlux2", Flux2VAEConfig, PRESETS[preset], options.config)
-    return Flux2VAEModel(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
-
-
-FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, AutoencoderKLOptions)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from . import interrupt
-from .layers import Conv2d
-from .module import Module
+from ..nn import interrupt
+from ..nn.layers import Conv2d
+from ..nn.module import Module
 
 
 class TinyBlock(Module):

@@ -1,10 +1,10 @@
 """diffusers `AutoencoderKLQwenImage` (the Qwen-Image VAE) as an image VAE: the Qwen-Image VAE
-family (its presets, model and builder; `FAMILY`).
+family's presets, config and model (its `FAMILY` is in the package's __init__.py).
 
 Qwen-Image's VAE is a fine-tuned Wan 2.1 video VAE: its decoder has the Wan 2.1 blocks and
 parameter names (`post_quant_conv`, `decoder.*`; no residual up blocks, no patching), and its
 config.json the Wan 2.1 fields, with `input_channels` for the RGB channel count. The model is
-therefore the Wan VAE decoder (models/wan_vae.py) run on one latent frame, with the Qwen-Image
+therefore the Wan VAE decoder (models/wan_vae/model.py) run on one latent frame, with the Qwen-Image
 pipeline's latent handling around it:
 
     decode: x (N, 16, h, w) or (N, 16, 1, h, w), normalised
@@ -29,16 +29,15 @@ import numpy as np
 
 from convkernels import Backend
 
-from .contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
-from .family import ModelFamily, ModelOptions, family_options
-from .module import random_state_dict
-from .tiling import tiled_map
-from .wan_vae import INIT_RULES, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
-from .wan_vae_checkpoint import normalize_keys
-from .wan_vae_encoder import EncoderTree
-from .weights import diffusers_config
+from ..contract import IMAGE_DECODER, SINGLE_FRAME_LATENTS, card_fields
+from ..nn.module import random_state_dict
+from ..nn.tiling import tiled_map
+from ..nn.weights import ModelConfigError
+from ..wan_vae.checkpoint import normalize_keys
+from ..wan_vae.encoder import EncoderTree
+from ..wan_vae.model import INIT_RULES, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAEConfig, WanVAEDecoder, WanVAEOptions
 
-__all__ = ["FAMILY", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions", "build",
+__all__ = ["DESCRIPTIONS", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions",
            "normalize_keys"]
 
 PRESETS: dict[str, dict] = {
@@ -86,7 +85,7 @@ class QwenImageVAEConfig(WanVAEConfig):
 
     def validate(self) -> None:
         if self.input_channels != 3:
-            raise ValueError(f"AutoencoderKLQwenImage config: input_channels must be 3 (RGB), "
+            raise ModelConfigError(f"AutoencoderKLQwenImage config: input_channels must be 3 (RGB), "
                              f"got {self.input_channels}")
         super().validate()
 
@@ -189,19 +188,3 @@ class QwenImageVAEDecoder(WanVAEDecoder):
                                    "tile_sample_stride": self.tiling.stride_px,
                                    "max_untiled_pixels": self.max_untiled_pixels},
                            config=self.config.as_dict(), **{SINGLE_FRAME_LATENTS: True})
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          options: ModelOptions | None = None) -> QwenImageVAEDecoder:
-    """A Qwen-Image VAE decoder from a preset, optional weights (a diffusers folder whose config.json
-    names AutoencoderKLQwenImage, replacing the preset's architecture; or a .safetensors in diffusers
-    or original-Wan naming, read with the preset's config) and options (QwenImageVAEOptions)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Qwen-Image VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    options = family_options(options, QwenImageVAEOptions)
-    cfg, tensors = diffusers_config(weights, "AutoencoderKLQwenImage", QwenImageVAEConfig, PRESETS[preset],
-                                    options.config)
-    return QwenImageVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
-
-
-FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, QwenImageVAEOptions)

@@ -1,6 +1,6 @@
 """The image VAE's decode split by rows over shards, equal to the unsharded decode.
 
-Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl.py; SD, SDXL,
+Every shard runs the decoder of one `AutoencoderKLModel` (models/autoencoder_kl/model.py; SD, SDXL,
 FLUX.1, and FLUX.2's `Flux2VAEModel`, whose decoder is the same), with the model's own
 parameters, on its rows of the latents, de-normalised by the model's own decoder_latents (FLUX.2's
 unpatchify turns each latent row into two of the decoder's: row-local), and talks to the other
@@ -30,7 +30,7 @@ import numpy as np
 from convkernels.collectives.shard_comm import ShardComm, split_rows
 from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_upsample_conv2d
 
-from .contract import PIXEL_RANGE
+from ..contract import PIXEL_RANGE
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from .weights import RenameRules, rename
+from ..nn.weights import RenameRules, rename
 
 if TYPE_CHECKING:
-    from .autoencoder_kl import AutoencoderKLConfig
+    from .config import AutoencoderKLConfig
 
 _CHECKPOINT_PREFIXES = ("vae.", "first_stage_model.")
 _LDM_RE = re.compile(r"^(encoder|decoder)\.(down|up|mid|norm_out)")

@@ -1,6 +1,6 @@
 """The Wan video VAEs' decode split by rows over shards, equal to the unsharded,
-untiled decode (models/wan_vae.py): Wan 2.1's, Qwen-Image's (Wan 2.1's on one frame) and Wan
-2.2's (models/wan22_vae.py; below).
+untiled decode (models/wan_vae/model.py): Wan 2.1's, Qwen-Image's (Wan 2.1's on one frame) and Wan
+2.2's (models/wan22_vae/model.py; below).
 
 Every shard runs the decoder of one `WanVAEDecoder` with the model's own parameters on its rows
 of the latents (channels-last N,T,h,w,C, rows on axis 2), the first latent frame alone and
@@ -47,11 +47,11 @@ import numpy as np
 from convkernels.collectives.shard_comm import ShardComm
 from convkernels.sharded_ops import halo_rows, halo_upsample_conv2d, haloed_conv3d
 
-from .contract import PIXEL_RANGE
-from .sharded_decode import Shard
-from .wan22_vae_layers import ResidualDecoder3d, ResidualUpBlock, dup_up_residual
-from .wan_vae import joined_groups, one_group_ahead
-from .wan_vae_layers import Decoder3d, FeatureCache
+from ..contract import PIXEL_RANGE
+from .autoencoder_kl import Shard
+from ..wan22_vae.layers import ResidualDecoder3d, ResidualUpBlock, dup_up_residual
+from ..wan_vae.model import joined_groups, one_group_ahead
+from ..wan_vae.layers import Decoder3d, FeatureCache
 
 #: rows are axis 2 of the decoder's activations (N, T, H, W, C)
 ROWS = 2

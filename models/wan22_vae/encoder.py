@@ -2,16 +2,16 @@
 of the input, the parameter-free AvgDown3D shortcut, the residual down block built on it, and the
 encoder made of those blocks. Everything else (causal convs with their FeatureCache, RMS norms,
 resnets, the mid block, the downsamplers and their time convs, quant_conv) is the Wan 2.1
-encoder's, models/wan_vae_encoder.py.
+encoder's, models/wan_vae/encoder.py.
 
 Activations are channels-last (N, T, H, W, C); patchify and the shortcuts are a reshape, one
 transpose and (AvgDown3D) a mean on the backend, no per-element loops.
 """
 from __future__ import annotations
 
-from .module import Module
-from .wan_vae_encoder import Downsample, Encoder3d
-from .wan_vae_layers import FeatureCache, ResidualBlock
+from ..nn.module import Module
+from ..wan_vae.encoder import Downsample, Encoder3d
+from ..wan_vae.layers import FeatureCache, ResidualBlock
 
 
 def patchify(backend, x, patch: int):

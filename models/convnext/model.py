@@ -1,6 +1,6 @@
 """ConvNeXt image encoder (Liu et al. 2022) on the backend interface, channels-last: the ConvNeXt
-family (its presets, layers, model and builder; `FAMILY`). Its parameters carry timm's names;
-convnext_checkpoint.py reads timm- and Hugging Face-named checkpoints onto them.
+family's presets, config, layers, model and `load` (its `FAMILY` is in the package's __init__.py).
+Its parameters carry timm's names; checkpoint.py reads timm- and Hugging Face-named checkpoints onto them.
 """
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ import numpy as np
 
 from convkernels import Backend
 
-from .contract import IMAGE_ENCODER, card_fields
-from .family import ModelFamily, ModelOptions, family_options
-from .convnext_checkpoint import (checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config,
-                                  normalize_keys)
-from .layers import Conv2d, LayerNorm, Linear
-from .module import Module, random_state_dict
-from .weights import check_state_dict, conv_weight_to_channels_last, read_checkpoint
+from ..contract import IMAGE_ENCODER, card_fields
+from ..family import ModelOptions
+from ..nn.layers import Conv2d, LayerNorm, Linear
+from ..nn.module import Module, random_state_dict
+from ..nn.weights import ModelConfigError, check_state_dict, conv_weight_to_channels_last, read_checkpoint
+from .checkpoint import checkpoint_config, detect_naming, expected_in_own_naming, labels_from_config, normalize_keys
 
 log = logging.getLogger("convserve.models")
 
@@ -63,11 +62,11 @@ class ConvNeXtConfig:
 
     def __post_init__(self):
         if len(self.depths) != len(self.dims) or not self.depths:
-            raise ValueError(f"ConvNeXt: depths {self.depths} and dims {self.dims} must have one entry per stage")
+            raise ModelConfigError(f"ConvNeXt: depths {self.depths} and dims {self.dims} must have one entry per stage")
         if self.activation not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"ConvNeXt: unsupported activation {self.activation!r}")
+            raise ModelConfigError(f"ConvNeXt: unsupported activation {self.activation!r}")
         if len(self.mean) != self.in_chans or len(self.std) != self.in_chans:
-            raise ValueError(f"ConvNeXt: mean/std need {self.in_chans} entries")
+            raise ModelConfigError(f"ConvNeXt: mean/std need {self.in_chans} entries")
 
     @property
     def min_input_size(self) -> int:
@@ -287,13 +286,13 @@ def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(ConvNeXtConfig)}
     bad = sorted(set(overrides) - known)
     if bad:
-        raise ValueError(f"ConvNeXt: unknown overrides {bad}; known: {sorted(known)}")
+        raise ModelConfigError(f"ConvNeXt: unknown overrides {bad}; known: {sorted(known)}")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
 
 
 def preset_config(preset: str, overrides: Mapping[str, Any] | None = None) -> ConvNeXtConfig:
     if preset not in PRESETS:
-        raise ValueError(f"unknown ConvNeXt preset {preset!r}; known: {sorted(PRESETS)}")
+        raise ModelConfigError(f"unknown ConvNeXt preset {preset!r}; known: {sorted(PRESETS)}")
     p = PRESETS[preset]
     base = {"depths": tuple(p["depths"]), "dims": tuple(p["dims"]), "num_classes": p.get("num_classes", 0),
             "input_size": p.get("input_size", 224)}
@@ -301,13 +300,13 @@ def preset_config(preset: str, overrides: Mapping[str, Any] | None = None) -> Co
     return ConvNeXtConfig(**base)
 
 
-def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike | None = None,
-          options: ModelOptions | None = None) -> ConvNeXtEncoder:
-    """A ConvNeXt encoder from a preset, with weights from an HF folder (config.json +
+def load(name: str, preset: str, backend: Backend, weights: str | os.PathLike | None,
+         options: ModelOptions) -> ConvNeXtEncoder:
+    """The family's Loader (models/family.py; FAMILY.build calls it with a known preset): a
+    ConvNeXt encoder from a preset, with weights from an HF folder (config.json +
     model.safetensors), a single timm- or HF-named .safetensors, or None (seeded random init).
     A checkpoint's config.json decides the architecture unless `options.config` says otherwise;
     the checkpoint's head decides num_classes. An encoder does not tile: tile_size is ignored."""
-    options = family_options(options, ModelOptions)
     overrides = options.config
     cfg = preset_config(preset, overrides)
     if weights is None:
@@ -326,6 +325,3 @@ def build(name: str, preset: str, backend: Backend, weights: str | os.PathLike |
     labels = labels_from_config(file_config, cfg.num_classes)
     return ConvNeXtEncoder(name, preset, backend, cfg, normalize_keys(tensors, cfg), str(Path(weights)), labels,
                            naming)
-
-
-FAMILY = ModelFamily(IMAGE_ENCODER, PRESETS, DESCRIPTIONS, build, ModelOptions)

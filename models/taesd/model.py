@@ -1,9 +1,9 @@
 """diffusers `AutoencoderTiny` (madebyollin's TAESD, TAESDXL, TAEF1) on the backend interface: the
-tiny preview-decoder family (its presets, model and builder; `FAMILY`).
+tiny preview-decoder family's presets, config and model (its `FAMILY` is in the package's __init__.py).
 
 The layer tree mirrors diffusers' names (`decoder.layers.{i}`, `encoder.layers.{i}`, see
-taesd_layers.py), so a diffusers checkpoint loads by name; madebyollin's original
-taesd_{encoder,decoder}.safetensors are renamed onto them (taesd_checkpoint.py).
+layers.py), so a diffusers checkpoint loads by name; madebyollin's original
+taesd_{encoder,decoder}.safetensors are renamed onto them (checkpoint.py).
 
 What `AutoencoderTiny.decode` does, and so what this model does: the pipeline first divides its
 latents by config.json's scaling_factor and adds shift_factor (1 and 0 for the published TAESD
@@ -21,13 +21,13 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
-from . import tiling
-from .contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
-from .family import ModelFamily, ModelOptions, family_options
-from .module import Module, random_state_dict
-from .taesd_checkpoint import checkpoint_naming, normalize_keys
-from .taesd_layers import TinyDecoder, TinyEncoder
-from .weights import DiffusersConfig, diffusers_config
+from ..contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
+from ..family import ModelOptions
+from ..nn import tiling
+from ..nn.module import Module, random_state_dict
+from ..nn.weights import DiffusersConfig, ModelConfigError
+from .checkpoint import checkpoint_naming, normalize_keys
+from .layers import TinyDecoder, TinyEncoder
 
 #: AutoencoderTiny's defaults, which the published config.json files keep
 _TAESD = {
@@ -103,7 +103,7 @@ class AutoencoderTinyConfig(DiffusersConfig):
         if len(self.encoder_block_out_channels) != len(self.decoder_block_out_channels):
             problems.append("encoder and decoder have different stage counts (their spatial factors differ)")
         if problems:
-            raise ValueError("unsupported AutoencoderTiny config: " + "; ".join(problems))
+            raise ModelConfigError("unsupported AutoencoderTiny config: " + "; ".join(problems))
 
     @property
     def spatial_factor(self) -> int:
@@ -258,19 +258,3 @@ class AutoencoderTinyModel:
                                    "tile_overlap_factor": t.overlap,
                                    "memory_budget_bytes": t.memory_budget_bytes},
                            checkpoint_naming=self.checkpoint_naming, config=self.config.as_dict())
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          options: ModelOptions | None = None) -> AutoencoderTinyModel:
-    """Make a model from a preset, a checkpoint (diffusers folder or .safetensors) whose
-    config.json, when present, replaces the preset's architecture, and options (TAESDOptions;
-    their `config` overrides config fields)."""
-    if preset not in PRESETS:
-        raise KeyError(f"unknown TAESD preset {preset!r}; known: {sorted(PRESETS)}")
-    options = family_options(options, TAESDOptions)
-    cfg, tensors = diffusers_config(weights, "AutoencoderTiny", AutoencoderTinyConfig, PRESETS[preset],
-                                    options.config)
-    return AutoencoderTinyModel(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
-
-
-FAMILY = ModelFamily(IMAGE_DECODER, PRESETS, DESCRIPTIONS, build, TAESDOptions)

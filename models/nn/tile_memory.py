@@ -1,5 +1,5 @@
 """Peak working memory of an image VAE's decode or encode, whole or one tile at a time: what the
-tiling rules (models/tiling.py) compare with the backend's work-memory budget to decide whether,
+tiling rules (models/nn/tiling.py) compare with the backend's work-memory budget to decide whether,
 and how small, to tile. Deliberately on the high side."""
 from __future__ import annotations
 

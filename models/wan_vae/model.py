@@ -1,5 +1,6 @@
 """The Wan 2.1 video VAE decoder (diffusers `AutoencoderKLWan`), `kind == "video-decoder"`: the
-Wan-VAE family (its presets, model and builder; `FAMILY`).
+Wan-VAE family's presets, config and model (its `FAMILY` is in the package's __init__.py). Wan 2.2
+(models/wan22_vae/) and Qwen-Image (models/qwen_image_vae/) build on this decoder.
 
 Decoding is chunked and causal exactly as diffusers' `_decode`: one latent frame at a time
 through the decoder with a feature cache of CACHE_T frames per causal conv, so memory does
@@ -19,17 +20,16 @@ import numpy as np
 
 from convkernels import Backend, pixels_to_uint8
 
-from . import interrupt
-from .wan_vae_checkpoint import checkpoint_naming, normalize_keys
-from .contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
-from .family import ModelFamily, ModelOptions, family_options
-from .module import Module, random_state_dict
-from .video_latents import PreparedLatents
-from .wan_vae_layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
-from .wan22_vae_layers import ResidualDecoder3d
-from .tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
-                     video_tiles_for_size)
-from .weights import DiffusersConfig, diffusers_config, fold_output_affine
+from ..contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
+from ..family import ModelOptions
+from ..nn import interrupt
+from ..nn.module import Module, random_state_dict
+from ..nn.tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
+                         video_tiles_for_size)
+from ..nn.weights import DiffusersConfig, ModelConfigError, fold_output_affine
+from .checkpoint import checkpoint_naming, normalize_keys
+from .latents import PreparedLatents
+from .layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 
 # diffusers AutoencoderKLWan defaults == the published Wan 2.1 VAE config
 # (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, subfolder vae)
@@ -87,7 +87,7 @@ class WanVAEConfig(DiffusersConfig):
     scale_factor_spatial: int | None = 8
 
     def variant_problems(self) -> list[str]:
-        """What makes this config not a Wan 2.1 VAE (Wan 2.2's config says so in models/wan22_vae.py)."""
+        """What makes this config not a Wan 2.1 VAE (Wan 2.2's config says so in models/wan22_vae/model.py)."""
         problems = []
         if self.is_residual:
             problems.append("is_residual=True is the Wan 2.2 VAE: use a wan2.2 preset")
@@ -108,7 +108,7 @@ class WanVAEConfig(DiffusersConfig):
         if any(s == 0 for s in self.latents_std):
             problems.append("latents_std has a zero entry")
         if problems:
-            raise ValueError("AutoencoderKLWan config: " + "; ".join(problems))
+            raise ModelConfigError("AutoencoderKLWan config: " + "; ".join(problems))
 
     @property
     def temperal_upsample(self) -> tuple[bool, ...]:
@@ -139,11 +139,10 @@ class WanVAEOptions(ModelOptions):
 class _VAEDecoderTree(Module):
     """The checkpoint's decoder side: post_quant_conv (1x1x1) and the decoder."""
 
-    def __init__(self, cfg: WanVAEConfig):
+    def __init__(self, cfg: WanVAEConfig, decoder: type[Module]):
         super().__init__()
         z = cfg.z_dim
         self.post_quant_conv = self.add("post_quant_conv", CausalConv3d(z, z, 1))
-        decoder = ResidualDecoder3d if cfg.is_residual else Decoder3d  # Wan 2.2 / Wan 2.1
         self.decoder = self.add("decoder", decoder(cfg.decoder_base_dim or cfg.base_dim, z, cfg.dim_mult,
                                                    cfg.num_res_blocks, cfg.temperal_upsample, cfg.out_channels))
 
@@ -158,6 +157,8 @@ class WanVAEDecoder:
     architecture = "diffusers AutoencoderKLWan decoder (Wan 2.1 video VAE, causal 3-D convs)"
     #: the diffusers class whose decoder this is (load errors name it)
     reference_class = "AutoencoderKLWan"
+    #: the decoder's layer tree: Wan 2.1's; Wan 2.2's model names its residual one
+    decoder_class: type[Module] = Decoder3d
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: WanVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -172,7 +173,7 @@ class WanVAEDecoder:
         self.temporal_factor = cfg.temporal_factor
         self._mean = np.asarray(cfg.latents_mean, np.float32).reshape(1, -1, 1, 1, 1)
         self._std = np.asarray(cfg.latents_std, np.float32).reshape(1, -1, 1, 1, 1)
-        self.tree = _VAEDecoderTree(cfg)
+        self.tree = _VAEDecoderTree(cfg, self.decoder_class)
         if tensors is None:
             self.weights_source, self.weights_naming = "random init", None
             tensors = random_state_dict(self.tree.expected_shapes(), options.seed, INIT_RULES)
@@ -188,7 +189,7 @@ class WanVAEDecoder:
                                f"{self.reference_class} decoder (preset {preset!r}{naming})",
                                ignore_unexpected=("encoder.", "quant_conv."))
         self._steady_step = backend.graphed(self._step)
-        #: models/sharded_wan_decode.py's recorded steady steps, one per shard group and band
+        #: models/sharding/wan.py's recorded steady steps, one per shard group and band
         self.sharded_steps: dict = {}
 
     # ---- decode ----------------------------------------------------------------------------------
@@ -299,6 +300,10 @@ class WanVAEDecoder:
         return 1 + self.temporal_factor * (latent_frames - 1)
 
     # ---- description -----------------------------------------------------------------------------
+    @property
+    def latent_stats(self) -> tuple[tuple[float, ...], tuple[float, ...]]:  # models/contract.py PerChannelLatents
+        return tuple(self.config.latents_mean), tuple(self.config.latents_std)
+
     def smaller_tiling(self, current: TileSettings) -> TileSettings | None:  # models/contract.py
         return smaller_video_tiles(current, self.spatial_factor)
 
@@ -338,7 +343,7 @@ def one_group_ahead(started: Iterator, ahead: bool) -> Iterator[np.ndarray]:
     on the device before group k is waited for (from the second group on), so k's copy and host
     work overlap k+1's kernels: one group of look-ahead; a slow reader still holds the decode back,
     and the first group leaves as soon as it is done. Elsewhere each group is computed when asked
-    for. The unsharded and the sharded decode (models/sharded_wan_decode.py) both step this way."""
+    for. The unsharded and the sharded decode (models/sharding/wan.py) both step this way."""
     pending = None
     for k, group in enumerate(started):
         if pending is not None:
@@ -349,19 +354,3 @@ def one_group_ahead(started: Iterator, ahead: bool) -> Iterator[np.ndarray]:
             pending = None
     if pending is not None:
         yield pending.result()
-
-
-def build(name: str, preset: str, backend: Backend, weights: str | None = None,
-          options: ModelOptions | None = None) -> WanVAEDecoder:
-    """A Wan 2.1 video VAE decoder from a preset name, optional weights (a diffusers folder with
-    config.json + diffusion_pytorch_model.safetensors, whose config replaces the preset's
-    architecture; or a single .safetensors in diffusers or original-Wan naming, read with the
-    preset's config) and options (WanVAEOptions; their `config` overrides config fields)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown Wan VAE preset {preset!r}; known: {sorted(PRESETS)}")
-    options = family_options(options, WanVAEOptions)
-    cfg, tensors = diffusers_config(weights, "AutoencoderKLWan", WanVAEConfig, PRESETS[preset], options.config)
-    return WanVAEDecoder(name, preset, backend, cfg, tensors, weights_source=weights, options=options)
-
-
-FAMILY = ModelFamily(VIDEO_DECODER, PRESETS, DESCRIPTIONS, build, WanVAEOptions)

@@ -2,7 +2,7 @@
 
 Image rule, exactly as diffusers' `AutoencoderKL.tiled_decode` does it (tile starts every
 `overlap_size` latents, linear blend of the overlaps with the tile above and to the left, crop to
-`row_limit`), plus a peak-memory estimate that decides when to tile (models/tile_memory.py). Blending runs on host arrays:
+`row_limit`), plus a peak-memory estimate that decides when to tile (models/nn/tile_memory.py). Blending runs on host arrays:
 each decoded tile is final output (only blended and cropped), so bringing it to the host right
 away is what keeps device memory bounded by one tile. Unlike diffusers, which keeps every decoded
 tile until the end, rows stream: only the previous row of tiles (their bottom `blend_extent`

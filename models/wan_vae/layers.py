@@ -1,7 +1,7 @@
 """Building blocks of the Wan 2.1 video VAE decoder, written on the backend op API only.
 
 Layout is channels-last: activations N,T,H,W,C; conv weights O,kT,kH,kW,I. The layers are
-models/module.py Modules and run on the backend their parameters were loaded to
+models/nn/module.py Modules and run on the backend their parameters were loaded to
 (`self.backend`), so the per-chunk calls carry only activations and the feature cache.
 
 The semantics follow diffusers' `autoencoder_kl_wan.py` (Wan 2.1, `is_residual=False`) line
@@ -20,8 +20,8 @@ import numpy as np
 
 from convkernels import Backend
 
-from .layers import Conv, Conv2d
-from .module import Module
+from ..nn.layers import Conv, Conv2d
+from ..nn.module import Module
 
 Array = Any
 
