@@ -88,3 +88,17 @@ def test_which_servers_form_shard_groups():
     # mlx's emulated shards would fail (its streams are per thread); a real communicator is fine
     assert shard_option.groups_off("mlx", Settings())[0] == "shards-not-on-this-backend"
     assert shard_option.groups_off("mlx", Settings(shard_comm="gloo_shards:GlooShards")) is None
+
+
+def test_the_cli_knows_every_sharded_family_by_its_preset():
+    """`convserve decode --shards N` refuses a preset with no sharded decode before any GPU work,
+    by the preset's family package: every preset whose model decodes sharded passes that check
+    (it then needs CUDA), and one without a sharded decode is named as such. (When the families
+    became packages, the check compared against the model classes' module names, now all
+    `model`, and refused every preset; only a two-GPU test saw it.)"""
+    from models import sharding
+    from models.registry import PRESETS
+
+    sharded = {p.family for p in PRESETS.values() if p.family in sharding.family_modules()}
+    assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae"}
+    assert {"taesd", "convnext"}.isdisjoint(sharding.family_modules())

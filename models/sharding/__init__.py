@@ -76,9 +76,9 @@ OFFERED = "the SD, SDXL, FLUX.1 and FLUX.2 image VAEs, Qwen-Image's, and the Wan
 
 
 def family_modules() -> set[str]:
-    """The models/ modules whose models decode sharded: a preset's (models.registry.PresetInfo.family)
-    is checked by it before any model loads."""
-    return {cls.__module__.rsplit(".", 1)[-1] for cls in FAMILIES}
+    """The family packages (models/<family>/) whose models decode sharded: a preset's
+    (models.registry.PresetInfo.family) is checked by it before any model loads."""
+    return {cls.__module__.split(".")[1] for cls in FAMILIES}
 
 
 def family(model) -> ShardedFamily | None:
