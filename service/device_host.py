@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fault_injection, metrics, oom_recovery
+from . import worker_protocol as wp
 from .batcher import Batcher, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
@@ -116,45 +117,35 @@ class ModelHost:
         except OSError:  # the supervisor is gone or stopping: nothing waits for it
             pass
 
-    def description(self) -> dict:
+    def description(self) -> wp.Status:
         state = "ready" if self.ready else "failed" if self.load_error else "loading"
-        return {"device": self.spec.device, "gpu": self.spec.cuda_visible, "pid": os.getpid(), "state": state,
-                "load_error": self.load_error,
-                "failed": dict(self.failed), "backend": self.backend.name if self.backend is not None else None,
-                "models": {name: (hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
-                                  dict(hm.extra)) for name, hm in self.models.items()},
-                "row_seconds": self.batcher.row_seconds if self.batcher is not None else 0.0}
+        return wp.Status(
+            self.spec.device, state, gpu=self.spec.cuda_visible, pid=os.getpid(), load_error=self.load_error,
+            failed=dict(self.failed), backend=self.backend.name if self.backend is not None else None,
+            models={name: wp.ModelStatus(hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
+                                         dict(hm.extra)) for name, hm in self.models.items()},
+            row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0)
 
-    def call_for(self, hm: HostedModel, op: str, options: dict, link=None):
-        """The model call an op names (the ops a front end may ask for). link: the connection it
-        came on (a shard group's leader, for the shard ops)."""
-        if op == "decode" and options.get("shards", 1) > 1:
+    def call_for(self, hm: HostedModel, op: str, options: wp.Options):
+        """The model call an op names (the ops a front end may ask for; a shard leader's are
+        ShardMember.call_for's)."""
+        if op == "decode" and options.shards > 1:
             if self.shard_leader is None:
                 raise ValueError(f"{self.spec.device} does not lead shard groups; the first device's worker does")
-            return lambda x: self.shard_leader.decode(hm, x, options["shards"], options.get("clamp", True),
-                                                      options.get("uint8", False))
-        if op == "shard_join":
-            return lambda x: self.shard_member.join(link, options)
-        if op == "shard_decode":
-            return lambda x: self.shard_member.decode(link, hm, x, options)
-        if op == "shard_stream_open":
-            return lambda x: self.shard_member.stream_open(link, hm, x, options)
-        if op == "shard_stream_next":
-            return lambda x: self.shard_member.stream_next(link, options)
+            return lambda x: self.shard_leader.decode(hm, x, options.shards, options.clamp, options.uint8)
         if op == "decode":
-            return lambda x: oom_recovery.decode(hm, x, tiled=options.get("tiled"), clamp=options.get("clamp", True),
-                                                 uint8=options.get("uint8", False))
+            return lambda x: oom_recovery.decode(hm, x, tiled=options.tiled, clamp=options.clamp, uint8=options.uint8)
         if op in ("encode", "vae_encode"):
             return hm.model.encode
         raise ValueError(f"unknown op {op!r}")
 
-    def query(self, what: str) -> Any:
+    def query(self, rid: int, what: str) -> wp.KernelsAnswer | wp.StatsAnswer:
         if what == "kernels":
             be = self.backend
             if be is None:
-                return None
-            return {"device": self.spec.device, "backend": be.describe(), "conv_choices": be.conv_choices(),
-                    "plan_cache": be.plan_cache_stats()}
+                return wp.KernelsAnswer(rid, None)
+            return wp.KernelsAnswer(rid, {"device": self.spec.device, "backend": be.describe(),
+                                          "conv_choices": be.conv_choices(), "plan_cache": be.plan_cache_stats()})
         if what == "stats":
-            return self.stats.records()
+            return wp.StatsAnswer(rid, self.stats.records())
         raise ValueError(f"unknown query {what!r}")

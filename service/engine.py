@@ -29,6 +29,7 @@ from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from . import worker_protocol as wp
 from .heartbeat import BeatReader, beat_path
 from .model_host import HostedModel
 from .shm import Arena, TensorRef
@@ -53,17 +54,17 @@ class Link:
         #: why the worker counts as unresponsive (its heartbeat is late), or None
         self.unresponsive: str | None = None
         self.conn: Connection | None = None
-        self.desc: dict = {"state": "connecting", "models": {}, "failed": {}, "load_error": None}
+        self.desc = wp.Status(device, "connecting")  # its worker's last Status
         self.pending: dict[int, Submission] = {}
         self.rows = 0
         self.row_seconds = 0.0
 
     @property
     def ready(self) -> bool:
-        return self.conn is not None and self.desc.get("state") == "ready" and not self.unresponsive
+        return self.conn is not None and self.desc.state == "ready" and not self.unresponsive
 
     def serves(self, model: str) -> bool:
-        return self.ready and model in self.desc["models"]
+        return self.ready and model in self.desc.models
 
 
 class Engine:
@@ -114,29 +115,29 @@ class Engine:
 
     @property
     def load_error(self) -> str | None:
-        errors = [f"{link.device}: {link.desc['load_error']}" for link in self.links if link.desc.get("load_error")]
+        errors = [f"{link.device}: {link.desc.load_error}" for link in self.links if link.desc.load_error]
         return "; ".join(errors) or None
 
     @property
     def failed(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for link in self.links:
-            out.update(link.desc.get("failed") or {})
+            out.update(link.desc.failed)
         return out
 
     @property
     def backend_name(self) -> str | None:
         for link in self.links:
-            if link.desc.get("backend"):
-                return link.desc["backend"]
+            if link.desc.backend:
+                return link.desc.backend
         return None
 
     def devices(self, model: str | None = None) -> list[dict]:
         """Every device and its worker's state (the card and /v1/models show it)."""
         return [{"device": link.device, "state": "down" if link.conn is None else
-                 "unresponsive" if link.unresponsive else link.desc.get("state"),
-                 "gpu": link.desc.get("gpu"), "pid": link.desc.get("pid"), "rows_outstanding": link.rows}
-                for link in self.links if model is None or model in link.desc.get("models", {})]
+                 "unresponsive" if link.unresponsive else link.desc.state,
+                 "gpu": link.desc.gpu, "pid": link.desc.pid, "rows_outstanding": link.rows}
+                for link in self.links if model is None or model in link.desc.models]
 
     def row_seconds(self) -> float:
         speeds = [link.row_seconds for link in self.links if link.ready and link.row_seconds > 0]
@@ -158,22 +159,22 @@ class Engine:
     def _pick(self, model: str) -> Link:
         live = [link for link in self.links if link.serves(model)]
         if not live:
-            late = [link.unresponsive for link in self.links if link.unresponsive and model in link.desc["models"]]
+            late = [link.unresponsive for link in self.links if link.unresponsive and model in link.desc.models]
             raise NoWorker("worker-unresponsive", "; ".join(late)) if late else NoWorker()
         least = min(link.rows for link in live)
         ties = [link for link in live if link.rows == least]
         return ties[next(self._turn) % len(ties)]
 
-    def _send(self, link: Link, sub: Submission | None, msg: tuple) -> None:
+    def _send(self, link: Link, sub: Submission | None, msg: wp.Message) -> None:
         if sub is not None:
             link.pending[sub.rid] = sub
             link.rows += sub.rows
         try:
-            link.conn.send(msg)
+            wp.send(link.conn, msg)
         except (OSError, AttributeError, ValueError) as exc:
             if sub is not None:
                 self._forget(link, sub)
-                sub.settle(("worker-died", f"the worker of {link.device} is gone ({exc})", None), None)
+                sub.settle(wp.WorkerError("worker-died", f"the worker of {link.device} is gone ({exc})"))
 
     def _forget(self, link: Link, sub: Submission) -> None:
         if link.pending.pop(sub.rid, None) is not None:
@@ -187,6 +188,7 @@ class Engine:
         the arena block `in_ref`, to a worker; the submission (in `lease`, which now owns the
         blocks) resolves when the worker answers. Raises NoWorker, or shm.ArenaFull / TooLarge,
         with nothing held then but `in_ref` (the caller's)."""
+        opts = wp.Options(**options)  # an option no op knows fails here, before anything is held
         link = link or self._pick(model)
         if link.unresponsive:  # a stream's or shard group's own worker
             raise NoWorker("worker-unresponsive", link.unresponsive)
@@ -202,32 +204,31 @@ class Engine:
         sub = Submission(self.arena, link, next(self._rid), rows, offsets, out_refs)
         lease.submissions.append(sub)
         self.waiting += 1
-        self._send(link, sub, ("submit", sub.rid, model, op, options, in_ref, out_refs))
+        self._send(link, sub, wp.Submit(sub.rid, model, op, opts, in_ref, out_refs))
         return sub
 
     def cancel(self, sub: Submission) -> None:
         if not sub.settled and sub.link.conn is not None:
             try:
-                sub.link.conn.send(("cancel", sub.rid))
+                wp.send(sub.link.conn, wp.Cancel(sub.rid))
             except (OSError, ValueError):
                 pass
 
-    def request(self, link: Link, msg: tuple) -> Submission:
-        """A message answered by one `done` that names no blocks (queries, stream control)."""
+    def request(self, link: Link, what: str) -> Submission:
+        """A query: its answer names no blocks."""
         sub = Submission(self.arena, link, next(self._rid), 0, [], {})
         sub.started = True
         sub.released = True
-        self._send(link, sub, (msg[0], sub.rid, *msg[1:]))
+        self._send(link, sub, wp.Query(sub.rid, what))
         return sub
 
-    def send(self, link: Link, msg: tuple) -> None:
-        """A message that gets no answer (stream_close; lost with its worker, which ends its
-        streams itself)."""
-        self._send(link, None, msg)
+    def close_stream(self, link: Link, stream_id: int) -> None:
+        """End a streamed decode (no answer; lost with its worker, which ends its streams itself)."""
+        self._send(link, None, wp.StreamClose(stream_id))
 
     async def query(self, what: str) -> list[tuple[Link, Any]]:
         """`what` from every ready worker, in device order (a worker that fails is left out)."""
-        subs = [(link, self.request(link, ("query", what))) for link in self.links if link.ready]
+        subs = [(link, self.request(link, what)) for link in self.links if link.ready]
         out = []
         for link, sub in subs:
             try:
@@ -237,37 +238,43 @@ class Engine:
         return out
 
     # ---- messages from the workers (on the event loop) ------------------------------------------
-    def _on_messages(self, link: Link, msgs: list) -> None:
+    def _on_messages(self, link: Link, msgs: list[wp.Message]) -> None:
         for msg in msgs:
-            tag = msg[0]
-            if tag == "done":
-                self._done(link, msg[1], msg[2], msg[3])
-            elif tag == "done_many":  # a batch's answers to this front end
-                for rid, error, payload in msg[1]:
-                    self._done(link, rid, error, payload)
-            elif tag == "started":
-                for rid in msg[1]:
-                    sub = link.pending.get(rid)
-                    if sub is not None and not sub.started:
-                        sub.started = True
-                        self.waiting -= 1
-            elif tag == "status":
-                self._on_status(link, msg[1])
+            match msg:
+                case wp.DoneMany(answers):  # a batch's answers to this front end
+                    for done in answers:
+                        self._done(link, done.rid, done.error, done.stream)
+                case wp.Done(rid, error, stream):
+                    self._done(link, rid, error, stream)
+                case wp.Started(rids):
+                    for rid in rids:
+                        sub = link.pending.get(rid)
+                        if sub is not None and not sub.started:
+                            sub.started = True
+                            self.waiting -= 1
+                case wp.Status():
+                    self._on_status(link, msg)
+                case wp.KernelsAnswer(rid, doc):
+                    self._done(link, rid, None, doc)
+                case wp.StatsAnswer(rid, records):
+                    self._done(link, rid, None, records)
+                case _:
+                    log.warning("worker %s sent a %s, which no front end expects", link.device, type(msg).__name__)
 
-    def _done(self, link: Link, rid: int, error, payload) -> None:
+    def _done(self, link: Link, rid: int, error: wp.WorkerError | None, payload) -> None:
         sub = link.pending.get(rid)
         if sub is not None:
             self._forget(link, sub)
             sub.settle(error, payload)
 
-    def _on_status(self, link: Link, desc: dict) -> None:
-        link.desc = desc
-        link.row_seconds = desc.get("row_seconds", 0.0)
-        for name, (entry, view, load_s, warm_s, extra) in desc["models"].items():
+    def _on_status(self, link: Link, status: wp.Status) -> None:
+        link.desc = status
+        link.row_seconds = status.row_seconds
+        for name, m in status.models.items():
             if name not in self.models:
-                self.models[name] = HostedModel(entry, view, load_s, warm_s, extra)
+                self.models[name] = HostedModel(m.entry, m.view, m.load_seconds, m.warmup_seconds, dict(m.extra))
         self._update_ready()
-        log.info("worker %s (pid %s): %s", link.device, desc.get("pid"), desc["state"])
+        log.info("worker %s (pid %s): %s", link.device, status.pid, status.state)
 
     def _check_beats(self) -> None:
         """Each worker's heartbeat (on the event loop, every CHECK_S): unresponsive or back."""
@@ -277,7 +284,7 @@ class Engine:
         for link in self.links:
             # only a ready worker is judged: one loading its models is not ready anyway, and
             # its warm-up's compiles may hold the interpreter lock for seconds
-            judged = link.conn is not None and link.desc.get("state") == "ready"
+            judged = link.conn is not None and link.desc.state == "ready"
             silent = link.beat.unresponsive(now, self.heartbeat_s) if judged else 0.0
             if silent > self.heartbeat_s and not link.unresponsive:
                 self._went_silent(link, silent)
@@ -296,19 +303,19 @@ class Engine:
             if not sub.started:  # no longer waiting: out of the queue admission bounds
                 sub.started = True
                 self.waiting -= 1
-            sub.fail(("worker-unresponsive", link.unresponsive, None))
+            sub.fail(wp.WorkerError("worker-unresponsive", link.unresponsive))
             self.cancel(sub)  # should it wake, it drops the work; its answer then frees the blocks
 
     def _on_lost(self, link: Link, why: str) -> None:
         link.conn = None
         link.unresponsive = None
-        link.desc = {**link.desc, "state": "down"}
+        link.desc = link.desc.down()
         self._update_ready()
         lost = list(link.pending.values())
         for sub in lost:
             self._forget(link, sub)
-            sub.settle(("worker-died", f"the model worker of {link.device} stopped ({why}); it is being restarted",
-                        None), None)
+            sub.settle(wp.WorkerError("worker-died",
+                                      f"the model worker of {link.device} stopped ({why}); it is being restarted"))
         if lost:
             log.warning("worker %s lost with %d request(s) in flight: %s", link.device, len(lost), why)
 
@@ -322,16 +329,16 @@ class Engine:
                 continue
             why = "connection closed"
             try:
-                conn.send(("hello", os.getpid(), self.arena.size))
+                wp.send(conn, wp.Hello(os.getpid(), self.arena.size))
                 send_handle(conn, self.arena.fd, 0)
-                first = conn.recv()
+                first = wp.recv(conn)
                 self.loop.call_soon_threadsafe(self._connected, link, conn, first)
                 while True:
-                    msgs = [conn.recv()]
+                    msgs = [wp.recv(conn)]
                     while conn.poll():  # hand over what has arrived in one go
-                        msgs.append(conn.recv())
+                        msgs.append(wp.recv(conn))
                     self.loop.call_soon_threadsafe(self._on_messages, link, msgs)
-            except (EOFError, OSError) as exc:
+            except (EOFError, OSError, wp.ProtocolError) as exc:  # a message that breaks the protocol: reconnect
                 why = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
             except RuntimeError:  # the event loop closed under us: the server is stopping
                 return
@@ -345,6 +352,6 @@ class Engine:
                 return
             time.sleep(RECONNECT_S)
 
-    def _connected(self, link: Link, conn: Connection, status: tuple) -> None:
+    def _connected(self, link: Link, conn: Connection, status: wp.Message) -> None:
         link.conn = conn
         self._on_messages(link, [status])  # its status message updates readiness

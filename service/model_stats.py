@@ -39,7 +39,7 @@ class Duration:
 
 
 @dataclass
-class _ModelRecord:
+class ModelRecord:
     durations: dict[str, Duration] = field(default_factory=lambda: {k: Duration() for k in DURATIONS})
     inference_count: int = 0
     execution_count: int = 0
@@ -65,7 +65,7 @@ def ns(seconds: float) -> int:
 class ModelStats:
     def __init__(self):
         self._lock = threading.Lock()
-        self._models: defaultdict[str, _ModelRecord] = defaultdict(_ModelRecord)
+        self._models: defaultdict[str, ModelRecord] = defaultdict(ModelRecord)
 
     def request_done(self, model: str, ok: bool, duration_ns: int) -> None:
         """A request for `model` was answered: 2xx counts as success, anything else as fail."""
@@ -87,16 +87,16 @@ class ModelStats:
             rec.execution_count += 1
             rec.last_inference_ms = int(time.time() * 1000)
 
-    def records(self) -> dict[str, _ModelRecord]:
+    def records(self) -> dict[str, ModelRecord]:
         """A copy of every model's record (what a worker sends its front ends)."""
         with self._lock:
             return copy.deepcopy(dict(self._models))
 
-    def snapshot(self, model: str, version: str, also: list[_ModelRecord] = ()) -> dict:
+    def snapshot(self, model: str, version: str, also: list[ModelRecord] = ()) -> dict:
         """Triton's `model_stats` entry for one model (zeros before its first request), with the
         records in `also` (the model workers') added to this process's own."""
         with self._lock:
-            rec = _merged([self._models.get(model) or _ModelRecord(), *also])
+            rec = _merged([self._models.get(model) or ModelRecord(), *also])
             return {
                 "name": model, "version": version, "last_inference": rec.last_inference_ms,
                 "inference_count": rec.inference_count, "execution_count": rec.execution_count,
@@ -108,8 +108,8 @@ class ModelStats:
             }
 
 
-def _merged(records: list[_ModelRecord]) -> _ModelRecord:
-    out = _ModelRecord()
+def _merged(records: list[ModelRecord]) -> ModelRecord:
+    out = ModelRecord()
     for rec in records:
         for key, d in rec.durations.items():
             out.durations[key].add(d.ns, d.count)

@@ -7,26 +7,12 @@ HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
 - takes requests from any number of front ends: each front end sends the descriptor of its
   shared-memory arena once (service/shm.py), then messages naming tensors in it, never the data;
 - runs them through one Batcher (requests of every front end batch together) and writes each
-  result into the output block its front end allocated, then answers `done`;
+  result into the output block its front end allocated, then answers `Done`;
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
 - beats (service/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
-The wire protocol, front end -> worker (tuples, pickled by multiprocessing.connection):
-  ("hello", frontend_pid, arena_size) followed by the arena's descriptor (SCM_RIGHTS)
-  ("submit", rid, model, op, options, input_ref, {output name: ref})
-      op: decode | encode | vae_encode (batched; decode's option shards=N: a shard group's, led
-      here, service/shard_leader.py); shard_join, shard_decode (a shard leader's, to its
-      followers); stream_open (a streamed decode of input_ref's
-      latents; answers its stream id), stream_next (options {"stream": id}: its next frame group)
-  ("cancel", rid)
-  ("stream_close", stream_id)
-  ("shard_stream_close", stream)             a shard leader's (service/shard_leader.py)
-  ("query", rid, what)                       what: "kernels" | "stats"
-worker -> front end:
-  ("status", description)                    on connect and whenever it changes
-  ("started", [rid, ...])                    a model call began with these requests
-  ("done", rid, error | None, payload)       error: (kind, message, error_id)
-  ("done_many", [(rid, error, payload), ...]) a batch's answers to one front end, in one message
+The messages (one type each, and their encoding) are service/worker_protocol.py's; a shard
+group's leader (service/shard_leader.py) connects as a front end does, with its own hello and ops.
 """
 from __future__ import annotations
 
@@ -46,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from . import oom_recovery, shm
-from .batcher import Cancelled, Closed
+from . import worker_protocol as wp
 from .model_host import HostedModel
 from .shm import ArenaView, TensorRef
-from .shard_leader import ShardFailed
 from .stream_steps import GeneratorSteps, StreamClosed
+from .worker_errors import error_info
 from .device_host import ModelHost, WorkerSpec
 from .heartbeat import Beat, beat_path
 
@@ -58,23 +44,6 @@ log = logging.getLogger("convserve.worker")
 
 #: how often the worker checks that the process that started it is still there
 PARENT_POLL_S = 0.5
-
-
-def error_info(exc: BaseException) -> tuple[str, str, str | None]:
-    """An exception of a model call -> what crosses the process boundary (kind, message, id)."""
-    if isinstance(exc, oom_recovery.DeviceOutOfMemory):
-        return "device-oom", str(exc), None
-    if isinstance(exc, Cancelled):
-        return "cancelled", "withdrawn before it ran", None
-    if isinstance(exc, Closed):
-        return "closed", "the worker stopped before this request ran", None
-    if isinstance(exc, StreamClosed):
-        return "stream-closed", str(exc), None
-    if isinstance(exc, ShardFailed):
-        return "shard-failed", str(exc), None
-    if isinstance(exc, ValueError):
-        return "invalid-input", str(exc), None
-    return "model-error", f"{exc.__class__.__name__}: {exc}", getattr(exc, "error_id", None)
 
 
 def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> None:
@@ -102,22 +71,23 @@ class FrontendLink:
         self.items: dict[int, Any] = {}
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
-        self.outbox: list[tuple] = []
+        self.leader = False  # a shard group's leader (LeaderHello), not a front end
+        self.outbox: list[wp.Done] = []
         self._outbox_lock = threading.Lock()
 
-    def send(self, msg) -> None:
+    def send(self, msg: wp.Message) -> None:
         if self.closed:
             return
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                wp.send(self.conn, msg)
         except (OSError, EOFError, ValueError):  # the front end went away: the I/O thread cleans up
             self.closed = True
 
-    def answer(self, rid: int, error, payload) -> None:
-        """A request's `done`, sent at once (from the I/O thread: a failure before it ran, a
+    def answer(self, rid: int, error: wp.WorkerError | None, stream: int | None = None) -> None:
+        """A request's Done, sent at once (from the I/O thread: a failure before it ran, a
         withdrawal, a stream opened)."""
-        self.send(("done", rid, error, payload))
+        self.send(wp.Done(rid, error, stream))
 
     def deliver(self, rid: int, out_refs: dict[str, TensorRef], future) -> None:
         """A finished request's outputs into its blocks, and its answer into the outbox (none
@@ -132,21 +102,22 @@ class FrontendLink:
                 log.exception("writing the outputs of request %s failed", rid)
                 exc = write_exc
         with self._outbox_lock:
-            self.outbox.append((rid, None if exc is None else error_info(exc), None))
+            self.outbox.append(wp.Done(rid, None if exc is None else error_info(exc)))
 
     def flush(self) -> None:
         with self._outbox_lock:
             answers, self.outbox = self.outbox, []
         if answers:
-            self.send(("done_many", answers))
+            self.send(wp.DoneMany(answers))
 
     def handshake(self) -> None:
-        """The front end's hello and its arena's descriptor (on the accepting thread)."""
-        tag, _pid, size = self.conn.recv()
-        if tag != "hello":
-            raise ValueError(f"expected hello, got {tag!r}")
-        self.view = ArenaView(recv_handle(self.conn), size)
-        self.send(("status", self.host.description()))
+        """The front end's (or shard leader's) hello and its arena's descriptor (on the accepting thread)."""
+        hello = wp.recv(self.conn)
+        if not isinstance(hello, (wp.Hello, wp.LeaderHello)):
+            raise ValueError(f"expected a hello, got a {type(hello).__name__}")
+        self.leader = isinstance(hello, wp.LeaderHello)
+        self.view = ArenaView(recv_handle(self.conn), hello.arena_size)
+        self.send(self.host.description())
 
     def close(self) -> None:
         self.closed = True
@@ -156,48 +127,60 @@ class FrontendLink:
         if self.view is not None:  # its pages leave this process with it (service/shm.py's rules)
             self.view.release()
 
-    def handle(self, msg: tuple) -> None:
-        op = msg[0]
-        if op == "submit":
-            self._submit(*msg[1:])
-        elif op == "cancel":
-            item = self.items.get(msg[1])
-            if item is not None:
-                self.host.batcher.cancel(item)
-        elif op == "stream_close":
-            entry = self.streams.pop(msg[1], None)
-            if entry is not None:
-                entry[1].close()
-        elif op == "shard_stream_close":  # from a shard group's leader (service/shard_leader.py)
-            self.host.shard_member.stream_close(self, msg[1])
-        elif op == "query":
-            rid, what = msg[1:]
-            try:
-                self.send(("done", rid, None, self.host.query(what)))
-            except Exception as exc:
-                self.send(("done", rid, error_info(exc), None))
-        else:
-            log.warning("unknown message %r", op)
+    def handle(self, msg: wp.Message) -> None:
+        match msg:
+            case wp.Submit():
+                self._submit(msg)
+            case wp.Cancel(rid):
+                item = self.items.get(rid)
+                if item is not None:
+                    self.host.batcher.cancel(item)
+            case wp.StreamClose(stream):
+                entry = self.streams.pop(stream, None)
+                if entry is not None:
+                    entry[1].close()
+            case wp.Query(rid, what):
+                try:
+                    self.send(self.host.query(rid, what))
+                except Exception as exc:
+                    self.answer(rid, error_info(exc))
+            case wp.ShardStreamClose(stream) if self.leader:  # service/shard_leader.py's
+                self.host.shard_member.stream_close(self, stream)
+            case wp.ShardJoin() | wp.ShardDecode() | wp.ShardStreamOpen() | wp.ShardStreamNext() if self.leader:
+                self._band(msg)
+            case _:
+                log.warning("a %s from a %s, which this worker does not take", type(msg).__name__,
+                            "shard leader" if self.leader else "front end")
 
-    def _submit(self, rid, model, op, options, in_ref, out_refs):
-        if op == "stream_open":
-            return self._stream_open(rid, model, in_ref, options)
-        host = self.host
-        # a stream's next group and a shard group's steps run alone: nothing to batch with
-        stream_step = op == "stream_next"
-        solo = stream_step or op.startswith("shard_")
+    def _submit(self, msg: wp.Submit) -> None:
+        if msg.op == "stream_open":
+            return self._stream_open(msg)
+        host, rid, options = self.host, msg.rid, msg.options
+        stream_step = msg.op == "stream_next"  # runs alone: nothing to batch with
         try:
-            hm = host.models[model]
+            hm = host.models[msg.model]
             if stream_step:  # a stream's step runs on its latents (what the model-call faults inspect)
-                _, steps, inputs = self._stream(options["stream"])
+                _, steps, inputs = self._stream(options.stream)
                 call = steps.step
             else:
-                call, inputs = host.call_for(hm, op, options, link=self), self.view.array(in_ref)
-            key = (model, op, inputs.shape[1:], inputs.dtype.str, tuple(sorted(options.items())))
-            item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
+                call, inputs = host.call_for(hm, msg.op, options), self.view.array(msg.input)
+            key = (msg.model, msg.op, inputs.shape[1:], inputs.dtype.str, options)
+            self._queue(rid, msg.model, key, inputs, call, msg.outputs, stream_step)
         except Exception as exc:
-            self.answer(rid, error_info(exc), None)
-            return
+            self.answer(rid, error_info(exc))
+
+    def _band(self, msg) -> None:
+        """A shard group leader's band (service/shard_member.py): a solo item, like a stream's step."""
+        try:
+            inputs, call, out_refs = self.host.shard_member.call_for(self, msg, self.host.models, self.view)
+            self._queue(msg.rid, msg.model, (msg.model, type(msg).__name__), inputs, call, out_refs, True)
+        except Exception as exc:
+            self.answer(msg.rid, error_info(exc))
+
+    def _queue(self, rid: int, model: str, key, inputs, call, out_refs: dict[str, TensorRef], solo: bool) -> None:
+        """A request into the batcher; its answer comes when it is done (Worker._deliver)."""
+        host = self.host
+        item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
         self.items[rid] = item
 
         def finished(future) -> None:
@@ -210,23 +193,23 @@ class FrontendLink:
 
         item.future.add_done_callback(finished)
 
-    def _stream_open(self, rid, model, in_ref, options) -> None:
+    def _stream_open(self, msg: wp.Submit) -> None:
+        options = msg.options
         try:
-            hm = self.host.models[model]
-            latents = np.array(self.view.array(in_ref))  # the decode outlives the request's input block
-            uint8 = options.get("uint8", False)
-            if options.get("shards", 1) > 1:  # led here over the first N devices (service/shard_leader.py)
+            hm = self.host.models[msg.model]
+            latents = np.array(self.view.array(msg.input))  # the decode outlives the request's input block
+            if options.shards > 1:  # led here over the first N devices (service/shard_leader.py)
                 if self.host.shard_leader is None:
                     raise ValueError(f"{self.host.spec.device} does not lead shard groups")
-                frames = self.host.shard_leader.frames(hm, latents, options["shards"], uint8)
+                frames = self.host.shard_leader.frames(hm, latents, options.shards, options.uint8)
             else:
-                frames = oom_recovery.frames(hm, latents, options.get("tiled"), uint8)
+                frames = oom_recovery.frames(hm, latents, options.tiled, options.uint8)
             steps = GeneratorSteps(frames)
         except Exception as exc:
-            self.answer(rid, error_info(exc), None)
+            self.answer(msg.rid, error_info(exc))
             return
-        self.streams[rid] = (hm, steps, latents)
-        self.answer(rid, None, rid)
+        self.streams[msg.rid] = (hm, steps, latents)
+        self.answer(msg.rid, None, msg.rid)
 
     def _stream(self, stream_id) -> tuple:
         """A stream's (model, steps, latents); each step runs as a solo item (nothing to batch with)."""
@@ -283,7 +266,7 @@ class Worker:
             links = [link for link in self.links if not link.closed]
             self.links = links
         for link in links:
-            link.send(("status", desc))
+            link.send(desc)
 
     def _started(self, batch) -> None:
         by_link: dict[FrontendLink, list[int]] = {}
@@ -291,7 +274,7 @@ class Worker:
             if item.tag is not None:
                 by_link.setdefault(item.tag[0], []).append(item.tag[1])
         for link, rids in by_link.items():
-            link.send(("started", rids))
+            link.send(wp.Started(rids))
 
     def _accept(self, listener: Listener) -> None:
         while not self.stop.is_set():
@@ -328,9 +311,9 @@ class Worker:
                     continue
                 conn = link.conn
                 try:
-                    link.handle(conn.recv())
+                    link.handle(wp.recv(conn))
                     while conn.poll():  # what else has arrived, in one go
-                        link.handle(conn.recv())
+                        link.handle(wp.recv(conn))
                 except (EOFError, OSError) as exc:
                     self._unwatch(sel, watched, link, exc)
                 except Exception as exc:

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import metrics, shard_option, validation
+from . import metrics, shard_option, validation, worker_errors
 from .compute_cap import ComputeCap
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .model_host import HostedModel
@@ -39,11 +39,6 @@ DISCONNECT_POLL_S = 0.1
 SETTLE_POLL_S = 0.02
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
-
-
-#: problems for the worker's failures, by kind (service/model_worker.error_info)
-_FAILURES = {"invalid-input": (422, "model-rejected-input"), "closed": (503, "shutting-down"),
-             "stream-closed": (409, "stream-closed"), "cancelled": (499, "client-gone")}
 
 
 def start_all_workers(pool: ThreadPoolExecutor, workers: int, timeout_s: float = 10.0) -> None:
@@ -313,7 +308,7 @@ class Service:
         try:
             sub.future.result()
         except WorkerFailure as exc:
-            raise self._failure(hm, exc) from None
+            raise worker_errors.problem(hm.name, exc.kind, exc.message, exc.error_id, self.retry_after) from None
         return sub
 
     async def _stage(self, inputs: np.ndarray) -> TensorRef:
@@ -330,22 +325,6 @@ class Service:
             copy.add_done_callback(lambda _: self.arena.free(ref.offset))
             raise
         return ref
-
-    def _failure(self, hm: HostedModel, exc: WorkerFailure) -> Problem:
-        if exc.kind == "device-oom":
-            return Problem(503, "device-out-of-memory", exc.message, headers={"Retry-After": self.retry_after()})
-        if exc.kind in ("worker-died", "worker-unresponsive"):  # its front end answers: service/engine.py
-            metrics.count_fault(hm.name, exc.kind.replace("-", "_"), "failed")
-            return Problem(503, exc.kind, exc.message, headers={"Retry-After": "2"})
-        if exc.kind == "shard-failed":
-            metrics.count_fault(hm.name, "shard_failed", "failed")
-            return Problem(503, "shard-failed", exc.message, headers={"Retry-After": self.retry_after()})
-        if exc.kind in _FAILURES:
-            status, kind = _FAILURES[exc.kind]
-            return Problem(status, kind, exc.message)
-        metrics.count_fault(hm.name, "worker_exception", "failed")
-        return Problem(500, "model-error", f"{exc.message} (error id {exc.error_id}; "
-                       "the server log has the traceback)", error_id=exc.error_id)
 
     def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
         return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count,

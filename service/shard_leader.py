@@ -22,12 +22,10 @@ The rules a group keeps:
   emulated shards (threads, models.sharding.decode_emulated): the same arithmetic, no speed-up.
   That is how CI checks the request path; the GPU tests check the NCCL one.
 
-The leader's messages to a follower (the front-end protocol of service/model_worker.py):
-  ("submit", rid, model, "shard_join", {"rank", "size", "uid": NCCL's id}, <(1, 1) uint8>, {"out": (1, 1) uint8})
-  ("submit", rid, model, "shard_decode", {"rank", "size", "total_rows", "clamp", "uint8"}, <band>, {"out": <pixels>})
-  ("submit", rid, model, "shard_stream_open", {"rank", "size", "stream", "uint8"}, <band>, {"out": (1, 1) uint8})
-  ("submit", rid, model, "shard_stream_next", {"rank", "size", "stream", "step"}, <(1, 1)>, {"out": <its group>})
-  ("shard_stream_close", stream)
+The leader's messages to a follower are its own (service/worker_protocol.py): a LeaderHello,
+then ShardJoin (the communicator's id), ShardDecode (a band's latents -> its pixels),
+ShardStreamOpen / ShardStreamNext / ShardStreamClose (a streamed decode's band and its frame
+groups). Each names only the blocks it has: a join, a stream's step carry no placeholder tensors.
 """
 from __future__ import annotations
 
@@ -47,7 +45,8 @@ from convkernels.host import pixels_to_uint8
 from convkernels.collectives.shard_comm import split
 from models import sharding
 
-from .shm import Arena
+from . import worker_protocol as wp
+from .shm import Arena, TensorRef
 
 log = logging.getLogger("convserve.shards")
 
@@ -105,33 +104,53 @@ class _Follower:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no shard follower at {address}") from None
                 time.sleep(0.1)
-        self.conn.send(("hello", os.getpid(), arena.size))
+        wp.send(self.conn, wp.LeaderHello(os.getpid(), arena.size))
         send_handle(self.conn, arena.fd, 0)
         self._send_lock = threading.Lock()  # the device thread and a stream's close both send
         self.address = address
         self.state = None
-        self.answers: dict[int, tuple] = {}
+        self.answers: dict[int, wp.WorkerError | None] = {}
         self.cond = threading.Condition()
 
-    def send(self, msg) -> None:
+    def send(self, msg: wp.Message) -> None:
         with self._send_lock:
-            self.conn.send(msg)
+            wp.send(self.conn, msg)
 
-    def read_one(self) -> list:
+    def read_one(self) -> list[wp.WorkerError]:
         """One message (the reader thread); the errors it answers. EOF propagates."""
-        msg = self.conn.recv()
-        answers = []
-        if msg[0] == "done":
-            answers = [(msg[1], msg[2], msg[3])]
-        elif msg[0] == "done_many":
-            answers = list(msg[1])
+        msg = wp.recv(self.conn)
+        answers = msg.answers if isinstance(msg, wp.DoneMany) else [msg] if isinstance(msg, wp.Done) else []
         with self.cond:
-            if msg[0] == "status":
-                self.state = msg[1].get("state")
-            for rid, error, payload in answers:
-                self.answers[rid] = (error, payload)
+            if isinstance(msg, wp.Status):
+                self.state = msg.state
+            for done in answers:
+                self.answers[done.rid] = done.error
             self.cond.notify_all()
-        return [error for _, error, _ in answers if error is not None]
+        return [done.error for done in answers if done.error is not None]
+
+
+class _Blocks:
+    """The arena blocks of one follower's message: held until its answer is read (_Group._collect)."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.held: list[TensorRef] = []
+        self.out: TensorRef | None = None
+
+    def put(self, inputs: np.ndarray) -> TensorRef:
+        ref = self.arena.put(inputs)  # a band (a strided view of the latents) copied once, into the block
+        self.held.append(ref)
+        return ref
+
+    def reserve(self, shape: tuple[int, ...], dtype: str) -> TensorRef:
+        self.out = self.arena.reserve(shape, dtype)
+        self.held.append(self.out)
+        return self.out
+
+    def free(self) -> None:
+        for ref in self.held:
+            self.arena.free(ref.offset)
+        self.held = []
 
 
 class _Group:
@@ -144,6 +163,7 @@ class _Group:
         self.inflight = False
         self.inflight_since = 0.0
         self.broken = False  # a follower went while the group was idle
+        self._rids = itertools.count(1)
         deadline = time.monotonic() + self.deadline_s
         self.followers = [_Follower(a, arena, deadline) for a in addresses]
         threading.Thread(target=self._read, name=f"convserve-shards-{self.size}", daemon=True).start()
@@ -153,10 +173,8 @@ class _Group:
                     end_group(f"the shard follower at {f.address} was not ready in {self.deadline_s:.0f} s")
                 if f.state != "ready":
                     raise RuntimeError(f"the shard follower at {f.address} failed to load its models")
-        uid = comm_cls.unique_id()  # picklable: it travels in the options
-        token = np.zeros((1, 1), np.uint8)  # every submit names an input; a join has none of its own
-        rids = self._send_all(model, "shard_join",
-                              lambda r: ({"rank": r, "size": self.size, "uid": uid}, token, (1, 1), "uint8"))
+        uid = tuple(comm_cls.unique_id())  # a tuple of plain values: it travels in the ShardJoin
+        rids = self._send_all(lambda rank, rid, blocks: wp.ShardJoin(rid, model, rank, self.size, uid))
         try:
             self.comm = comm_cls.join(uid, 0, self.size)  # returns once every follower has joined too
         except Exception as exc:  # the followers wait in their join: they go too
@@ -178,7 +196,7 @@ class _Group:
                 try:
                     errors = f.read_one()
                     if errors:  # the leader's own band may be waiting in NCCL for that rank: no way back
-                        end_group(f"the shard follower at {f.address} failed: {errors[0][1]}")
+                        end_group(f"the shard follower at {f.address} failed: {errors[0].message}")
                 except (EOFError, OSError):
                     if self.inflight:
                         end_group(f"the shard follower at {f.address} went away")
@@ -189,17 +207,15 @@ class _Group:
                     self.broken = True
                     return
 
-    def _send_all(self, model: str, op: str, part):
-        """op to every follower: part(rank) -> (options, input, output shape, output dtype)."""
+    def _send_all(self, part):
+        """A message to every follower: part(rank, rid, blocks) -> the message, its tensors put in
+        (or reserved in) the arena by `blocks` (a _Blocks), which holds them until _collect."""
         self.inflight, self.inflight_since = True, time.monotonic()
         rids = []
         for rank, f in enumerate(self.followers, start=1):
-            options, inputs, out_shape, out_dtype = part(rank)
-            in_ref = self.arena.put(inputs)  # a band (a strided view of the latents) copied once, into the block
-            out_ref = self.arena.reserve(out_shape, out_dtype)
-            rid = int(in_ref.offset)  # unique while the block is held
-            f.send(("submit", rid, model, op, options, in_ref, {"out": out_ref}))
-            rids.append((f, rid, in_ref, out_ref))
+            rid, blocks = next(self._rids), _Blocks(self.arena)
+            f.send(part(rank, rid, blocks))
+            rids.append((f, rid, blocks))
         return rids
 
     def _collect(self, rids, join=None):
@@ -208,20 +224,19 @@ class _Group:
         lie (a frame group's bands are joined straight from them, no copy on the way)."""
         deadline = self.inflight_since + self.deadline_s
         try:
-            for f, rid, _, _ in rids:
+            for f, rid, _ in rids:
                 with f.cond:
                     if not f.cond.wait_for(lambda f=f, rid=rid: rid in f.answers,
                                            max(0.0, deadline - time.monotonic())):
                         end_group(f"the shard follower at {f.address} gave no answer in {self.deadline_s:.0f} s")
-                    error, _ = f.answers.pop(rid)
+                    error = f.answers.pop(rid)
                 if error is not None:
-                    end_group(f"the shard follower at {f.address} failed: {error[1]}")
-            views = [self.arena.array(out_ref) for _, _, _, out_ref in rids]
+                    end_group(f"the shard follower at {f.address} failed: {error.message}")
+            views = [self.arena.array(blocks.out) for _, _, blocks in rids if blocks.out is not None]
             return join(views) if join is not None else [np.array(v) for v in views]
         finally:
-            for _, _, in_ref, out_ref in rids:
-                self.arena.free(in_ref.offset)
-                self.arena.free(out_ref.offset)
+            for _, _, blocks in rids:
+                blocks.free()
             self.inflight = False
 
     def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
@@ -230,11 +245,11 @@ class _Group:
         bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=sharding.LATENT_ROWS)
         pixel_shape = hm.output_shape
 
-        def part(rank):
-            options = {"rank": rank, "size": self.size, "total_rows": total, "clamp": clamp, "uint8": uint8}
-            return options, bands[rank], pixel_shape(bands[rank].shape), "uint8" if uint8 else "float32"
+        def part(rank, rid, blocks):
+            return wp.ShardDecode(rid, hm.name, rank, self.size, total, clamp, uint8, blocks.put(bands[rank]),
+                                  blocks.reserve(pixel_shape(bands[rank].shape), "uint8" if uint8 else "float32"))
 
-        rids = self._send_all(hm.name, "shard_decode", part)
+        rids = self._send_all(part)
         try:
             own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
         except Exception as exc:
@@ -248,21 +263,19 @@ class _Group:
         model = hm.model
         total = latents.shape[sharding.LATENT_ROWS]
         bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=sharding.LATENT_ROWS)
-        token = np.zeros((1, 1), np.uint8)
-        self._collect(self._send_all(hm.name, "shard_stream_open", lambda r: (
-            {"rank": r, "size": self.size, "stream": key, "uint8": uint8, "total_rows": total}, bands[r], (1, 1),
-            "uint8")))
+        self._collect(self._send_all(lambda rank, rid, blocks: wp.ShardStreamOpen(
+            rid, hm.name, rank, self.size, key, total, uint8, blocks.put(bands[rank]))))
         own = sharding.frame_groups_band(model, self.comm, bands[0], total, uint8=uint8)
         try:
             for k in range(latents.shape[2]):
                 frames = 1 if k == 0 else int(model.temporal_factor)
 
-                def part(rank, k=k, frames=frames):
+                def part(rank, rid, blocks, k=k, frames=frames):
                     n, _, h, w, c = hm.output_shape(bands[rank].shape)
-                    options = {"rank": rank, "size": self.size, "stream": key, "step": k}
-                    return options, token, (n, frames, h, w, c), "uint8" if uint8 else "float32"
+                    return wp.ShardStreamNext(rid, hm.name, rank, self.size, key, k,
+                                              blocks.reserve((n, frames, h, w, c), "uint8" if uint8 else "float32"))
 
-                rids = self._send_all(hm.name, "shard_stream_next", part)
+                rids = self._send_all(part)
                 try:
                     mine = next(own)
                 except Exception as exc:
@@ -273,7 +286,7 @@ class _Group:
             own.close()
             for f in self.followers:  # their generators go too (a plain message: nothing runs)
                 try:
-                    f.send(("shard_stream_close", key))
+                    f.send(wp.ShardStreamClose(key))
                 except OSError:
                     pass
 

@@ -30,8 +30,8 @@ import sys
 import tempfile
 import threading
 from bisect import insort
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 #: blocks start on page boundaries: arrays are aligned for any dtype, and trims work per page
@@ -48,9 +48,9 @@ class TooLarge(ArenaFull):
     """The block asked for exceeds the whole arena: no amount of waiting makes it fit."""
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """Where a tensor lies in an arena: what travels in a message instead of the data."""
+class TensorRef(msgspec.Struct, array_like=True, frozen=True):
+    """Where a tensor lies in an arena: what travels in a message instead of the data (a field
+    of service/worker_protocol.py's messages)."""
     offset: int
     shape: tuple[int, ...]
     dtype: str

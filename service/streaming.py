@@ -124,7 +124,7 @@ class FrameGroups:
     def close(self) -> None:
         """End the decode in its worker (its causal cache goes there)."""
         if self.link is not None and self.stream_id is not None:
-            self.svc.engine.send(self.link, ("stream_close", self.stream_id))
+            self.svc.engine.close_stream(self.link, self.stream_id)
             self.stream_id = None
 
 

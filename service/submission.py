@@ -15,14 +15,15 @@ from typing import Callable
 import numpy as np
 
 from .shm import Arena, TensorRef
+from .worker_protocol import WorkerError
 
 
 class WorkerFailure(Exception):
-    """A worker's answer that is not a result: (kind, message, error id), or its loss."""
+    """A worker's answer that is not a result (its WorkerError: kind, message, error id), or its loss."""
 
-    def __init__(self, kind: str, message: str, error_id: str | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.error_id = kind, message, error_id
+    def __init__(self, error: WorkerError):
+        super().__init__(error.message)
+        self.kind, self.message, self.error_id = error.kind, error.message, error.error_id
 
 
 class NoWorker(Exception):
@@ -53,7 +54,7 @@ class Submission:
         self.settled = False
         self.released = False
 
-    def settle(self, error, payload) -> None:
+    def settle(self, error: WorkerError | None, payload=None) -> None:
         if self.settled:
             return
         self.settled = True
@@ -61,13 +62,13 @@ class Submission:
             if error is None:
                 self.future.set_result(payload)
             else:
-                self.future.set_exception(WorkerFailure(*error))
+                self.future.set_exception(WorkerFailure(error))
         self._maybe_free()
 
-    def fail(self, error: tuple) -> None:
+    def fail(self, error: WorkerError) -> None:
         """Answer the request now, the blocks kept until the worker answers (settle)."""
         if not self.future.done():
-            self.future.set_exception(WorkerFailure(*error))
+            self.future.set_exception(WorkerFailure(error))
 
     def release(self) -> None:
         """The request is done with the blocks (its response is built)."""
