@@ -1,7 +1,8 @@
 """Dynamic batcher, inside a model worker process (service/model_worker.py): one thread runs the
 device's model calls; requests for the same model and compatible shapes are stacked along the
 batch axis, up to `max_batch` rows, waiting at most `max_queue_delay_ms` after the oldest one
-arrived. The queue is bounded; queued work whose requester gave up (client gone, timeout) is
+arrived. The front ends bound what waits (admission, before the body: service/pipeline.py), so
+this queue holds whatever they admitted; queued work whose requester gave up (client gone, timeout) is
 dropped before it runs. Results go to each item's `concurrent.futures.Future`, which a thread or
 an event loop (`asyncio.wrap_future`) may wait on."""
 from __future__ import annotations
@@ -30,10 +31,6 @@ ModelCall = Callable[[np.ndarray], Any]
 
 #: how often at most the queue-depth gauge is written (Batcher._publish_depth)
 DEPTH_PUBLISH_S = 0.02
-
-
-class QueueFull(Exception):
-    pass
 
 
 class Closed(Exception):
@@ -90,7 +87,7 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 class Batcher:
-    def __init__(self, *, max_batch: int, max_queue_delay_ms: float, max_queue: int,
+    def __init__(self, *, max_batch: int, max_queue_delay_ms: float,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
                  stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
                  on_start: Callable[[list[WorkItem]], None] | None = None,
@@ -104,7 +101,6 @@ class Batcher:
         self.on_start = on_start
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
-        self.max_queue = max_queue
         self.name = name
         self.after_batch = after_batch
         self.before_call = before_call
@@ -124,16 +120,13 @@ class Batcher:
 
     # ---- producer side ------------------------------------------------------------
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
-               continuation: bool = False, solo: bool = False, tag: Any = None) -> WorkItem:
-        """continuation: a later step of a request admitted earlier (a streamed decode); it is not
-        refused by a full queue, only by a stopped worker. solo: see WorkItem.solo. (Admission,
-        with its reservations before the body, is the front ends' job: service/pipeline.py.)"""
+               solo: bool = False, tag: Any = None) -> WorkItem:
+        """Refused only by a stopped worker (Closed). solo: see WorkItem.solo. (Admission, with its
+        reservations before the body, is the front ends' job: service/pipeline.py.)"""
         item = WorkItem(model, key, inputs, call, solo=solo, tag=tag)
         with self._cond:
             if self._stopped:
                 raise Closed()
-            if len(self._pending) >= self.max_queue and not continuation:
-                raise QueueFull()
             self._enqueue(item)
             self._cond.notify()
         return item

@@ -87,9 +87,9 @@ class ModelHost:
                     continue
                 self.models[entry.name] = hm
             # The front ends bound what waits (admission happens there, before the body): the
-            # worker's own queue only has to hold what they admitted, however many they are.
+            # worker's own queue holds what they admitted, however many they are.
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
-                                   max_queue=1 << 30, after_batch=self.backend.flush_timings, stats=self.stats,
+                                   after_batch=self.backend.flush_timings, stats=self.stats,
                                    name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))

@@ -180,7 +180,7 @@ class FrontendLink:
     def _queue(self, rid: int, model: str, key, inputs, call, out_refs: dict[str, TensorRef], solo: bool) -> None:
         """A request into the batcher; its answer comes when it is done (Worker._deliver)."""
         host = self.host
-        item = host.batcher.submit(model, key, inputs, call, continuation=True, solo=solo, tag=(self, rid))
+        item = host.batcher.submit(model, key, inputs, call, solo=solo, tag=(self, rid))
         self.items[rid] = item
 
         def finished(future) -> None:
