@@ -72,7 +72,7 @@ class ModelHost:
             if self.spec.group and self.spec.group[0] == self.spec.address:
                 self.shard_leader = ShardLeader(self.spec.group, self.shard_member.comm_cls, self.shard_member.fault,
                                                 deadline_s=max(DEADLINE_S, 2 * s.request_timeout_s),
-                                                on_gpu=self.backend.name == "cuda")
+                                                on_gpu=self.backend.name == "cuda", shm_bytes=s.shm_bytes)
             for entry in s.model_entries():
                 try:
                     hm = load_entry(entry, self.backend, s.tile_size, self.spec.device)

@@ -46,7 +46,7 @@ from convkernels.collectives.shard_comm import split
 from models import sharding
 
 from . import worker_protocol as wp
-from .shm import Arena, TensorRef
+from .shm import ALIGN, Arena, TensorRef
 
 log = logging.getLogger("convserve.shards")
 
@@ -55,9 +55,16 @@ GROUP_FAILED_EXIT = 75
 #: how long a group may take to connect, get ready, join or decode before it ends (the service
 #: passes twice its request timeout, at least this much: a first call builds plans)
 DEADLINE_S = 120.0
-#: the leader's arena for the bands it hands out and the pixels it gets back (sparse: pages are
-#: only touched by the tensors in flight)
-ARENA_BYTES = 16 << 30
+
+
+def arena_bytes(shm_bytes: int, devices: int) -> int:
+    """The leader's arena, for the bands it hands out and the pixels it gets back (sparse: pages
+    are only touched by the tensors in flight). Why this size: the leader runs one message round
+    at a time (a decode, a stream's open or one frame group) and frees its blocks before the next,
+    so the arena holds at most the followers' shares of one request's latents and pixels; the
+    front end held that request's latents and pixels together in its own arena of `shm_bytes`
+    (more is a 413 there). Plus a page of rounding for each of a follower's two blocks."""
+    return shm_bytes + 2 * devices * ALIGN
 
 
 class ShardFailed(RuntimeError):
@@ -295,7 +302,7 @@ class ShardLeader:
     """Worker 0's sharded decodes (ModelHost.call_for's `shards` option) and streams."""
 
     def __init__(self, addresses: tuple[str, ...], comm_cls=None, fault=None, deadline_s: float = DEADLINE_S,
-                 on_gpu: bool = False):
+                 on_gpu: bool = False, *, shm_bytes: int):
         self.comm_cls = comm_cls  # comm_class(): None emulates the shards here (never on GPUs)
         self.on_gpu = on_gpu
         self.deadline_s = deadline_s  # a group busy longer than this ends (its first call builds plans)
@@ -303,6 +310,7 @@ class ShardLeader:
         self.addresses = addresses  # every worker's, in device order; this worker's is the first
         self.groups: dict[int, _Group] = {}
         self.arena: Arena | None = None
+        self.arena_bytes = arena_bytes(shm_bytes, len(addresses))
         self._stream_keys = itertools.count(1)
 
     def _check(self, hm) -> None:
@@ -315,7 +323,7 @@ class ShardLeader:
             raise ValueError(f"shards={shards}, but this server runs {len(self.addresses)} devices")
         group = self.groups.get(shards)
         if group is None or group.broken:
-            self.arena = self.arena or Arena(ARENA_BYTES)
+            self.arena = self.arena or Arena(self.arena_bytes)
             group = self.groups[shards] = _Group(list(self.addresses[1:shards]), model, self.arena, self.comm_cls,
                                                  self.deadline_s)
         return group
