@@ -173,10 +173,13 @@ class Settings(BaseSettings):
     #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
     #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)
     shard_groups: bool = True
-    #: CPU backends: "module:Class" of a shard communicator (unique_id, join) that joins the CPU
-    #: workers into a real multi-process group instead of emulating shards in the first worker;
-    #: the tests' is "gloo_shards:GlooShards" (tests/gloo_shards.py, torch's gloo)
-    shard_comm: str | None = None
+    #: how a CPU backend's workers form a shard group, a closed choice. "auto": NCCL on GPUs (per
+    #: `shard_groups`), emulated shards (threads in the first worker) on CPU backends.
+    #: "test-gloo", test-only: the CPU workers join one real multi-process group over torch's gloo
+    #: (GlooShards of tests/gloo_shards.py, found as module `gloo_shards`: the repository's tests/
+    #: must be on PYTHONPATH and torch, a test dependency, installed), so CI runs the leader/follower
+    #: path without GPUs. No other import string is accepted.
+    shard_comm: Literal["auto", "test-gloo"] = "auto"
     #: image sizes to run once per model before /readyz turns true ("512,1024x768"): decoders
     #: produce them, encoders take them. A new shape pays for path choice (measured on the CPU
     #: backend, autotuned cuDNN plans on CUDA) on first use; this moves that cost to start-up.

@@ -71,18 +71,27 @@ class ShardFailed(RuntimeError):
     """A sharded decode that failed on its emulated shards (the worker stays up)."""
 
 
+#: the test-only communicator of CONVSERVE_SHARD_COMM=test-gloo: tests/gloo_shards.py (torch's gloo),
+#: importable only where the repository's tests/ is on PYTHONPATH: never part of the product
+TEST_GLOO_MODULE = "gloo_shards"
+
+
 def comm_class(backend, settings):
     """The communicator a worker's groups use: NCCL on CUDA (when `shard_groups` is on); on CPU
-    backends the `shard_comm` setting's class, if any; None: the leader emulates the shards."""
+    backends None (the leader emulates the shards), or the tests' gloo one with `shard_comm`
+    "test-gloo"."""
     if backend.name == "cuda":
         if not settings.shard_groups:
             return None
         from convkernels.collectives.nccl import NcclShards
         return NcclShards
-    if not settings.shard_comm:
+    if settings.shard_comm != "test-gloo":
         return None
-    module, _, name = settings.shard_comm.partition(":")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return importlib.import_module(TEST_GLOO_MODULE).GlooShards
+    except ImportError as exc:
+        raise RuntimeError("CONVSERVE_SHARD_COMM=test-gloo is test-only: it needs the repository's tests/ "
+                           f"on PYTHONPATH and torch installed ({exc})") from exc
 
 
 def end_group(why: str) -> None:

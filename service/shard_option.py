@@ -109,12 +109,12 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
 
 def groups_off(backend: str, settings) -> tuple[str, str] | None:
     """Why this server forms no shard groups, as (problem kind, detail), or None where it does: on
-    GPUs with `shard_groups` off; on the mlx backend without a `shard_comm` (its emulated shards
+    GPUs with `shard_groups` off; on the mlx backend with `shard_comm` "auto" (its emulated shards
     would fail: MLX streams belong to the thread that made them, and the shards are threads)."""
     if backend == "cuda" and not settings.shard_groups:
         return "shard-groups-off", ("sharded requests on GPUs are off on this server: it runs with "
                                     "CONVSERVE_SHARD_GROUPS=0 (docs/sharding.md)")
-    if backend == "mlx" and not settings.shard_comm:
+    if backend == "mlx" and settings.shard_comm == "auto":
         return "shards-not-on-this-backend", ("the mlx backend serves no sharded requests: its shards would be "
                                               "threads, and MLX streams belong to the thread that made them; "
                                               "sharded decodes run on CUDA GPUs or the numpy backend "

@@ -5,7 +5,7 @@ GPUs, with an existing collective library in NCCL's place. Same interface as
 convkernels.collectives.nccl.NcclShards: `unique_id()` on the leader, `join(uid, rank, size)` on every
 rank, then exchange_rows / allreduce_sum / allgather on NumPy arrays.
 
-A server loads it with CONVSERVE_SHARD_COMM=gloo_shards:GlooShards and tests/ on PYTHONPATH
+A server loads it with CONVSERVE_SHARD_COMM=test-gloo and tests/ on PYTHONPATH
 (tests/test_service_shards.py). torch is a test dependency, never a runtime one.
 """
 from __future__ import annotations

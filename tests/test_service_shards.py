@@ -3,7 +3,7 @@ service/shard_leader.py), on the NumPy backend with two CPU devices (CONVSERVE_D
 server in two forms:
 - "emulated": the first device's worker decodes the shards itself on emulated shards (threads);
 - "gloo": the two workers form a real multi-process shard group, as on GPUs, with torch's gloo
-  in NCCL's place (CONVSERVE_SHARD_COMM=gloo_shards:GlooShards, tests/gloo_shards.py): the leader
+  in NCCL's place (CONVSERVE_SHARD_COMM=test-gloo, tests/gloo_shards.py): the leader
   connects to the follower, joins it, hands it its band and joins the pixel rows.
 The NCCL group of real GPUs is tests/gpu/test_service_shards_gpu.py's.
 
@@ -43,7 +43,7 @@ def group_settings(comm: str) -> dict:
     if comm == "emulated":
         return {}
     path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    return {"shard_comm": "gloo_shards:GlooShards", "env_extra": {"PYTHONPATH": path}}
+    return {"shard_comm": "test-gloo", "env_extra": {"PYTHONPATH": path}}
 
 
 def decode(url: str, model: str, x: np.ndarray, **params) -> httpx.Response:

@@ -87,7 +87,17 @@ def test_which_servers_form_shard_groups():
     assert shard_option.groups_off("cuda", Settings(shard_groups=False))[0] == "shard-groups-off"
     # mlx's emulated shards would fail (its streams are per thread); a real communicator is fine
     assert shard_option.groups_off("mlx", Settings())[0] == "shards-not-on-this-backend"
-    assert shard_option.groups_off("mlx", Settings(shard_comm="gloo_shards:GlooShards")) is None
+    assert shard_option.groups_off("mlx", Settings(shard_comm="test-gloo")) is None
+
+
+def test_the_shard_communicator_is_a_closed_choice_not_an_import_string():
+    """CONVSERVE_SHARD_COMM names one of two communicators; a "module:Class" string (which the
+    workers would import) is refused when the settings are read."""
+    import pydantic
+    assert Settings().shard_comm == "auto"
+    for bad in ("gloo_shards:GlooShards", "os:system", "gloo"):
+        with pytest.raises(pydantic.ValidationError):
+            Settings(shard_comm=bad)
 
 
 def test_the_cli_knows_every_sharded_family_by_its_preset():
