@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
             raise problems.Problem(503, "shutting-down", "draining for shutdown")
         if not svc.ready:
             kind, detail = ("not-ready", f"model loading failed: {svc.load_error}") if svc.load_error \
-                else svc.engine.unready()  # loading, or a worker unresponsive (service/heartbeat.py)
+                else svc.engine.unready()  # loading, or a worker unresponsive (service/ipc/heartbeat.py)
             raise problems.Problem(503, kind, detail, headers={"Retry-After": "2"})
         return JSONResponse({"status": "ready", "models": list(svc.models), "unavailable": svc.failed})
 

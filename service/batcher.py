@@ -21,6 +21,7 @@ import numpy as np
 from models.nn import interrupt
 
 from . import metrics
+from .ipc.worker_errors import Cancelled, Closed
 from .model_stats import BatchTimes, ModelStats, ns
 
 log = logging.getLogger("convserve.batcher")
@@ -31,14 +32,6 @@ ModelCall = Callable[[np.ndarray], Any]
 
 #: how often at most the queue-depth gauge is written (Batcher._publish_depth)
 DEPTH_PUBLISH_S = 0.02
-
-
-class Closed(Exception):
-    pass
-
-
-class Cancelled(Exception):
-    """The item was withdrawn before its model call started."""
 
 
 @dataclass(eq=False)
@@ -96,7 +89,7 @@ class Batcher:
         (the seam of the injected model-call faults, service/fault_injection.py). on_start(batch):
         told which items a model call is about to run (the worker tells their front ends).
         on_busy(started): on the device thread, when a model call starts (time.monotonic()) and
-        ends (0.0): the worker's heartbeat record carries it (service/heartbeat.py)."""
+        ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py)."""
         self.on_busy = on_busy or (lambda started: None)
         self.on_start = on_start
         self.max_batch = max_batch

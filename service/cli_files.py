@@ -23,7 +23,7 @@ def write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps:
     from tqdm import tqdm
 
     from .codecs import image_bytes, npy_bytes, to_uint8
-    from .video import crf_for_quality, mp4_bytes
+    from .codecs.video import crf_for_quality, mp4_bytes
 
     suffix = output.suffix.lower()
     written: list[Path] = []
@@ -77,5 +77,5 @@ def check_output(output: Path, video: bool, local: bool) -> None:
     if suffix and suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
         fail(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
     if suffix == ".mp4" and local:
-        from .video import require_av
+        from .codecs.video import require_av
         validated(require_av, " (or write .npy or a folder of frames)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fault_injection, metrics, oom_recovery
-from . import worker_protocol as wp
+from .ipc import worker_protocol as wp
 from .batcher import Batcher, batch_sizes
 from .model_host import HostedModel, ModelView, load_entry, warm_up
 from .model_stats import ModelStats
@@ -53,7 +53,7 @@ class ModelHost:
         self.stats = ModelStats()
         self.on_change = lambda: None
         self.on_start = lambda batch: None
-        self.on_busy = lambda started: None  # the worker's heartbeat record (service/heartbeat.py)
+        self.on_busy = lambda started: None  # the worker's heartbeat record (service/ipc/heartbeat.py)
         self.device_thread: threading.Thread | None = None
         #: finished requests, from the device thread to the delivery thread (Worker._deliver)
         self.deliveries: queue.SimpleQueue = queue.SimpleQueue()

@@ -9,10 +9,10 @@ settling, the links' bookkeeping.
 Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
 from this front end (ties in turn); the worker batches what every front end sends it.
 
-Block lifetime (the rule of service/shm.py): service/submission.py; a request answered before
+Block lifetime (the rule of service/ipc/shm.py): service/submission.py; a request answered before
 its worker (timeout, client gone, worker unresponsive) keeps its blocks until the worker answers.
 
-Liveness (service/heartbeat.py): every CHECK_S the event loop reads each worker's heartbeat; a
+Liveness (service/ipc/heartbeat.py): every CHECK_S the event loop reads each worker's heartbeat; a
 worker silent past CONVSERVE_WORKER_HEARTBEAT_S is unresponsive: its link is not ready (no new
 work; another device's worker takes the model's requests, else they get 503
 `worker-unresponsive`), and its requests in flight are answered so at once and withdrawn. It is
@@ -29,10 +29,10 @@ from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from . import worker_protocol as wp
-from .heartbeat import BeatReader, beat_path
+from .ipc import worker_protocol as wp
+from .ipc.heartbeat import BeatReader, beat_path
 from .model_host import HostedModel
-from .shm import Arena, TensorRef
+from .ipc.shm import Arena, TensorRef
 from .submission import Lease, NoWorker, Submission, WorkerFailure
 
 __all__ = ["Engine", "Lease", "Link", "NoWorker", "Submission", "WorkerFailure"]

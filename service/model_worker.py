@@ -5,13 +5,13 @@ HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
 
 - loads the backend and every configured model once, warms them up, then says it is ready;
 - takes requests from any number of front ends: each front end sends the descriptor of its
-  shared-memory arena once (service/shm.py), then messages naming tensors in it, never the data;
+  shared-memory arena once (service/ipc/shm.py), then messages naming tensors in it, never the data;
 - runs them through one Batcher (requests of every front end batch together) and writes each
   result into the output block its front end allocated, then answers `Done`;
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
-- beats (service/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
+- beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
-The messages (one type each, and their encoding) are service/worker_protocol.py's; a shard
+The messages (one type each, and their encoding) are service/ipc/worker_protocol.py's; a shard
 group's leader (service/shard_leader.py) connects as a front end does, with its own hello and ops.
 """
 from __future__ import annotations
@@ -31,14 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from . import oom_recovery, shm
-from . import worker_protocol as wp
+from . import oom_recovery
+from .ipc import shm
+from .ipc import worker_protocol as wp
 from .model_host import HostedModel
-from .shm import ArenaView, TensorRef
+from .ipc.shm import ArenaView, TensorRef
 from .stream_steps import GeneratorSteps, StreamClosed
-from .worker_errors import error_info
+from .ipc.worker_errors import error_info
 from .device_host import ModelHost, WorkerSpec
-from .heartbeat import Beat, beat_path
+from .ipc.heartbeat import Beat, beat_path
 
 log = logging.getLogger("convserve.worker")
 
@@ -124,7 +125,7 @@ class FrontendLink:
         self._drop_all()
         self.host.shard_member.link_closed(self)
         self.conn.close()
-        if self.view is not None:  # its pages leave this process with it (service/shm.py's rules)
+        if self.view is not None:  # its pages leave this process with it (service/ipc/shm.py's rules)
             self.view.release()
 
     def handle(self, msg: wp.Message) -> None:
@@ -329,7 +330,7 @@ class Worker:
         link.close()
 
     def run(self) -> None:
-        # first: the supervisor counts a worker silent past the hang limit as hung (service/heartbeat.py)
+        # first: the supervisor counts a worker silent past the hang limit as hung (service/ipc/heartbeat.py)
         self.host.on_busy = Beat(beat_path(self.spec.address), self.spec.settings.worker_heartbeat_s).call
         if os.path.exists(self.spec.address):
             os.unlink(self.spec.address)

@@ -17,6 +17,7 @@ import numpy as np
 
 from models.contract import TiledDecoder
 
+from .ipc.worker_errors import DeviceOutOfMemory
 from .metrics import count_fault as count
 from .model_host import HostedModel
 
@@ -24,10 +25,6 @@ log = logging.getLogger("convserve.faults")
 
 #: retries in ever smaller tiles after the first tiled attempt
 MAX_SMALLER_TILES = 3
-
-
-class DeviceOutOfMemory(Exception):
-    """A decode ran out of device memory even in the smallest tiles tried."""
 
 
 @contextmanager

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import metrics, shard_option, validation, worker_errors
+from . import metrics, shard_option, validation
+from .ipc import worker_errors
 from .compute_cap import ComputeCap
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .model_host import HostedModel
@@ -27,7 +28,7 @@ from .memory_budget import MemoryBudget, auto_budget_bytes
 from .settings import Settings
 from .request_state import CURRENT, AdmittedRequest
 from .uploads import Uploads
-from .shm import Arena, ArenaFull, TensorRef, TooLarge
+from .ipc.shm import Arena, ArenaFull, TensorRef, TooLarge
 
 log = logging.getLogger("convserve")
 
@@ -280,7 +281,7 @@ class Service:
             if in_ref is not None:
                 self.arena.free(in_ref.offset)
             raise Problem(503, "shared-memory-full", str(exc), headers={"Retry-After": self.retry_after()}) from None
-        except NoWorker as exc:  # none up, or its worker unresponsive (service/heartbeat.py)
+        except NoWorker as exc:  # none up, or its worker unresponsive (service/ipc/heartbeat.py)
             if in_ref is not None:
                 self.arena.free(in_ref.offset)
             raise Problem(503, exc.kind, f"{hm.name}: {exc.detail}", headers={"Retry-After": "2"}) from None

@@ -31,7 +31,7 @@ from .bodies import read_body
 from .model_host import HostedModel
 from .problems import PROBLEM_SCHEMA, Problem
 from .settings import Settings
-from .video import encode_videos, require_av
+from .codecs.video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["diffusers remote VAE"])

@@ -19,7 +19,7 @@ from .model_host import HostedModel
 from .pipeline import Service
 from .streaming import whole_clip_response
 from .problems import PROBLEM_SCHEMA, Problem
-from .video import encode_videos, require_av
+from .codecs.video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["v1"])
@@ -78,7 +78,7 @@ async def _continue(tracking):
 
 class ArenaResponse(Response):
     """A response sent part by part, with no join, where parts may be views of the request's
-    shared-memory blocks (service/shm.py); `lease` (Service.hand_over_lease) holds those blocks
+    shared-memory blocks (service/ipc/shm.py); `lease` (Service.hand_over_lease) holds those blocks
     until the last part is out, or the client has gone."""
 
     def __init__(self, parts: list, lease: Lease, media_type: str, headers: dict):

@@ -151,7 +151,7 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0)
     #: a model worker with no heartbeat for this long (stopped, deadlocked, a call holding the
     #: interpreter lock) is unresponsive: not ready, its requests 503 `worker-unresponsive`
-    #: with Retry-After, or sent to another device's worker (service/heartbeat.py)
+    #: with Retry-After, or sent to another device's worker (service/ipc/heartbeat.py)
     worker_heartbeat_s: float = Field(3.0, gt=0)
     #: a worker silent, or in one model call, for this long is hung: the supervisor kills it
     #: (SIGKILL) and starts another. 0 = auto: max(180 s, 3x request_timeout_s), past the

@@ -5,7 +5,7 @@ Why one leader: every member of a group must run the group's collectives in the 
 NCCL pairs the wrong operations and hangs. The front ends are many processes; the first device's
 worker is one, and its device thread runs one sharded decode at a time, so the order in which it
 hands bands to its followers is the order. It talks to each follower as a front end does (the same
-Unix socket, messages naming tensors in an arena of its own, service/shm.py); a follower runs a
+Unix socket, messages naming tensors in an arena of its own, service/ipc/shm.py); a follower runs a
 band on its own device thread between its other batches.
 
 The rules a group keeps:
@@ -22,7 +22,7 @@ The rules a group keeps:
   emulated shards (threads, models.sharding.decode_emulated): the same arithmetic, no speed-up.
   That is how CI checks the request path; the GPU tests check the NCCL one.
 
-The leader's messages to a follower are its own (service/worker_protocol.py): a LeaderHello,
+The leader's messages to a follower are its own (service/ipc/worker_protocol.py): a LeaderHello,
 then ShardJoin (the communicator's id), ShardDecode (a band's latents -> its pixels),
 ShardStreamOpen / ShardStreamNext / ShardStreamClose (a streamed decode's band and its frame
 groups). Each names only the blocks it has: a join, a stream's step carry no placeholder tensors.
@@ -45,8 +45,9 @@ from convkernels.host import pixels_to_uint8
 from convkernels.collectives.shard_comm import split
 from models import sharding
 
-from . import worker_protocol as wp
-from .shm import ALIGN, Arena, TensorRef
+from .ipc import worker_protocol as wp
+from .ipc.shm import ALIGN, Arena, TensorRef
+from .ipc.worker_errors import ShardFailed
 
 log = logging.getLogger("convserve.shards")
 
@@ -65,10 +66,6 @@ def arena_bytes(shm_bytes: int, devices: int) -> int:
     front end held that request's latents and pixels together in its own arena of `shm_bytes`
     (more is a 413 there). Plus a page of rounding for each of a follower's two blocks."""
     return shm_bytes + 2 * devices * ALIGN
-
-
-class ShardFailed(RuntimeError):
-    """A sharded decode that failed on its emulated shards (the worker stays up)."""
 
 
 #: the test-only communicator of CONVSERVE_SHARD_COMM=test-gloo: tests/gloo_shards.py (torch's gloo),

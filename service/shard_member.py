@@ -9,7 +9,7 @@ import numpy as np
 
 from models import sharding
 
-from . import worker_protocol as wp
+from .ipc import worker_protocol as wp
 from .shard_leader import end_group, pixels
 from .stream_steps import GeneratorSteps
 

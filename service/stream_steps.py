@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import threading
 
-
-class StreamClosed(Exception):
-    """A step asked of a decode whose stream has ended."""
+from .ipc.worker_errors import StreamClosed
 
 
 class GeneratorSteps:

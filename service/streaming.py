@@ -37,11 +37,11 @@ from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
 from .bodies import read_body
 from .engine import Lease
-from .fmp4 import FragmentedMP4Writer
+from .codecs.fmp4 import FragmentedMP4Writer
 from .model_host import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
-from .video import require_av
+from .codecs.video import require_av
 
 log = logging.getLogger("convserve.streaming")
 

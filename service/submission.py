@@ -4,7 +4,7 @@ its response is built.
 
 A submission's blocks are freed only when both its request is done with them (`release`, from
 `Lease.close`) and its worker has answered for it (`settle`: a result, a failure, or the link's
-loss): the worker may be writing into them until then (service/shm.py's rules). A request may be
+loss): the worker may be writing into them until then (service/ipc/shm.py's rules). A request may be
 answered before that (`fail`: its worker went unresponsive) or stop waiting (timeout, client gone);
 its blocks still wait for the worker's answer."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from .shm import Arena, TensorRef
-from .worker_protocol import WorkerError
+from .ipc.shm import Arena, TensorRef
+from .ipc.worker_protocol import WorkerError
 
 
 class WorkerFailure(Exception):

@@ -6,7 +6,7 @@ HTTP front ends (service/app.py) in front of them, all started here and kept run
     model workers       one per GPU (CONVSERVE_DEVICES), or one for the CPU / Apple GPU
 
 Front ends and workers meet through Unix sockets in a private run directory (0700), and tensors
-travel in each front end's shared-memory arena (service/shm.py). SIGTERM drains every front end
+travel in each front end's shared-memory arena (service/ipc/shm.py). SIGTERM drains every front end
 (in-flight work finishes, up to SHUTDOWN_GRACE_S), then stops the workers.
 
 The rules this module keeps for its children (it alone starts, kills and reaps them):
@@ -14,7 +14,7 @@ The rules this module keeps for its children (it alone starts, kills and reaps t
   started again: at once if it had lived STABLE_AFTER_S, else after a pause that doubles while
   it keeps dying. The requests a dead worker held are answered 503 `worker-died` by their front
   ends, which reconnect when it is back; a dead front end's arena leaves the workers with its link.
-- A worker that is hung (service/heartbeat.py: no heartbeat, or one model call running, past the
+- A worker that is hung (service/ipc/heartbeat.py: no heartbeat, or one model call running, past the
   hang limit) is killed here, with SIGKILL (a stopped or deadlocked process answers nothing
   else), then reaped and restarted as any dead child. Front ends never kill: they stop sending
   to a worker whose heartbeat is late, and it is ready again if it beats before the limit.
@@ -37,7 +37,8 @@ from multiprocessing.connection import wait
 
 from convkernels.registry import visible_cuda_devices
 
-from . import heartbeat, metrics
+from .ipc import heartbeat
+from . import metrics
 from .model_worker import STOP_SIGNAL, WorkerSpec
 from .model_worker import main as worker_main
 from .settings import Settings, parse_devices
@@ -114,7 +115,7 @@ class _Child:
         self.started = 0.0
         self.pause = 1.0
         self.restarts = 0
-        #: a worker's heartbeat record (service/heartbeat.py); None for a front end
+        #: a worker's heartbeat record (service/ipc/heartbeat.py); None for a front end
         self.beat: heartbeat.BeatReader | None = None
         #: why it was killed here (hung), for the line that reports its death
         self.killed_for: str | None = None

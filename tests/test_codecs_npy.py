@@ -1,6 +1,6 @@
 """service.codecs writes .npy bytes itself (header from numpy.lib.format, the data joined once):
 they must be exactly what np.save writes, for every layout the service sends. And it reads them
-with one parser (service/npy_parse.py) that checks every declared size against the bytes present
+with one parser (service/codecs/npy_parse.py) that checks every declared size against the bytes present
 before anything is allocated, never unpickles, and answers each problem with one 400 bad-npy line."""
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_object_arrays_are_refused():
         codecs.npy_bytes(np.array([{"a": 1}], dtype=object))
 
 
-# ---- reading: the one parser (service/npy_parse.py) -------------------------------------------------
+# ---- reading: the one parser (service/codecs/npy_parse.py) -------------------------------------------------
 def npy_with_header(header: str | bytes, payload: bytes = b"", version: int = 1) -> bytes:
     """A .npy file with a hand-written header (which may lie), in format 1.0, 2.0 or 3.0."""
     h = header if isinstance(header, bytes) else header.encode("utf8" if version == 3 else "latin1")

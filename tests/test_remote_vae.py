@@ -334,7 +334,7 @@ def test_wan_frames_uint8_and_pil(server, wan_case):
 
 def test_wan_mp4(server, wan_case):
     pytest.importorskip("av")
-    from service.video import read_mp4_frames
+    from service.codecs.video import read_mp4_frames
 
     lat, sample = wan_case
     data = remote_decode(server.url("wan"), denormalised(server, lat), do_scaling=False, output_type="mp4",

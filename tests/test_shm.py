@@ -1,4 +1,4 @@
-"""The shared-memory transport between HTTP front ends and model workers (service/shm.py): the
+"""The shared-memory transport between HTTP front ends and model workers (service/ipc/shm.py): the
 allocator's bookkeeping, and a tensor crossing into another process and back through the pages
 of one arena (its descriptor sent over a Unix socket, as front ends send it to workers)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from multiprocessing.reduction import send_handle
 import numpy as np
 import pytest
 
-from service.shm import ALIGN, Arena, ArenaFull, TensorRef, TooLarge
+from service.ipc.shm import ALIGN, Arena, ArenaFull, TensorRef, TooLarge
 
 
 def test_blocks_are_aligned_disjoint_and_reused_after_free():
@@ -53,7 +53,7 @@ def _child(address: str, size: int, ref_in: TensorRef, ref_out: TensorRef) -> No
     from multiprocessing.connection import Client
     from multiprocessing.reduction import recv_handle
 
-    from service.shm import ArenaView
+    from service.ipc.shm import ArenaView
 
     with Client(address, family="AF_UNIX") as conn:
         view = ArenaView(recv_handle(conn), size)
@@ -81,7 +81,7 @@ def test_a_tensor_crosses_into_another_process_and_back_through_the_pages(tmp_pa
 
 
 def test_trim_gives_pages_above_the_kept_region_back_once_idle(monkeypatch):
-    import service.shm as shm
+    import service.ipc.shm as shm
 
     monkeypatch.setattr(shm, "KEEP_RESIDENT_BYTES", 4 * ALIGN)
     arena = Arena(64 * ALIGN)

@@ -204,7 +204,7 @@ def test_npy_stream_of_a_batch(srv):
 
 def test_fragmented_mp4_plays_in_pyav(srv, clip):
     av = pytest.importorskip("av")
-    from service.fmp4 import top_level_boxes
+    from service.codecs.fmp4 import top_level_boxes
 
     lat, ref, _ = clip
     r, chunks, total = stream(srv.stream_url, lat, format="mp4", fps=12)

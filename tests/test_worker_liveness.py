@@ -8,7 +8,7 @@ and /proc), with the heartbeat and hang limits shortened:
 - with two devices, a stopped worker's model is served by the other one (/readyz stays 200);
 - a front end killed with SIGKILL is reaped at once (no zombie), its death logged with the signal,
   and its shared-memory arena leaves the model worker: the worker holds one arena per live front
-  end (service/shm.py's rules)."""
+  end (service/ipc/shm.py's rules)."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,19 @@
-"""The wire protocol between front ends, model workers and shard leaders (service/worker_protocol.py)
-and its one table of error kinds (service/worker_errors.py), over a real socketpair."""
+"""The wire protocol between front ends, model workers and shard leaders (service/ipc/worker_protocol.py)
+and its one table of error kinds (service/ipc/worker_errors.py), over a real socketpair."""
 from __future__ import annotations
 
 from multiprocessing import Pipe
 
 import pytest
 
-from service import worker_protocol as wp
-from service import worker_errors
 from service.batcher import Cancelled, Closed
+from service.ipc import worker_errors
+from service.ipc import worker_protocol as wp
+from service.ipc.shm import TensorRef
 from service.model_stats import Duration, ModelRecord
 from service.oom_recovery import DeviceOutOfMemory
 from service.settings import ModelEntry
 from service.shard_leader import ShardFailed
-from service.shm import TensorRef
 from service.stream_steps import StreamClosed
 
 IN, OUT = TensorRef(4096, (2, 4, 8, 8), "<f4"), TensorRef(1 << 20, (2, 64, 64, 3), "|u1")

@@ -1,5 +1,5 @@
 """The cost of one request's messages between a front end and a model worker: the pickled tuples
-the service sent before service/worker_protocol.py, against its msgspec Structs.
+the service sent before service/ipc/worker_protocol.py, against its msgspec Structs.
 
 A typical request is one Submit (a decode naming its input and output blocks in the arena) and its
 answer in a DoneMany. Printed, in microseconds per request:
@@ -25,13 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 
-from service import worker_protocol as wp  # noqa: E402
-from service.shm import TensorRef  # noqa: E402
+from service.ipc import worker_protocol as wp  # noqa: E402
+from service.ipc.shm import TensorRef  # noqa: E402
 
 
 @dataclass(frozen=True)
 class OldRef:
-    """service/shm.py's TensorRef as it was: a frozen dataclass, pickled."""
+    """service/ipc/shm.py's TensorRef as it was: a frozen dataclass, pickled."""
     offset: int
     shape: tuple
     dtype: str

@@ -1,22 +1,42 @@
 """Why a request failed in a model worker, or with it: the one table of error kinds.
 
-A kind is what crosses the process boundary (service/worker_protocol.py's WorkerError): the
+A kind is what crosses the process boundary (service/ipc/worker_protocol.py's WorkerError): the
 model worker names it from the exception its model call raised (`error_info`), a front end names
 the ones it finds itself (its worker died or went unresponsive, service/engine.py), and a front
 end turns it into the HTTP problem its client gets (`problem`). One row per kind, both directions:
-a new kind is one line here."""
+a new kind is one line here. The exceptions a worker raises for the kinds are defined here too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from . import metrics
-from .batcher import Cancelled, Closed
-from .oom_recovery import DeviceOutOfMemory
-from .problems import Problem
-from .shard_leader import ShardFailed
-from .stream_steps import StreamClosed
+from .. import metrics
+from ..problems import Problem
 from .worker_protocol import WorkerError
+
+
+# ---- the exceptions of a model worker that cross as kinds: raised there (the batcher, OOM recovery,
+# shard groups, streamed decodes), defined here so that a front end, which reads this table, loads
+# none of the worker's code
+class Closed(Exception):
+    """The batcher stopped before the item ran."""
+
+
+class Cancelled(Exception):
+    """The item was withdrawn before its model call started."""
+
+
+class DeviceOutOfMemory(Exception):
+    """A decode ran out of device memory even in the smallest tiles tried."""
+
+
+class ShardFailed(RuntimeError):
+    """A sharded decode that failed on its emulated shards (the worker stays up)."""
+
+
+class StreamClosed(Exception):
+    """A step asked of a decode whose stream has ended."""
+
 
 #: Retry-After of a row: the queue's own estimate (Service.retry_after) rather than fixed seconds
 QUEUE_ESTIMATE = "queue"

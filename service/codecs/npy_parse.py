@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .problems import Problem
+from ..problems import Problem
 
 MAGIC = b"\x93NUMPY"
 #: format version -> (bytes of the little-endian header length, the header's text encoding)

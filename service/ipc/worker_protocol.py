@@ -11,7 +11,7 @@ decoding a request's messages costs about a tenth as much (benchmarks/service/wo
 message is a MessagePack array, its tag first; both ends are always the same version of this file.
 
 Arrays never travel in a message: a message names them (`TensorRef`) in the sender's shared-memory
-arena (service/shm.py), whose descriptor follows the hello over the same socket (SCM_RIGHTS).
+arena (service/ipc/shm.py), whose descriptor follows the hello over the same socket (SCM_RIGHTS).
 
 Front end -> worker:
   Hello                          then the arena's descriptor; answered by a Status
@@ -26,7 +26,7 @@ A shard group's leader -> a follower (its own hello and ops: it does not pose as
 Worker -> front end (or leader):
   Status(device, state, models, ...)     on connect and whenever it changes
   Started(rids)                          a model call began with these requests
-  Done(rid, error, stream)               error: a WorkerError (service/worker_errors.py's kinds)
+  Done(rid, error, stream)               error: a WorkerError (service/ipc/worker_errors.py's kinds)
   DoneMany(answers)                      a batch's answers to one front end, in one message
   KernelsAnswer(rid, doc)   StatsAnswer(rid, records)   a Query's answer
 """
@@ -37,9 +37,9 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from .model_host import ModelView
-from .model_stats import ModelRecord
-from .settings import ModelEntry
+from ..model_host import ModelView
+from ..model_stats import ModelRecord
+from ..settings import ModelEntry
 from .shm import TensorRef
 
 __all__ = ["Cancel", "Done", "DoneMany", "Hello", "KernelsAnswer", "LeaderHello", "Message", "ModelStatus",
@@ -171,7 +171,7 @@ class Started(_Msg):
 
 
 class WorkerError(msgspec.Struct, array_like=True, frozen=True):
-    """Why a request failed: its kind (service/worker_errors.py's table), a message, the log's id."""
+    """Why a request failed: its kind (service/ipc/worker_errors.py's table), a message, the log's id."""
     kind: str
     message: str
     error_id: str | None = None

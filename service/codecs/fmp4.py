@@ -16,7 +16,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from .codecs import to_uint8
+from .images import to_uint8
 from .video import crf_for_quality, load_av
 
 #: top-level boxes kept from the first group's muxer output, then from every later one

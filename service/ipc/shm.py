@@ -50,7 +50,7 @@ class TooLarge(ArenaFull):
 
 class TensorRef(msgspec.Struct, array_like=True, frozen=True):
     """Where a tensor lies in an arena: what travels in a message instead of the data (a field
-    of service/worker_protocol.py's messages)."""
+    of service/ipc/worker_protocol.py's messages)."""
     offset: int
     shape: tuple[int, ...]
     dtype: str
