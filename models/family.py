@@ -83,6 +83,10 @@ class ModelFamily:
     model: Callable[..., Any] | None = None
     #: any other family: how its model is made (Loader)
     load: Loader | None = None
+    #: a decoder family whose forward runs on row shards (models/nn/row_shard.py) names its
+    #: row-split decode here (the service keeps its measured shard rules by this name); None:
+    #: the family offers none (an encoder)
+    row_sharding: str | None = None
 
     def __post_init__(self) -> None:
         if (self.load is None) == (self.checkpoint_class is None or self.config is None or self.model is None):

@@ -61,7 +61,7 @@ def test_decode_video_to_mp4_and_frames(tmp_path):
 
 
 def test_local_decode_takes_the_servers_tiles_and_oom_recovery(tmp_path, monkeypatch):
-    """A local decode runs as a model worker's does (service/oom_recovery.py): the tile size is the
+    """A local decode runs as a model worker's does (service/worker/oom_recovery.py): the tile size is the
     server's setting (--tile-size or CONVSERVE_TILE_SIZE), and a decode that runs out of memory is
     retried in those tiles; the result is the model's own tiled decode."""
     from convkernels import get_backend
@@ -227,7 +227,7 @@ def test_sharded_decode_refusals_are_one_line_and_come_first(tmp_path, live_serv
     out = tmp_path / "o.png"
     assert "cuda backend" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--backend", "numpy")
     assert "has no sharded decode" in fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--preset",
-                                                        "tiny-taesd")
+                                                        "tiny-convnext")
     assert "whole number of GPUs" in fails_in_one_line("decode", lat, "-o", out, "--shards", "auto")
     line = fails_in_one_line("decode", lat, "-o", out, "--shards", "2", "--url", live_server.url, code=1)
     assert "422" in line and "runs 1 device" in line, line

@@ -43,8 +43,8 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert shard_option.auto_shards("qwen-image", px4k - 1, 4) == 1
     assert all(r.evidence for r in shard_option.AUTO_RULES)
     # a rule names a family the models know, or it would never apply (a typo is not a rule)
-    from models.sharding import FAMILIES
-    assert {r.family for r in shard_option.AUTO_RULES} <= {f.name for f in FAMILIES.values()}
+    from models.sharding import declared
+    assert {r.family for r in shard_option.AUTO_RULES} <= {f.name for f in declared().values()}
 
 
 def test_decide_names_what_cannot_be_sharded():
@@ -110,5 +110,5 @@ def test_the_cli_knows_every_sharded_family_by_its_preset():
     from models.registry import PRESETS
 
     sharded = {p.family for p in PRESETS.values() if p.family in sharding.family_modules()}
-    assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae"}
-    assert {"taesd", "convnext"}.isdisjoint(sharding.family_modules())
+    assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae", "taesd"}
+    assert "convnext" not in sharding.family_modules()

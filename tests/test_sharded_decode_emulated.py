@@ -38,8 +38,13 @@ class _OneLocal:
     def __init__(self, comm, local: str):
         self.comm, self.local, self.rank, self.size = comm, local, comm.rank, comm.size
 
-    def exchange_rows(self, top, bottom):  # halo -> the conv's zero padding at every shard edge
-        return (None, None) if self.local == "halo" else self.comm.exchange_rows(top, bottom)
+    def exchange_rows(self, top, bottom):  # halo -> zero rows at every shard edge
+        if self.local != "halo":
+            return self.comm.exchange_rows(top, bottom)
+        # zero rows where a neighbour's would be: a layer pads the image's own edges by rank, so a
+        # missing halo (None) would be a shape error, not the wrong numbers this guard wants
+        return (np.zeros_like(bottom) if self.rank > 0 else None,
+                np.zeros_like(top) if self.rank < self.size - 1 else None)
 
     def allreduce_sum(self, a):  # GroupNorm statistics of the shard's own rows
         return a if self.local == "norm" else self.comm.allreduce_sum(a)
@@ -105,10 +110,30 @@ def test_one_shard_is_the_unsharded_decode(case):
     assert rel_l2(decode_emulated(model, lat, 1, clamp=False), ours) < UNSHARDED_TOL
 
 
-def test_a_model_of_another_family_is_refused_by_name():
-    """TAESD has no sharded decode (models/sharding/__init__.py says why): a layer walk written for another
-    family would decode it wrongly, so it is refused, naming what is offered."""
-    model = load_model("t", "tiny-taesd", get_backend("numpy"))
-    with pytest.raises(ValueError, match="AutoencoderTinyModel") as e:
-        decode_emulated(model, np.zeros((1, 4, 4, 4), np.float32), 2)
-    assert "Wan 2.2" in str(e.value) and "FLUX.2" in str(e.value)
+def test_an_encoder_is_refused_by_name():
+    """A family that declares no row-split decode (an encoder) is refused, naming what is offered."""
+    model = load_model("c", "tiny-convnext", get_backend("numpy"))
+    with pytest.raises(ValueError, match="ConvNeXt") as e:
+        decode_emulated(model, np.zeros((1, 3, 4, 4), np.float32), 2)
+    assert "Wan 2.2" in str(e.value) and "FLUX.2" in str(e.value) and "TAESD" in str(e.value)
+
+
+def test_a_conv_that_cannot_run_on_a_band_refuses():
+    """A stride-2 conv (an encoder's downsampler) needs rows no halo gives: on a row shard it
+    raises rather than compute a wrong band."""
+    from convkernels.collectives.shard_comm import run_sharded
+    from models.nn.layers import Conv2d
+    from models.nn.row_shard import RowShard
+
+    conv = Conv2d(3, 3, 3, stride=2, padding=1)
+    conv.load_checked({"weight": np.ones((3, 3, 3, 3), np.float32), "bias": np.zeros(3, np.float32)},
+                      get_backend("numpy"), "probe")
+    x = np.ones((1, 4, 5, 3), np.float32)
+
+    def shard(comm, rank):
+        with RowShard(comm, 8, 4).running():
+            conv(x)
+
+    with pytest.raises(ValueError, match="cannot run on a row shard"):
+        run_sharded(2, shard)
+    assert conv(x).shape == (1, 2, 3, 3)  # unsharded it runs

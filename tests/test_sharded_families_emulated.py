@@ -1,15 +1,18 @@
-"""The 2026 families' decodes split by rows over N emulated shards (threads of the
-NumPy backend joined by ThreadShards, NCCL's collective semantics): FLUX.2 (the SD decoder behind
-BatchNorm de-normalisation and 2x2 unpatchify), Qwen-Image (the Wan 2.1 decoder on one frame) and
-Wan 2.2 (residual up blocks with DupUp3D shortcuts, 2x2 output patches) each equal the unsharded
-decode and the diffusers class with the same fresh random weights, over odd row splits; with an
-exchange kept shard-local, each visibly does not."""
+"""The families built on the image VAE and Wan 2.1, and TAESD, decoded split by rows over N
+emulated shards (threads of the NumPy backend joined by ThreadShards, NCCL's collective
+semantics), each through its own forward with a row shard current (models/nn/row_shard.py):
+FLUX.2 (the SD decoder behind BatchNorm de-normalisation and 2x2 unpatchify), Qwen-Image (the Wan
+2.1 decoder on one frame), Wan 2.2 (residual up blocks with DupUp3D shortcuts, 2x2 output
+patches) and TAESD (plain convs and ReLUs, its upsamplers' halo) each equal the unsharded decode
+and the diffusers class with the same fresh random weights, over odd row splits; with an exchange
+kept shard-local, each visibly does not."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import test_models_flux2_vae as flux2
 import test_models_qwen_image_vae as qwen
+import test_models_taesd as taesd
 import test_models_wan22_vae as wan22
 from test_sharded_decode_emulated import _OneLocal
 from torch_reference import assert_informative, fresh_seed, rel_l2
@@ -42,7 +45,15 @@ def _wan22(tmp, seed):
     return "wan2.2-vae", lat, lambda z: wan22.reference_decode(vae, config, z), str(folder)
 
 
-FAMILIES = {"flux2": _flux2, "qwen-image": _qwen, "wan2.2": _wan22}
+def _taesd(tmp, seed):
+    vae = taesd.make_tiny(taesd.SMALL, seed)
+    vae.save_pretrained(tmp)
+    # 7 latent rows (3 shards hold 3, 2, 2; 5 shards 2, 2, 1, 1, 1), odd width, 2x the unit scale
+    lat = 2 * np.random.default_rng(seed).standard_normal((2, taesd.SMALL["latent_channels"], 7, 5))
+    return "tiny-taesd", lat.astype(np.float32), lambda z: taesd.reference_decode(vae, z)
+
+
+FAMILIES = {"flux2": _flux2, "qwen-image": _qwen, "wan2.2": _wan22, "taesd": _taesd}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -71,7 +82,9 @@ def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards)
 def test_each_exchange_matters(case, local):
     name, seed, model, lat, ours, _ = case
     if local == "norm" and name != "flux2":
-        pytest.skip("the Wan decoders' RMS norm is per position: no statistics cross shards")
+        pytest.skip("the Wan decoders' RMS norm is per position, TAESD has none: no statistics cross shards")
+    if local == "attention" and name == "taesd":
+        pytest.skip("TAESD has no attention")
     out = decode_emulated(model, lat, 3, comm_wrapper=lambda comm, rank: _OneLocal(comm, local))
     err = rel_l2(out, ours)
     assert err > BROKEN_MIN, f"{name} seed {seed}: keeping the {local} exchange local changed nothing ({err:.2e})"

@@ -15,8 +15,8 @@ from torch_reference import assert_informative, fresh_seed, rel_l2
 
 from convkernels import get_backend
 from convkernels.collectives.shard_comm import run_sharded, split, split_rows
-from models.sharding.wan import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
-from models.sharding import decode_emulated
+from models.sharding import ChunkPlan, decode_emulated, frame_groups_band
+from models.wan_vae.model import joined_groups
 from models.wan_vae import build
 from models.wan_vae.layers import CausalConv3d
 from test_sharded_decode_emulated import _OneLocal  # one collective kept shard-local (the guards)
@@ -56,8 +56,7 @@ def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards)
 def test_frame_groups_are_the_unsharded_ones_first_one_frame_then_four(case):
     name, seed, model, lat, *_ = case
     parts = split(lat, split_rows(lat.shape[3], 3), axis=3)
-    per_shard = run_sharded(3, lambda comm, r: list(sharded_wan_frame_groups(model, comm, parts[r],
-                                                                         total_rows=lat.shape[3])))
+    per_shard = run_sharded(3, lambda comm, r: list(frame_groups_band(model, comm, parts[r], lat.shape[3])))
     groups = [np.concatenate(g, axis=2) for g in zip(*per_shard)]
     unsharded = list(model.decode_frames(lat, tiled=False))
     assert [g.shape[1] for g in groups] == [g.shape[1] for g in unsharded] == [1, 4, 4]
@@ -94,8 +93,8 @@ def test_the_cached_frames_must_keep_their_halo_rows(case, monkeypatch):
     with_cache = CausalConv3d.with_cache
     shard = threading.local()  # each emulated shard runs on its own thread
 
-    def own_rows_only(conv, x, state, norm=None, rows=None):
-        out = with_cache(conv, x, state, norm, rows)
+    def own_rows_only(conv, x, state, norm=None):
+        out = with_cache(conv, x, state, norm)
         halo_rows = ([0] if shard.rank > 0 else []) + ([-1] if shard.rank < shard.size - 1 else [])
         if conv.kernel[1] > 1 and halo_rows:
             cached = state.slots[state.pos - 1].copy()
@@ -166,8 +165,9 @@ def test_steady_chunks_go_through_the_recorded_step_where_the_plan_says(case, mo
 def _decode_with(model, lat, shards, plan):
     """decode_emulated with every shard stepping its frames by `plan`."""
     parts = split(lat, split_rows(lat.shape[3], shards), axis=3)
-    return np.concatenate(run_sharded(shards, lambda comm, r: sharded_wan_decode(
-        model, comm, parts[r], total_rows=lat.shape[3], plan=plan)), axis=2)
+    return np.concatenate(run_sharded(shards, lambda comm, r: joined_groups(
+        frame_groups_band(model, comm, parts[r], lat.shape[3], plan=plan), model.output_frames(lat.shape[2]))),
+        axis=2)
 
 
 @pytest.mark.parametrize("frames", [1, 2, 3, 4])

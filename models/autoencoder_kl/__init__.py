@@ -8,7 +8,7 @@ from .config import DESCRIPTIONS, PRESETS, AutoencoderKLConfig, AutoencoderKLOpt
 from .model import AutoencoderKLModel
 
 FAMILY = ModelFamily(IMAGE_DECODER, "image VAE", PRESETS, DESCRIPTIONS, AutoencoderKLOptions,
-                     checkpoint_class="AutoencoderKL", config=AutoencoderKLConfig, model=AutoencoderKLModel)
+                     checkpoint_class="AutoencoderKL", config=AutoencoderKLConfig, model=AutoencoderKLModel, row_sharding="autoencoder-kl")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "AutoencoderKLConfig", "AutoencoderKLModel", "AutoencoderKLOptions",

@@ -15,7 +15,7 @@ import numpy as np
 from convkernels import Backend, pixels_to_uint8
 
 from ..contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
-from ..nn import interrupt, tiling
+from ..nn import interrupt, row_shard, tiling
 from ..nn.layers import Conv2d, Downsample2D, GroupNorm, ResnetBlock2D, SpatialAttention, Upsample2D
 from ..nn.module import Module, random_state_dict
 from ..nn.weights import fold_output_affine
@@ -189,7 +189,9 @@ class AutoencoderKLModel:
         """Unscaled latents (host NHWC) -> images (host NHWC float32, about [0, 1]: x / 2 + 0.5 is in
         conv_out), clipped to `clip` on the device if given; uint8: converted there (pixels_to_uint8)."""
         b = self.backend
-        return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip, uint8=uint8).result()
+        # a shard's forward runs eagerly: its collectives meet the other shards' as they come
+        forward = self._decode_device if row_shard.current() is None else self._decoder_forward
+        return b.to_host_async(forward(b.asarray(z_nhwc)), clip, uint8=uint8).result()
 
     def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True, *,
                uint8: bool = False) -> np.ndarray:

@@ -6,7 +6,7 @@ from ..family import ModelFamily
 from .model import DESCRIPTIONS, PRESETS, Flux2VAEConfig, Flux2VAEModel
 
 FAMILY = ModelFamily(IMAGE_DECODER, "FLUX.2 VAE", PRESETS, DESCRIPTIONS, AutoencoderKLOptions,
-                     checkpoint_class="AutoencoderKLFlux2", config=Flux2VAEConfig, model=Flux2VAEModel)
+                     checkpoint_class="AutoencoderKLFlux2", config=Flux2VAEConfig, model=Flux2VAEModel, row_sharding="flux2")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "Flux2VAEConfig", "Flux2VAEModel", "build"]

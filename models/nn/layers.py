@@ -2,9 +2,17 @@
 Linear, and the image VAE's ResnetBlock2D, SpatialAttention (its mid-block attention),
 Upsample2D, Downsample2D. Parameters are named as in PyTorch / diffusers checkpoints (module.py);
 every layer runs on `self.backend`, the backend its parameters were loaded to.
+
+On a row shard (row_shard.py: a decode split by latent rows over devices) the layers that need
+other shards' rows ask for them through the shard's communicator (convkernels.sharded_ops): a
+conv taller than one row its halo, GroupNorm the whole image's statistics, the attention every
+shard's keys and values, the upsampler one halo row. Unsharded they run the ops they always ran.
 """
 from __future__ import annotations
 
+from convkernels.sharded_ops import exact_group_norm, halo_conv2d, halo_upsample_conv2d
+
+from . import row_shard
 from .module import Module
 from .weights import conv_weight_to_channels_last
 
@@ -35,8 +43,22 @@ class Conv2d(Conv):
         self.stride, self.padding = stride, padding
 
     def __call__(self, x, residual=None, activation=None):
+        shard = row_shard.current()
+        if shard is not None and self.kernel[0] > 1:
+            self._check_same_conv()
+            return halo_conv2d(self.backend, shard.comm, x, self.weight, self.bias, residual=residual,
+                               activation=activation)
         return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                                    groups=self.groups, residual=residual, activation=activation)
+
+    def _check_same_conv(self) -> None:
+        """Only a stride-1 'same' conv runs on a band of rows (halo_conv2d); a stride-2 conv, or
+        one padded otherwise, would need rows no halo gives."""
+        same = tuple((k - 1) // 2 for k in self.kernel)
+        pads = (self.padding,) * 2 if isinstance(self.padding, int) else tuple(self.padding)
+        if self.stride != 1 or self.groups != 1 or any(p not in (s, (s, s)) for p, s in zip(pads, same)):
+            raise ValueError(f"a {self.kernel} conv of stride {self.stride}, padding {self.padding}, "
+                             f"groups {self.groups} cannot run on a row shard")
 
 
 class _Affine(Module):
@@ -57,6 +79,10 @@ class GroupNorm(_Affine):
         self.groups = groups
 
     def __call__(self, x, activation=None):
+        shard = row_shard.current()
+        if shard is not None:  # the whole image's statistics: one all-reduce of the shards' sums
+            return exact_group_norm(self.backend, shard.comm, x, self.groups, self.weight, self.bias, self.eps,
+                                    activation, rows=shard.rows)
         return self.backend.group_norm(x, self.groups, self.weight, self.bias, self.eps, activation=activation)
 
 
@@ -119,8 +145,16 @@ class SpatialAttention(Module):
         n, h, w, c = x.shape
         tokens = backend.reshape(self.group_norm(x), (n, h * w, c))
         q = self.to_q(tokens)
-        k = self.to_k(tokens)
-        v = self.to_v(tokens)
+        shard = row_shard.current()
+        if shard is None:
+            k = self.to_k(tokens)
+            v = self.to_v(tokens)
+        else:
+            # this shard's tokens are the queries; every shard's the keys and values, which travel
+            # as one all-gathered array (channels concatenated) in rank order = row order = token order
+            kv = backend.concat([self.to_k(tokens), self.to_v(tokens)], axis=-1)
+            every = backend.concat(shard.comm.allgather(kv, shard.token_counts(h, w)), axis=1)
+            k, v = backend.slice(every, -1, 0, c), backend.slice(every, -1, c, 2 * c)
         attended = backend.attention(q, k, v)
         out = self.proj(attended, residual=backend.reshape(x, (n, h * w, c)))
         return backend.reshape(out, (n, h, w, c))
@@ -142,8 +176,11 @@ class Upsample2D(Module):
         self.conv = self.add("conv", Conv2d(channels, channels, 3, padding=1))
 
     def __call__(self, x):
-        if self.mode == "nearest":
+        if self.mode == "nearest":  # nearest 2x is row-local; the conv takes its halo
             return self.conv(self.backend.upsample_nearest(x, 2))
+        shard = row_shard.current()
+        if shard is not None:  # one input row of each neighbour
+            return halo_upsample_conv2d(self.backend, shard.comm, x, self.conv.weight, self.conv.bias)
         return self.backend.upsample_conv2d(x, self.conv.weight, self.conv.bias)
 
 

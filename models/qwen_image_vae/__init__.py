@@ -5,7 +5,7 @@ from ..family import ModelFamily
 from .model import DESCRIPTIONS, PRESETS, QwenImageVAEConfig, QwenImageVAEDecoder, QwenImageVAEOptions
 
 FAMILY = ModelFamily(IMAGE_DECODER, "Qwen-Image VAE", PRESETS, DESCRIPTIONS, QwenImageVAEOptions,
-                     checkpoint_class="AutoencoderKLQwenImage", config=QwenImageVAEConfig, model=QwenImageVAEDecoder)
+                     checkpoint_class="AutoencoderKLQwenImage", config=QwenImageVAEConfig, model=QwenImageVAEDecoder, row_sharding="qwen-image")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "QwenImageVAEConfig", "QwenImageVAEDecoder", "QwenImageVAEOptions",

@@ -1,18 +1,13 @@
-"""Which served models a decode can be split over shards for, and the one call each shard makes:
-the service's model workers (service/shard_leader.py) and the standalone group
-(service/shard_group.py) ask here instead of knowing the families.
+"""The one runner of a decode split by latent rows over shards: the service's model workers
+(its shard leader and members), the CLI's shard group, the benchmarks and the tests' emulated
+shards all call here, and none knows a family.
 
-Five families are sharded, by latent rows (FAMILIES, one place):
-- the AutoencoderKL image VAEs (SD, SDXL, FLUX.1): models/sharding/autoencoder_kl.py, latents N,C,h,w;
-- FLUX.2's, the same decoder behind its BatchNorm de-normalisation and 2x2 unpatchify (a
-  latent row of its patched grid is two of the decoder's: row-local);
-- the Wan 2.1 video VAE and Wan 2.2's (its residual up blocks and output patches):
-  models/sharding/wan.py, latents N,C,T,h,w;
-- Qwen-Image's, the Wan 2.1 decoder on one frame, latents N,C,h,w or N,C,1,h,w.
-TAESD is not: it has no norm and no attention, so its shards would only trade halos, and one
-GPU decodes a 1024x1024 image in ~2 ms; sharding cannot pay there. A family not in FAMILIES is
-refused by name: a layer walk written for another architecture would decode it wrongly rather
-than fail.
+A family offers a row-split decode by naming it in its FAMILY (ModelFamily.row_sharding): every
+decoder family does (SD/SDXL/FLUX.1, FLUX.2, Qwen-Image, TAESD, Wan 2.1 and 2.2); encoders do
+not. There is no second walk of any decoder: each shard runs the model's own decode on its rows
+of the latents with its RowShard current (models/nn/row_shard.py), and the layers that need
+other shards' rows exchange them through the shard's communicator. The decode is untiled; its
+de-normalisation, unpatchify and output clip are row-local and run on each shard as they are.
 
 Latent rows are axis -2 of every family's latents (N,C,h,w; N,C,T,h,w; N,C,1,h,w) and pixel rows
 axis -3 of its pixels (N,H,W,3; N,F,H,W,3).
@@ -20,77 +15,86 @@ axis -3 of its pixels (N,H,W,3; N,F,H,W,3).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from convkernels.collectives.shard_comm import ShardComm, run_sharded, run_together, split, split_rows, thread_group
 
-from ..autoencoder_kl.model import AutoencoderKLModel
-from ..flux2_vae.model import Flux2VAEModel
-from ..qwen_image_vae.model import QwenImageVAEDecoder
-from .autoencoder_kl import sharded_decode
-from .wan import ChunkPlan, sharded_wan_decode, sharded_wan_frame_groups
-from ..wan22_vae.model import Wan22VAEDecoder
-from ..wan_vae.model import WanVAEDecoder
+from ..contract import VIDEO_DECODER
+from ..nn.row_shard import RowShard
+from ..registry import FAMILIES as FAMILY_PACKAGES, family_of
+from ..wan_vae.chunk_plan import ChunkPlan
+
+__all__ = ["ChunkPlan", "LATENT_ROWS", "OFFERED", "PIXEL_ROWS", "ShardedFamily", "bands", "check", "decode_band",
+           "declared", "decode_emulated", "family", "family_modules", "frame_groups_band", "frame_groups_emulated"]
 
 #: the latents' and the pixels' row axes, for every family
 LATENT_ROWS, PIXEL_ROWS = -2, -3
 
 
-def _image_band(model, comm: ShardComm, band, total_rows: int, clamp: bool) -> np.ndarray:
-    return sharded_decode(model, comm, band, clamp, total_rows=total_rows)
-
-
-def _wan_band(model, comm: ShardComm, band, total_rows: int, clamp: bool) -> np.ndarray:
-    return sharded_wan_decode(model, comm, band, clamp, total_rows=total_rows)
-
-
-def _qwen_image_band(model, comm: ShardComm, band, total_rows: int, clamp: bool) -> np.ndarray:
-    # its one latent frame through the Wan decode; always clamped, as QwenImageVAEDecoder.decode
-    return sharded_wan_decode(model, comm, model._one_frame(band), True, total_rows=total_rows)[:, 0]
-
-
 @dataclass(frozen=True)
 class ShardedFamily:
-    """A family whose decode splits by rows: `name` (what service.shard_option's measured rules
-    are kept by), whether it is a video decoder (its frame groups stream), and the call that
-    decodes one shard's band: (model, comm, band, total_rows, clamp) -> its pixel rows."""
+    """A family whose decode splits by rows: `name` (its FAMILY's row_sharding: what
+    service's measured shard rules are kept by) and whether it is a video decoder (its frame
+    groups stream)."""
     name: str
     video: bool
-    decode_band: Callable[..., np.ndarray]
 
 
-#: by exact type: Flux2VAEModel, Wan22VAEDecoder and QwenImageVAEDecoder subclass the first and
-#: third, and each needs its own entry (its latents or its layers differ)
-FAMILIES: dict[type, ShardedFamily] = {
-    AutoencoderKLModel: ShardedFamily("autoencoder-kl", False, _image_band),
-    Flux2VAEModel: ShardedFamily("flux2", False, _image_band),
-    WanVAEDecoder: ShardedFamily("wan2.1", True, _wan_band),
-    Wan22VAEDecoder: ShardedFamily("wan2.2", True, _wan_band),
-    QwenImageVAEDecoder: ShardedFamily("qwen-image", False, _qwen_image_band),
-}
+def _read_declarations() -> dict[str, ShardedFamily]:
+    out = {}
+    for package in FAMILY_PACKAGES:
+        fam = family_of(package, {})
+        if fam is not None and fam.row_sharding:
+            out[package] = ShardedFamily(fam.row_sharding, fam.kind == VIDEO_DECODER)
+    return out
 
-#: what a refusal names
-OFFERED = "the SD, SDXL, FLUX.1 and FLUX.2 image VAEs, Qwen-Image's, and the Wan 2.1 and Wan 2.2 video VAEs"
+
+_DECLARED: dict[str, ShardedFamily] | None = None
+
+
+def declared() -> dict[str, ShardedFamily]:
+    """models/<package> -> its ShardedFamily, for every family package that declares one (read
+    from the FAMILY declarations once)."""
+    global _DECLARED
+    if _DECLARED is None:
+        _DECLARED = _read_declarations()
+    return _DECLARED
 
 
 def family_modules() -> set[str]:
     """The family packages (models/<family>/) whose models decode sharded: a preset's
     (models.registry.PresetInfo.family) is checked by it before any model loads."""
-    return {cls.__module__.split(".")[1] for cls in FAMILIES}
+    return set(declared())
+
+
+def _titles() -> str:
+    titles = [family_of(p, {}).title for p in FAMILY_PACKAGES if p in declared()]
+    return ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else "".join(titles)
+
+
+def __getattr__(name: str):
+    if name == "OFFERED":  # what a refusal names: every family that offers a row-split decode
+        return f"the {_titles()} decoders"
+    raise AttributeError(name)
 
 
 def family(model) -> ShardedFamily | None:
-    """The model's sharded family, or None where no sharded decode is written for it."""
-    return FAMILIES.get(type(model))
+    """The model's sharded family (by the package its class is defined in), or None where its
+    family offers no row-split decode."""
+    parts = type(model).__module__.split(".")
+    if len(parts) < 2 or parts[0] != __package__.split(".")[0]:
+        return None
+    return declared().get(parts[1])
 
 
 def check(model) -> ShardedFamily:
     """model's sharded family, or a ValueError that names it."""
     fam = family(model)
     if fam is None:
-        raise ValueError(f"{model.name}: a sharded decode is offered for {OFFERED}, not {type(model).__name__}")
+        raise ValueError(f"{model.name}: a sharded decode is offered for the {_titles()} decoders, "
+                         f"not {type(model).__name__}")
     return fam
 
 
@@ -100,10 +104,32 @@ def bands(model, latents_shape: tuple[int, ...], shards: int) -> list[tuple[int,
     return split_rows(latents_shape[LATENT_ROWS], shards)
 
 
+def _shard(comm: ShardComm, band, total_rows: int) -> RowShard:
+    return RowShard(comm, int(total_rows), int(np.shape(band)[LATENT_ROWS]))
+
+
 def decode_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp: bool = True) -> np.ndarray:
-    """This shard's rows of model.decode(latents, tiled=False), float32 pixels: band is its rows
-    of the latents as the pipeline hands them; every shard of the group calls this together."""
-    return check(model).decode_band(model, comm, band, total_rows, clamp)
+    """This shard's rows of model.decode(latents, tiled=False, clamp=clamp), float32 pixels: band
+    is its rows of the latents as the pipeline hands them, of the whole's total_rows (split as
+    bands() splits them); every shard of the group calls this together."""
+    check(model)
+    with _shard(comm, band, total_rows).running():
+        return model.decode(band, tiled=False, clamp=clamp)
+
+
+def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp: bool = True,
+                      plan: ChunkPlan | None = None, uint8: bool = False) -> Iterator[np.ndarray]:
+    """A video decoder's frame groups (model.decode_frames, untiled), this shard's rows of each
+    (every shard steps together); band is its rows of the latents, split from the whole's
+    total_rows by bands(). plan: how the shards step their latent frames (benchmarks compare
+    plans; by default the bands decide, models/wan_vae/chunk_plan.py). uint8=True: uint8 pixels,
+    converted on the device. Bad latents raise here, before the first group."""
+    if not check(model).video:
+        raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
+    shard = _shard(comm, band, total_rows)
+    with shard.running():
+        groups = model.decode_frames(band, tiled=False, uint8=uint8, clamp=clamp, chunks=plan)
+    return shard.steps(groups)
 
 
 def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
@@ -122,18 +148,6 @@ def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
     return np.concatenate(run_sharded(shards, shard), axis=PIXEL_ROWS)
 
 
-def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
-                      clamp: bool = True, plan: ChunkPlan | None = None,
-                      uint8: bool = False) -> Iterator[np.ndarray]:
-    """A video decoder's frame groups, this shard's rows of each (every shard steps together);
-    band is its rows of the latents, split from the whole's total_rows by bands(). plan: how
-    the shards step their frames (benchmarks compare plans; by default the band decides).
-    uint8=True: uint8 pixels, converted on the device."""
-    if not check(model).video:
-        raise ValueError(f"{model.name}: a streamed sharded decode is a video decoder's")
-    return sharded_wan_frame_groups(model, comm, band, clamp, total_rows=total_rows, plan=plan, uint8=uint8)
-
-
 def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
                           comm_wrapper=None, uint8: bool = False) -> Iterator[np.ndarray]:
     """model.decode_frames(latents, tiled=False, uint8=uint8) on `shards` emulated shards: each
@@ -145,8 +159,9 @@ def frame_groups_emulated(model, latents: np.ndarray, shards: int, clamp: bool =
     gens = [frame_groups_band(model, comm_wrapper(c, c.rank) if comm_wrapper else c, parts[c.rank], total, clamp,
                               uint8=uint8) for c in comms]
     try:
-        for _ in range(lat.shape[2]):
+        for _ in range(lat.shape[2]):  # one group per latent frame
             yield np.concatenate(run_together(comms, [g.__next__ for g in gens]), axis=PIXEL_ROWS)
     finally:
         for g in gens:
             g.close()
+

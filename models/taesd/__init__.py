@@ -7,7 +7,7 @@ from ..family import ModelFamily
 from .model import DESCRIPTIONS, PRESETS, AutoencoderTinyConfig, AutoencoderTinyModel, TAESDOptions
 
 FAMILY = ModelFamily(IMAGE_DECODER, "TAESD", PRESETS, DESCRIPTIONS, TAESDOptions,
-                     checkpoint_class="AutoencoderTiny", config=AutoencoderTinyConfig, model=AutoencoderTinyModel)
+                     checkpoint_class="AutoencoderTiny", config=AutoencoderTinyConfig, model=AutoencoderTinyModel, row_sharding="taesd")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "AutoencoderTinyConfig", "AutoencoderTinyModel", "TAESDOptions", "build"]

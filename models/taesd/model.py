@@ -23,7 +23,7 @@ from convkernels import Backend, pixels_to_uint8
 
 from ..contract import IMAGE_DECODER, PIXEL_RANGE, card_fields
 from ..family import ModelOptions
-from ..nn import tiling
+from ..nn import row_shard, tiling
 from ..nn.module import Module, random_state_dict
 from ..nn.weights import DiffusersConfig, ModelConfigError
 from .checkpoint import checkpoint_naming, normalize_keys
@@ -173,7 +173,9 @@ class AutoencoderTinyModel:
         """Squashed decoder input (host NHWC) -> images (host NHWC float32, about [0, 1]), clipped
         to `clip` on the way out if given; uint8: as 8-bit pixels, converted before the copy."""
         b = self.backend
-        return b.to_host_async(self._decode_device(b.asarray(z_nhwc)), clip, uint8=uint8).result()
+        # a shard's forward runs eagerly: its collectives meet the other shards' as they come
+        forward = self._decode_device if row_shard.current() is None else self.decoder
+        return b.to_host_async(forward(b.asarray(z_nhwc)), clip, uint8=uint8).result()
 
     def decode(self, latents_nchw: np.ndarray, tiled: bool | None = None, clamp: bool = True, *,
                uint8: bool = False) -> np.ndarray:

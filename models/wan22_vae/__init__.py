@@ -9,7 +9,7 @@ from ..wan_vae.model import WanVAEOptions
 from .model import DESCRIPTIONS, PRESETS, Wan22VAEConfig, Wan22VAEDecoder
 
 FAMILY = ModelFamily(VIDEO_DECODER, "Wan 2.2 VAE", PRESETS, DESCRIPTIONS, WanVAEOptions,
-                     checkpoint_class="AutoencoderKLWan", config=Wan22VAEConfig, model=Wan22VAEDecoder)
+                     checkpoint_class="AutoencoderKLWan", config=Wan22VAEConfig, model=Wan22VAEDecoder, row_sharding="wan2.2")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "Wan22VAEConfig", "Wan22VAEDecoder", "build"]

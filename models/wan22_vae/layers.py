@@ -65,9 +65,22 @@ class ResidualUpBlock(Module):
             x = resnet(x, state)
         if self.upsampler is None:
             return x
-        short = dup_up_residual(skip, self.cout, self.factor_t, 2, first_chunk)
-        del skip
-        return self.upsampler(x, state, residual=short)  # the shortcut joins in the conv's epilogue
+
+        def shortcut(above: bool, below: bool):
+            return self._shortcut(skip, first_chunk, above, below)
+
+        return self.upsampler(x, state, residual_for=shortcut)  # the shortcut joins in the conv's epilogue
+
+    def _shortcut(self, x, first_chunk: bool, above: bool, below: bool):
+        """DupUp3D of the block's input x for the upsampler's op. DupUp3D maps each row to two of
+        its own (row-local); on a row shard the op computes two output rows more on each side
+        where a halo row came (`above`, `below`), then drops them, so the shortcut's rows there
+        only have to exist: x's own edge row stands in for the neighbour's (no exchange, no
+        upload, so a recorded graph holds it too)."""
+        b, rows = self.backend, x.shape[2]
+        parts = [*([b.slice(x, 2, 0, 1)] if above else []), x, *([b.slice(x, 2, rows - 1, rows)] if below else [])]
+        return dup_up_residual(b.concat(parts, axis=2) if len(parts) > 1 else x, self.cout, self.factor_t, 2,
+                               first_chunk)
 
 
 class ResidualDecoder3d(Module):

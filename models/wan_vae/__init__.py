@@ -9,7 +9,7 @@ from ..family import ModelFamily
 from .model import DESCRIPTIONS, PRESETS, WanVAEConfig, WanVAEDecoder, WanVAEOptions
 
 FAMILY = ModelFamily(VIDEO_DECODER, "Wan VAE", PRESETS, DESCRIPTIONS, WanVAEOptions,
-                     checkpoint_class="AutoencoderKLWan", config=WanVAEConfig, model=WanVAEDecoder)
+                     checkpoint_class="AutoencoderKLWan", config=WanVAEConfig, model=WanVAEDecoder, row_sharding="wan2.1")
 build = FAMILY.build
 
 __all__ = ["DESCRIPTIONS", "FAMILY", "PRESETS", "WanVAEConfig", "WanVAEDecoder", "WanVAEOptions", "build"]

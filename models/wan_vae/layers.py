@@ -9,6 +9,13 @@ for line where it matters: causal time padding with zeros (2*p on the left, none
 right), the per-conv feature cache of the last CACHE_T input frames, and the first-chunk
 rule of the temporal upsampler (diffusers marks its slot "Rep"; FIRST_CHUNK_SEEN here), which
 skips the time conv on the first latent frame.
+
+On a row shard (models/nn/row_shard.py, rows are axis 2) a causal conv with a 3x3 spatial kernel
+fetches one row above and one below from its neighbours BEFORE its cache joins the earlier frames,
+and the cache keeps those haloed frames: a cached frame's edge rows are then the neighbours' rows
+of that frame, as the conv of the whole frame needs, with no second exchange; at the image's own
+top and bottom the conv pads zero rows. The attention gathers every shard's keys and values of
+each frame, the upsampler takes one halo row; RMS norms, 1x1x1 and time convs are row-local.
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ from typing import Any, Union
 import numpy as np
 
 from convkernels import Backend
+from convkernels.sharded_ops import halo_rows, halo_upsample_conv2d
 
+from ..nn import row_shard
 from ..nn.layers import Conv, Conv2d
 from ..nn.module import Module
 
@@ -117,22 +126,39 @@ class CausalConv3d(Conv):
 
     def __call__(self, x, cache=None, residual=None):
         lo = self.time_pad
+        rows = self._halo(x)
+        if rows is not None:
+            x = self.backend.concat([r for r in (rows[0], x, rows[1]) if r is not None], axis=2)
         if cache is not None and lo > 0:
             x = self.backend.concat([cache, x], axis=1)
             lo -= cache.shape[1]
         return self.padded(x, lo, residual)
 
+    def _halo(self, x):
+        """On a row shard, for a kernel taller than one row: (the rows above, the rows below) from
+        the neighbours (None at the image's own top or bottom); else None."""
+        shard = row_shard.current()
+        halo = (self.kernel[1] - 1) // 2
+        if shard is None or not halo:
+            return None
+        return halo_rows(self.backend, shard.comm, x, halo, axis=2)[0]
+
     def padded(self, x, lo: int, residual=None):
         """The conv on input that already carries its cached frames, `lo` zero frames still to
-        pad on the left (with_cache's pair)."""
+        pad on the left (with_cache's pair), and on a row shard its halo rows (zero rows padded
+        only at the image's own top and bottom)."""
         b = self.backend
         kt = self.kernel[0]
+        space = self.space_pad
+        shard = row_shard.current()
+        if shard is not None and self.kernel[1] > 1:
+            space = (shard.edge_pad(space[0][0]), space[1])
         if kt > 1 and lo == kt - 1 and x.shape[1] == 1:
             # A lone frame with no cache (every conv of the first chunk): all taps but the
             # last fall on zero padding, so skip them, 1/kT of the work for the first frame.
-            return b.conv3d(x, self._last_tap_weight(), self.bias, padding=((0, 0), *self.space_pad),
+            return b.conv3d(x, self._last_tap_weight(), self.bias, padding=((0, 0), *space),
                             residual=residual)
-        return b.conv3d(x, self.weight, self.bias, padding=((lo, 0), *self.space_pad), residual=residual)
+        return b.conv3d(x, self.weight, self.bias, padding=((lo, 0), *space), residual=residual)
 
     def _last_tap_weight(self):
         if self._last_tap is None:
@@ -141,7 +167,7 @@ class CausalConv3d(Conv):
             self._last_tap = b.concat([b.slice(self.weight, 1, kt - 1, kt)], axis=1)
         return self._last_tap
 
-    def with_cache(self, x, state: FeatureCache, norm: "ChannelRMSNorm | None" = None, rows=None):
+    def with_cache(self, x, state: FeatureCache, norm: "ChannelRMSNorm | None" = None):
         """(x with this conv's cached frames in front, zero frames still to pad on the left),
         refreshing the slot with the last CACHE_T of them (cache_tail's frames: with a cache in
         front they are the tail of the joined input). The old slot is freed as soon as it is
@@ -150,9 +176,11 @@ class CausalConv3d(Conv):
         `conv.padded(h, lo)`), not x and the joined copy of it together.
         norm: the RMS norm + SiLU that feeds this conv, applied to x here so that it writes its
         output behind the cached frames (no joined copy of a full chunk).
-        rows = (above, below): a sharded conv's halo rows (axis 2), joined to x's; the norm, where
-        there is one, writes them where they belong (no joined copy of x)."""
+        On a row shard the conv's halo rows (above, below; axis 2) are fetched as they are, before
+        the norm: the norm is per position, so normalising them gives the neighbours' normalised
+        rows. The norm, where there is one, writes them where they belong (no joined copy of x)."""
         b = self.backend
+        rows = self._halo(x)
         if rows is not None and norm is None:
             x = b.concat([r for r in (rows[0], x, rows[1]) if r is not None], axis=2)
         prev = state.peek()
@@ -238,7 +266,15 @@ class AttentionBlock(Module):
         n, t, h, w, c = x.shape
         frames = b.reshape(x, (n * t, h, w, c))
         qkv = b.reshape(self.to_qkv(self.norm(frames)), (n * t, h * w, 3 * c))
-        q, k, v = (b.slice(qkv, -1, i * c, (i + 1) * c) for i in range(3))
+        shard = row_shard.current()
+        if shard is None:
+            q, k, v = (b.slice(qkv, -1, i * c, (i + 1) * c) for i in range(3))
+        else:
+            # this shard's positions of each frame are the queries; every shard's the keys and
+            # values (one all-gathered array, rank order = row order = the frame's token order)
+            q = b.slice(qkv, -1, 0, c)
+            every = b.concat(shard.comm.allgather(b.slice(qkv, -1, c, 3 * c), shard.token_counts(h, w)), axis=1)
+            k, v = b.slice(every, -1, 0, c), b.slice(every, -1, c, 2 * c)
         attended = b.reshape(b.attention(q, k, v, scale=1.0 / math.sqrt(c)), (n * t, h, w, c))
         return b.reshape(self.proj(attended, residual=frames), (n, t, h, w, c))
 
@@ -277,16 +313,24 @@ class Resample(Module):
         out = b.transpose(b.reshape(out, (n, t, h, w, 2, c)), (0, 1, 4, 2, 3, 5))
         return b.reshape(out, (n, 2 * t, h, w, c))
 
-    def __call__(self, x, state: FeatureCache, residual=None):
-        """residual, if given, is added in the conv's epilogue, as upsample_conv2d takes it: frames
-        (N*T', 2H, 2W, out_dim), Wan 2.2's shortcut a ShuffledResidual (no separate add pass over
-        the block's largest activation, and on CUDA no shuffled copy of it either)."""
+    def __call__(self, x, state: FeatureCache, residual_for=None):
+        """residual_for(above, below), if given, makes what the conv's epilogue adds, as
+        upsample_conv2d takes it: frames (N*T', 2H, 2W, out_dim), Wan 2.2's shortcut a
+        ShuffledResidual (no separate add pass over the block's largest activation, and on CUDA no
+        shuffled copy of it either). above/below: whether the op also computes the rows of a halo
+        row from that side (on a row shard; convkernels.sharded_ops.halo_upsample_conv2d)."""
         b = self.backend
         if self.time_conv is not None:
             x = self._double_frames(x, state)
         n, t, h, w, c = x.shape
-        frames = b.upsample_conv2d(b.reshape(x, (n * t, h, w, c)), self.conv.weight, self.conv.bias,
-                                   residual=residual)
+        frames = b.reshape(x, (n * t, h, w, c))
+        shard = row_shard.current()
+        if shard is None:
+            residual = None if residual_for is None else residual_for(False, False)
+            frames = b.upsample_conv2d(frames, self.conv.weight, self.conv.bias, residual=residual)
+        else:  # one row of each neighbour, every frame on its own
+            frames = halo_upsample_conv2d(b, shard.comm, frames, self.conv.weight, self.conv.bias,
+                                          residual_for=residual_for)
         return b.reshape(frames, (n, t, 2 * h, 2 * w, self.out_dim))
 
 

@@ -22,12 +22,13 @@ from convkernels import Backend, pixels_to_uint8
 
 from ..contract import PIXEL_RANGE, VIDEO_DECODER, card_fields
 from ..family import ModelOptions
-from ..nn import interrupt
+from ..nn import interrupt, row_shard
 from ..nn.module import Module, random_state_dict
 from ..nn.tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
                          video_tiles_for_size)
 from ..nn.weights import DiffusersConfig, ModelConfigError, fold_output_affine
 from .checkpoint import checkpoint_naming, normalize_keys
+from .chunk_plan import UNSHARDED, ChunkPlan, chunk_plan
 from .latents import PreparedLatents
 from .layers import CACHE_T, CausalConv3d, Decoder3d, FeatureCache
 
@@ -189,7 +190,8 @@ class WanVAEDecoder:
                                f"{self.reference_class} decoder (preset {preset!r}{naming})",
                                ignore_unexpected=("encoder.", "quant_conv."))
         self._steady_step = backend.graphed(self._step)
-        #: models/sharding/wan.py's recorded steady steps, one per shard group and band
+        #: a row shard's recorded steady steps (their collectives are captured with them), one per
+        #: shard group and band
         self.sharded_steps: dict = {}
 
     # ---- decode ----------------------------------------------------------------------------------
@@ -206,39 +208,60 @@ class WanVAEDecoder:
         """float32 normalised latents (N, C, T, h, w) -> the VAE's own: latents * std + mean."""
         return lat * self._std + self._mean
 
-    def decode_frames(self, latents_ncthw, tiled: bool | None = None, *,
-                      uint8: bool = False) -> Iterator[np.ndarray]:
+    def decode_frames(self, latents_ncthw, tiled: bool | None = None, *, uint8: bool = False,
+                      clamp: bool = True, chunks: ChunkPlan | None = None) -> Iterator[np.ndarray]:
         """Frame groups as docs/interfaces.md describes them. Each group is computed only when asked
         for, so a slow reader holds back the decode (back-pressure); bad latents raise here, before
         the first group is asked for. uint8=True: uint8 groups, floor(clip(x, 0, 1) * 255 + 0.5) of
         the float32 frames (convkernels.pixels_to_uint8): untiled, converted on the device before
-        the copy; tiled, the float32 tiles are stitched on the host and converted there."""
+        the copy; tiled, the float32 tiles are stitched on the host and converted there.
+        clamp=False: float32 frames unclipped (x / 2 + 0.5 of the decoder's output).
+        chunks: how the untiled decode steps its latent frames (chunk_plan.py; by default one at a
+        time, or on a row shard what its band calls for; every shard of a group takes the same)."""
         z = self._prepare(latents_ncthw)
         _, _, h, w, _ = z.shape
         sf = self.spatial_factor
         if tiled is None:
             tiled = h * w * sf * sf > self.max_untiled_pixels
         plan = self._tile_plan(h, w) if tiled else None
-        return self._untiled_groups(z, uint8) if plan is None else self._tiled_groups(z, plan, uint8)
+        if plan is None:
+            return self._untiled_groups(z, uint8, PIXEL_RANGE if clamp or uint8 else None, chunks)
+        return self._tiled_groups(z, plan, uint8, clamp)
 
-    def _untiled_groups(self, z: np.ndarray, uint8: bool = False) -> Iterator[np.ndarray]:
+    def _untiled_groups(self, z: np.ndarray, uint8: bool, clip, chunks: ChunkPlan | None) -> Iterator[np.ndarray]:
+        """The untiled decode in runs of latent frames (`chunks`), each run handed out as its frame
+        groups, so a stream's groups are the same whatever the runs. On a row shard (read when the
+        first group is asked for: the runner makes the shard current around each step) there is no
+        interrupt.check() between runs: a shard that stopped alone would leave the others waiting."""
+        shard = row_shard.current()
+        if chunks is None:
+            chunks = UNSHARDED if shard is None else chunk_plan(max(shard.token_counts(shard.own, z.shape[3])))
         state = FeatureCache()
+        starts = [0, *range(1, z.shape[1], chunks.frames)]
+        stops = [*starts[1:], z.shape[1]]
 
         def started():
-            for k in range(z.shape[1]):
+            for start, stop in zip(starts, stops):
                 interrupt.check()  # its requesters gone: stop between frame groups
-                yield self._decode_chunk(z[:, k:k + 1], state, clip=PIXEL_RANGE, uint8=uint8)
+                yield self._decode_chunk(z[:, start:stop], state, clip=clip, uint8=uint8,
+                                         graphed=chunks.graphed and stop - start == chunks.frames)
 
-        yield from one_group_ahead(started(), self.backend.runs_ahead)
+        tf = self.temporal_factor
+        for frames in one_group_ahead(started(), self.backend.runs_ahead):
+            if frames.shape[1] <= tf:
+                yield frames
+            else:
+                for at in range(0, frames.shape[1], tf):
+                    yield frames[:, at:at + tf]
 
-    def _tiled_groups(self, z: np.ndarray, plan, uint8: bool = False) -> Iterator[np.ndarray]:
+    def _tiled_groups(self, z: np.ndarray, plan, uint8: bool = False, clamp: bool = True) -> Iterator[np.ndarray]:
         size = plan.tile_latent
         states = [[FeatureCache() for _ in plan.cols] for _ in plan.rows]
         for k in range(z.shape[1]):
             interrupt.check()
             tiles = [[self._decode_chunk(z[:, k:k + 1, i:i + size, j:j + size], states[a][b], whole=False).result()
                       for b, j in enumerate(plan.cols)] for a, i in enumerate(plan.rows)]
-            yield self._to_pixels(self._stitched(plan, tiles), uint8)
+            yield self._to_pixels(self._stitched(plan, tiles), uint8, clamp)
 
     def _tile_plan(self, h: int, w: int):
         """The tile grid for latents of h x w (None: one tile)."""
@@ -253,24 +276,40 @@ class WanVAEDecoder:
         return out
 
     def _decode_chunk(self, z_chunk: np.ndarray, state: FeatureCache, clip=None, uint8: bool = False,
-                      whole: bool = True):
+                      whole: bool = True, graphed: bool = True):
         """One latent frame (host N,1,h,w,C, de-normalised) -> the decoder output's way to the
         host (`.result()`: float32, mapped to image space by conv_out's folded x / 2 + 0.5,
         clipped to `clip` if given; uint8: 8-bit pixels, converted on the device), advancing
         `state`; the device may still be working when this returns. whole=False (a tile): the
         decoder's output as it is, not yet made frames (_frames; the stitched tiles are, _stitched).
-        Steady chunks (the third on) go through the graphed step where the backend records it:
-        their shapes repeat, so it replays them; the first two change the cache's layout."""
+        Steady chunks (the third on) go through the graphed step where `graphed` and the backend
+        records it: their shapes repeat, so it replays them; the first two change the cache's
+        layout."""
         b = self.backend
         x = b.asarray(np.ascontiguousarray(z_chunk))
+        step = self._recorded_step() if graphed and state.steady() else None
         # eagerly, the in-place route frees each old cache slot as its new one is made; the
         # functional step would hold the whole old cache (2.3 GB at 480x832) until it returns
-        if state.steady() and self._steady_step.records(x, *state.slots):
-            out, *slots = self._steady_step(x, *state.slots)
+        if step is not None and step.records(x, *state.slots):
+            out, *slots = step(x, *state.slots)
             state.slots = slots
         else:
             out = self.tree.decoder(self.tree.post_quant_conv(x), state)
         return b.to_host_async(self._frames(out) if whole else out, clip, uint8=uint8)
+
+    def _recorded_step(self):
+        """The recorded steady step of the current shard (one per shard group and band: its
+        collectives are captured with it), or the unsharded one; None where a shard's backend
+        records nothing (calls_to_warm 1: the step would only run eagerly)."""
+        shard = row_shard.current()
+        if shard is None:
+            return self._steady_step
+        if self.backend.calls_to_warm <= 1:
+            return None
+        step = self.sharded_steps.get(shard)
+        if step is None:
+            step = self.sharded_steps[shard] = self.backend.graphed(self._step)
+        return step
 
     def _step(self, x, *cache):
         """(latent frame, cache slots) -> (decoder output, the next chunk's cache slots), all on
@@ -280,18 +319,20 @@ class WanVAEDecoder:
         return (out, *state.slots)
 
     @staticmethod
-    def _to_pixels(x, uint8: bool = False) -> np.ndarray:
+    def _to_pixels(x, uint8: bool = False, clamp: bool = True) -> np.ndarray:
         """Stitched tiles -> pixels (an untiled group is clipped on its way to the host)."""
         out = np.asarray(x, dtype=np.float32)
         if uint8:
             return pixels_to_uint8(out)
-        np.clip(out, *PIXEL_RANGE, out=out)
+        if clamp:
+            np.clip(out, *PIXEL_RANGE, out=out)
         return out
 
-    def decode(self, latents_ncthw, tiled: bool | None = None, *, uint8: bool = False) -> np.ndarray:
+    def decode(self, latents_ncthw, tiled: bool | None = None, *, uint8: bool = False,
+               clamp: bool = True) -> np.ndarray:
         """All frames at once: float32 (N, 1 + 4*(T-1), 8h, 8w, 3) in [0, 1]; uint8=True: uint8,
-        as decode_frames gives them."""
-        groups = self.decode_frames(latents_ncthw, tiled, uint8=uint8)
+        clamp=False: unclipped, as decode_frames gives them."""
+        groups = self.decode_frames(latents_ncthw, tiled, uint8=uint8, clamp=clamp)
         return joined_groups(groups, self.output_frames(np.shape(latents_ncthw)[2]))
 
     def output_frames(self, latent_frames: int) -> int:
@@ -343,7 +384,7 @@ def one_group_ahead(started: Iterator, ahead: bool) -> Iterator[np.ndarray]:
     on the device before group k is waited for (from the second group on), so k's copy and host
     work overlap k+1's kernels: one group of look-ahead; a slow reader still holds the decode back,
     and the first group leaves as soon as it is done. Elsewhere each group is computed when asked
-    for. The unsharded and the sharded decode (models/sharding/wan.py) both step this way."""
+    for."""
     pending = None
     for k, group in enumerate(started):
         if pending is not None:
