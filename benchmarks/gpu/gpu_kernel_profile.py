@@ -11,7 +11,7 @@ Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu/gpu_kernel_pr
 cuDNN plans, the service's CONVSERVE_CUDA_AUTOTUNE: which kernels the timing picks over cuDNN's
 heuristic choice)
 
-shardpath (the sharded decode): Wan 2.1's sharded decode path (models/sharding/wan.py) run as one shard of
+shardpath (the sharded decode): Wan 2.1's decode on a row shard (models/sharding, models/nn/row_shard.py) run as one shard of
 the whole rows beside the unsharded decode, both eager (no CUDA graphs), same latents: a sharded
 decode on N GPUs can only approach 1/N of one GPU's time if its path costs what the unsharded one
 does on the same rows; the table says where it does not.
