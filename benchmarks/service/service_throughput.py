@@ -329,8 +329,9 @@ def main() -> None:
           "per format")
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
     table = ["| format | raw model items/s (batch %d) | service items/s | service / raw | p50 ms | p99 ms | mean batch "
-             "| rows per device | client CPU (cores, busiest process) | server CPU cores (front ends, workers) |"
-             % args.batch, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| rows per device | client CPU (cores, busiest process) | server CPU cores (front ends, workers) "
+             "| worker CPU per request (us) |"
+             % args.batch, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for fmt, res, m0, m1 in rows:
         ok = len(res.latencies)
         rps = ok * args.per_request / res.seconds  # items (images) answered per second
@@ -343,9 +344,13 @@ def main() -> None:
         if set(res.statuses) != {200} or errors:
             print(f"{fmt}: statuses {dict(res.statuses)}; transport errors {errors} {dict(res.transport_errors)}")
         cpu, busiest = sum(res.cpu_seconds) / res.seconds, max(res.cpu_seconds) / res.seconds
+        # the workers' CPU seconds per answered request: every thread of theirs (I/O, batcher,
+        # device, delivery), the model's own host work included
+        per_request_us = res.server_cpu["model workers"] / max(ok / res.seconds, 1e-9) * 1e6
         table.append(f"| {fmt} | {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} "
                      f"| {mean_batch:.1f} | {per_device} | {cpu:.2f}, {busiest:.0%} "
-                     f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} |")
+                     f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} "
+                     f"| {per_request_us:.0f} |")
     print("\n".join(table))
 
 
