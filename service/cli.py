@@ -215,7 +215,7 @@ def _load_local(settings, preset: str, weights: Optional[str], backend: str):
     cache, ...) and the tile size are the server's settings."""
     from convkernels import get_backend
 
-    from .model_host import load_entry
+    from .worker.loading import load_entry
     from .settings import ModelEntry
 
     entry = ModelEntry(preset, preset, weights)
@@ -251,7 +251,8 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
     server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
     from tqdm import tqdm
 
-    from . import oom_recovery, validation
+    from .worker import oom_recovery
+    from . import validation
 
     lat = read_tensor(latents, "latents")
     video = lat.ndim == 5

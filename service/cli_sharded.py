@@ -1,5 +1,5 @@
 """`convserve decode --shards N`: one image's decode split by rows over N local GPUs
-(service.shard_group; docs/sharding.md). Every refusal comes before any GPU work, in one line."""
+(service.worker.shard_group; docs/sharding.md). Every refusal comes before any GPU work, in one line."""
 from __future__ import annotations
 
 import time
@@ -44,7 +44,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
         fail(f"--shards {shards} needs {shards} GPUs; {len(gpus)} usable")
     if rows < shards:
         fail(f"--shards {shards}: {rows} latent rows cannot make {shards} bands")
-    from .shard_group import decode_on_gpus
+    from .worker.shard_group import decode_on_gpus
 
     t0 = time.perf_counter()
     try:

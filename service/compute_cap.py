@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator
 
 from . import metrics
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .problems import Problem
 from .settings import Settings
 

@@ -1,4 +1,4 @@
-"""A front end's view of the model workers (one per device, service/model_worker.py): the links
+"""A front end's view of the model workers (one per device, service/worker/model_worker.py): the links
 to them, which one runs a request, and the arena blocks a request's tensors travel in.
 
 Each link is a Unix-socket connection to one worker, kept by a thread of its own: it connects
@@ -31,7 +31,7 @@ from typing import Any
 
 from .ipc import worker_protocol as wp
 from .ipc.heartbeat import BeatReader, beat_path
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .ipc.shm import Arena, TensorRef
 from .submission import Lease, NoWorker, Submission, WorkerFailure
 
@@ -150,7 +150,7 @@ class Engine:
 
     def shard_leader(self, model: str, shards: int) -> Link:
         """The link a `shards`-device decode goes to: the first device's worker, which leads the
-        first `shards` devices (service/shard_leader.py); NoWorker unless all of them are ready."""
+        first `shards` devices (service/worker/shard_leader.py); NoWorker unless all of them are ready."""
         group = self.links[:shards]
         if len(group) < shards or not all(link.serves(model) for link in group):
             raise NoWorker()

@@ -1,35 +1,30 @@
-"""Loading, warming up and describing the served models (through models.load_model and the typed
-model contract, models/contract.py, only)."""
+"""A served model as every process of the service describes it, through the typed model contract
+(models/contract.py) only: `HostedModel` (its entry, load and warm-up times, and the shapes,
+tensors and card the adapters answer with) around either the model itself, in the model worker
+that loaded it (service/worker/loading.py), or its `ModelView`, the copy of its attributes and card
+a front end holds. Nothing here loads a model or a backend: a front end imports this module."""
 from __future__ import annotations
 
-import itertools
-import logging
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
 from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, SINGLE_FRAME_LATENTS, VIDEO_DECODER, ImageDecoder, Kind,
-                             Model, PerChannelLatents, ServedModel, VideoDecoder, example_input, forward)
+                             Model, PerChannelLatents, VideoDecoder)
 
-from . import metrics
 from .settings import ModelEntry
 
-if TYPE_CHECKING:  # front ends import this module and never load a backend
-    from convkernels import Backend
-
-log = logging.getLogger("convserve.models")
-
-__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "ModelView", "load_entry", "warm_up"]
+__all__ = ["IMAGE_DECODER", "IMAGE_ENCODER", "VIDEO_DECODER", "HostedModel", "ModelView"]
 
 
 @dataclass(frozen=True)
 class ModelView:
     """A served model as an HTTP front end sees it: the attributes of models/contract.py that the
     service reads and the model's card, copied by the model worker that loaded it (the model
-    itself, its weights and its backend stay in that worker's process). It follows the contract's
-    `Model` Protocol; the kind's attributes it copies are None where the kind has none."""
+    itself, its weights and its backend stay in that worker's process; service/worker/loading.py's
+    `view_of` makes it). It follows the contract's `Model` Protocol; the kind's attributes it copies
+    are None where the kind has none."""
     name: str
     kind: Kind
     card_doc: dict
@@ -49,14 +44,6 @@ class ModelView:
 
     _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
               "labels", "latent_stats")
-
-    @classmethod
-    def of(cls, model: ServedModel) -> "ModelView":
-        from models import sharding
-
-        return cls(model.name, model.kind, model.card(), model.weights_source, model.weights_provenance,
-                   **{a: getattr(model, a) for a in cls._ATTRS if hasattr(model, a)},
-                   shard_family=getattr(sharding.family(model), "name", None))
 
     def card(self) -> dict:
         return dict(self.card_doc)
@@ -205,47 +192,3 @@ class HostedModel:
         if provenance:  # Hub weights: repository, resolved commit and file hashes, to pin a deployment
             card["hub"] = provenance
         return card
-
-
-def load_entry(entry: ModelEntry, backend: Backend, tile_size: int | None = None,
-               device: str = "local") -> HostedModel:
-    from models import ModelOptions, load_model  # the models layer; imported late so settings errors come first
-
-    t0 = time.perf_counter()
-    model = load_model(entry.name, entry.preset, backend, weights=entry.weights,
-                       options=ModelOptions(tile_size=tile_size))
-    secs = time.perf_counter() - t0
-    metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(secs)
-    metrics.MODEL_LOADS.labels(entry.name, device).inc()
-    log.info("loaded %s (preset %s, %s) in %.2fs", entry.name, entry.preset,
-             model.weights_source or entry.weights or "random init", secs)
-    return HostedModel(entry, model, secs)
-
-
-def warm_up(hm: HostedModel, sizes: list[tuple[int, int]] = (), calls_per_size: int = 1,
-            batches: tuple[int, ...] = (1,)) -> None:
-    """One small call per model, so first requests do not pay for path choice and allocation;
-    then `calls_per_size` calls per requested image size (H, W) (2 where the backend records a
-    CUDA graph on the second call) and per batch size in `batches` (the sizes the batcher runs:
-    each is a new shape for the kernels' plans and graphs): decoders produce it (rounded down to
-    their latent grid; video decoders two latent frames, which covers the first-frame and later
-    chunk shapes, at batch 1 only), encoders take it, as float and as uint8 pixels."""
-    m = cast(ServedModel, hm.model)
-    rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
-    out = forward(m, example_input(m, rng))
-    if hm.kind == IMAGE_ENCODER:
-        logits = out.get("logits")
-        hm.extra["has_logits"] = logits is not None
-        hm.extra["logits_dim"] = None if logits is None else int(logits.shape[1])
-    for (h, w), n in itertools.product(sizes, (1,) if hm.is_video else batches):
-        t1 = time.perf_counter()
-        x = example_input(m, rng, n=n, pixels=(h, w))
-        for _ in range(calls_per_size):
-            forward(m, x)
-            if hm.kind == IMAGE_ENCODER:  # uint8 pixels take a forward of their own
-                forward(m, (x * 255).astype(np.uint8))
-        log.info("warmed up %s at %dx%d, batch %d, in %.2fs", hm.name, h, w, n, time.perf_counter() - t1)
-    hm.warmup_seconds = time.perf_counter() - t0
-    metrics.MODEL_WARMUP_SECONDS.labels(hm.name).set(hm.warmup_seconds)
-    log.info("warmed up %s in %.2fs", hm.name, hm.warmup_seconds)

@@ -13,7 +13,7 @@ from .adapters import service
 from .auth import require_api_key
 from .bodies import read_body
 from .codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
 

@@ -21,7 +21,7 @@ from . import metrics, shard_option, validation
 from .ipc import worker_errors
 from .compute_cap import ComputeCap
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .model_stats import ModelStats, ns
 from .problems import Problem
 from .memory_budget import MemoryBudget, auto_budget_bytes

@@ -28,7 +28,7 @@ from . import codecs, validation, vae_pixels
 from .adapters import ERRORS, service
 from .auth import require_api_key
 from .bodies import read_body
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .problems import PROBLEM_SCHEMA, Problem
 from .settings import Settings
 from .codecs.video import encode_videos, require_av

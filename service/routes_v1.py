@@ -15,7 +15,7 @@ from .auth import require_api_key
 from .adapters import ERRORS, TENSOR_BODY, service
 from .bodies import read_body
 from .engine import Lease
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .pipeline import Service
 from .streaming import whole_clip_response
 from .problems import PROBLEM_SCHEMA, Problem

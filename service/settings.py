@@ -250,7 +250,7 @@ class Settings(BaseSettings):
 
 
 class FaultSettings(BaseSettings):
-    """Injected faults for tests and chaos drills (CONVSERVE_FAULT_*, service/fault_injection.py).
+    """Injected faults for tests and chaos drills (CONVSERVE_FAULT_*, service/worker/fault_injection.py).
 
     A class of its own rather than fields of Settings: a model worker reads these, and only these,
     from the environment it inherited, when it arms them after warm-up
@@ -269,7 +269,7 @@ class FaultSettings(BaseSettings):
     #: it would (NVRTC or the cuDNN frontend compiling for a new shape): the heartbeat thread is
     #: silent meanwhile, yet the worker is busy, not hung
     hold_lock_s: int | None = None
-    #: rank k of every sharded decode fails at its first collective (service/shard_leader.py);
+    #: rank k of every sharded decode fails at its first collective (service/worker/shard_leader.py);
     #: with shard_fail_file, only while that file exists (a test ends the fault by removing it)
     shard_fail_rank: int | None = None
     shard_fail_file: str | None = None

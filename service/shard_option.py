@@ -1,5 +1,5 @@
 """A decode's `shards` option: `1` (the default: one device), `N` (the first N devices
-decode it together, exactly, service/shard_leader.py) or `auto` (the rule below decides). Read on
+decode it together, exactly, service/worker/shard_leader.py) or `auto` (the rule below decides). Read on
 REST (`?shards=`), in KServe's request parameters, and by the CLI's `decode --shards`.
 
 `auto` shards a request only where sharding was measured to pay: one GPU's decode has to be long

@@ -38,7 +38,7 @@ from .auth import require_api_key
 from .bodies import read_body
 from .engine import Lease
 from .codecs.fmp4 import FragmentedMP4Writer
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
 from .codecs.video import require_av
@@ -69,14 +69,14 @@ class ReaderStalled(Exception):
 
 class FrameGroups:
     """The frame groups of one streamed decode: the decode itself (the causal decoder's state)
-    lives in the model worker that opened it (service/model_worker.py); each group is one step
+    lives in the model worker that opened it (service/worker/model_worker.py); each group is one step
     asked of it through Service.run, written into a block of this front end's arena that is let
     go once the group is sent (its own lease)."""
 
     def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False,
                  shards: int = 1):
         """uint8: the groups leave the device as uint8 pixels (for the MP4 encoder). shards > 1:
-        the first `shards` devices decode each group together (service/shard_leader.py)."""
+        the first `shards` devices decode each group together (service/worker/shard_leader.py)."""
         self.svc, self.hm, self.latents, self.tiled, self.uint8 = svc, hm, latents, tiled, uint8
         self.shards = shards
         self.total = int(latents.shape[2])

@@ -1,4 +1,4 @@
-"""`convserve serve`'s processes: one model worker per device (service/model_worker.py) and the
+"""`convserve serve`'s processes: one model worker per device (service/worker/model_worker.py) and the
 HTTP front ends (service/app.py) in front of them, all started here and kept running.
 
     main process        supervisor + HTTP front end 0 (uvicorn), the one signals go to
@@ -39,8 +39,8 @@ from convkernels.registry import visible_cuda_devices
 
 from .ipc import heartbeat
 from . import metrics
-from .model_worker import STOP_SIGNAL, WorkerSpec
-from .model_worker import main as worker_main
+from .worker.model_worker import STOP_SIGNAL, WorkerSpec
+from .worker.model_worker import main as worker_main
 from .settings import Settings, parse_devices
 
 log = logging.getLogger("convserve.supervisor")
@@ -158,7 +158,7 @@ class Supervisor:
 
     # ---- workers ---------------------------------------------------------------------------------
     def start_workers(self) -> None:
-        group = tuple(address for _, address in self.endpoints)  # shards=N: the first N (service/shard_leader.py)
+        group = tuple(address for _, address in self.endpoints)  # shards=N: the first N (service/worker/shard_leader.py)
         for device, (label, address) in zip(self.devices, self.endpoints):
             spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group)
             child = _Child(f"convserve-worker-{label}", worker_main, (spec,))
@@ -178,7 +178,7 @@ class Supervisor:
         threading.Thread(target=self._first_loads, args=(reports,), name="convserve-first-loads", daemon=True).start()
 
     def _first_loads(self, reports: dict) -> None:
-        """Each worker's first load, as it reports it (service/device_host.py): one that failed
+        """Each worker's first load, as it reports it (service/worker/model_host.py): one that failed
         (weights that do not parse, a backend or dtype that cannot run), or a worker that died
         before reporting, fails start-up: `fatal` says why, `on_fatal` ends the server. Serving
         on, live but never ready, would leave an orchestrator nothing to restart."""

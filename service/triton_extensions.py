@@ -14,11 +14,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
-from .batcher import batch_sizes
+from .worker.batcher import batch_sizes
 from .bodies import read_body
 from .codecs import load_json
 from .kserve import ERRORS, VERSION, model_metadata_doc, service
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .pipeline import Service
 from .problems import PROBLEM_SCHEMA, Problem
 

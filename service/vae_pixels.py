@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import codecs, validation
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .problems import Problem
 from .settings import Settings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .codecs import check_source_image
-from .model_host import HostedModel
+from .hosted_model import HostedModel
 from .problems import Problem
 from .settings import Settings
 

@@ -1,6 +1,6 @@
 """A shard communicator over torch.distributed's gloo (CPU), for tests: it joins the service's CPU
 model workers into a real multi-process shard group, so the leader/follower protocol of
-service/shard_leader.py (connections, the join, bands out and pixels back, failures) runs without
+service/worker/shard_leader.py (connections, the join, bands out and pixels back, failures) runs without
 GPUs, with an existing collective library in NCCL's place. Same interface as
 convkernels.collectives.nccl.NcclShards: `unique_id()` on the leader, `join(uid, rank, size)` on every
 rank, then exchange_rows / allreduce_sum / allgather on NumPy arrays.

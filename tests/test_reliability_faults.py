@@ -1,4 +1,4 @@
-"""Faults injected through settings (service/fault_injection.py), each survived and counted in
+"""Faults injected through settings (service/worker/fault_injection.py), each survived and counted in
 `convserve_faults_total`: a device out-of-memory during decode is retried in smaller tiles and
 succeeds (checked against a decode in those tiles) or answers 503 + Retry-After; a model bug
 fails only its own batch (500 with an error id that is also in the log) while the worker keeps
@@ -248,8 +248,8 @@ def test_video_decoder_oom_retries_in_smaller_tiles_in_process():
     from convkernels import get_backend
     from models import load_model
     from models.nn.tiling import video_tiles
-    from service import fault_injection, oom_recovery
-    from service.model_host import HostedModel
+    from service.worker import fault_injection, oom_recovery
+    from service.hosted_model import HostedModel
     from service.settings import ModelEntry
 
     be = get_backend("numpy")

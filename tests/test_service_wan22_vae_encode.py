@@ -22,7 +22,7 @@ from live_server import npy  # noqa: E402
 from test_models_wan22_vae_encoder import reference_encode  # noqa: E402
 
 from models.contract import IMAGE_DECODER, VIDEO_DECODER  # noqa: E402
-from service.model_host import HostedModel, ModelView  # noqa: E402
+from service.hosted_model import HostedModel, ModelView  # noqa: E402
 from service.settings import ModelEntry  # noqa: E402
 
 NPY = {"content-type": "application/x-npy"}

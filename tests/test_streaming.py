@@ -387,7 +387,7 @@ def test_a_draining_server_finishes_the_stream_then_exits(srv):
 
 # ---- the pieces under the route, without HTTP ------------------------------------------------------
 def test_solo_items_run_alone():
-    from service.batcher import Batcher
+    from service.worker.batcher import Batcher
 
     async def main():
         gate = threading.Event()
@@ -413,7 +413,7 @@ def test_solo_items_run_alone():
 
 
 def test_generator_closed_after_a_running_step_when_the_stream_ends():
-    from service.model_worker import GeneratorSteps, StreamClosed
+    from service.worker.model_worker import GeneratorSteps, StreamClosed
 
     closed, release = threading.Event(), threading.Event()
 
@@ -443,7 +443,7 @@ def test_generator_closed_after_a_running_step_when_the_stream_ends():
 def test_closing_the_stream_frees_the_decoders_feature_cache():
     from convkernels import get_backend
     from models import load_model
-    from service.model_worker import GeneratorSteps
+    from service.worker.model_worker import GeneratorSteps
 
     model = load_model("w", "tiny-wan-vae", get_backend("numpy"))
     gen = model.decode_frames(latents(1, 4, 5, 3, 5))

@@ -6,21 +6,21 @@ from multiprocessing import Pipe
 
 import pytest
 
-from service.batcher import Cancelled, Closed
+from service.worker.batcher import Cancelled, Closed
 from service.ipc import worker_errors
 from service.ipc import worker_protocol as wp
 from service.ipc.shm import TensorRef
 from service.model_stats import Duration, ModelRecord
-from service.oom_recovery import DeviceOutOfMemory
+from service.worker.oom_recovery import DeviceOutOfMemory
 from service.settings import ModelEntry
-from service.shard_leader import ShardFailed
-from service.stream_steps import StreamClosed
+from service.worker.shard_leader import ShardFailed
+from service.worker.stream_steps import StreamClosed
 
 IN, OUT = TensorRef(4096, (2, 4, 8, 8), "<f4"), TensorRef(1 << 20, (2, 64, 64, 3), "|u1")
 
 
 def _status() -> wp.Status:
-    from service.model_host import ModelView
+    from service.hosted_model import ModelView
     view = ModelView("vae", "image-decoder", {"name": "vae", "sizes": [1, 2]}, None, None, latent_channels=4,
                      spatial_factor=8)
     return wp.Status("cpu", "ready", pid=12, failed={"x": "ValueError: no"}, backend="numpy", row_seconds=0.01,

@@ -5,7 +5,7 @@ pool's bytes per GPU (the recorded graphs' pools included), and the sharded outp
 from the one-GPU decode.
 
 The one-GPU row is model.decode(latents, tiled=False) as the service runs it (CUDA graphs where
-the graph's pool stays under the bound); the sharded rows are service.shard_group.decode_on_gpus
+the graph's pool stays under the bound); the sharded rows are service.worker.shard_group.decode_on_gpus
 (one process per GPU, NCCL; Wan's steady chunks replay graphs that hold the collectives).
 Weights: the same seeded random init on every GPU (timing; parity is tests/gpu/test_sharded_decode_gpus.py).
 
@@ -74,12 +74,12 @@ def main() -> None:
                          "apart from what they exchange")
     ap.add_argument("--plans", default="",
                     help="video only: comma-separated chunk plans to time on each group size above one, FRAMES "
-                         "then g (graphed) or e (eager), e.g. 1e,1g,2e,2g (models.sharding.wan.ChunkPlan); "
+                         "then g (graphed) or e (eager), e.g. 1e,1g,2e,2g (models.sharding.ChunkPlan); "
                          "default: the plan the bands choose")
     args = ap.parse_args()
     plans = [(int(p[:-1]), p[-1] == "g") for p in args.plans.split(",") if p] or [None]
 
-    from service.shard_group import decode_on_gpus
+    from service.worker.shard_group import decode_on_gpus
 
     visible = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True).stdout.strip().splitlines()

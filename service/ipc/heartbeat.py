@@ -72,7 +72,7 @@ def hang_limit(settings) -> float:
     """CONVSERVE_WORKER_HANG_S, or (0, auto) max(180 s, 3x the request timeout): past the request
     timeout (a batch whose requesters all left stops at its next tile or frame group, so a model
     call beyond it serves nobody), past a shard group's deadline (max(120 s, 2x the request
-    timeout), service/shard_leader.py), with room for one long tile on a CPU."""
+    timeout), service/worker/shard_leader.py), with room for one long tile on a CPU."""
     return settings.worker_hang_s or max(180.0, 3 * settings.request_timeout_s)
 
 

@@ -1,6 +1,6 @@
 """The wire protocol between the service's processes: what an HTTP front end (service/engine.py)
-and a model worker (service/model_worker.py) say to each other, and what a shard group's leader
-(service/shard_leader.py) says to its followers. One type per message, all of them here, and the
+and a model worker (service/worker/model_worker.py) say to each other, and what a shard group's leader
+(service/worker/shard_leader.py) says to its followers. One type per message, all of them here, and the
 only place they are encoded and decoded.
 
 Each message is a msgspec Struct in one tagged union, sent as one MessagePack frame
@@ -17,7 +17,7 @@ Front end -> worker:
   Hello                          then the arena's descriptor; answered by a Status
   Submit(rid, model, op, options, input, outputs)
       op: decode | encode | vae_encode (batched; decode's options.shards=N: a shard group's,
-      led by the worker, service/shard_leader.py); stream_open (a streamed decode of input's
+      led by the worker, service/worker/shard_leader.py); stream_open (a streamed decode of input's
       latents; answers its stream id); stream_next (options.stream: its next frame group)
   Cancel(rid)   StreamClose(stream)   Query(rid, what: kernels | stats)
 A shard group's leader -> a follower (its own hello and ops: it does not pose as a front end):
@@ -37,7 +37,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from ..model_host import ModelView
+from ..hosted_model import ModelView
 from ..model_stats import ModelRecord
 from ..settings import ModelEntry
 from .shm import TensorRef
@@ -89,7 +89,7 @@ class Query(_Msg):
     what: str
 
 
-# ---- a shard leader -> its followers (service/shard_leader.py, service/shard_member.py) ----------
+# ---- a shard leader -> its followers (service/worker/shard_leader.py, service/worker/shard_member.py) ----------
 class LeaderHello(_Msg):
     pid: int
     arena_size: int
@@ -142,7 +142,7 @@ class ShardStreamClose(_Msg):
 
 # ---- worker -> front end (or leader) -----------------------------------------------------------
 class ModelStatus(msgspec.Struct, array_like=True, frozen=True):
-    """One model a worker serves, as a front end needs it (service/model_host.HostedModel's fields)."""
+    """One model a worker serves, as a front end needs it (service/hosted_model.py's HostedModel fields)."""
     entry: ModelEntry
     view: ModelView
     load_seconds: float

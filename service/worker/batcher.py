@@ -1,4 +1,4 @@
-"""Dynamic batcher, inside a model worker process (service/model_worker.py): one thread runs the
+"""Dynamic batcher, inside a model worker process (service/worker/model_worker.py): one thread runs the
 device's model calls; requests for the same model and compatible shapes are stacked along the
 batch axis, up to `max_batch` rows, waiting at most `max_queue_delay_ms` after the oldest one
 arrived. The front ends bound what waits (admission, before the body: service/pipeline.py), so
@@ -20,9 +20,9 @@ import numpy as np
 
 from models.nn import interrupt
 
-from . import metrics
-from .ipc.worker_errors import Cancelled, Closed
-from .model_stats import BatchTimes, ModelStats, ns
+from .. import metrics
+from ..ipc.worker_errors import Cancelled, Closed
+from ..model_stats import BatchTimes, ModelStats, ns
 
 log = logging.getLogger("convserve.batcher")
 
@@ -86,7 +86,7 @@ class Batcher:
                  on_start: Callable[[list[WorkItem]], None] | None = None,
                  on_busy: Callable[[float], None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
-        (the seam of the injected model-call faults, service/fault_injection.py). on_start(batch):
+        (the seam of the injected model-call faults, service/worker/fault_injection.py). on_start(batch):
         told which items a model call is about to run (the worker tells their front ends).
         on_busy(started): on the device thread, when a model call starts (time.monotonic()) and
         ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from convkernels import Backend, ConvSpec
 
-from .settings import FaultSettings
+from ..settings import FaultSettings
 
 log = logging.getLogger("convserve.faults")
 

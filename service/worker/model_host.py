@@ -1,5 +1,5 @@
 """What a model worker holds for its device: the backend, the models loaded and warmed up on it,
-and the one batcher every front end's requests go through (service/model_worker.py serves the
+and the one batcher every front end's requests go through (service/worker/model_worker.py serves the
 front ends around it)."""
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import fault_injection, metrics, oom_recovery
-from .ipc import worker_protocol as wp
+from . import fault_injection, oom_recovery
+from .. import metrics
+from ..ipc import worker_protocol as wp
 from .batcher import Batcher, batch_sizes
-from .model_host import HostedModel, ModelView, load_entry, warm_up
-from .model_stats import ModelStats
-from .settings import Settings
+from .loading import load_entry, view_of, warm_up
+from ..hosted_model import HostedModel
+from ..model_stats import ModelStats
+from ..settings import Settings
 from .shard_leader import DEADLINE_S, ShardLeader, comm_class
 from .shard_member import ShardMember
 
@@ -30,7 +32,7 @@ class WorkerSpec:
     address: str              # the Unix socket front ends connect to
     settings: Settings
     parent_pid: int
-    #: every worker's address in device order: shards=N groups the first N (service/shard_leader.py)
+    #: every worker's address in device order: shards=N groups the first N (service/worker/shard_leader.py)
     group: tuple[str, ...] = ()
     #: the first start's: a connection on which the initial load's outcome goes to the supervisor
     #: (None, or why it failed), which ends start-up on a failure; None on a restart, whose load
@@ -122,7 +124,7 @@ class ModelHost:
         return wp.Status(
             self.spec.device, state, gpu=self.spec.cuda_visible, pid=os.getpid(), load_error=self.load_error,
             failed=dict(self.failed), backend=self.backend.name if self.backend is not None else None,
-            models={name: wp.ModelStatus(hm.entry, ModelView.of(hm.model), hm.load_seconds, hm.warmup_seconds,
+            models={name: wp.ModelStatus(hm.entry, view_of(hm.model), hm.load_seconds, hm.warmup_seconds,
                                          dict(hm.extra)) for name, hm in self.models.items()},
             row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0)
 

@@ -12,7 +12,7 @@ HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
 - beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
 The messages (one type each, and their encoding) are service/ipc/worker_protocol.py's; a shard
-group's leader (service/shard_leader.py) connects as a front end does, with its own hello and ops.
+group's leader (service/worker/shard_leader.py) connects as a front end does, with its own hello and ops.
 """
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 
 from . import oom_recovery
-from .ipc import shm
-from .ipc import worker_protocol as wp
-from .model_host import HostedModel
-from .ipc.shm import ArenaView, TensorRef
+from ..ipc import shm
+from ..ipc import worker_protocol as wp
+from ..hosted_model import HostedModel
+from ..ipc.shm import ArenaView, TensorRef
 from .stream_steps import GeneratorSteps, StreamClosed
-from .ipc.worker_errors import error_info
-from .device_host import ModelHost, WorkerSpec
-from .ipc.heartbeat import Beat, beat_path
+from ..ipc.worker_errors import error_info
+from .model_host import ModelHost, WorkerSpec
+from ..ipc.heartbeat import Beat, beat_path
 
 log = logging.getLogger("convserve.worker")
 
@@ -145,7 +145,7 @@ class FrontendLink:
                     self.send(self.host.query(rid, what))
                 except Exception as exc:
                     self.answer(rid, error_info(exc))
-            case wp.ShardStreamClose(stream) if self.leader:  # service/shard_leader.py's
+            case wp.ShardStreamClose(stream) if self.leader:  # service/worker/shard_leader.py's
                 self.host.shard_member.stream_close(self, stream)
             case wp.ShardJoin() | wp.ShardDecode() | wp.ShardStreamOpen() | wp.ShardStreamNext() if self.leader:
                 self._band(msg)
@@ -171,7 +171,7 @@ class FrontendLink:
             self.answer(rid, error_info(exc))
 
     def _band(self, msg) -> None:
-        """A shard group leader's band (service/shard_member.py): a solo item, like a stream's step."""
+        """A shard group leader's band (service/worker/shard_member.py): a solo item, like a stream's step."""
         try:
             inputs, call, out_refs = self.host.shard_member.call_for(self, msg, self.host.models, self.view)
             self._queue(msg.rid, msg.model, (msg.model, type(msg).__name__), inputs, call, out_refs, True)
@@ -199,7 +199,7 @@ class FrontendLink:
         try:
             hm = self.host.models[msg.model]
             latents = np.array(self.view.array(msg.input))  # the decode outlives the request's input block
-            if options.shards > 1:  # led here over the first N devices (service/shard_leader.py)
+            if options.shards > 1:  # led here over the first N devices (service/worker/shard_leader.py)
                 if self.host.shard_leader is None:
                     raise ValueError(f"{self.host.spec.device} does not lead shard groups")
                 frames = self.host.shard_leader.frames(hm, latents, options.shards, options.uint8)

@@ -1,11 +1,11 @@
 """One decode across several GPUs: a group of processes, one per GPU and narrowed to
 it as the service's model workers are, joined by NCCL (convkernels.collectives.nccl), each decoding its
-band of latent rows (models.sharding.autoencoder_kl for the image VAEs, models.sharding.wan for the
-Wan 2.1 video VAE); the bands' pixels are joined here.
+band of latent rows with the model's own decode on a row shard (models.sharding.decode_band /
+frame_groups_band); the bands' pixels are joined here.
 
 This is the standalone form (a fresh group per call: `convserve decode --shards`, the GPU tests and
 benchmarks/gpu/sharded_decode.py use it); the service's `shards=` requests use its per-GPU workers,
-led by the first (service/shard_leader.py).
+led by the first (service/worker/shard_leader.py).
 Every rank loads the same model: the same weights file, or the same seeded random init.
 
 A rank that fails fails the call: its error comes back, and the group's other processes, which
@@ -123,7 +123,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     fields: the server's are Settings.backend_options()["cuda_options"]; {"cuda_graphs": False} runs
     every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).
     chunk_plan: (frames, graphed), how a sharded video's ranks step their latent frames
-    (models.sharding.wan.ChunkPlan; by default their bands decide)."""
+    (models.sharding.ChunkPlan; by default their bands decide)."""
     from convkernels.collectives.nccl import NcclShards
     from convkernels.collectives.shard_comm import split, split_rows
     from models.sharding import LATENT_ROWS, PIXEL_ROWS

@@ -11,7 +11,7 @@ band on its own device thread between its other batches.
 The rules a group keeps:
 - **Groups are prefixes.** shards=N uses devices 0..N-1 of the worker list, always led by worker
   0; its communicator is made on the first N-shard request and kept (`_Group`), the followers
-  keeping theirs (`ShardMember`, service/shard_member.py) until the leader's connection goes.
+  keeping theirs (`ShardMember`, service/worker/shard_member.py) until the leader's connection goes.
 - **Any failure ends the group's processes.** A rank that fails leaves the others waiting in a
   collective that will never complete, and NCCL offers no safe way out of that wait from Python.
   So: a follower whose band raises exits; the leader exits when a follower fails, goes
@@ -45,9 +45,9 @@ from convkernels.host import pixels_to_uint8
 from convkernels.collectives.shard_comm import split
 from models import sharding
 
-from .ipc import worker_protocol as wp
-from .ipc.shm import ALIGN, Arena, TensorRef
-from .ipc.worker_errors import ShardFailed
+from ..ipc import worker_protocol as wp
+from ..ipc.shm import ALIGN, Arena, TensorRef
+from ..ipc.worker_errors import ShardFailed
 
 log = logging.getLogger("convserve.shards")
 

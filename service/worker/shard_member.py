@@ -1,5 +1,5 @@
 """A shard group's follower: the side of the workers of devices 1..N-1, which the
-first device's worker leads (service/shard_leader.py, whose docstring holds the group's rules and
+first device's worker leads (service/worker/shard_leader.py, whose docstring holds the group's rules and
 messages). A follower keeps its communicators (one per group size, made when the leader asks), its
 bands' streamed decodes, and decodes what the leader hands it on its own device thread, between
 its other batches; any failure there ends this worker (shard_leader.end_group)."""
@@ -9,7 +9,7 @@ import numpy as np
 
 from models import sharding
 
-from .ipc import worker_protocol as wp
+from ..ipc import worker_protocol as wp
 from .shard_leader import end_group, pixels
 from .stream_steps import GeneratorSteps
 

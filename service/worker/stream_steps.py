@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from .ipc.worker_errors import StreamClosed
+from ..ipc.worker_errors import StreamClosed
 
 
 class GeneratorSteps:

@@ -1,6 +1,6 @@
 """The sharded decode through the service on real GPUs: `shards=2` requests to a real `convserve serve` on
 two GPUs (CONVSERVE_SHARD_GROUPS=1), where the first GPU's model worker leads an NCCL group with the
-second's (service/shard_leader.py). Skipped with fewer than two GPUs (the same request path on emulated
+second's (service/worker/shard_leader.py). Skipped with fewer than two GPUs (the same request path on emulated
 shards: tests/test_service_shards.py).
 
 - float32, a diffusers AutoencoderKL's saved weights: shards=2 equals diffusers' decode and the
