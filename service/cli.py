@@ -144,8 +144,8 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
 def _serve(settings, uvicorn) -> None:
     import _thread
 
-    from .server import frontend_main, run_frontend
-    from .memory_budget import auto_budget_bytes
+    from .frontend.server import frontend_main, run_frontend
+    from .frontend.memory_budget import auto_budget_bytes
     from .supervisor import Supervisor, frontends_for
 
     sock = listen_socket(settings.host, settings.port)
@@ -252,7 +252,7 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
     from tqdm import tqdm
 
     from .worker import oom_recovery
-    from . import validation
+    from .frontend import validation
 
     lat = read_tensor(latents, "latents")
     video = lat.ndim == 5
@@ -308,7 +308,7 @@ def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
     """Encode images to embeddings (and top-k labels when the checkpoint has a head)."""
     from tqdm import tqdm
 
-    from . import validation
+    from .frontend import validation
     from .codecs import npy_bytes, open_image, preprocess
     from .codecs import top_k as rank
 

@@ -103,24 +103,24 @@ class Settings(BaseSettings):
     #: a connection must deliver each request's complete headers this soon (slowloris guard)
     header_timeout_s: float = Field(10.0, gt=0)
     #: a request's head (request line and headers) may have this many bytes and header fields,
-    #: under either parser; past either: 431 at once, connection closed (service/http_heads.py)
+    #: under either parser; past either: 431 at once, connection closed (service/frontend/http/http_heads.py)
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     max_headers: int = Field(100, ge=1)
     #: how long an idle kept-alive connection stays open; well above client pools' idle expiry
     #: (httpx 5 s, requests/urllib3 none) so the server never closes a connection a client is reusing
     keep_alive_s: float = Field(75.0, gt=0)
-    #: uvicorn HTTP/1.1 parser, both with the header deadline (service/http_protocol.py):
+    #: uvicorn HTTP/1.1 parser, both with the header deadline (service/frontend/http/http_protocol.py):
     #: httptools (llhttp, faster) where installed under "auto", else h11
     http: Literal["auto", "h11", "httptools"] = "auto"
     max_body_bytes: int = Field(64 * MIB, ge=1)
     #: bytes of admitted bodies, and of the arrays made from them, one front end may hold at once
-    #: (service/memory_budget.py); 0 = auto: 1/16 of the container's or machine's memory, within
+    #: (service/frontend/memory_budget.py); 0 = auto: 1/16 of the container's or machine's memory, within
     #: 256 MiB..4 GiB, shared by the front ends. Beyond it: 503 with Retry-After
     memory_budget_bytes: int = Field(0, ge=0)
     #: after `min_body_rate_grace_s` of the server waiting on it, an admitted body must arrive at
     #: this many bytes per second the server waited for them, or its request gets 408 and its
     #: queue place goes (0 = no minimum). Only waiting with none of the client's bytes at the
-    #: server counts, never time the server took to read them (service/body_wait.py)
+    #: server counts, never time the server took to read them (service/frontend/http/body_wait.py)
     min_body_rate: int = Field(64 * 1024, ge=0)
     min_body_rate_grace_s: float = Field(5.0, ge=0)
     #: a response the client stops reading is dropped after this many seconds with no progress
@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     #: minutes. 0 = auto by backend: numpy 1 Mpx (1024x1024), mlx 64 Mpx, cuda 512 Mpx
     max_request_pixels: int = Field(0, ge=0)
     #: a new input shape's first run measures its conv paths; where that would be past the cap
-    #: (service/compute_cap.py) such runs go one at a time, spending a credit of this many seconds
+    #: (service/frontend/compute_cap.py) such runs go one at a time, spending a credit of this many seconds
     #: that refills at half a second a second; past it: 429 `new-shape-limit` with Retry-After
     new_shape_burst_s: float = Field(60.0, ge=0)
     #: output pixels per image/frame (H*W); decode input is checked against it before any work

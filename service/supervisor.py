@@ -1,5 +1,5 @@
 """`convserve serve`'s processes: one model worker per device (service/worker/model_worker.py) and the
-HTTP front ends (service/app.py) in front of them, all started here and kept running.
+HTTP front ends (service/frontend/app.py) in front of them, all started here and kept running.
 
     main process        supervisor + HTTP front end 0 (uvicorn), the one signals go to
     front ends 1..F-1   more uvicorn servers on the same listening socket (--workers F)
@@ -37,11 +37,11 @@ from multiprocessing.connection import wait
 
 from convkernels.registry import visible_cuda_devices
 
-from .ipc import heartbeat
 from . import metrics
+from .ipc import heartbeat
+from .settings import Settings, parse_devices
 from .worker.model_worker import STOP_SIGNAL, WorkerSpec
 from .worker.model_worker import main as worker_main
-from .settings import Settings, parse_devices
 
 log = logging.getLogger("convserve.supervisor")
 

@@ -184,7 +184,7 @@ def test_slow_loris_body_gets_408_and_others_are_served(srv):
     finally:
         for sock in idle:
             sock.close()
-    from service.http_protocol import LINGER_MAX_S
+    from service.frontend.http.http_protocol import LINGER_MAX_S
     for status, reply, secs in results:
         assert status == 408 and b"body-timeout" in reply, reply[:300]
         # the 408 at the timeout, then a lingering close (bounded) while the client still trickles

@@ -275,7 +275,7 @@ def test_an_unexpected_exception_in_a_route_is_a_problem_with_an_error_id(caplog
     traceback under the same id (the safety net behind every fix the fuzzers led to)."""
     from fastapi.testclient import TestClient
 
-    from service.app import create_app
+    from service.frontend.app import create_app
     from service.settings import Settings
 
     app = create_app(Settings(backend="numpy", models="tiny-vae"))

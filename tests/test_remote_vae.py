@@ -384,7 +384,7 @@ def test_plain_http_gets_an_image_file_and_problem_json(server):
 
 
 def test_bfloat16_replies_round_like_torch():
-    from service.remote_vae import f32_to_bf16_bits
+    from service.frontend.routes.remote_vae import f32_to_bf16_bits
 
     rng = np.random.default_rng(fresh_seed())
     x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 4096),

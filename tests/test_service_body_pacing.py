@@ -1,4 +1,4 @@
-"""Fast uploads are never "too slow" because the server was busy (service/body_wait.py): the
+"""Fast uploads are never "too slow" because the server was busy (service/frontend/http/body_wait.py): the
 minimum body rate and the body timeout run only while the server waits with none of the
 client's bytes at hand, and a full queue evicts only uploads slow on that clock.
 

@@ -3,7 +3,7 @@ kept-alive connections reused after any idle time short of the keep-alive timeou
 (no unsolicited 408, no close), a response sent before the body was read closes the connection
 (a client trickling a rejected body cannot hold it open), and a full queue is answered 429
 before the body is read. Every test runs under both of uvicorn's HTTP/1.1 parsers
-(CONVSERVE_HTTP=h11 and httptools, service/http_protocol.py)."""
+(CONVSERVE_HTTP=h11 and httptools, service/frontend/http/http_protocol.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -238,7 +238,7 @@ def test_an_early_answer_reaches_clients_still_uploading(srv):
 def test_a_lingering_close_ends_while_the_client_still_trickles(srv):
     """The linger after an early answer is bounded: a client that keeps trickling the body it
     was refused for is closed on within LINGER_MAX_S."""
-    from service.http_protocol import LINGER_MAX_S
+    from service.frontend.http.http_protocol import LINGER_MAX_S
 
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
         sock.sendall(decode_request(b"", length=MAX_BODY * 1000))
@@ -334,7 +334,7 @@ def test_full_queue_is_answered_429_before_the_body(small_queue_srv):
 def test_http_setting_picks_the_protocol_class(monkeypatch):
     """CONVSERVE_HTTP: h11 and httptools name the header-deadline classes; auto is httptools where
     it imports (uvicorn's own "auto" rule), else h11; the header timeout lands on the class used."""
-    from service import http_protocol as hp
+    from service.frontend.http import http_protocol as hp
     from service.settings import Settings
 
     monkeypatch.setenv("CONVSERVE_HTTP", "h11")

@@ -1,4 +1,4 @@
-"""The API's documentation routes (service/api_docs.py) on a real server: /docs and
+"""The API's documentation routes (service/frontend/routes/api_docs.py) on a real server: /docs and
 /openapi.json follow the API key unless CONVSERVE_PUBLIC_DOCS says they are public, and the
 Swagger page loads nothing from outside the server (it works offline)."""
 from __future__ import annotations
@@ -63,7 +63,7 @@ PASSED_ON_KINDS = {"not-found", "method-not-allowed", "http-error", "invalid-par
 
 def service_strings() -> tuple[set[str], set[str]]:
     """(kinds written as Problem(status, "kind", ...), every string of a kind's form) in service/."""
-    text = "\n".join(p.read_text() for p in sorted((REPO / "service").glob("*.py")))
+    text = "\n".join(p.read_text() for p in sorted((REPO / "service").rglob("*.py")))
     return (set(re.findall(r'Problem\(\s*[\w.]+,\s*"([a-z0-9-]+)"', text)),
             set(re.findall(r'"([a-z0-9]+(?:-[a-z0-9]+)*)"', text)))
 

@@ -1,4 +1,4 @@
-"""A request's head is bounded under both of uvicorn's HTTP/1.1 parsers (service/http_heads.py),
+"""A request's head is bounded under both of uvicorn's HTTP/1.1 parsers (service/frontend/http/http_heads.py),
 on raw sockets against a real server: too many header fields, one huge header line, and a huge
 header line that never ends each get 431 problem+json at once and the connection closes, while
 /healthz on other connections answers at once and the server's memory stays put. Before, httptools

@@ -184,7 +184,7 @@ HOLD = 4242.0  # latents holding this value keep the worker busy until the relea
 
 def test_new_shapes_past_the_cap_are_paced_and_a_known_shape_never_is(server_factory, tmp_path):
     """A client changing the width each time cannot keep the only worker measuring conv paths
-    (service/compute_cap.py): a new input shape whose first run, charged NEW_SHAPE_FACTOR times
+    (service/frontend/compute_cap.py): a new input shape whose first run, charged NEW_SHAPE_FACTOR times
     its pixels, would be past the cap runs one at a time and within a time credit (none here:
     NEW_SHAPE_BURST_S=0); others get 429 new-shape-limit with a Retry-After that holds. The shape
     just measured is never held back, nor a new one that fits the cap even when measured."""

@@ -1,9 +1,9 @@
-"""The `shards` option's parsing and the `auto` rule (service/shard_option.py): pure functions, no server."""
+"""The `shards` option's parsing and the `auto` rule (service/frontend/shard_option.py): pure functions, no server."""
 from __future__ import annotations
 
 import pytest
 
-from service import shard_option
+from service.frontend import shard_option
 from service.problems import Problem
 from service.settings import Settings
 
@@ -61,6 +61,16 @@ def test_decide_names_what_cannot_be_sharded():
     assert kind("auto", tiled=True) == 1
     assert kind(2, lat=(1, 4, 1, 13)) == "too-many-shards"
     assert kind(2, family=shard_option.WAN21, lat=(1, 4, 3, 1, 9)) == "too-many-shards"  # rows: axis -2
+
+
+def test_a_refusal_names_what_the_workers_offer():
+    """The front end names the sharded families as its workers' status says them (it imports no
+    model code), and its copy of the latents' row axis is the models' own."""
+    from models import sharding
+
+    with pytest.raises(Problem, match="m: a sharded decode is offered for the X and Y decoders"):
+        shard_option.decide(2, "m", None, (1, 4, 9, 13), (1, 72, 104, 3), 2, None, "the X and Y decoders")
+    assert shard_option.LATENT_ROWS == sharding.LATENT_ROWS
 
 
 def test_without_shard_groups_auto_is_one_device_and_n_a_501():

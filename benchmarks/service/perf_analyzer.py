@@ -32,7 +32,7 @@ sys.path[:0] = [str(REPO), str(HERE), str(REPO / "loadtests")]
 
 from benchmarks.machine import describe_machine  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-from service.worker.batcher import batch_sizes  # noqa: E402
+from service.ipc.batch_sizes import batch_sizes  # noqa: E402
 
 ENCODER, DECODER = "tiny-convnext", "tiny-vae"
 MAX_BATCH = 8  # the service default

@@ -8,8 +8,8 @@ import tempfile
 
 import numpy as np
 
-from .images import ZIP_MEDIA, to_uint8, zip_bytes
 from ..problems import Problem
+from .images import ZIP_MEDIA, to_uint8, zip_bytes
 
 
 def _missing_av(alternative: str) -> Problem:

@@ -7,7 +7,7 @@ directory (service/supervisor.py makes it), mapped shared by:
     the worker (writers)     its heartbeat thread (`Beat`), every `interval()` seconds: the time
                              of the beat; its device thread (the batcher), when a model call
                              starts and ends (0 while none runs); its pid, once
-    each front end (reader)  service/engine.py judges a *ready* worker: one whose last beat is
+    each front end (reader)  service/frontend/engine.py judges a *ready* worker: one whose last beat is
                              older than CONVSERVE_WORKER_HEARTBEAT_S while it runs no model call,
                              or whose process is stopped (SIGSTOP, a debugger; read from /proc), is
                              *unresponsive*: not ready (/readyz 503 for a model no other worker

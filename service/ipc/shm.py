@@ -3,7 +3,7 @@
 Each front-end process owns one `Arena`: an anonymous shared-memory file (`memfd_create` on
 Linux; an unlinked temporary file elsewhere) mapped once, with a first-fit allocator over it. The
 file descriptor goes to every model worker over the worker's Unix socket (SCM_RIGHTS, see
-service/engine.py), and the worker maps the same pages (`ArenaView`). A request's inputs
+service/frontend/engine.py), and the worker maps the same pages (`ArenaView`). A request's inputs
 are written into blocks of its front end's arena; the worker reads them there and writes the
 outputs into blocks the front end allocated beforehand (it knows every output's shape), so each
 tensor crosses the process boundary with no copy beyond the one into the arena.
@@ -15,7 +15,7 @@ file is sparse: pages cost memory only once touched, and `trim()` gives large id
 Rules the rest keeps:
 - Only the front end allocates and frees; the worker only reads inputs and writes outputs.
 - A block is freed only after the worker has answered for it (result, failure, or its death),
-  never while a submitted request may still write into it (service/engine.py's Lease).
+  never while a submitted request may still write into it (service/frontend/engine.py's Lease).
 - A worker's mapping of a front end's arena lives as long as that front end's link: the worker
   `release()`s it when the link ends (the front end stopped or died), and it is unmapped then, or,
   while arrays still view it (a running batch's inputs), at the first `sweep()` after they are

@@ -2,7 +2,7 @@
 
 A kind is what crosses the process boundary (service/ipc/worker_protocol.py's WorkerError): the
 model worker names it from the exception its model call raised (`error_info`), a front end names
-the ones it finds itself (its worker died or went unresponsive, service/engine.py), and a front
+the ones it finds itself (its worker died or went unresponsive, service/frontend/engine.py), and a front
 end turns it into the HTTP problem its client gets (`problem`). One row per kind, both directions:
 a new kind is one line here. The exceptions a worker raises for the kinds are defined here too."""
 from __future__ import annotations
@@ -61,7 +61,7 @@ KINDS = (
     ErrorKind("stream-closed", (StreamClosed,), 409, "stream-closed"),
     ErrorKind("shard-failed", (ShardFailed,), 503, "shard-failed", retry_after=QUEUE_ESTIMATE, fault="shard_failed"),
     ErrorKind("invalid-input", (ValueError,), 422, "model-rejected-input"),
-    # a front end's own: its worker is gone or silent (service/engine.py)
+    # a front end's own: its worker is gone or silent (service/frontend/engine.py)
     ErrorKind("worker-died", (), 503, "worker-died", retry_after="2", fault="worker_died"),
     ErrorKind("worker-unresponsive", (), 503, "worker-unresponsive", retry_after="2", fault="worker_unresponsive"),
     # anything else a model call raised: a 500 whose id ties it to the worker log's traceback

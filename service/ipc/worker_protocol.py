@@ -1,4 +1,4 @@
-"""The wire protocol between the service's processes: what an HTTP front end (service/engine.py)
+"""The wire protocol between the service's processes: what an HTTP front end (service/frontend/engine.py)
 and a model worker (service/worker/model_worker.py) say to each other, and what a shard group's leader
 (service/worker/shard_leader.py) says to its followers. One type per message, all of them here, and the
 only place they are encoded and decoded.
@@ -160,6 +160,9 @@ class Status(_Msg):
     backend: str | None = None
     models: dict[str, ModelStatus] = {}
     row_seconds: float = 0.0
+    #: the families whose decode splits over devices (models.sharding.OFFERED): what a front end's
+    #: refusal of a sharded decode names, without the front end importing any model code
+    shard_offered: str = ""
 
     def down(self) -> Status:
         """As a front end shows its worker while the link is lost."""

@@ -1,7 +1,7 @@
 """Dynamic batcher, inside a model worker process (service/worker/model_worker.py): one thread runs the
 device's model calls; requests for the same model and compatible shapes are stacked along the
 batch axis, up to `max_batch` rows, waiting at most `max_queue_delay_ms` after the oldest one
-arrived. The front ends bound what waits (admission, before the body: service/pipeline.py), so
+arrived. The front ends bound what waits (admission, before the body: service/frontend/pipeline.py), so
 this queue holds whatever they admitted; queued work whose requester gave up (client gone, timeout) is
 dropped before it runs. Results go to each item's `concurrent.futures.Future`, which a thread or
 an event loop (`asyncio.wrap_future`) may wait on."""
@@ -74,11 +74,6 @@ def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) 
         log.exception("delivering a result failed")
 
 
-def batch_sizes(max_batch: int) -> list[int]:
-    """Every batch size Batcher._bucket runs: the powers of two below max_batch, and max_batch."""
-    return [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch] + [max_batch]
-
-
 class Batcher:
     def __init__(self, *, max_batch: int, max_queue_delay_ms: float,
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
@@ -115,7 +110,7 @@ class Batcher:
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
                solo: bool = False, tag: Any = None) -> WorkItem:
         """Refused only by a stopped worker (Closed). solo: see WorkItem.solo. (Admission, with its
-        reservations before the body, is the front ends' job: service/pipeline.py.)"""
+        reservations before the body, is the front ends' job: service/frontend/pipeline.py.)"""
         item = WorkItem(model, key, inputs, call, solo=solo, tag=tag)
         with self._cond:
             if self._stopped:

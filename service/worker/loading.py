@@ -3,6 +3,7 @@ typed model contract, models/contract.py), and the view of each that its front e
 (`view_of`: service/hosted_model.py's ModelView). The CLI's local commands load through here too."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -20,6 +21,15 @@ if TYPE_CHECKING:
     from convkernels import Backend
 
 log = logging.getLogger("convserve.models")
+
+
+@functools.cache
+def shard_offered() -> str:
+    """models.sharding.OFFERED, read once: the families a sharded decode is offered for, which the
+    worker's status tells its front ends."""
+    from models import sharding
+
+    return sharding.OFFERED
 
 
 def view_of(model: ServedModel) -> ModelView:

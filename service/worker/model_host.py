@@ -10,14 +10,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import fault_injection, oom_recovery
 from .. import metrics
-from ..ipc import worker_protocol as wp
-from .batcher import Batcher, batch_sizes
-from .loading import load_entry, view_of, warm_up
 from ..hosted_model import HostedModel
+from ..ipc import worker_protocol as wp
+from ..ipc.batch_sizes import batch_sizes
 from ..model_stats import ModelStats
 from ..settings import Settings
+from . import fault_injection, oom_recovery
+from .batcher import Batcher
+from .loading import load_entry, shard_offered, view_of, warm_up
 from .shard_leader import DEADLINE_S, ShardLeader, comm_class
 from .shard_member import ShardMember
 
@@ -126,7 +127,8 @@ class ModelHost:
             failed=dict(self.failed), backend=self.backend.name if self.backend is not None else None,
             models={name: wp.ModelStatus(hm.entry, view_of(hm.model), hm.load_seconds, hm.warmup_seconds,
                                          dict(hm.extra)) for name, hm in self.models.items()},
-            row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0)
+            row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0,
+            shard_offered=shard_offered())
 
     def call_for(self, hm: HostedModel, op: str, options: wp.Options):
         """The model call an op names (the ops a front end may ask for; a shard leader's are

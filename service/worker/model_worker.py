@@ -1,6 +1,6 @@
 """A model worker: the one process that owns a device (one GPU, or the CPU) and the models on it.
 
-HTTP front ends (service/engine.py) connect to its Unix socket; the supervisor
+HTTP front ends (service/frontend/engine.py) connect to its Unix socket; the supervisor
 (service/supervisor.py) starts it, and starts it again when it dies or hangs. What it does:
 
 - loads the backend and every configured model once, warms them up, then says it is ready;
@@ -31,15 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from . import oom_recovery
+from ..hosted_model import HostedModel
 from ..ipc import shm
 from ..ipc import worker_protocol as wp
-from ..hosted_model import HostedModel
-from ..ipc.shm import ArenaView, TensorRef
-from .stream_steps import GeneratorSteps, StreamClosed
-from ..ipc.worker_errors import error_info
-from .model_host import ModelHost, WorkerSpec
 from ..ipc.heartbeat import Beat, beat_path
+from ..ipc.shm import ArenaView, TensorRef
+from ..ipc.worker_errors import error_info
+from . import oom_recovery
+from .model_host import ModelHost, WorkerSpec
+from .stream_steps import GeneratorSteps, StreamClosed
 
 log = logging.getLogger("convserve.worker")
 

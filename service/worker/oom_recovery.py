@@ -17,9 +17,9 @@ import numpy as np
 
 from models.contract import TiledDecoder
 
+from ..hosted_model import HostedModel
 from ..ipc.worker_errors import DeviceOutOfMemory
 from ..metrics import count_fault as count
-from ..hosted_model import HostedModel
 
 log = logging.getLogger("convserve.faults")
 

@@ -14,14 +14,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models import sharding
-
+from ..problems import Problem
 from .engine import NoWorker
-from .problems import Problem
 
 AUTO = "auto"
 #: the most shards a request may name (one per GPU of the largest hosts)
 MAX_SHARDS = 64
+#: models.sharding.LATENT_ROWS (every family's latent rows are axis -2), copied: a front end holds
+#: model views, never model code, and importing models.sharding loads the sharded families (the
+#: import-linter contracts in pyproject.toml); tests/test_shard_option.py holds the two equal. The
+#: families a sharded decode is offered for come from the workers (their status' shard_offered).
+LATENT_ROWS = -2
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,10 @@ def auto_shards(family: str | None, pixels: int, devices: int) -> int:
 
 
 def decide(requested: int | str, model_name: str, family: str | None, latents_shape: tuple[int, ...],
-           out_shape: tuple[int, ...], devices: int, tiled: bool | None) -> int:
+           out_shape: tuple[int, ...], devices: int, tiled: bool | None, offered: str = "") -> int:
     """How many devices decode the request: 1, or N > 1 after checking the model, the server and
-    the latents can take it (a Problem 422 naming what cannot)."""
+    the latents can take it (a Problem 422 naming what cannot; offered: the families a sharded
+    decode is offered for, models.sharding.OFFERED as the workers say it)."""
     if requested == AUTO:
         if tiled:
             return 1  # tiled=on asks for one device's bounded memory
@@ -94,14 +98,15 @@ def decide(requested: int | str, model_name: str, family: str | None, latents_sh
     if n == 1:
         return 1
     if family is None:
-        raise Problem(422, "not-shardable", f"{model_name}: a sharded decode is offered for {sharding.OFFERED}")
+        raise Problem(422, "not-shardable", f"{model_name}: a sharded decode is offered for "
+                      f"{offered or 'other model families'}")
     if n > devices:
         raise Problem(422, "too-many-shards", f"shards={n}, but this server runs {devices} device"
                       f"{'s' if devices != 1 else ''} (CONVSERVE_DEVICES)")
     if tiled:
         raise Problem(422, "tiled-and-sharded", "a sharded decode is untiled and exact: ask for tiled=off "
                       "or auto with shards")
-    rows = latents_shape[sharding.LATENT_ROWS]
+    rows = latents_shape[LATENT_ROWS]
     if rows < n:
         raise Problem(422, "too-many-shards", f"shards={n}, but the latents have only {rows} rows to split")
     return n
@@ -123,7 +128,7 @@ def groups_off(backend: str, settings) -> tuple[str, str] | None:
 
 
 def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: bool | None, devices: int,
-              off: tuple[str, str] | None = None) -> int:
+              off: tuple[str, str] | None = None, offered: str = "") -> int:
     """decide() for a served model (its card's shard family and output shape). off: why this server
     forms no shard groups (groups_off): then auto is 1 and N > 1 a 501 that says why."""
     if off is not None:
@@ -131,7 +136,7 @@ def for_model(hm, latents_shape: tuple[int, ...], requested: int | str, tiled: b
             return 1
         raise Problem(501, *off)
     return decide(requested, hm.name, getattr(hm.model, "shard_family", None), latents_shape,
-                  hm.output_shape(latents_shape), devices, tiled)
+                  hm.output_shape(latents_shape), devices, tiled, offered)
 
 
 def leader_link(engine, model: str, shards: int, options: dict):

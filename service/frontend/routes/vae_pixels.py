@@ -1,4 +1,4 @@
-"""The pixels of a remote_encode request (service/remote_vae.py) -> float32 in [0,1] in the layout
+"""The pixels of a remote_encode request (service/frontend/routes/remote_vae.py) -> float32 in [0,1] in the layout
 the model's encoder takes: images N,H,W,3 for an image VAE, frames N,F,H,W,3 for a video VAE (the
 Wan 2.2 VAE's encoder). Three body forms:
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import codecs, validation
-from .hosted_model import HostedModel
-from .problems import Problem
-from .settings import Settings
+from ... import codecs
+from ...hosted_model import HostedModel
+from ...problems import Problem
+from ...settings import Settings
+from .. import validation
 
 
 def image_pixels(hm: HostedModel, body: bytes, limits: Settings) -> np.ndarray:

@@ -6,7 +6,7 @@ import secrets
 
 from fastapi import Request
 
-from .problems import Problem
+from ...problems import Problem
 
 
 async def require_api_key(request: Request) -> None:

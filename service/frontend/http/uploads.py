@@ -1,12 +1,12 @@
 """Bodies still arriving for admitted requests, so a slow one can give its queue place to a new
-request. Admission counts a request from its headers, before its body (service/pipeline.py);
+request. Admission counts a request from its headers, before its body (service/frontend/pipeline.py);
 a client trickling bodies on many connections would otherwise hold every place for the grace
 period of the minimum body rate, reconnect, and hold them again. When the queue is full, the
 slowest upload that the server has waited on for EVICTABLE_AFTER_S and that is under the minimum
 rate loses its place to the newcomer (it gets 408 `body-too-slow`), so steady traffic is served
 beside any number of tricklers.
 
-Slow is judged on the clock the body read runs on (service/body_wait.py): bytes per second of
+Slow is judged on the clock the body read runs on (service/frontend/http/body_wait.py): bytes per second of
 the server's waiting on an empty receive, not of wall time. An upload the server has not read
 (its loop busy, its handler not yet asking for the body) is never the slowest, nor is one whose
 bytes are at the server unread right now."""

@@ -1,5 +1,5 @@
 """The compute cap: how much work one request may ask of a model worker, decided in the front end
-before the request takes a device (service/pipeline.py calls it).
+before the request takes a device (service/frontend/pipeline.py calls it).
 
 - Pixels. Output pixels (frames x height x width, over the batch; input pixels for encoders)
   past the backend's cap are refused with 413 `too-much-work` (CONVSERVE_MAX_REQUEST_PIXELS).
@@ -34,10 +34,10 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator
 
-from . import metrics
-from .hosted_model import HostedModel
-from .problems import Problem
-from .settings import Settings
+from .. import metrics
+from ..hosted_model import HostedModel
+from ..problems import Problem
+from ..settings import Settings
 
 #: the cap per request where CONVSERVE_MAX_REQUEST_PIXELS is 0, by backend: 1024x1024 on the CPU,
 #: where a full SD-VAE decodes 512x512 in ~9 s on 2 cores, so the cap's ~35 s stays inside the

@@ -1,7 +1,7 @@
 """Request bodies read with the configured size limit (Content-Length checked first, then the
 bytes actually streamed, so a chunked upload cannot get around it), against the front end's memory
-budget (the declared length taken before the first byte is read: service/memory_budget.py), and
-on a clock of the server's waiting (service/body_wait.py): the time it waited on receives with
+budget (the declared length taken before the first byte is read: service/frontend/memory_budget.py), and
+on a clock of the server's waiting (service/frontend/http/body_wait.py): the time it waited on receives with
 none of the client's bytes at the server. After a grace period of such waiting a body must keep
 arriving at CONVSERVE_MIN_BODY_RATE bytes per second waited, and in all the server waits at most
 the request timeout for it, or its request gets 408 and gives its queue place back. A client
@@ -14,9 +14,9 @@ import asyncio
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from ...problems import Problem
+from ..request_state import begin_upload, charge_request, end_upload
 from .body_wait import BodyWait, arrivals_of
-from .request_state import begin_upload, charge_request, end_upload
-from .problems import Problem
 
 #: chunked bodies are taken from the memory budget in steps of this many bytes as they arrive
 CHARGE_STEP = 1 << 20

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from ...codecs import load_json
+from ...hosted_model import HostedModel
+from ...ipc.batch_sizes import batch_sizes
+from ...problems import PROBLEM_SCHEMA, Problem
+from ..http.bodies import read_body
+from ..pipeline import Service
 from .auth import require_api_key
-from .worker.batcher import batch_sizes
-from .bodies import read_body
-from .codecs import load_json
 from .kserve import ERRORS, VERSION, model_metadata_doc, service
-from .hosted_model import HostedModel
-from .pipeline import Service
-from .problems import PROBLEM_SCHEMA, Problem
 
 router = APIRouter(prefix="/v2", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["triton-extensions"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from . import codecs
-from .pipeline import Service
-from .problems import PROBLEM_SCHEMA
+from ... import codecs
+from ...problems import PROBLEM_SCHEMA
+from ..pipeline import Service
 
 
 def service(request: Request) -> Service:

@@ -20,7 +20,7 @@ import os
 import time
 from typing import Callable
 
-from .problems import Problem
+from ..problems import Problem
 
 log = logging.getLogger("convserve")
 

@@ -10,16 +10,17 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import codecs, shard_option, validation
-from .auth import require_api_key
+from ... import codecs
+from ...codecs.video import encode_videos, require_av
+from ...hosted_model import HostedModel
+from ...problems import PROBLEM_SCHEMA, Problem
+from .. import shard_option, validation
+from ..engine import Lease
+from ..http.bodies import read_body
+from ..pipeline import Service
 from .adapters import ERRORS, TENSOR_BODY, service
-from .bodies import read_body
-from .engine import Lease
-from .hosted_model import HostedModel
-from .pipeline import Service
+from .auth import require_api_key
 from .streaming import whole_clip_response
-from .problems import PROBLEM_SCHEMA, Problem
-from .codecs.video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["v1"])

@@ -13,8 +13,8 @@ from typing import Callable
 
 import uvicorn
 
+from ..settings import Settings
 from .pipeline import Service
-from .settings import Settings
 
 log = logging.getLogger("convserve")
 
@@ -65,7 +65,7 @@ def run_frontend(settings: Settings, endpoints: list[tuple[str, str]], sockets: 
                  *, on_drain: Callable[[], None] | None = None, parent_pid: int | None = None) -> None:
     """One HTTP front end on the shared listening socket(s), until it has drained."""
     from .app import create_app
-    from .http_protocol import http_protocol_class
+    from .http.http_protocol import http_protocol_class
 
     app = create_app(settings, endpoints, accept_once_ready=parent_pid is not None)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codecs import check_source_image
-from .hosted_model import HostedModel
-from .problems import Problem
-from .settings import Settings
+from ..codecs import check_source_image
+from ..hosted_model import HostedModel
+from ..problems import Problem
+from ..settings import Settings
 
 #: per endpoint: what it needs of a model, the problem kind and the detail when the model lacks it
 _ROUTES = {

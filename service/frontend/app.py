@@ -9,10 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from . import api_docs, kserve, metrics, problems, remote_vae, routes_v1, streaming, triton_extensions
-from .http_protocol import CloseWhenBodyUnread, http_protocol_class
+from .. import metrics, problems
+from ..settings import Settings
+from .http.http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
-from .settings import Settings
+from .routes import api_docs, kserve, remote_vae, routes_v1, streaming, triton_extensions
 
 log = logging.getLogger("convserve")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from .body_wait import BodyWait
 from .engine import Lease
-from .uploads import Upload
+from .http.body_wait import BodyWait
+from .http.uploads import Upload
 
 
 class AdmittedRequest:
@@ -23,7 +23,7 @@ class AdmittedRequest:
         self.reserved = True
         self.lease = lease
         self.taken = 0  # of the memory budget, over the request's life
-        self.upload: Upload | None = None  # while its body arrives (service/uploads.py)
+        self.upload: Upload | None = None  # while its body arrives (service/frontend/http/uploads.py)
 
     def take(self, nbytes: int, what: str) -> None:
         if nbytes > 0:
@@ -36,7 +36,7 @@ CURRENT: contextvars.ContextVar[AdmittedRequest | None] = contextvars.ContextVar
 
 def begin_upload(wait: BodyWait) -> Upload | None:
     """The current request's body begins to arrive (`wait`: the server's waiting on it): tracked,
-    so a full queue may take its place if it is too slow (service/uploads.py). None outside an
+    so a full queue may take its place if it is too slow (service/frontend/http/uploads.py). None outside an
     admitted request."""
     req = CURRENT.get()
     if req is None or not req.reserved:
@@ -54,7 +54,7 @@ def end_upload(upload: Upload | None) -> None:
 
 def charge_request(nbytes: int, what: str) -> None:
     """Count `nbytes` against the current request's front-end memory budget (503/413 when it
-    does not fit; service/memory_budget.py). Outside an admitted request: nothing to count."""
+    does not fit; service/frontend/memory_budget.py). Outside an admitted request: nothing to count."""
     req = CURRENT.get()
     if req is not None:
         req.take(nbytes, what)

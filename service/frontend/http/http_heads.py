@@ -17,8 +17,8 @@ import logging
 
 import h11
 
-from . import metrics
-from .problems import Problem
+from ... import metrics
+from ...problems import Problem
 
 log = logging.getLogger("convserve.http")
 
@@ -54,7 +54,7 @@ class CountedHeadersConnection(h11.Connection):
 
 
 class HeadLimits:
-    """Mixed into the protocol classes (service/http_protocol.py) before uvicorn's own: `feed`
+    """Mixed into the protocol classes (service/frontend/http/http_protocol.py) before uvicorn's own: `feed`
     hands received bytes to the parser with a request head's bytes counted; `send_400_response`
     turns uvicorn's 400 for a parser stopped at a limit of ours into the 431. A subclass says
     when the next bytes belong to a head (`_in_head`), calls `_head_complete` once one is

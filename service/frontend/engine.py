@@ -9,7 +9,7 @@ settling, the links' bookkeeping.
 Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
 from this front end (ties in turn); the worker batches what every front end sends it.
 
-Block lifetime (the rule of service/ipc/shm.py): service/submission.py; a request answered before
+Block lifetime (the rule of service/ipc/shm.py): service/frontend/submission.py; a request answered before
 its worker (timeout, client gone, worker unresponsive) keeps its blocks until the worker answers.
 
 Liveness (service/ipc/heartbeat.py): every CHECK_S the event loop reads each worker's heartbeat; a
@@ -29,10 +29,10 @@ from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from .ipc import worker_protocol as wp
-from .ipc.heartbeat import BeatReader, beat_path
-from .hosted_model import HostedModel
-from .ipc.shm import Arena, TensorRef
+from ..hosted_model import HostedModel
+from ..ipc import worker_protocol as wp
+from ..ipc.heartbeat import BeatReader, beat_path
+from ..ipc.shm import Arena, TensorRef
 from .submission import Lease, NoWorker, Submission, WorkerFailure
 
 __all__ = ["Engine", "Lease", "Link", "NoWorker", "Submission", "WorkerFailure"]
@@ -131,6 +131,11 @@ class Engine:
             if link.desc.backend:
                 return link.desc.backend
         return None
+
+    @property
+    def shard_offered(self) -> str:
+        """The families a sharded decode is offered for, as the workers say (models.sharding.OFFERED)."""
+        return next((link.desc.shard_offered for link in self.links if link.desc.shard_offered), "")
 
     def devices(self, model: str | None = None) -> list[dict]:
         """Every device and its worker's state (the card and /v1/models show it)."""

@@ -1,4 +1,4 @@
-"""One request's messages to a model worker and the arena blocks they name (service/engine.py
+"""One request's messages to a model worker and the arena blocks they name (service/frontend/engine.py
 sends them): a `Submission` awaits its worker's answer; a `Lease` holds a request's blocks until
 its response is built.
 
@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from .ipc.shm import Arena, TensorRef
-from .ipc.worker_protocol import WorkerError
+from ..ipc.shm import Arena, TensorRef
+from ..ipc.worker_protocol import WorkerError
 
 
 class WorkerFailure(Exception):
@@ -45,7 +45,7 @@ class Submission:
     """One message to a worker that awaits its `done`, and the arena blocks it names."""
 
     def __init__(self, arena: Arena, link, rid: int, rows: int, offsets: list[int], outputs: dict[str, TensorRef]):
-        """link: the engine's link to the worker it went to (service/engine.py)."""
+        """link: the engine's link to the worker it went to (service/frontend/engine.py)."""
         self.arena, self.link, self.rid, self.rows = arena, link, rid, rows
         self.offsets, self.outputs = offsets, outputs
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()

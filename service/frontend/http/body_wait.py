@@ -1,5 +1,5 @@
 """The time the server waits on a client's body, the clock the minimum body rate and the body
-timeout run on (service/bodies.py) and slow uploads are judged by (service/uploads.py).
+timeout run on (service/frontend/http/bodies.py) and slow uploads are judged by (service/frontend/http/uploads.py).
 
 A client is slow only while the server waits for bytes it has not sent, as with nginx's
 client_body_timeout (the time between two reads the server made). Wall time since the body began
@@ -11,7 +11,7 @@ busy front end got 408 `body-too-slow` for most of them).
 So a receive is a counted wait only when, as it begins, none of the client's bytes are at the
 server: nothing buffered by the HTTP protocol and nothing in the socket's kernel buffer. It
 counts until the protocol next receives bytes on the connection (not until the waiting task
-runs again, which a busy loop delays). The HTTP protocol (service/http_protocol.py) puts an
+runs again, which a busy loop delays). The HTTP protocol (service/frontend/http/http_protocol.py) puts an
 `Arrivals` in each request's scope for this; without one (another server), every receive counts
 in full.
 """

@@ -32,16 +32,17 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from . import codecs, metrics, shard_option, validation
+from ... import codecs, metrics
+from ...codecs.fmp4 import FragmentedMP4Writer
+from ...codecs.video import require_av
+from ...hosted_model import HostedModel
+from ...problems import PROBLEM_SCHEMA, Problem
+from .. import shard_option, validation
+from ..engine import Lease
+from ..http.bodies import read_body
+from ..pipeline import Service
 from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
-from .bodies import read_body
-from .engine import Lease
-from .codecs.fmp4 import FragmentedMP4Writer
-from .hosted_model import HostedModel
-from .pipeline import Service
-from .problems import PROBLEM_SCHEMA, Problem
-from .codecs.video import require_av
 
 log = logging.getLogger("convserve.streaming")
 

@@ -9,7 +9,7 @@ requests belongs to uvicorn's keep-alive timeout, CONVSERVE_KEEP_ALIVE_S: counti
 answer a client that reuses a connection after `header_timeout_s` of idle with an unsolicited 408.)
 A connection that misses the deadline gets a 408 problem+json and is closed.
 
-A request's head is bounded in bytes and header fields (service/http_heads.py): 431, and the
+A request's head is bounded in bytes and header fields (service/frontend/http/http_heads.py): 431, and the
 connection closes, lingering as below.
 
 A response sent while the request body is still arriving (413 by Content-Length, 401, 404, 429)
@@ -19,7 +19,7 @@ makes the kernel send a reset that can destroy the answer before the client read
 then see a read error instead of the 413). So the answer is followed by a FIN (the write side
 shut), the rest of the body is read and dropped for a bounded time (LINGER_IDLE_S without data,
 LINGER_MAX_S in all, LINGER_MAX_BYTES), and only then is the socket closed. Bodies the app reads
-are bounded by its request timeout and minimum rate (service/bodies.py).
+are bounded by its request timeout and minimum rate (service/frontend/http/bodies.py).
 
 A response the client stops reading is dropped: when the socket's send buffer stays full
 (asyncio paused writing) for `write_timeout_s` with no byte of progress, the connection is
@@ -39,7 +39,7 @@ try:
 except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None
 
-from . import metrics
+from ... import metrics
 from .body_wait import EXTENSION, Arrivals
 from .http_heads import TOO_MANY_FIELDS, CountedHeadersConnection, HeadLimits, problem_response
 
@@ -98,7 +98,7 @@ class _HeaderDeadline(HeadLimits):
     _linger_end = 0.0
     _lingered_bytes = 0
     _linger_max_bytes = LINGER_MAX_BYTES
-    _arrived_at = 0.0  # loop time the connection last delivered bytes (service/body_wait.py)
+    _arrived_at = 0.0  # loop time the connection last delivered bytes (service/frontend/http/body_wait.py)
     _fd = -1
 
     def _waiting_for_headers(self) -> bool:
@@ -134,7 +134,7 @@ class _HeaderDeadline(HeadLimits):
                 self._rearm_linger()
             return
         self._arrived_at = self.loop.time()
-        self.feed(data)  # with a request head's bytes counted (service/http_heads.py)
+        self.feed(data)  # with a request head's bytes counted (service/frontend/http/http_heads.py)
         if self._header_timer is None and self._waiting_for_headers():  # a kept-alive connection's next request began
             self._arm_header_timer()
 
@@ -143,7 +143,7 @@ class _HeaderDeadline(HeadLimits):
         self._cancel_header_timer()  # a request's headers were parsed: its deadline is met
 
     def _arrivals(self, cycle) -> None:
-        """The new request's view of its connection, for its body reader (service/body_wait.py)."""
+        """The new request's view of its connection, for its body reader (service/frontend/http/body_wait.py)."""
         cycle.scope.setdefault("extensions", {})[EXTENSION] = Arrivals(self, cycle, self._fd)
 
     def on_response_complete(self) -> None:

@@ -17,18 +17,19 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from . import metrics, shard_option, validation
-from .ipc import worker_errors
+from .. import metrics
+from ..hosted_model import HostedModel
+from ..ipc import worker_errors
+from ..ipc.shm import Arena, ArenaFull, TensorRef, TooLarge
+from ..model_stats import ModelStats, ns
+from ..problems import Problem
+from ..settings import Settings
+from . import shard_option, validation
 from .compute_cap import ComputeCap
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
-from .hosted_model import HostedModel
-from .model_stats import ModelStats, ns
-from .problems import Problem
+from .http.uploads import Uploads
 from .memory_budget import MemoryBudget, auto_budget_bytes
-from .settings import Settings
 from .request_state import CURRENT, AdmittedRequest
-from .uploads import Uploads
-from .ipc.shm import Arena, ArenaFull, TensorRef, TooLarge
 
 log = logging.getLogger("convserve")
 
@@ -53,7 +54,7 @@ def start_all_workers(pool: ThreadPoolExecutor, workers: int, timeout_s: float =
 
 class Service:
     """One HTTP front end's request path: admission, the codec thread pool and the links to the
-    model workers (service/engine.py), which own the devices and the models."""
+    model workers (service/frontend/engine.py), which own the devices and the models."""
 
     def __init__(self, settings: Settings, endpoints: list[tuple[str, str]] = ()):
         """endpoints: (device, Unix socket address) of every model worker (the supervisor's)."""
@@ -71,7 +72,7 @@ class Service:
         #: Triton-style per-model counts and ns (GET /v2/models/{name}/stats): the request half;
         #: the workers keep the batch half
         self.stats = ModelStats()
-        #: the compute cap: pixels per request, and new shapes' path measurement (service/compute_cap.py)
+        #: the compute cap: pixels per request, and new shapes' path measurement (service/frontend/compute_cap.py)
         self.cap = ComputeCap(settings, lambda: self.backend_name)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -329,7 +330,8 @@ class Service:
 
     def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
         return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count,
-                                      shard_option.groups_off(self.engine.backend_name, self.settings))
+                                      shard_option.groups_off(self.engine.backend_name, self.settings),
+                                      self.engine.shard_offered)
 
     async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
                      clamp: bool = True, uint8: bool = False, shards: int | str = 1,
@@ -338,7 +340,7 @@ class Service:
         clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`).
         uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
         and nothing left to convert for an image or video file). shards: 1, N or "auto"
-        (service/shard_option.py): N > 1 decodes untiled on the first N devices together."""
+        (service/frontend/shard_option.py): N > 1 decodes untiled on the first N devices together."""
         lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
         out_shape = hm.output_shape(lat.shape)
         pixels = math.prod(out_shape[:-1])

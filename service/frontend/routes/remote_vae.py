@@ -24,14 +24,16 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from models.contract import ROW_MAJOR_TOKENS
 
-from . import codecs, validation, vae_pixels
+from ... import codecs
+from ...codecs.video import encode_videos, require_av
+from ...hosted_model import HostedModel
+from ...problems import PROBLEM_SCHEMA, Problem
+from ...settings import Settings
+from .. import validation
+from ..http.bodies import read_body
+from . import vae_pixels
 from .adapters import ERRORS, service
 from .auth import require_api_key
-from .bodies import read_body
-from .hosted_model import HostedModel
-from .problems import PROBLEM_SCHEMA, Problem
-from .settings import Settings
-from .codecs.video import encode_videos, require_av
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)],
                    responses={401: PROBLEM_SCHEMA}, tags=["diffusers remote VAE"])
@@ -307,7 +309,7 @@ posterior mean. The compute cap counts every frame's pixels."""
 def _encode_pixels(hm: HostedModel, limits: Settings, body: bytes, content_type: str | None,
                    shape: list[int] | None, dtype: str) -> tuple[np.ndarray, str]:
     """Body -> float32 pixels in [0,1] in the model's layout (images N,H,W,3, a video VAE's frames
-    N,F,H,W,3: service/vae_pixels.py) and the dtype to answer in."""
+    N,F,H,W,3: service/frontend/routes/vae_pixels.py) and the dtype to answer in."""
     if not shape:
         if codecs.media_type(content_type) == codecs.NPY_MEDIA or codecs.sniff(body) == codecs.NPY_MEDIA:
             return vae_pixels.npy_pixels(hm, body, limits), "float32"

@@ -16,8 +16,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from starlette.staticfiles import StaticFiles
 
+from ...problems import Problem
 from .auth import require_api_key
-from .problems import Problem
 
 ASSETS = "/docs/assets"
 

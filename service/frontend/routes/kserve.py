@@ -8,14 +8,14 @@ import math
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
-from . import shard_option, validation
+from ...codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
+from ...hosted_model import HostedModel
+from ...problems import PROBLEM_SCHEMA, Problem
+from .. import shard_option, validation
+from ..http.bodies import read_body
+from ..pipeline import Service
 from .adapters import service
 from .auth import require_api_key
-from .bodies import read_body
-from .codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
-from .hosted_model import HostedModel
-from .pipeline import Service
-from .problems import PROBLEM_SCHEMA, Problem
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 VERSION = "1"
@@ -173,7 +173,7 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
                 "binary_data": {"type": "boolean"}}}}}},
         "parameters": {"type": "object", "properties": {
             "binary_data_output": {"type": "boolean"},
-            "shards": {"description": "decoders: 1, N or 'auto' (service/shard_option.py)",
+            "shards": {"description": "decoders: 1, N or 'auto' (service/frontend/shard_option.py)",
                        "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "enum": ["auto"]}]}}}}}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
                                  "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) "
