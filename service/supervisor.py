@@ -1,5 +1,6 @@
 """`convserve serve`'s processes: one model worker per device (service/worker/model_worker.py) and the
-HTTP front ends (service/frontend/app.py) in front of them, all started here and kept running.
+HTTP front ends (service/frontend/app.py) in front of them, all started here and kept running
+(`serve`; the CLI, service/cli/main.py, checks the settings, the models and the port, then calls it).
 
     main process        supervisor + HTTP front end 0 (uvicorn), the one signals go to
     front ends 1..F-1   more uvicorn servers on the same listening socket (--workers F)
@@ -29,11 +30,14 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
+from typing import Iterator
 
 from convkernels.registry import visible_cuda_devices
 
@@ -279,3 +283,71 @@ class Supervisor:
                     child.proc.kill()
                     child.proc.join(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+# ---- `convserve serve` -------------------------------------------------------------------------------
+class StartupFailed(Exception):
+    """Why the server could not start, as one line: devices the host does not have, or a model
+    worker's first load that failed (the CLI prints it and exits 2)."""
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in this process's environment while the block runs (children started meanwhile
+    inherit them), the old ones back after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def serve(settings: Settings, sock: socket.socket, environment: dict[str, str] | None = None) -> None:
+    """The server on the listening socket `sock`: the model workers, the further front ends, then
+    front end 0 in this process until a drain (SIGTERM, Ctrl-C) ends it; then every child is
+    stopped and `sock` closed. environment: variables the children inherit (HF_HUB_OFFLINE once
+    the CLI has fetched Hub weights). StartupFailed says why the server could not start."""
+    import _thread
+
+    from .frontend.memory_budget import auto_budget_bytes
+    from .frontend.server import frontend_main, run_frontend
+
+    try:
+        sup = Supervisor(settings)
+    except ValueError as exc:
+        sock.close()
+        raise StartupFailed(str(exc)) from None
+    with _environment(environment or {}):
+        # A worker whose first load fails ends start-up (Supervisor._first_loads) from another
+        # thread: it interrupts this one as Ctrl-C would. While uvicorn serves, its handler drains
+        # every front end and run_frontend returns; before that, the SIGINT handler set here raises
+        # KeyboardInterrupt (also where the shell started us with SIGINT ignored). Either way the
+        # workers are stopped and StartupFailed carries the supervisor's one line.
+        sup.on_fatal = lambda: _thread.interrupt_main(signal.SIGINT)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            sup.start_workers()
+            count = frontends_for(settings, sup.devices)
+            if not settings.memory_budget_bytes:  # auto: the front ends share it
+                settings = settings.model_copy(update={"memory_budget_bytes": auto_budget_bytes(count)})
+            for i in range(1, count):
+                sup.add_frontend(f"convserve-frontend-{i}", frontend_main,
+                                 (settings, sup.endpoints, [sock], os.getpid()))
+            logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",
+                                                settings.host, settings.port, count,
+                                                ", ".join(d.label for d in sup.devices))
+            run_frontend(settings, sup.endpoints, [sock], on_drain=sup.signal_frontends)
+        except KeyboardInterrupt:
+            if sup.fatal is None:
+                raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            sup.stop(settings.shutdown_grace_s)
+            sock.close()
+    if sup.fatal is not None:
+        raise StartupFailed(sup.fatal)

@@ -192,7 +192,7 @@ def test_the_cli_reads_files_through_the_same_parser(tmp_path):
     """`convserve decode FILE` (local) refuses the hostile file in one line before loading a model."""
     from typer.testing import CliRunner
 
-    from service.cli import app
+    from service.cli.main import app
 
     (tmp_path / "row2.npy").write_bytes(ROW2)
     r = CliRunner().invoke(app, ["decode", str(tmp_path / "row2.npy"), "-o", str(tmp_path / "o.png"),

@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from reference_checks import cross_process_atol
-from service.cli import app
+from service.cli.main import app
 
 runner = CliRunner()
 
@@ -93,7 +93,7 @@ def test_local_decode_takes_the_servers_tiles_and_oom_recovery(tmp_path, monkeyp
 def test_flags_build_the_settings_over_the_environment_without_writing_it(monkeypatch):
     import os
 
-    from service.cli import settings_from_flags
+    from service.cli.main import settings_from_flags
 
     monkeypatch.setenv("CONVSERVE_MAX_BATCH", "3")
     monkeypatch.setenv("CONVSERVE_PORT", "9000")
@@ -156,7 +156,7 @@ def fails_in_one_line(*args, code: int | None = None) -> str:
 
 
 def test_check_model_entries():
-    from service.cli import check_model_entries
+    from service.cli.main import check_model_entries
     from service.settings import ModelEntry, parse_models
 
     check_model_entries(parse_models("tiny-vae,enc=tiny-convnext,hub=sd-vae:org/name/vae@main"))
@@ -175,7 +175,7 @@ def test_check_model_entries():
     ("a=zzz,b=tiny-vae:./nope", ["unknown preset 'zzz'", "weights './nope'"]),
 ])
 def test_check_model_entries_names_the_problem_in_one_line(spec, wants, capsys):
-    from service.cli import check_model_entries
+    from service.cli.main import check_model_entries
     from service.settings import parse_models
 
     with pytest.raises(typer.Exit) as info:
@@ -354,7 +354,7 @@ def test_help_at_80_columns_says_the_key_facts():
 
     from typer.main import get_command
 
-    from service.cli import DEFAULT_MODELS
+    from service.cli.main import DEFAULT_MODELS
     from service.settings import DEFAULT_MODELS as SETTINGS_DEFAULT_MODELS, Settings
 
     def rendered(*args) -> str:

@@ -99,7 +99,7 @@ def test_two_shards_equal_diffusers_and_the_unsharded_decode(two_devices, saved)
 def test_the_cli_sends_shards_to_a_server(two_devices, tmp_path):
     from typer.testing import CliRunner
 
-    from service.cli import app
+    from service.cli.main import app
 
     lat = np.random.default_rng().standard_normal((1, 4, 6, 7)).astype(np.float32)
     np.save(tmp_path / "lat.npy", lat)

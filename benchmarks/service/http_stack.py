@@ -32,7 +32,7 @@ from server_process import ServerProcess  # noqa: E402
 
 #: the CLI with uvicorn's loop="auto" (what `serve` passes) pointed at one loop
 LAUNCHER = ("-c", "import sys, uvicorn.config as c; c.LOOP_FACTORIES['auto'] = c.LOOP_FACTORIES[sys.argv.pop(1)]; "
-                  "from service.cli import app; app(prog_name='convserve')")
+                  "from service.cli.main import app; app(prog_name='convserve')")
 #: (http, loop); the first is the service's default where httptools and uvloop are installed
 VARIANTS = [("httptools", "uvloop"), ("h11", "uvloop"), ("httptools", "asyncio"), ("h11", "asyncio")]
 

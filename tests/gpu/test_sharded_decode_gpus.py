@@ -1,5 +1,5 @@
 """The sharded decode on real GPUs: each sharded family's decode split by latent rows over two GPUs, one process
-each, joined by NCCL (service.shard_group, convkernels.collectives.nccl), equals the unsharded decode on
+each, joined by NCCL (service.worker.shard_group, convkernels.collectives.nccl), equals the unsharded decode on
 one GPU; a rank that fails fails the call without hanging the others. Skipped with fewer than two
 GPUs (the CPU emulation of the same code: tests/test_sharded_decode_emulated.py)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def two_gpus():
 @pytest.mark.parametrize("preset,lat", [("tiny-vae", (2, 4, 13, 9)),   # uneven bands (7, 6), batch 2
                                         ("sd-vae", (1, 4, 24, 20))])   # the real SD decoder, attention
 def test_two_gpu_decode_equals_one_gpu(preset, lat):
-    from service.shard_group import decode_on_gpus
+    from service.worker.shard_group import decode_on_gpus
 
     seed = fresh_seed()
     latents = np.random.default_rng(seed).standard_normal(lat).astype(np.float32)
@@ -52,7 +52,7 @@ def test_two_gpu_wan_decode_equals_one_gpu(plan, frames, replays):
     """The Wan 2.1 decoder (causal 3-D convs with row halos, per-frame attention) on two GPUs, one
     latent frame or runs of two at a time, its steady chunks (the third on) replayed from CUDA
     graphs that hold the collectives."""
-    from service.shard_group import decode_on_gpus
+    from service.worker.shard_group import decode_on_gpus
 
     seed = fresh_seed()
     latents = np.random.default_rng(seed).standard_normal((1, 4, frames, 9, 7)).astype(np.float32)
@@ -74,7 +74,7 @@ def test_two_gpu_wan_decode_equals_one_gpu(plan, frames, replays):
 def test_two_gpu_decode_of_the_2026_families_equals_one_gpu(preset, lat, plan):
     """FLUX.2, Qwen-Image and Wan 2.2 (their sharded walks' parity against diffusers is
     tests/test_sharded_families_emulated.py's) on two GPUs, float32, against one GPU's decode."""
-    from service.shard_group import decode_on_gpus
+    from service.worker.shard_group import decode_on_gpus
 
     seed = fresh_seed()
     latents = np.random.default_rng(seed).standard_normal(lat).astype(np.float32)
@@ -89,7 +89,7 @@ def test_two_gpu_decode_of_the_2026_families_equals_one_gpu(preset, lat, plan):
 
 
 def test_a_failing_rank_fails_the_call_and_stops_the_others():
-    from service.shard_group import decode_on_gpus
+    from service.worker.shard_group import decode_on_gpus
 
     latents = np.zeros((1, 4, 8, 8), np.float32)
     with pytest.raises(RuntimeError, match="rank 1 .*injected failure"):
@@ -100,7 +100,7 @@ def test_the_cli_decodes_on_two_gpus_as_on_one(tmp_path):
     """`convserve decode --shards 2` writes what the one-GPU local decode writes (float32 .npy)."""
     from typer.testing import CliRunner
 
-    from service.cli import app
+    from service.cli.main import app
 
     lat = tmp_path / "lat.npy"
     np.save(lat, np.random.default_rng(fresh_seed()).standard_normal((1, 4, 11, 9)).astype(np.float32))

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from .cli_checks import check_model_entries, fail
-from .settings import ModelEntry
+from .checks import check_model_entries, fail
+from ..settings import ModelEntry
 
 
 def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: str, shards: int,
@@ -34,7 +34,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
     ok, why = cuda_status()
     if not ok:
         fail(f"--shards {shards} needs CUDA: {why}")
-    from .supervisor import plan_devices
+    from ..supervisor import plan_devices
 
     try:  # the GPUs a server would use: CONVSERVE_DEVICES, within CUDA_VISIBLE_DEVICES
         gpus = [d.cuda_visible for d in plan_devices(settings) if d.cuda_visible is not None]
@@ -44,7 +44,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
         fail(f"--shards {shards} needs {shards} GPUs; {len(gpus)} usable")
     if rows < shards:
         fail(f"--shards {shards}: {rows} latent rows cannot make {shards} bands")
-    from .worker.shard_group import decode_on_gpus
+    from ..worker.shard_group import decode_on_gpus
 
     t0 = time.perf_counter()
     try:

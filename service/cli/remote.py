@@ -8,8 +8,8 @@ from typing import Optional
 import numpy as np
 import typer
 
-from .cli_checks import fail
-from .cli_files import IMAGE_SUFFIXES
+from .checks import fail
+from .files import IMAGE_SUFFIXES
 
 
 def problem_text(r) -> str:
@@ -41,7 +41,7 @@ def post(url: str, api_key: Optional[str], headers: dict | None = None, **kwargs
 
 
 def remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key, shards: str = "1") -> None:
-    from .codecs import npy_bytes
+    from ..codecs import npy_bytes
     suffix = output.suffix.lower()
     if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
         fail("with --url, write .png/.jpg/.webp, .mp4 or .npy (frame folders are local only)")

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_checks import fail, input_file, validated
+from .checks import fail, input_file, validated
 
 IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 
 def read_tensor(path: Path, prefer: str) -> np.ndarray:
-    from .codecs import read_tensor_body
+    from ..codecs import read_tensor_body
     media = {".npy": "application/x-npy", ".safetensors": "application/vnd.safetensors",
              ".json": "application/json"}.get(path.suffix.lower(), "application/octet-stream")
     arr, _ = validated(read_tensor_body, input_file(path).read_bytes(), media, prefer)
@@ -22,8 +22,8 @@ def read_tensor(path: Path, prefer: str) -> np.ndarray:
 def write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps: float) -> list[Path]:
     from tqdm import tqdm
 
-    from .codecs import image_bytes, npy_bytes, to_uint8
-    from .codecs.video import crf_for_quality, mp4_bytes
+    from ..codecs import image_bytes, npy_bytes, to_uint8
+    from ..codecs.video import crf_for_quality, mp4_bytes
 
     suffix = output.suffix.lower()
     written: list[Path] = []
@@ -77,5 +77,5 @@ def check_output(output: Path, video: bool, local: bool) -> None:
     if suffix and suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
         fail(f"cannot write {suffix}: use .png/.jpg/.webp, .mp4, .npy or a folder")
     if suffix == ".mp4" and local:
-        from .codecs.video import require_av
+        from ..codecs.video import require_av
         validated(require_av, " (or write .npy or a folder of frames)")

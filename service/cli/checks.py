@@ -85,7 +85,7 @@ def input_file(path: Path) -> Path:
 
 def validated(check, *args) -> np.ndarray:
     """The server's validation of a local input; what it rejects is a one-line error."""
-    from .problems import Problem
+    from ..problems import Problem
 
     try:
         return check(*args)
@@ -138,7 +138,7 @@ def _entry_problems(entry) -> list[str]:
 
 
 def model_entries(spec: str):
-    from .settings import parse_models
+    from ..settings import parse_models
 
     try:
         return parse_models(spec)

@@ -1,23 +1,21 @@
-"""`convserve serve | pull | decode | encode | bench`."""
+"""`convserve serve | pull | decode | encode | bench`: the commands, their flags and their checks;
+`serve` hands the server's processes to service/supervisor.py."""
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
-import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import typer
 
-from .cli_checks import (check_backend, check_model_entries, fail, fetch_hub_weights, input_file, listen_socket,
-                         model_entries, settings_problem, validated)
-from .cli_files import check_output, read_tensor, write_decoded
-from .cli_remote import post, remote_decode
+from .checks import (check_backend, check_model_entries, fail, fetch_hub_weights, input_file, listen_socket,
+                     model_entries, settings_problem, validated)
+from .files import check_output, read_tensor, write_decoded
+from .remote import post, remote_decode
 
 __all__ = ["app", "check_model_entries", "settings_from_flags"]
 
@@ -40,29 +38,13 @@ def settings_from_flags(**flags):
     the CONVSERVE_* variables and the defaults. Every process of a server receives this object
     (service/supervisor.py hands it to the model workers and front ends it starts); an invalid
     value is one line naming it (--flag or CONVSERVE_VARIABLE) and what it accepts."""
-    from .settings import Settings
+    from ..settings import Settings
 
     given = {k: v for k, v in flags.items() if v is not None}
     try:
         return Settings(**given)
     except ValueError as exc:  # pydantic's ValidationError: a multi-line report
         fail(settings_problem(exc, set(given)))
-
-
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in this process's environment while the block runs (children started meanwhile
-    inherit them), the old ones back after."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @app.command(short_help="Run the HTTP server (CPU default: tiny presets on NumPy).")
@@ -116,8 +98,6 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
     if own_dir:
         os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="convserve-metrics-")
     try:
-        import uvicorn
-
         settings = settings_from_flags(host=host, port=port, models=models, backend=backend, dtype=dtype,
                                        workers=workers, devices=devices, max_batch=max_batch,
                                        max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue,
@@ -134,53 +114,16 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
         # HF_HUB_OFFLINE from the environment they inherit (with the metrics directory above, the
         # only values that reach them that way; their settings travel as the Settings object).
         offline = {"HF_HUB_OFFLINE": "1"} if fetch_hub_weights(entries, hashes=False) else {}
-        with _environment(offline):
-            _serve(settings, uvicorn)
+        sock = listen_socket(settings.host, settings.port)
+        from ..supervisor import StartupFailed
+        from ..supervisor import serve as run_server
+        try:
+            run_server(settings, sock, environment=offline)  # the processes: service/supervisor.py
+        except StartupFailed as exc:
+            fail(str(exc))
     finally:
         if own_dir:
             shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
-
-
-def _serve(settings, uvicorn) -> None:
-    import _thread
-
-    from .frontend.server import frontend_main, run_frontend
-    from .frontend.memory_budget import auto_budget_bytes
-    from .supervisor import Supervisor, frontends_for
-
-    sock = listen_socket(settings.host, settings.port)
-    try:
-        sup = Supervisor(settings)
-    except ValueError as exc:
-        sock.close()
-        fail(str(exc))
-    # A worker whose first load fails ends start-up (Supervisor._first_loads) from another
-    # thread: it interrupts this one as Ctrl-C would. While uvicorn serves, its handler drains
-    # every front end and run_frontend returns; before that, the SIGINT handler set here raises
-    # KeyboardInterrupt (also where the shell started us with SIGINT ignored). Either way the
-    # workers are stopped and the command exits 2 with the supervisor's one line.
-    sup.on_fatal = lambda: _thread.interrupt_main(signal.SIGINT)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        sup.start_workers()
-        count = frontends_for(settings, sup.devices)
-        if not settings.memory_budget_bytes:  # auto: the front ends share it
-            settings = settings.model_copy(update={"memory_budget_bytes": auto_budget_bytes(count)})
-        for i in range(1, count):
-            sup.add_frontend(f"convserve-frontend-{i}", frontend_main, (settings, sup.endpoints, [sock], os.getpid()))
-        logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",
-                                            settings.host, settings.port, count,
-                                            ", ".join(d.label for d in sup.devices))
-        run_frontend(settings, sup.endpoints, [sock], on_drain=sup.signal_frontends)
-    except KeyboardInterrupt:
-        if sup.fatal is None:
-            raise
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        sup.stop(settings.shutdown_grace_s)
-        sock.close()
-    if sup.fatal is not None:
-        fail(sup.fatal)
 
 
 @app.command(short_help="Download Hub weights into the Hugging Face cache.")
@@ -190,7 +133,7 @@ def pull(models: Optional[list[str]] = typer.Argument(
     """Download the Hub weights of MODELS into the Hugging Face cache (HF_HOME / HF_HUB_CACHE) ahead of
     time, e.g. while building an image or in a Kubernetes init container; `serve` with HF_HUB_OFFLINE=1
     then loads them without the network."""
-    from .settings import ModelEntry
+    from ..settings import ModelEntry
 
     specs = models or [settings_from_flags().models]
     entries = []
@@ -215,8 +158,8 @@ def _load_local(settings, preset: str, weights: Optional[str], backend: str):
     cache, ...) and the tile size are the server's settings."""
     from convkernels import get_backend
 
-    from .worker.loading import load_entry
-    from .settings import ModelEntry
+    from ..worker.loading import load_entry
+    from ..settings import ModelEntry
 
     entry = ModelEntry(preset, preset, weights)
     check_model_entries([entry])
@@ -251,8 +194,8 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
     server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
     from tqdm import tqdm
 
-    from .worker import oom_recovery
-    from .frontend import validation
+    from ..worker import oom_recovery
+    from ..frontend import validation
 
     lat = read_tensor(latents, "latents")
     video = lat.ndim == 5
@@ -265,7 +208,7 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
         fail(f"--shards {shards}: locally a whole number of GPUs (auto is the server's rule, with --url)")
     shards = int(shards)
     if shards > 1:
-        from .cli_sharded import decode_sharded
+        from .sharded import decode_sharded
         out, secs = decode_sharded(lat, preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend,
                                    shards, settings_from_flags())
         written = validated(write_decoded, out, output, video, quality, fps)
@@ -308,9 +251,9 @@ def encode(images: list[Path] = typer.Argument(..., help="JPEG/PNG/WebP files"),
     """Encode images to embeddings (and top-k labels when the checkpoint has a head)."""
     from tqdm import tqdm
 
-    from .frontend import validation
-    from .codecs import npy_bytes, open_image, preprocess
-    from .codecs import top_k as rank
+    from ..frontend import validation
+    from ..codecs import npy_bytes, open_image, preprocess
+    from ..codecs import top_k as rank
 
     for p in images:
         input_file(p)
@@ -375,7 +318,3 @@ def _machine() -> str:
     import platform
     return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu(s) {platform.python_version()}"
 
-
-if __name__ == "__main__":
-    app()
-    sys.exit(0)
