@@ -1,11 +1,14 @@
 """The rules the README and docs/interfaces.md state about the code, checked instead of promised:
 
 - imports point down only (service -> models -> convkernels; models and service never import a
-  backend module; inside the kernel layer the registry picks backends): import-linter, with the
-  contracts in pyproject.toml;
+  backend module; inside the kernel layer the registry picks backends; inside the service, a front
+  end imports no model code beyond models.contract and nothing of the model worker): import-linter,
+  with the contracts in pyproject.toml, and what importing a front end really loads;
 - no undefined names, unused imports or syntax errors: ruff, with its small configuration there;
 - every runtime import is a declared runtime dependency and no declared one is unused: deptry;
 - no module over MAX_LINES lines, except the few named below with the reason;
+- no folder of modules (service/, models/, convkernels/, benchmarks/) over MAX_FILES Python files,
+  __init__.py included: past that a folder is split by what runs its files (service/: by process);
 - no CONVSERVE_ setting is read below service/ (the backends and models get their knobs as
   arguments), and the few environment variables read there are other tools' own conventions;
 - no comment or document cites a file that is not in the repository;
@@ -17,7 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PACKAGES = ("convkernels", "models", "service")
 MAX_LINES = 400
+#: Python files per folder, __init__.py included (tests/ is one flat folder of test files by design)
+MAX_FILES = 15
 #: modules allowed past MAX_LINES, and why
 OVER_BUDGET: dict[str, str] = {}
 #: environment variables read below service/: each is another tool's own convention, not a setting
@@ -78,6 +83,25 @@ def test_modules_stay_within_the_size_budget():
     assert not unexplained, f"modules over {MAX_LINES} lines: {unexplained} (split them, or name them in OVER_BUDGET)"
     stale = set(OVER_BUDGET) - set(over)
     assert not stale, f"OVER_BUDGET names modules now within the budget: {stale}"
+
+
+def test_folders_stay_within_the_file_budget():
+    per_folder = Counter(path.parent.relative_to(REPO).as_posix() for path in sources(*PACKAGES, "benchmarks"))
+    over = {folder: n for folder, n in sorted(per_folder.items()) if n > MAX_FILES}
+    assert not over, f"folders over {MAX_FILES} Python files: {over} (split them into subpackages by what runs them)"
+
+
+def test_a_front_end_loads_no_model_family():
+    """The import-linter contracts see imports module by module; this sees what importing a front
+    end really loads, packages' __init__ modules included: no model family (nor models.sharding,
+    which loads them) and nothing of the model worker."""
+    code = "import sys, service.frontend.app, service.frontend.server; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            check=True, timeout=120).stdout.split()
+    families = {p.name for p in (REPO / "models").iterdir() if (p / "__init__.py").exists()} - {"nn"}
+    wrong = [m for m in loaded if m.startswith("service.worker")
+             or m.startswith("models.") and m.split(".")[1] in families]
+    assert not wrong, f"importing a front end loads {wrong}"
 
 
 def test_no_setting_is_read_below_the_service():
