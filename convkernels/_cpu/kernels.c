@@ -7,43 +7,17 @@
  * threads only when the work is large enough to repay the fork (a busy box otherwise stalls
  * every call), and the GIL is released.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "vec.h"
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-/* GCC warns that a 64-byte vector argument's ABI differs between the clones; no such vector
- * crosses a call here (the helpers are always inlined) */
-#pragma GCC diagnostic ignored "-Wpsabi"
-#else
-#define CLONES
-#endif
-
-/* below this many multiply-adds a call stays on one thread */
-#define PARALLEL_MIN_WORK 262144
 /* depthwise convs fork only above this: right after a BLAS call OpenBLAS's threads still spin on
  * both cores, and a forked 14x14x384 7x7 conv then took 4.4 ms instead of 0.37 ms on one thread */
 #define DEPTHWISE_PARALLEL_MIN_WORK (1LL << 23)
 
-/* 16 floats: one AVX-512 register, two AVX2 ones; GCC lowers the vector type per clone */
-typedef float vf16 __attribute__((vector_size(64)));
-#define DW_VEC 16
 /* output columns sharing each loaded weight vector: OB accumulators stay in registers, so a tap
  * costs OB loads + OB FMAs instead of the load-FMA-store of an accumulator in memory */
 #define DW_OB 4
-
-/* always inlined, so each clone's copy uses that clone's registers */
-static inline __attribute__((always_inline)) vf16 vload16(const float *p)
-{
-    vf16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void vstore16(float *p, vf16 v) { memcpy(p, &v, sizeof v); }
 
 /* One output row, one 16-channel vector, stride 1 and dilation 1 along W, KW a constant after
  * inlining: each kernel row loads the DW_OB + KW - 1 input vectors a block of DW_OB columns
@@ -188,72 +162,46 @@ static void depthwise_rows(const float *x, const float *w, const float *bias, fl
     }
 }
 
-/* erf(z) as z * P(z^2) / Q(z^2) on [-4, 4] (the float32 rational fit Eigen and XLA use; no exp) */
-static inline float erf_rational(float z)
-{
-    z = z < -4.0f ? -4.0f : (z > 4.0f ? 4.0f : z);
-    float z2 = z * z;
-    float p = -2.72614225801306e-10f;
-    p = p * z2 + 2.77068142495902e-08f;
-    p = p * z2 - 2.10102402082508e-06f;
-    p = p * z2 - 5.69250639462346e-05f;
-    p = p * z2 - 7.34990630326855e-04f;
-    p = p * z2 - 2.95459980854025e-03f;
-    p = p * z2 - 1.60960333262415e-02f;
-    float q = -1.45660718464996e-05f;
-    q = q * z2 - 2.13374055278905e-04f;
-    q = q * z2 - 1.68282697438203e-03f;
-    q = q * z2 - 7.37332916720468e-03f;
-    q = q * z2 - 1.42647390514189e-02f;
-    return z * p / q;
-}
 
+/* Output rows [r0, r1) of one image's stride-1, dilation-1 depthwise conv with KW of 3, 5 or 7
+ * (the caller checks), into out laid out (r1 - r0, Wo, C): the fused depthwise + LayerNorm of
+ * norms.c convolves a block of rows into a cache-resident buffer with it. Channel vector
+ * outermost within the block, as in depthwise_rows, so a vector's input rows stay in L1. */
 CLONES
-static void bias_gelu_rows(const float *x, const float *bias, float *out, Py_ssize_t rows, Py_ssize_t c)
+void ck_depthwise_rows_s1(const float *x, const float *w, const float *bias, float *out, Py_ssize_t h,
+                          Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
+                          Py_ssize_t pw, Py_ssize_t r0, Py_ssize_t r1)
 {
-    const float inv_sqrt2 = 0.70710678118654752f;
-#pragma omp parallel for schedule(static) if ((long long)rows * c * 16 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * c;
-        float *o = out + (size_t)r * c;
-        for (Py_ssize_t ch = 0; ch < c; ch++) {
-            float v = xr[ch] + (bias ? bias[ch] : 0.0f);
-            o[ch] = 0.5f * v * (1.0f + erf_rational(v * inv_sqrt2));
+    Py_ssize_t wo = wd + 2 * pw - kw + 1;
+    Py_ssize_t c_vec = c - c % DW_VEC;
+    for (Py_ssize_t c0 = 0; c0 < c_vec; c0 += DW_VEC) {
+        vf16 init = bias ? vload16(bias + c0) : (vf16){0};
+        for (Py_ssize_t r = r0; r < r1; r++) {
+            float *orow = out + (size_t)(r - r0) * wo * c;
+            if (kw == 7) depthwise_row_s1(x, w, init, orow, h, wd, c, c0, r - ph, kh, 1, pw, wo, 7);
+            else if (kw == 5) depthwise_row_s1(x, w, init, orow, h, wd, c, c0, r - ph, kh, 1, pw, wo, 5);
+            else depthwise_row_s1(x, w, init, orow, h, wd, c, c0, r - ph, kh, 1, pw, wo, 3);
         }
     }
-}
-
-CLONES
-static void layer_norm_rows(const float *x, const float *w, const float *b, float *out,
-                            Py_ssize_t rows, Py_ssize_t c, float eps)
-{
-#pragma omp parallel for schedule(static) if ((long long)rows * c * 4 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * c;
-        float *o = out + (size_t)r * c;
-        double sum = 0.0; /* double accumulators: channel sums of 1000+ floats drift in float */
-        for (Py_ssize_t ch = 0; ch < c; ch++) sum += xr[ch];
-        float mean = (float)(sum / c);
-        double sq = 0.0;
-        for (Py_ssize_t ch = 0; ch < c; ch++) {
-            float d = xr[ch] - mean;
-            sq += (double)d * d;
-        }
-        float rstd = (float)(1.0 / sqrt(sq / c + eps));
-        for (Py_ssize_t ch = 0; ch < c; ch++) {
-            float v = (xr[ch] - mean) * rstd;
-            if (w) v *= w[ch];
-            if (b) v += b[ch];
-            o[ch] = v;
+    if (c_vec == c) return;
+    for (Py_ssize_t r = r0; r < r1; r++) { /* channels past the last full vector: one at a time */
+        float *orow = out + (size_t)(r - r0) * wo * c;
+        for (Py_ssize_t ow = 0; ow < wo; ow++) {
+            float *acc = orow + (size_t)ow * c;
+            for (Py_ssize_t ch = c_vec; ch < c; ch++) acc[ch] = bias ? bias[ch] : 0.0f;
+            for (Py_ssize_t i = 0; i < kh; i++) {
+                Py_ssize_t ih = r - ph + i;
+                if (ih < 0 || ih >= h) continue;
+                for (Py_ssize_t j = 0; j < kw; j++) {
+                    Py_ssize_t iw = ow - pw + j;
+                    if (iw < 0 || iw >= wd) continue;
+                    const float *xp = x + ((size_t)ih * wd + iw) * c;
+                    const float *wt = w + (size_t)(i * kw + j) * c;
+                    for (Py_ssize_t ch = c_vec; ch < c; ch++) acc[ch] += xp[ch] * wt[ch];
+                }
+            }
         }
     }
-}
-
-static int too_small(Py_buffer *buf, Py_ssize_t floats) { return buf->len < (Py_ssize_t)sizeof(float) * floats; }
-
-static void release(Py_buffer *bufs, int n)
-{
-    for (int i = 0; i < n; i++) PyBuffer_Release(&bufs[i]);
 }
 
 static PyObject *depthwise2d(PyObject *self, PyObject *args)
@@ -280,172 +228,6 @@ static PyObject *depthwise2d(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *bias_gelu(PyObject *self, PyObject *args)
-{
-    Py_buffer bf[3];
-    Py_ssize_t rows, c;
-    int has_bias;
-    if (!PyArg_ParseTuple(args, "y*y*w*pnn", &bf[0], &bf[1], &bf[2], &has_bias, &rows, &c)) return NULL;
-    int bad = too_small(&bf[0], rows * c) || too_small(&bf[2], rows * c) || (has_bias && too_small(&bf[1], c));
-    if (!bad) {
-        Py_BEGIN_ALLOW_THREADS
-        bias_gelu_rows(bf[0].buf, has_bias ? bf[1].buf : NULL, bf[2].buf, rows, c);
-        Py_END_ALLOW_THREADS
-    }
-    release(bf, 3);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "bias_gelu: buffer sizes do not match");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *layer_norm(PyObject *self, PyObject *args)
-{
-    Py_buffer bf[4];
-    Py_ssize_t rows, c;
-    int has_w, has_b;
-    float eps;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*ppnnf", &bf[0], &bf[1], &bf[2], &bf[3], &has_w, &has_b, &rows, &c, &eps))
-        return NULL;
-    int bad = too_small(&bf[0], rows * c) || too_small(&bf[3], rows * c) ||
-              (has_w && too_small(&bf[1], c)) || (has_b && too_small(&bf[2], c));
-    if (!bad) {
-        Py_BEGIN_ALLOW_THREADS
-        layer_norm_rows(bf[0].buf, has_w ? bf[1].buf : NULL, has_b ? bf[2].buf : NULL, bf[3].buf, rows, c, eps);
-        Py_END_ALLOW_THREADS
-    }
-    release(bf, 4);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "layer_norm: buffer sizes do not match");
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-
-/* tanh(x) as x * P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float32 rational fit), so the SiLU
- * epilogue vectorises like the GELU one: libm's expf is a scalar call, and GCC would not
- * vectorise an exp built from exponent bits here. */
-static inline float tanh_rational(float x)
-{
-    x = x < -7.90531110763549805f ? -7.90531110763549805f : (x > 7.90531110763549805f ? 7.90531110763549805f : x);
-    float x2 = x * x;
-    float p = -2.76076847742355e-16f;
-    p = p * x2 + 2.00018790482477e-13f;
-    p = p * x2 - 8.60467152213735e-11f;
-    p = p * x2 + 5.12229709037114e-08f;
-    p = p * x2 + 1.48572235717979e-05f;
-    p = p * x2 + 6.37261928875436e-04f;
-    p = p * x2 + 4.89352455891786e-03f;
-    float q = 1.19825839466702e-06f;
-    q = q * x2 + 1.18534705686654e-04f;
-    q = q * x2 + 2.26843463243900e-03f;
-    q = q * x2 + 4.89352518554385e-03f;
-    return x * p / q;
-}
-
-/* GroupNorm over channels-last (N, S, C): per-channel sums in double (S can be 10^6 positions),
- * group statistics, then one pass of x * scale[c] + shift[c] with the activation fused
- * (0 none, 1 silu, 2 gelu). Threads split the positions of one image for the sums and the
- * rows for the apply pass. */
-CLONES
-static void group_norm_image(const float *x, const float *w, const float *b, float *out,
-                             Py_ssize_t s, Py_ssize_t c, Py_ssize_t groups, float eps, int act,
-                             double *sum, double *sq, float *scale, float *shift)
-{
-    memset(sum, 0, sizeof(double) * c);
-    memset(sq, 0, sizeof(double) * c);
-    int parallel = (long long)s * c > PARALLEL_MIN_WORK;
-#pragma omp parallel if (parallel)
-    {
-        double *ls = calloc(2 * c, sizeof(double));
-        double *lq = ls + c;
-#pragma omp for schedule(static)
-        for (Py_ssize_t p = 0; p < s; p++) {
-            const float *xr = x + (size_t)p * c;
-            for (Py_ssize_t ch = 0; ch < c; ch++) {
-                double v = xr[ch];
-                ls[ch] += v;
-                lq[ch] += v * v;
-            }
-        }
-#pragma omp critical
-        for (Py_ssize_t ch = 0; ch < c; ch++) {
-            sum[ch] += ls[ch];
-            sq[ch] += lq[ch];
-        }
-        free(ls);
-    }
-    Py_ssize_t cg = c / groups;
-    double count = (double)s * cg;
-    for (Py_ssize_t g = 0; g < groups; g++) {
-        double m = 0.0, q = 0.0;
-        for (Py_ssize_t ch = g * cg; ch < (g + 1) * cg; ch++) {
-            m += sum[ch];
-            q += sq[ch];
-        }
-        m /= count;
-        double var = q / count - m * m;
-        if (var < 0.0) var = 0.0;
-        float rstd = (float)(1.0 / sqrt(var + eps));
-        for (Py_ssize_t ch = g * cg; ch < (g + 1) * cg; ch++) {
-            float gw = w ? w[ch] : 1.0f;
-            scale[ch] = rstd * gw;
-            shift[ch] = (b ? b[ch] : 0.0f) - (float)m * rstd * gw;
-        }
-    }
-    const float inv_sqrt2 = 0.70710678118654752f;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (Py_ssize_t p = 0; p < s; p++) {
-        const float *xr = x + (size_t)p * c;
-        float *o = out + (size_t)p * c;
-        /* one loop per activation: a branch inside would keep GCC from vectorising */
-        if (act == 1) {
-            for (Py_ssize_t ch = 0; ch < c; ch++) {
-                float v = xr[ch] * scale[ch] + shift[ch];
-                o[ch] = 0.5f * v * (1.0f + tanh_rational(0.5f * v)); /* v * sigmoid(v) */
-            }
-        } else if (act == 2) {
-            for (Py_ssize_t ch = 0; ch < c; ch++) {
-                float v = xr[ch] * scale[ch] + shift[ch];
-                o[ch] = 0.5f * v * (1.0f + erf_rational(v * inv_sqrt2));
-            }
-        } else {
-            for (Py_ssize_t ch = 0; ch < c; ch++) o[ch] = xr[ch] * scale[ch] + shift[ch];
-        }
-    }
-}
-
-static PyObject *group_norm(PyObject *self, PyObject *args)
-{
-    Py_buffer bf[4];
-    Py_ssize_t n, s, c, groups;
-    int has_w, has_b, act;
-    float eps;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*ppnnnnfi", &bf[0], &bf[1], &bf[2], &bf[3], &has_w, &has_b,
-                          &n, &s, &c, &groups, &eps, &act))
-        return NULL;
-    int bad = too_small(&bf[0], n * s * c) || too_small(&bf[3], n * s * c) || groups < 1 || c % groups ||
-              (has_w && too_small(&bf[1], c)) || (has_b && too_small(&bf[2], c)) || act < 0 || act > 2;
-    double *stats = bad ? NULL : malloc(sizeof(double) * 2 * c + sizeof(float) * 2 * c);
-    if (!bad && stats) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++)
-            group_norm_image((const float *)bf[0].buf + (size_t)i * s * c, has_w ? bf[1].buf : NULL,
-                             has_b ? bf[2].buf : NULL, (float *)bf[3].buf + (size_t)i * s * c, s, c, groups, eps,
-                             act, stats, stats + c, (float *)(stats + 2 * c), (float *)(stats + 2 * c) + c);
-        Py_END_ALLOW_THREADS
-    }
-    free(stats);
-    release(bf, 4);
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "group_norm: buffer sizes or groups do not match");
-        return NULL;
-    }
-    if (!stats) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
 
 /* Winograd F(2x2, 3x3) transforms for the NumPy backend's winograd_f2x3 path; the 16 gemms
  * between them stay in BLAS. In NumPy the transforms were a dozen strided passes per tile row and
@@ -745,14 +527,20 @@ static PyObject *winograd4_output(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"depthwise2d", depthwise2d, METH_VARARGS,
      "depthwise2d(x, w_taps_c, bias, out, has_bias, n, h, w, c, kh, kw, sh, sw, dh, dw, ph, pw, ho, wo)"},
-    {"bias_gelu", bias_gelu, METH_VARARGS, "bias_gelu(x, bias, out, has_bias, rows, c): exact-erf GELU(x + bias)"},
-    {"layer_norm", layer_norm, METH_VARARGS, "layer_norm(x, w, b, out, has_w, has_b, rows, c, eps)"},
+    {"bias_gelu", ck_bias_gelu, METH_VARARGS, "bias_gelu(x, bias, out, has_bias, rows, c): exact-erf GELU(x + bias)"},
+    {"epilogue", ck_epilogue, METH_VARARGS,
+     "epilogue(x, bias, residual, out, has_bias, has_residual, rows, c, act): act(x + bias) + residual, "
+     "act 0 none, 1 silu, 2 gelu; out may be x"},
+    {"layer_norm", ck_layer_norm, METH_VARARGS, "layer_norm(x, w, b, out, has_w, has_b, rows, c, eps)"},
+    {"depthwise_layer_norm", ck_depthwise_layer_norm, METH_VARARGS,
+     "depthwise_layer_norm(x, taps, dw_bias, ln_w, ln_b, out, has_bias, has_w, has_b, n, h, w, c, kh, kw, eps): "
+     "LayerNorm(depthwise 'same' conv + bias), kw 3, 5 or 7"},
     {"winograd_input", winograd_input, METH_VARARGS, "winograd_input(x_hwc, v, zeros_c, h, w, c, tw, pad_top, pad_left, r0, r1[, tile_stride, plane_stride])"},
     {"winograd_output", winograd_output, METH_VARARGS, "winograd_output(m, out_hwo, ho, wo, o, tw, r0, r1)"},
     {"winograd4_input", winograd4_input, METH_VARARGS,
      "winograd4_input(x_hwc, v, zeros_c, h, w, c, tw, pad_top, pad_left, r0, r1[, tile_stride, plane_stride]): F(4x4,3x3)"},
     {"winograd4_output", winograd4_output, METH_VARARGS, "winograd4_output(m, out_hwo, ho, wo, o, tw, r0, r1): F(4x4,3x3)"},
-    {"group_norm", group_norm, METH_VARARGS,
+    {"group_norm", ck_group_norm, METH_VARARGS,
      "group_norm(x, w, b, out, has_w, has_b, n, s, c, groups, eps, act): act 0 none, 1 silu, 2 gelu"},
     {NULL, NULL, 0, NULL}};
 

@@ -9,9 +9,10 @@ import numpy as np
 from ... import _cpu
 from ...backend import BackendBase
 from ...paths import ConvPath
-from ...spec import ConvKey, is_subpixel_upsample, prod, upsample_shapes
+from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, prod, upsample_shapes
 from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from . import conv as nc
+from . import fused
 from .activations import apply_activation, c_ready, gelu
 from .autotune import time_paths, work_key
 from .blas import BlasThreads
@@ -268,6 +269,18 @@ class NumpyBackend(BackendBase):
         return self._epilogue(out, bias, residual, activation)
 
     # ---- other ops ------------------------------------------------------------------------
+    def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
+        """ConvNeXt's depthwise 'same' conv + LayerNorm as one compiled pass (fused.py), or None
+        where it does not apply. Still a conv to the before_conv hook and the conv metrics."""
+        if not fused.depthwise_layer_norm_applies(x, w, bias, norm_w, norm_b):
+            return None
+        kernel = (w.shape[1], w.shape[2])
+        if self.before_conv is not None:
+            self.before_conv(x, w, ConvSpec.make(2, 1, (kernel[0] // 2, kernel[1] // 2), 1, x.shape[-1]))
+        self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
+        return fused.depthwise_layer_norm(x, self._winograd_u(w, fused.depthwise_taps), kernel, bias, norm_w,
+                                          norm_b, eps)
+
     def _group_norm(self, x, num_groups, weight, bias, eps, activation):
         x = self._f(x)
         if c_ready(x) and activation in _GN_ACT:
@@ -335,9 +348,13 @@ class NumpyBackend(BackendBase):
     def _linear(self, x, weight, bias, residual, activation):
         x, weight = self._operands(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
+        b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
         with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
+            # bias, activation and residual in one pass per cache-resident block of the output
+            out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], weight.shape[0])
             out = np.matmul(x2, weight.T)
-        b = None if bias is None else self._f(bias).astype(out.dtype, copy=False)
         if activation == "gelu":
             out = gelu(out, b)
         else:

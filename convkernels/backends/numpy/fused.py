@@ -1,0 +1,82 @@
+"""Fused ops of the NumPy backend on the compiled kernels (convkernels/_cpu): a linear whose bias,
+activation and residual are one pass over each block of the gemm's output while that block is
+still in cache, and the depthwise conv + LayerNorm of ConvNeXt's block in one pass. Each returns
+None where it does not apply (no compiler, another dtype, a layout the kernel does not take);
+the backend then runs the unfused ops."""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import _cpu
+
+#: activation codes of the compiled epilogue and group_norm
+ACT_CODES = {None: 0, "silu": 1, "gelu": 2}
+#: gemm output rows per block (bytes), each followed by its epilogue while still in cache. Smaller
+#: blocks lost on ConvNeXt-T (2-core Xeon, 2026-11-28: 256 KiB 126-135 ms, 1 MiB 98 ms, one block
+#: 89-99 ms per encode): OpenBLAS wakes its threads per call and runs short gemms less well
+#: than the epilogue saves, so one block per call up to this size
+ROW_BLOCK_BYTES = 64 << 20
+#: kernel widths the fused depthwise + LayerNorm has specialised rows for
+DW_LN_WIDTHS = (3, 5, 7)
+
+
+def _f32(a) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def _vector(p, c: int) -> bool:
+    return p is None or (_f32(p) and p.shape == (c,))
+
+
+def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None):
+    """act(x2 @ weight.T + bias) + residual for x2 (rows, I), residual (..., O) holding rows x O
+    or None; None where the compiled epilogue does not apply."""
+    if not _cpu.AVAILABLE or activation not in ACT_CODES or not _f32(x2) or weight.dtype != np.float32:
+        return None
+    rows, o = x2.shape[0], weight.shape[0]
+    if residual is not None:  # the output's own shape only (a broadcast residual takes the unfused add)
+        if not _f32(residual) or residual.size != rows * o or residual.shape[-1] != o:
+            return None
+        residual = residual.reshape(rows, o)
+    if not _vector(bias, o):
+        return None
+    if bias is None and residual is None and activation is None:
+        return x2 @ weight.T
+    out = np.empty((rows, o), np.float32)
+    wt = weight.T
+    step = max(1, ROW_BLOCK_BYTES // (4 * o))
+    kernels, act = _cpu._kernels, ACT_CODES[activation]
+    none = np.zeros(1, np.float32)
+    for r0 in range(0, rows, step):
+        blk = out[r0:r0 + step]
+        np.matmul(x2[r0:r0 + step], wt, out=blk)
+        kernels.epilogue(blk, none if bias is None else bias, none if residual is None else residual[r0:r0 + step],
+                         blk, bias is not None, residual is not None, blk.shape[0], o, act)
+    return out
+
+
+def depthwise_taps(w: np.ndarray) -> np.ndarray:
+    """(C, kh, kw, 1) depthwise weights as the kernels' (kh * kw, C) taps"""
+    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T, dtype=np.float32)
+
+
+def depthwise_layer_norm_applies(x, w, bias, norm_w, norm_b) -> bool:
+    if not _cpu.AVAILABLE or not _f32(x) or x.ndim != 4 or not isinstance(w, np.ndarray) or w.ndim != 4:
+        return False
+    c = x.shape[-1]
+    kh, kw = w.shape[1], w.shape[2]
+    return (w.dtype == np.float32 and tuple(w.shape) == (c, kh, kw, 1) and kh % 2 == 1 and kw in DW_LN_WIDTHS
+            and all(_vector(p, c) for p in (bias, norm_w, norm_b)))
+
+
+def depthwise_layer_norm(x: np.ndarray, taps: np.ndarray, kernel: tuple[int, int], bias, norm_w, norm_b,
+                         eps: float) -> np.ndarray:
+    """LayerNorm(depthwise 'same' conv(x) + bias), checked by depthwise_layer_norm_applies"""
+    n, h, w, c = x.shape
+    out = np.empty_like(x)
+    none = np.zeros(1, np.float32)
+    _cpu._kernels.depthwise_layer_norm(
+        x, taps, none if bias is None else bias, none if norm_w is None else norm_w,
+        none if norm_b is None else norm_b, out, bias is not None, norm_w is not None, norm_b is not None,
+        n, h, w, c, kernel[0], kernel[1], eps)
+    return out
