@@ -1,4 +1,4 @@
-"""The `shards` option of a decode through a real `convserve serve` (service/frontend/shard_option.py,
+"""The `shards` option of a decode through a real `convserve serve` (service/frontend/decode_request.py,
 service/worker/shard_leader.py), on the NumPy backend with two CPU devices (CONVSERVE_DEVICES=0,1), each
 server in two forms:
 - "emulated": the first device's worker decodes the shards itself on emulated shards (threads);

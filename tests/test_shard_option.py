@@ -1,9 +1,10 @@
-"""The `shards` option's parsing and the `auto` rule (service/frontend/shard_option.py): pure functions, no server."""
+"""The `shards` option's parsing and decision (service/frontend/decode_request.py) and the `auto` rule
+(service/frontend/shard_option.py): pure functions, no server."""
 from __future__ import annotations
 
 import pytest
 
-from service.frontend import shard_option
+from service.frontend import decode_request, shard_option
 from service.problems import Problem
 from service.settings import Settings
 
@@ -11,13 +12,13 @@ from service.settings import Settings
 @pytest.mark.parametrize("value,want", [(None, 1), ("", 1), ("1", 1), ("4", 4), (2, 2), ("auto", "auto"),
                                         (" AUTO ", "auto"), (3.0, 3)])
 def test_parse_accepts_auto_and_whole_numbers(value, want):
-    assert shard_option.parse(value) == want
+    assert decode_request.parse_shards(value) == want
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "65", "2.5", 2.5, "x", True, [2]])
 def test_parse_refuses_the_rest_with_a_422(value):
     with pytest.raises(Problem) as e:
-        shard_option.parse(value)
+        decode_request.parse_shards(value)
     assert e.value.status == 422 and e.value.kind == "bad-shards"
 
 
@@ -47,10 +48,21 @@ def test_auto_follows_the_measured_rows_and_the_device_count():
     assert {r.family for r in shard_option.AUTO_RULES} <= {f.name for f in declared().values()}
 
 
+class Hm:
+    """What decide_shards reads of a served model: its name, its view's shard family, its output shape."""
+
+    def __init__(self, family=shard_option.SD_LAYOUT):
+        self.name, self.model = "m", type("View", (), {"shard_family": family})()
+
+    @staticmethod
+    def output_shape(shape):
+        return (shape[0], 8 * shape[-2], 8 * shape[-1], 3)
+
+
 def test_decide_names_what_cannot_be_sharded():
     def kind(requested, family=shard_option.SD_LAYOUT, lat=(1, 4, 9, 13), devices=2, tiled=None):
         try:
-            return shard_option.decide(requested, "m", family, lat, (1, 72, 104, 3), devices, tiled)
+            return decode_request.decide_shards(Hm(family), lat, requested, tiled, devices)
         except Problem as e:
             assert e.status == 422
             return e.kind
@@ -69,35 +81,29 @@ def test_a_refusal_names_what_the_workers_offer():
     from models import sharding
 
     with pytest.raises(Problem, match="m: a sharded decode is offered for the X and Y decoders"):
-        shard_option.decide(2, "m", None, (1, 4, 9, 13), (1, 72, 104, 3), 2, None, "the X and Y decoders")
-    assert shard_option.LATENT_ROWS == sharding.LATENT_ROWS
+        decode_request.decide_shards(Hm(None), (1, 4, 9, 13), 2, None, 2, offered="the X and Y decoders")
+    assert decode_request.LATENT_ROWS == sharding.LATENT_ROWS
 
 
 def test_without_shard_groups_auto_is_one_device_and_n_a_501():
-    class Hm:  # what for_model reads of a served model
-        name, model = "m", type("View", (), {"shard_family": shard_option.SD_LAYOUT})()
-
-        @staticmethod
-        def output_shape(shape):
-            return (shape[0], 8 * shape[2], 8 * shape[3], 3)
     lat = (1, 4, 512, 512)  # 4096x4096: auto would shard it where groups exist
-    off = shard_option.groups_off("cuda", Settings(shard_groups=False))
-    assert shard_option.for_model(Hm, lat, "auto", None, 4) == 4
-    assert shard_option.for_model(Hm, lat, "auto", None, 4, off) == 1
-    assert shard_option.for_model(Hm, lat, 1, None, 4, off) == 1
+    off = decode_request.groups_off("cuda", Settings(shard_groups=False))
+    assert decode_request.decide_shards(Hm(), lat, "auto", None, 4) == 4
+    assert decode_request.decide_shards(Hm(), lat, "auto", None, 4, off) == 1
+    assert decode_request.decide_shards(Hm(), lat, 1, None, 4, off) == 1
     with pytest.raises(Problem) as e:
-        shard_option.for_model(Hm, lat, 2, None, 4, off)
+        decode_request.decide_shards(Hm(), lat, 2, None, 4, off)
     assert e.value.status == 501 and e.value.kind == "shard-groups-off" and "CONVSERVE_SHARD_GROUPS" in e.value.detail
 
 
 def test_which_servers_form_shard_groups():
     assert Settings().shard_groups, "on by default"
-    assert shard_option.groups_off("cuda", Settings()) is None
-    assert shard_option.groups_off("numpy", Settings(shard_groups=False)) is None  # emulated shards
-    assert shard_option.groups_off("cuda", Settings(shard_groups=False))[0] == "shard-groups-off"
+    assert decode_request.groups_off("cuda", Settings()) is None
+    assert decode_request.groups_off("numpy", Settings(shard_groups=False)) is None  # emulated shards
+    assert decode_request.groups_off("cuda", Settings(shard_groups=False))[0] == "shard-groups-off"
     # mlx's emulated shards would fail (its streams are per thread); a real communicator is fine
-    assert shard_option.groups_off("mlx", Settings())[0] == "shards-not-on-this-backend"
-    assert shard_option.groups_off("mlx", Settings(shard_comm="test-gloo")) is None
+    assert decode_request.groups_off("mlx", Settings())[0] == "shards-not-on-this-backend"
+    assert decode_request.groups_off("mlx", Settings(shard_comm="test-gloo")) is None
 
 
 def test_the_shard_communicator_is_a_closed_choice_not_an_import_string():

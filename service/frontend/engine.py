@@ -187,13 +187,12 @@ class Engine:
             if not sub.started:
                 self.waiting -= 1
 
-    def submit(self, lease: Lease, model: str, op: str, options: dict, in_ref: TensorRef | None, rows: int,
+    def submit(self, lease: Lease, model: str, op: str, options: wp.Options, in_ref: TensorRef | None, rows: int,
                outputs: dict[str, tuple[tuple[int, ...], Any]], *, link: Link | None = None) -> Submission:
         """Reserve the `outputs` (name -> (shape, dtype)) and send the request, whose inputs are
         the arena block `in_ref`, to a worker; the submission (in `lease`, which now owns the
         blocks) resolves when the worker answers. Raises NoWorker, or shm.ArenaFull / TooLarge,
         with nothing held then but `in_ref` (the caller's)."""
-        opts = wp.Options(**options)  # an option no op knows fails here, before anything is held
         link = link or self._pick(model)
         if link.unresponsive:  # a stream's or shard group's own worker
             raise NoWorker("worker-unresponsive", link.unresponsive)
@@ -209,7 +208,7 @@ class Engine:
         sub = Submission(self.arena, link, next(self._rid), rows, offsets, out_refs)
         lease.submissions.append(sub)
         self.waiting += 1
-        self._send(link, sub, wp.Submit(sub.rid, model, op, opts, in_ref, out_refs))
+        self._send(link, sub, wp.Submit(sub.rid, model, op, options, in_ref, out_refs))
         return sub
 
     def cancel(self, sub: Submission) -> None:

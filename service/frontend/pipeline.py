@@ -20,12 +20,14 @@ import numpy as np
 from .. import metrics
 from ..hosted_model import HostedModel
 from ..ipc import worker_errors
+from ..ipc import worker_protocol as wp
 from ..ipc.shm import Arena, ArenaFull, TensorRef, TooLarge
 from ..model_stats import ModelStats, ns
 from ..problems import Problem
 from ..settings import Settings
-from . import shard_option, validation
+from . import validation
 from .compute_cap import ComputeCap
+from .decode_request import DecodeRequest
 from .engine import Engine, Lease, NoWorker, Submission, WorkerFailure
 from .http.uploads import Uploads
 from .memory_budget import MemoryBudget, auto_budget_bytes
@@ -41,6 +43,8 @@ DISCONNECT_POLL_S = 0.1
 SETTLE_POLL_S = 0.02
 #: bodies and arrays up to this size are parsed, checked and copied on the event loop (Service.offload)
 INLINE_BYTES = 64 << 10
+#: the options of the ops that take none (encode, vae_encode)
+NO_OPTIONS = wp.Options()
 
 
 def start_all_workers(pool: ThreadPoolExecutor, workers: int, timeout_s: float = 10.0) -> None:
@@ -249,7 +253,7 @@ class Service:
         return await self.in_pool(fn, *args)
 
     # ---- the request path ------------------------------------------------------------------------
-    async def run(self, hm: HostedModel, op: str, options: dict, inputs: np.ndarray | None,
+    async def run(self, hm: HostedModel, op: str, options: wp.Options, inputs: np.ndarray | None,
                   outputs: dict[str, tuple[tuple[int, ...], str]], disconnected: DisconnectCheck | None,
                   *, lease: Lease | None = None, link=None, continuation: bool = False) -> Submission:
         """`op` on a model worker (batched there with equal work from every front end), its
@@ -328,28 +332,18 @@ class Service:
             raise
         return ref
 
-    def shards_for(self, hm: HostedModel, latents_shape: tuple[int, ...], shards: int | str, tiled) -> int:
-        return shard_option.for_model(hm, latents_shape, shards, tiled, self.engine.device_count,
-                                      shard_option.groups_off(self.engine.backend_name, self.settings),
-                                      self.engine.shard_offered)
-
-    async def decode(self, hm: HostedModel, latents: np.ndarray, *, tiled: bool | None = None,
-                     clamp: bool = True, uint8: bool = False, shards: int | str = 1,
-                     disconnected: DisconnectCheck | None = None) -> np.ndarray:
-        """Latents -> float32 images N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1].
-        clamp=False (image decoders): x/2 + 0.5 of the unclamped decoder output (remote_decode `pt`).
-        uint8: the pixels as uint8 instead, converted on the device (a quarter of the bytes to move,
-        and nothing left to convert for an image or video file). shards: 1, N or "auto"
-        (service/frontend/shard_option.py): N > 1 decodes untiled on the first N devices together."""
-        lat = await self.offload(latents.nbytes, validation.latents, hm, latents, self.settings)  # NaN scan
-        out_shape = hm.output_shape(lat.shape)
+    async def decode(self, req: DecodeRequest, *, disconnected: DisconnectCheck | None = None) -> np.ndarray:
+        """A decode as its route decided it (service/frontend/decode_request.py) -> float32 images
+        N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1]; with req.uint8, uint8 pixels converted
+        on the device (a quarter of the bytes to move, and nothing left to convert for a file).
+        req.shards > 1 decodes untiled on the first N devices together."""
+        hm, out_shape = req.hm, req.out_shape
         pixels = math.prod(out_shape[:-1])
         self.check_work(hm, pixels, f"decoding to {'x'.join(map(str, out_shape[:-1]))} pixels")
-        options = {"tiled": tiled, "clamp": clamp, "uint8": uint8}  # leader_link adds shards (None: any worker)
-        link = shard_option.leader_link(self.engine, hm.name, self.shards_for(hm, lat.shape, shards, tiled), options)
-        with self.cap.first_run(hm, ("decode", lat.shape, tiled, options.get("shards")), pixels):
-            sub = await self.run(hm, "decode", options, lat, {"out": (out_shape, "uint8" if uint8 else "float32")},
-                                 disconnected, link=link)
+        link = req.link(self.engine)  # None: any worker
+        with self.cap.first_run(hm, req.first_run_key, pixels):
+            sub = await self.run(hm, "decode", req.worker_options(), req.latents,
+                                 {"out": (out_shape, "uint8" if req.uint8 else "float32")}, disconnected, link=link)
         return sub.arrays()["out"]
 
     async def vae_encode(self, hm: HostedModel, images: np.ndarray, *,
@@ -361,7 +355,7 @@ class Service:
         px = await self.offload(images.nbytes, check, hm, images, self.settings)  # NaN scan
         self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
         with self.cap.first_run(hm, ("vae_encode", px.shape), math.prod(px.shape[:-1])):
-            sub = await self.run(hm, "vae_encode", {}, px, {"out": (hm.encoded_shape(px.shape), "float32")},
+            sub = await self.run(hm, "vae_encode", NO_OPTIONS, px, {"out": (hm.encoded_shape(px.shape), "float32")},
                                  disconnected)
         return sub.arrays()["out"]
 
@@ -371,6 +365,6 @@ class Service:
         to move, converted on the device) -> {embedding (N,D), logits (N,K)|None}."""
         px = await self.offload(pixels.nbytes, validation.encoder_pixels, hm, pixels, self.settings)  # uint8 stays
         self.check_work(hm, math.prod(px.shape[:-1]), f"encoding {'x'.join(map(str, px.shape[:-1]))} pixels")
-        sub = await self.run(hm, "encode", {}, px, hm.encoder_outputs(px.shape[0]), disconnected)
+        sub = await self.run(hm, "encode", NO_OPTIONS, px, hm.encoder_outputs(px.shape[0]), disconnected)
         out = sub.arrays()
         return {"embedding": out["embedding"], "logits": out.get("logits")}

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from ...codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
-from .. import shard_option, validation
+from .. import decode_request, validation
 from ..http.bodies import read_body
 from ..pipeline import Service
 from .adapters import service
@@ -173,7 +173,7 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
                 "binary_data": {"type": "boolean"}}}}}},
         "parameters": {"type": "object", "properties": {
             "binary_data_output": {"type": "boolean"},
-            "shards": {"description": "decoders: 1, N or 'auto' (service/frontend/shard_option.py)",
+            "shards": {"description": "decoders: 1, N or 'auto' (service/frontend/decode_request.py)",
                        "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "enum": ["auto"]}]}}}}}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
                                  "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) "
@@ -191,9 +191,9 @@ async def infer(name: str, request: Request, version: str | None = None):
         body = await read_body(request, svc.settings.max_body_bytes)
         doc, tensors = await svc.in_pool(_parse, body, request.headers.get(HEADER_LENGTH))
         if hm.is_decoder:
-            shards = shard_option.parse((doc.get("parameters") or {}).get("shards"))
-            out = await svc.decode(hm, _only_input(tensors, "latents"), shards=shards,
-                                   disconnected=request.is_disconnected)
+            shards = decode_request.parse_shards((doc.get("parameters") or {}).get("shards"))
+            req = await decode_request.build(svc, hm, _only_input(tensors, "latents"), format="tensor", shards=shards)
+            out = await svc.decode(req, disconnected=request.is_disconnected)
             results = {hm.output_name: out}
         else:
             px = await svc.in_pool(validation.source_pixels, _only_input(tensors, "pixels"), svc.settings)

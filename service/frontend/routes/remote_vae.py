@@ -29,7 +29,7 @@ from ...codecs.video import encode_videos, require_av
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
 from ...settings import Settings
-from .. import validation
+from .. import decode_request, validation
 from ..http.bodies import read_body
 from . import vae_pixels
 from .adapters import ERRORS, service
@@ -267,7 +267,8 @@ async def remote_decode(
         lat = to_model_latents(hm, np.asarray(lat), scaling)
         # raw decoder output (`pt`, not post-processed) must not be clipped; everything else is
         raw = output_type == "pt" and not partial_postprocess
-        out01 = await svc.decode(hm, lat, clamp=not raw, disconnected=request.is_disconnected)
+        req = await decode_request.build(svc, hm, lat, format="tensor", clamp=not raw)  # float pixels, rounded here
+        out01 = await svc.decode(req, disconnected=request.is_disconnected)
         reply = float_reply_dtype(dtype)
 
         if output_type == "mp4":

@@ -14,7 +14,7 @@ from ... import codecs
 from ...codecs.video import encode_videos, require_av
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
-from .. import shard_option, validation
+from .. import decode_request, validation
 from ..engine import Lease
 from ..http.bodies import read_body
 from ..pipeline import Service
@@ -141,26 +141,20 @@ async def decode(name: str, request: Request,
     hm = await tracking.__aenter__()
     try:
         fmt = _decode_format(hm, format)
-        requested = shard_option.parse(shards)
+        requested = decode_request.parse_shards(shards)
         body = await read_body(request, svc.settings.max_body_bytes)
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
-        tiled_opt = {"on": True, "off": False}.get(tiled)
-        if hm.is_video:
-            lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
-            requested = svc.shards_for(hm, lat.shape, requested, tiled_opt)
-            if lat.shape[0] == 1:  # one clip: sent as its frame groups are decoded; it ends `tracking`
-                return await whole_clip_response(
-                    svc, hm, lat, fmt=fmt, dtype=dtype, tiled=tiled_opt, fps=fps, quality=quality, tracking=tracking,
-                    disconnected=request.is_disconnected, started=started, shards=requested)
+        req = await decode_request.build(svc, hm, latents, format=fmt, dtype=dtype,
+                                         tiled=decode_request.parse_tiled(tiled), shards=requested)
+        if hm.is_video and req.latents.shape[0] == 1:  # one clip: sent as its groups are decoded; ends `tracking`
+            return await whole_clip_response(svc, req, fps=fps, quality=quality, tracking=tracking,
+                                             disconnected=request.is_disconnected, started=started)
     except BaseException:
         await tracking.__aexit__(*sys.exc_info())
         raise
     async with _continue(tracking):
-        # files hold uint8 pixels: they leave the device so (a quarter of float32's bytes)
-        uint8 = fmt != "npy" or dtype == "uint8"
-        out = await svc.decode(hm, latents, tiled=tiled_opt, uint8=uint8, shards=requested,
-                               disconnected=request.is_disconnected)
+        out = await svc.decode(req, disconnected=request.is_disconnected)
         headers = {"X-Output-Shape": ",".join(map(str, out.shape))}
         if fmt == "npy":
             if dtype == "float16":

@@ -35,9 +35,10 @@ from fastapi.responses import Response
 from ... import codecs, metrics
 from ...codecs.fmp4 import FragmentedMP4Writer
 from ...codecs.video import require_av
-from ...hosted_model import HostedModel
+from ...ipc import worker_protocol as wp
 from ...problems import PROBLEM_SCHEMA, Problem
-from .. import shard_option, validation
+from .. import decode_request
+from ..decode_request import DecodeRequest
 from ..engine import Lease
 from ..http.bodies import read_body
 from ..pipeline import Service
@@ -74,14 +75,13 @@ class FrameGroups:
     asked of it through Service.run, written into a block of this front end's arena that is let
     go once the group is sent (its own lease)."""
 
-    def __init__(self, svc: Service, hm: HostedModel, latents: np.ndarray, tiled: bool | None, uint8: bool = False,
-                 shards: int = 1):
-        """uint8: the groups leave the device as uint8 pixels (for the MP4 encoder). shards > 1:
-        the first `shards` devices decode each group together (service/worker/shard_leader.py)."""
-        self.svc, self.hm, self.latents, self.tiled, self.uint8 = svc, hm, latents, tiled, uint8
-        self.shards = shards
-        self.total = int(latents.shape[2])
-        n, _, h, w, c = hm.output_shape(latents.shape)
+    def __init__(self, svc: Service, req: DecodeRequest):
+        """req.uint8: the groups leave the device as uint8 pixels (for the MP4 encoder). req.shards
+        > 1: the first N devices decode each group together (service/worker/shard_leader.py)."""
+        self.svc, self.req, self.hm = svc, req, req.hm
+        hm = req.hm
+        self.total = int(req.latents.shape[2])
+        n, _, h, w, c = req.out_shape
         # the unit of work the stream runs at once (and stops after, when its client goes)
         svc.check_work(hm, n * int(hm.model.temporal_factor) * h * w, f"a group of {n}x{int(hm.model.temporal_factor)}"
                        f"x{h}x{w} frames")
@@ -93,9 +93,9 @@ class FrameGroups:
 
     async def open(self, disconnected=None) -> None:
         """Start the decode on a worker (it checks the latents there); its groups come from it."""
-        options = {"tiled": self.tiled, "uint8": self.uint8}
-        link = shard_option.leader_link(self.svc.engine, self.hm.name, self.shards, options)  # None: any worker
-        sub = await self.svc.run(self.hm, "stream_open", options, self.latents, {}, disconnected, link=link)
+        req = self.req
+        sub = await self.svc.run(self.hm, "stream_open", req.worker_options(), req.latents, {}, disconnected,
+                                 link=req.link(self.svc.engine))  # None: any worker
         self.link, self.stream_id = sub.link, sub.future.result()
 
     async def next(self, disconnected=None) -> tuple[np.ndarray, Lease]:
@@ -103,8 +103,8 @@ class FrameGroups:
         lease = Lease(self.svc.arena)
         k, self.asked = self.asked, self.asked + 1
         try:
-            sub = await self.svc.run(self.hm, "stream_next", {"stream": self.stream_id}, None,
-                                     {"out": (self._group_shape(k), "uint8" if self.uint8 else "float32")},
+            sub = await self.svc.run(self.hm, "stream_next", wp.Options(stream=self.stream_id), None,
+                                     {"out": (self._group_shape(k), "uint8" if self.req.uint8 else "float32")},
                                      disconnected, lease=lease, link=self.link, continuation=True)
         except BaseException:
             lease.close()
@@ -291,17 +291,18 @@ async def decode_stream(name: str, request: Request,
     hm = await tracking.__aenter__()
     groups = None
     try:
-        requested = shard_option.parse(shards)
+        requested = decode_request.parse_shards(shards)
         if format == "mp4":
             require_av()
         body = await read_body(request, svc.settings.max_body_bytes)
         # a large body is parsed and scanned off the event loop (a 32 MiB JSON body delayed /healthz)
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
-        lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
+        req = await decode_request.build(svc, hm, latents, format=format, tiled=decode_request.parse_tiled(tiled),
+                                         shards=requested)
         stages = {"body": time.perf_counter()}
-        shape = hm.output_shape(lat.shape)
-        n, t = shape[0], lat.shape[2]
+        shape = req.out_shape
+        n, t = shape[0], req.latents.shape[2]
         if format == "mp4":
             if n != 1:
                 raise Problem(422, "batch-not-streamable",
@@ -310,9 +311,7 @@ async def decode_stream(name: str, request: Request,
             encode, media, trailer = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA, b""
         else:
             encode, media, trailer = (lambda grp, last: npy_record(grp)), NPY_STREAM_MEDIA, END_RECORD
-        tiled_opt = {"on": True, "off": False}.get(tiled)
-        groups = FrameGroups(svc, hm, lat, tiled_opt, uint8=format == "mp4",
-                             shards=svc.shards_for(hm, lat.shape, requested, tiled_opt))
+        groups = FrameGroups(svc, req)
         await groups.open(request.is_disconnected)
         stages["open"] = time.perf_counter()
         first = await groups.next(request.is_disconnected)
@@ -327,22 +326,21 @@ async def decode_stream(name: str, request: Request,
                                tracking=tracking, started=started, trailer=trailer, stages=stages)
 
 
-async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *, fmt: str, dtype: str,
-                              tiled: bool | None, fps: float, quality: int, tracking, disconnected,
-                              started: float, shards: int = 1) -> FrameStreamResponse:
+async def whole_clip_response(svc: Service, req: DecodeRequest, *, fps: float, quality: int, tracking, disconnected,
+                              started: float) -> FrameStreamResponse:
     """/decode of one video (not the streaming route): the whole MP4 or .npy file, sent as its
     frame groups are decoded rather than after the last one (the clip's encode and transfer
     overlap its decode). The first group is decoded before the answer starts, so admission,
     timeouts and bad latents answer problem+json as before; a later failure cuts the answer
     (an .npy short of its Content-Length, an MP4 without its last chunk). `tracking` (the
     request's Service.admit) ends with the answer."""
-    shape = hm.output_shape(lat.shape)
+    shape = req.out_shape
     headers = {"X-Output-Shape": ",".join(map(str, shape))}
-    if fmt == "mp4":
+    if req.format == "mp4":
         writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality)
         encode, media = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA
     else:
-        out_dt = np.dtype(dtype)
+        out_dt = np.dtype(req.dtype)
         head = codecs.npy_header(shape, out_dt)
         headers["Content-Length"] = str(len(head) + math.prod(shape) * out_dt.itemsize)
         sent_head = []
@@ -354,7 +352,7 @@ async def whole_clip_response(svc: Service, hm: HostedModel, lat: np.ndarray, *,
             sent_head.append(True)
             return head + data
         media = codecs.NPY_MEDIA
-    groups = FrameGroups(svc, hm, lat, tiled, uint8=fmt == "mp4" or dtype == "uint8", shards=shards)
+    groups = FrameGroups(svc, req)
     try:
         await groups.open(disconnected)
         first = await groups.next(disconnected)
