@@ -43,8 +43,8 @@ class _OneLocal:
             return self.comm.exchange_rows(top, bottom)
         # zero rows where a neighbour's would be: a layer pads the image's own edges by rank, so a
         # missing halo (None) would be a shape error, not the wrong numbers this guard wants
-        return (np.zeros_like(bottom) if self.rank > 0 else None,
-                np.zeros_like(top) if self.rank < self.size - 1 else None)
+        return (bottom * 0 if self.rank > 0 else None,  # any backend's array: NumPy's or the device's
+                top * 0 if self.rank < self.size - 1 else None)
 
     def allreduce_sum(self, a):  # GroupNorm statistics of the shard's own rows
         return a if self.local == "norm" else self.comm.allreduce_sum(a)
