@@ -169,6 +169,9 @@ class Settings(BaseSettings):
     #: each front end's shared-memory arena (inputs and outputs in flight travel in it): a sparse
     #: file, so memory is taken only as requests use it; a request needing more is refused (413)
     shm_bytes: int = Field(4 << 30, ge=1 << 20)
+    #: a front end sends the requests one turn of its event loop has for a model worker in one
+    #: message (service/frontend/engine.py); off: one message each (to measure what it saves)
+    bulk_submit: bool = True
     #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
     #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
     #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)

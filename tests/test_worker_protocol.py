@@ -31,6 +31,8 @@ MESSAGES = [
     wp.Hello(1, 1 << 30), wp.LeaderHello(2, 1 << 34),
     wp.Submit(3, "vae", "decode", wp.Options(tiled=None, clamp=False, uint8=True, shards=2), IN, {"out": OUT}),
     wp.Submit(4, "vae", "stream_next", wp.Options(stream=3), None, {"out": OUT}),
+    wp.SubmitMany([wp.Submit(5, "vae", "encode", wp.Options(), IN, {"embedding": OUT}),
+                   wp.Submit(6, "vae", "decode", wp.Options(uint8=True), IN, {"out": OUT})]),
     wp.Cancel(3), wp.StreamClose(3), wp.Query(5, "stats"),
     wp.ShardJoin(6, "vae", 1, 2, ("127.0.0.1", 4242, "ab")),
     wp.ShardDecode(7, "vae", 1, 2, 16, True, False, IN, OUT), wp.ShardStreamOpen(8, "vae", 1, 2, 1, 16, True, IN),

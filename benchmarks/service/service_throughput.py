@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--devices", default=None, help="CONVSERVE_DEVICES for the server (GPUs: all or 0,1)")
     ap.add_argument("--workers", type=int, default=None, help="front-end processes (default: the server's auto)")
     ap.add_argument("--delay-ms", type=float, default=2.0, help="the server's batching window")
+    ap.add_argument("--no-bulk", action="store_true",
+                    help="CONVSERVE_BULK_SUBMIT=0: each request its own message to the worker (no SubmitMany)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw model (a second row of the same run)")
     ap.add_argument("--log", help="server log file")
@@ -301,6 +303,8 @@ def main() -> None:
         settings["devices"] = args.devices
     if args.workers is not None:
         settings["workers"] = args.workers
+    if args.no_bulk:
+        settings["bulk_submit"] = "false"
     url_path = f"/v1/models/m/{args.workload}"
     rows = []
     with ServerProcess(log_path=args.log, **settings) as srv:
@@ -330,8 +334,8 @@ def main() -> None:
     print(f"raw items/s before {raw_before:.1f}, after {raw_after:.1f}: the ratio uses their mean")
     table = ["| format | raw model items/s (batch %d) | service items/s | service / raw | p50 ms | p99 ms | mean batch "
              "| rows per device | client CPU (cores, busiest process) | server CPU cores (front ends, workers) "
-             "| worker CPU per request (us) |"
-             % args.batch, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| worker CPU per request (us) | requests per message to a worker |"
+             % args.batch, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for fmt, res, m0, m1 in rows:
         ok = len(res.latencies)
         rps = ok * args.per_request / res.seconds  # items (images) answered per second
@@ -347,10 +351,14 @@ def main() -> None:
         # the workers' CPU seconds per answered request: every thread of theirs (I/O, batcher,
         # device, delivery), the model's own host work included
         per_request_us = res.server_cpu["model workers"] / max(ok / res.seconds, 1e-9) * 1e6
+        # Submit / SubmitMany messages the workers read, and the requests in them (the workers
+        # publish these counts every 50 ms and when idle: the scrape after the run has them all)
+        per_message = _delta(m0, m1, "convserve_worker_submits_total") / max(
+            1.0, _delta(m0, m1, "convserve_worker_submit_messages_total"))
         table.append(f"| {fmt} | {raw:.1f} | {rps:.1f} | {rps / raw:.2f} | {q[49] * 1e3:.1f} | {q[98] * 1e3:.1f} "
                      f"| {mean_batch:.1f} | {per_device} | {cpu:.2f}, {busiest:.0%} "
                      f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} "
-                     f"| {per_request_us:.0f} |")
+                     f"| {per_request_us:.0f} | {per_message:.2f} |")
     print("\n".join(table))
 
 

@@ -3,12 +3,14 @@ the service sent before service/ipc/worker_protocol.py, against its msgspec Stru
 
 A typical request is one Submit (a decode naming its input and output blocks in the arena) and its
 answer in a DoneMany. Printed, in microseconds per request:
-- encode + decode of the submit and of its answer, in a loop (the CPU the protocol costs);
+- encode + decode of the submit and of its answer, in a loop (the CPU the protocol costs); for the
+  bulk row, --bulk requests travel together: one SubmitMany and one DoneMany for all of them (what
+  a front end under load sends, service/frontend/engine.py);
 - a round trip over a socketpair (multiprocessing's duplex Pipe, as the worker's Unix socket):
   the front end sends the submit, an echo thread standing in for the worker reads and decodes it
   and answers, the front end reads and decodes the answer.
 
-    python benchmarks/service/worker_protocol.py [--n 20000] [--round-trips 5000]
+    python benchmarks/service/worker_protocol.py [--n 20000] [--round-trips 5000] [--bulk 16]
 
 On a busy machine the numbers are indicative: compare the two rows of one run, not runs.
 """
@@ -49,6 +51,12 @@ def new_messages(rid: int):
     return submit, wp.DoneMany([wp.Done(rid)])
 
 
+def bulk_messages(k: int):
+    """k requests' submits in one SubmitMany and their answers in one DoneMany."""
+    subs = [new_messages(rid)[0] for rid in range(k)]
+    return wp.SubmitMany(subs), wp.DoneMany([wp.Done(rid) for rid in range(k)])
+
+
 def codec_loop(n: int, messages, dumps, loads) -> float:
     """Seconds per request: its submit and its answer encoded and decoded."""
     submit, answer = messages(7)
@@ -86,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000, help="encode+decode loops")
     ap.add_argument("--round-trips", type=int, default=5000)
+    ap.add_argument("--bulk", type=int, default=16, help="requests per SubmitMany in the bulk row")
     args = ap.parse_args()
     old_submit, _ = old_messages(7)
     new_submit, _ = new_messages(7)
@@ -98,6 +107,9 @@ def main() -> None:
         "msgspec Structs": (codec_loop(args.n, new_messages, wp.encode, wp.decode),
                             round_trips(args.round_trips, wp.send, wp.recv, new_messages)),
     }
+    k = args.bulk
+    rows[f"SubmitMany of {k}"] = (codec_loop(args.n // k, lambda rid: bulk_messages(k), wp.encode, wp.decode) / k,
+                                  round_trips(args.round_trips // k, wp.send, wp.recv, lambda rid: bulk_messages(k)) / k)
     print(f"{'':16s} {'encode+decode us/request':>26s} {'socketpair round trip us/request':>34s}")
     for name, (codec, trip) in rows.items():
         print(f"{name:16s} {codec * 1e6:26.2f} {trip * 1e6:34.1f}")

@@ -9,6 +9,14 @@ settling, the links' bookkeeping.
 Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
 from this front end (ties in turn); the worker batches what every front end sends it.
 
+Bulk submission: the Submits one turn of the event loop makes for a worker wait in its link's
+outbox and go as one message (a SubmitMany when there are several) from a callback queued with
+`call_soon`: it runs at the end of that turn, so a lone request is never held back by a timer,
+and under load the worker pays its per-message costs (a read, a decode, a wake-up of its device
+thread) once for many requests. Any other message to that worker first sends the outbox, so a
+Cancel or StreamClose never overtakes the Submit it concerns. `bulk=False` sends each Submit alone
+(CONVSERVE_BULK_SUBMIT=0: a switch for measuring the difference).
+
 Block lifetime (the rule of service/ipc/shm.py): service/frontend/submission.py; a request answered before
 its worker (timeout, client gone, worker unresponsive) keeps its blocks until the worker answers.
 
@@ -56,6 +64,8 @@ class Link:
         self.conn: Connection | None = None
         self.desc = wp.Status(device, "connecting")  # its worker's last Status
         self.pending: dict[int, Submission] = {}
+        #: Submits of this turn of the event loop, sent together at its end (Engine._flush)
+        self.outbox: list[tuple[Submission, wp.Submit]] = []
         self.rows = 0
         self.row_seconds = 0.0
 
@@ -68,8 +78,8 @@ class Link:
 
 
 class Engine:
-    def __init__(self, endpoints: list[tuple[str, str]], arena: Arena, heartbeat_s: float = 3.0):
-        self.arena, self.heartbeat_s = arena, heartbeat_s
+    def __init__(self, endpoints: list[tuple[str, str]], arena: Arena, heartbeat_s: float = 3.0, bulk: bool = True):
+        self.arena, self.heartbeat_s, self.bulk = arena, heartbeat_s, bulk
         self.links = [Link(device, address) for device, address in endpoints]
         self._rid = itertools.count(1)
         self._turn = itertools.count()
@@ -174,10 +184,32 @@ class Engine:
         if sub is not None:
             link.pending[sub.rid] = sub
             link.rows += sub.rows
+        if link.outbox:  # what this turn submitted goes first: a Cancel never overtakes its Submit
+            self._flush(link)
+        self._write(link, [sub] if sub is not None else [], msg)
+
+    def _post(self, link: Link, sub: Submission, msg: wp.Submit) -> None:
+        """A Submit into the link's outbox, sent with the rest of this turn's at its end."""
+        if not self.bulk:
+            return self._send(link, sub, msg)
+        link.pending[sub.rid] = sub
+        link.rows += sub.rows
+        link.outbox.append((sub, msg))
+        if len(link.outbox) == 1:
+            self.loop.call_soon(self._flush, link)
+
+    def _flush(self, link: Link) -> None:
+        batch, link.outbox = link.outbox, []
+        if len(batch) == 1:
+            self._write(link, [batch[0][0]], batch[0][1])
+        elif batch:
+            self._write(link, [sub for sub, _ in batch], wp.SubmitMany([msg for _, msg in batch]))
+
+    def _write(self, link: Link, subs: list[Submission], msg: wp.Message) -> None:
         try:
             wp.send(link.conn, msg)
         except (OSError, AttributeError, ValueError) as exc:
-            if sub is not None:
+            for sub in subs:
                 self._forget(link, sub)
                 sub.settle(wp.WorkerError("worker-died", f"the worker of {link.device} is gone ({exc})"))
 
@@ -208,15 +240,12 @@ class Engine:
         sub = Submission(self.arena, link, next(self._rid), rows, offsets, out_refs)
         lease.submissions.append(sub)
         self.waiting += 1
-        self._send(link, sub, wp.Submit(sub.rid, model, op, options, in_ref, out_refs))
+        self._post(link, sub, wp.Submit(sub.rid, model, op, options, in_ref, out_refs))
         return sub
 
     def cancel(self, sub: Submission) -> None:
         if not sub.settled and sub.link.conn is not None:
-            try:
-                wp.send(sub.link.conn, wp.Cancel(sub.rid))
-            except (OSError, ValueError):
-                pass
+            self._send(sub.link, None, wp.Cancel(sub.rid))
 
     def request(self, link: Link, what: str) -> Submission:
         """A query: its answer names no blocks."""
@@ -312,6 +341,7 @@ class Engine:
 
     def _on_lost(self, link: Link, why: str) -> None:
         link.conn = None
+        link.outbox = []  # its submissions are in `pending`, answered below
         link.unresponsive = None
         link.desc = link.desc.down()
         self._update_ready()

@@ -64,7 +64,7 @@ class Service:
         """endpoints: (device, Unix socket address) of every model worker (the supervisor's)."""
         self.settings = settings
         self.arena = Arena(settings.shm_bytes)
-        self.engine = Engine(list(endpoints), self.arena, settings.worker_heartbeat_s)
+        self.engine = Engine(list(endpoints), self.arena, settings.worker_heartbeat_s, bulk=settings.bulk_submit)
         self.codec_pool = ThreadPoolExecutor(settings.codec_threads, thread_name_prefix="convserve-codec")
         self.budget = MemoryBudget(settings.memory_budget_bytes or auto_budget_bytes(1), self.retry_after)
         metrics.MEMORY_BUDGET_LIMIT.inc(self.budget.limit)

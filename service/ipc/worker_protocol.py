@@ -19,13 +19,17 @@ Front end -> worker:
       op: decode | encode | vae_encode (batched; decode's options.shards=N: a shard group's,
       led by the worker, service/worker/shard_leader.py); stream_open (a streamed decode of input's
       latents; answers its stream id); stream_next (options.stream: its next frame group)
+  SubmitMany(subs)               the Submits a front end's event loop had ready for this worker
+      in one turn, in one message: read, decoded and queued together (one frame, one wake-up of
+      the device thread), each still answered on its own (a bad one fails alone)
   Cancel(rid)   StreamClose(stream)   Query(rid, what: kernels | stats)
 A shard group's leader -> a follower (its own hello and ops: it does not pose as a front end):
   LeaderHello                    then the leader's arena's descriptor; answered by a Status
   ShardJoin   ShardDecode   ShardStreamOpen   ShardStreamNext   ShardStreamClose
 Worker -> front end (or leader):
   Status(device, state, models, ...)     on connect and whenever it changes
-  Started(rids)                          a model call began with these requests
+  Started(rids)                          a model call began with these requests (one per model
+                                         call and front end)
   Done(rid, error, stream)               error: a WorkerError (service/ipc/worker_errors.py's kinds)
   DoneMany(answers)                      a batch's answers to one front end, in one message
   KernelsAnswer(rid, doc)   StatsAnswer(rid, records)   a Query's answer
@@ -44,7 +48,7 @@ from .shm import TensorRef
 
 __all__ = ["Cancel", "Done", "DoneMany", "Hello", "KernelsAnswer", "LeaderHello", "Message", "ModelStatus",
            "Options", "ProtocolError", "Query", "ShardDecode", "ShardJoin", "ShardStreamClose", "ShardStreamNext", "ShardStreamOpen",
-           "Started", "StatsAnswer", "Status", "StreamClose", "Submit", "TensorRef", "WorkerError", "decode",
+           "Started", "StatsAnswer", "Status", "StreamClose", "Submit", "SubmitMany", "TensorRef", "WorkerError", "decode",
            "encode", "recv", "send"]
 
 
@@ -74,6 +78,13 @@ class Submit(_Msg):
     options: Options
     input: TensorRef | None
     outputs: dict[str, TensorRef]
+
+
+class SubmitMany(_Msg):
+    """Several Submits in one frame (service/frontend/engine.py coalesces what one turn of its
+    event loop submits to a worker): the worker's per-message cost (a read, a decode, a wake-up of
+    its device thread) is paid once for all of them."""
+    subs: list[Submit]
 
 
 class Cancel(_Msg):
@@ -200,7 +211,7 @@ class StatsAnswer(_Msg):
     records: dict[str, ModelRecord]
 
 
-Message = Union[Hello, Submit, Cancel, StreamClose, Query, LeaderHello, ShardJoin, ShardDecode, ShardStreamOpen,
+Message = Union[Hello, Submit, SubmitMany, Cancel, StreamClose, Query, LeaderHello, ShardJoin, ShardDecode, ShardStreamOpen,
                 ShardStreamNext, ShardStreamClose, Status, Started, Done, DoneMany, KernelsAnswer, StatsAnswer]
 
 

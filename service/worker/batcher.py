@@ -79,13 +79,17 @@ class Batcher:
                  after_batch: Callable[[], None] | None = None, name: str = "device0",
                  stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
                  on_start: Callable[[list[WorkItem]], None] | None = None,
-                 on_busy: Callable[[float], None] | None = None):
+                 on_busy: Callable[[float], None] | None = None,
+                 on_done: Callable[[list[WorkItem]], None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
         (the seam of the injected model-call faults, service/worker/fault_injection.py). on_start(batch):
         told which items a model call is about to run (the worker tells their front ends).
         on_busy(started): on the device thread, when a model call starts (time.monotonic()) and
-        ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py)."""
+        ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py).
+        on_done(batch): on the device thread, once every item of a model call is resolved (a
+        result or the call's error): one hand-off per batch where a future's callback is one per item."""
         self.on_busy = on_busy or (lambda started: None)
+        self.on_done = on_done
         self.on_start = on_start
         self.max_batch = max_batch
         self.delay_s = max_queue_delay_ms / 1000.0
@@ -112,12 +116,24 @@ class Batcher:
         """Refused only by a stopped worker (Closed). solo: see WorkItem.solo. (Admission, with its
         reservations before the body, is the front ends' job: service/frontend/pipeline.py.)"""
         item = WorkItem(model, key, inputs, call, solo=solo, tag=tag)
+        self.submit_many([item])
+        return item
+
+    def submit_many(self, items: list[WorkItem]) -> None:
+        """Queue `items` together: one take of the queue's lock, and the device thread woken only
+        when it has something new to do (it waited on an empty queue, or a batch is now full: it
+        would otherwise wake for every item to find its batching window still open). Closed when
+        stopped."""
         with self._cond:
             if self._stopped:
                 raise Closed()
-            self._enqueue(item)
-            self._cond.notify()
-        return item
+            wake = not self._pending
+            for item in items:
+                self._enqueue(item)
+                wake = wake or self._rows[item.key] >= self.max_batch
+            self._depth_changed.set()
+            if wake:
+                self._cond.notify()
 
     def cancel(self, item: WorkItem) -> bool:
         """Withdraw `item`: True when it had not started (it never runs, and its future gets
@@ -130,6 +146,7 @@ class Batcher:
             if item in self._pending:
                 self._pending.remove(item)
                 self._dequeued(item)
+                self._depth_changed.set()
         _resolve(item.future, None, Cancelled())
         return True
 
@@ -159,7 +176,6 @@ class Batcher:
         self._pending.append(item)
         self._rows[item.key] = self._rows.get(item.key, 0) + item.rows
         self._depth[item.model] = self._depth.get(item.model, 0) + 1
-        self._depth_changed.set()
 
     def _dequeued(self, item: WorkItem) -> None:
         """Count out an item that has left `_pending`."""
@@ -169,7 +185,6 @@ class Batcher:
         else:
             del self._rows[item.key]
         self._depth[item.model] -= 1
-        self._depth_changed.set()
 
     def _publish_depth(self) -> None:
         """The queue-depth gauge, at most every DEPTH_PUBLISH_S: a multiprocess gauge write costs
@@ -212,6 +227,7 @@ class Batcher:
             for it in batch:
                 it.started = True
                 self._dequeued(it)
+            self._depth_changed.set()
             if len(batch) == 1:
                 self._pending.popleft()  # the oldest: the common case of a solo or lone item
             else:
@@ -229,6 +245,11 @@ class Batcher:
                     self._run(batch)
                 finally:
                     self.on_busy(0.0)
+                    if self.on_done is not None:
+                        try:
+                            self.on_done(batch)
+                        except Exception:
+                            log.exception("on_done hook failed")
                     # its inputs (views of front ends' arenas) go now, not when the next batch comes:
                     # the arena of a front end that has gone is unmapped once no view of it is left
                     batch = None
@@ -242,9 +263,7 @@ class Batcher:
                 log.exception("on_start hook failed")
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
-        queue_wait = metrics.QUEUE_WAIT_SECONDS.labels(model)
-        for wait in waits:
-            queue_wait.observe(wait)
+        metrics.observe_many(metrics.QUEUE_WAIT_SECONDS.labels(model), waits)
         inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         stacked = time.perf_counter()
         metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])

@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,30 @@ class WorkerSpec:
     report: Any = None
 
 
+class SubmitTally:
+    """The Submit and SubmitMany messages a worker read and the requests they carried (its I/O
+    thread's counts, plain integers), published to the metrics at most every PUBLISH_S: a
+    multiprocess counter's write is a locked store in a shared file, too dear once a request."""
+    PUBLISH_S = 0.05
+
+    def __init__(self, device: str):
+        self.device = device
+        self.messages = self.submits = 0
+        self._published = (0, 0, 0.0)
+
+    def count(self, submits: int) -> None:
+        self.messages += 1
+        self.submits += submits
+
+    def publish(self, force: bool = False) -> None:
+        messages, submits, at = self._published
+        now = time.monotonic()
+        if self.messages != messages and (force or now - at >= self.PUBLISH_S):
+            metrics.WORKER_SUBMIT_MESSAGES.labels(self.device).inc(self.messages - messages)
+            metrics.WORKER_SUBMITS.labels(self.device).inc(self.submits - submits)
+            self._published = (self.messages, self.submits, now)
+
+
 class ModelHost:
     """The backend, the models and the batcher of one device."""
 
@@ -58,8 +83,9 @@ class ModelHost:
         self.on_start = lambda batch: None
         self.on_busy = lambda started: None  # the worker's heartbeat record (service/ipc/heartbeat.py)
         self.device_thread: threading.Thread | None = None
-        #: finished requests, from the device thread to the delivery thread (Worker._deliver)
+        #: finished model calls' items, from the device thread to the delivery thread (Worker._deliver)
         self.deliveries: queue.SimpleQueue = queue.SimpleQueue()
+        self.tally = SubmitTally(spec.device)
         #: sharded decodes: led here on the first device's worker, followed on the others
         self.shard_leader: ShardLeader | None = None
         self.shard_member = ShardMember(fault_injection.shard_fault())
@@ -94,6 +120,7 @@ class ModelHost:
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    after_batch=self.backend.flush_timings, stats=self.stats,
                                    name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
+                                   on_done=self.deliveries.put,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread

@@ -8,6 +8,9 @@ HTTP front ends (service/frontend/engine.py) connect to its Unix socket; the sup
   shared-memory arena once (service/ipc/shm.py), then messages naming tensors in it, never the data;
 - runs them through one Batcher (requests of every front end batch together) and writes each
   result into the output block its front end allocated, then answers `Done`;
+- pays what it can per message or per model call, not per request: a front end's SubmitMany is
+  read, decoded and queued at once (one wake-up of the device thread), a model call's requests
+  go to the delivery thread in one hand-off and its answers to each front end in one DoneMany;
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
 - beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
@@ -38,6 +41,7 @@ from ..ipc.heartbeat import Beat, beat_path
 from ..ipc.shm import ArenaView, TensorRef
 from ..ipc.worker_errors import error_info
 from . import oom_recovery
+from .batcher import WorkItem
 from .model_host import ModelHost, WorkerSpec
 from .stream_steps import GeneratorSteps, StreamClosed
 
@@ -63,7 +67,7 @@ def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> Non
 class FrontendLink:
     """One connected front end: its arena and its requests in this worker. Its messages are read
     by the worker's one I/O thread (Worker._serve_links); finished requests are delivered by the
-    delivery thread (Worker._deliver), their answers gathered in `outbox` and sent together."""
+    delivery thread (Worker._deliver), a model call's answers to this front end in one message."""
 
     def __init__(self, host: ModelHost, conn: Connection):
         self.host, self.conn = host, conn
@@ -73,8 +77,6 @@ class FrontendLink:
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
         self.leader = False  # a shard group's leader (LeaderHello), not a front end
-        self.outbox: list[wp.Done] = []
-        self._outbox_lock = threading.Lock()
 
     def send(self, msg: wp.Message) -> None:
         if self.closed:
@@ -90,26 +92,21 @@ class FrontendLink:
         withdrawal, a stream opened)."""
         self.send(wp.Done(rid, error, stream))
 
-    def deliver(self, rid: int, out_refs: dict[str, TensorRef], future) -> None:
-        """A finished request's outputs into its blocks, and its answer into the outbox (none
-        once its front end has gone: its arena is released)."""
-        exc = future.exception()
+    def deliver(self, item: WorkItem) -> wp.Done | None:
+        """A finished request's outputs into its blocks, and its answer (None once its front end
+        has gone: its arena is released)."""
+        _, rid, out_refs = item.tag
+        self.items.pop(rid, None)
+        exc = item.future.exception()
         if exc is None and not self.closed:
             try:
-                _write_outputs(self.view, out_refs, future.result())
+                _write_outputs(self.view, out_refs, item.future.result())
             except Exception as write_exc:
                 if self.closed:  # gone meanwhile
-                    return
+                    return None
                 log.exception("writing the outputs of request %s failed", rid)
                 exc = write_exc
-        with self._outbox_lock:
-            self.outbox.append(wp.Done(rid, None if exc is None else error_info(exc)))
-
-    def flush(self) -> None:
-        with self._outbox_lock:
-            answers, self.outbox = self.outbox, []
-        if answers:
-            self.send(wp.DoneMany(answers))
+        return wp.Done(rid, None if exc is None else error_info(exc))
 
     def handshake(self) -> None:
         """The front end's (or shard leader's) hello and its arena's descriptor (on the accepting thread)."""
@@ -130,12 +127,19 @@ class FrontendLink:
 
     def handle(self, msg: wp.Message) -> None:
         match msg:
+            case wp.SubmitMany(subs):
+                self.host.tally.count(len(subs))
+                self._admit([item for item in map(self._item, subs) if item is not None])
             case wp.Submit():
-                self._submit(msg)
+                self.host.tally.count(1)
+                item = self._item(msg)
+                if item is not None:
+                    self._admit([item])
             case wp.Cancel(rid):
                 item = self.items.get(rid)
-                if item is not None:
-                    self.host.batcher.cancel(item)
+                if item is not None and self.host.batcher.cancel(item):  # withdrawn before it ran
+                    self.items.pop(rid, None)
+                    self.answer(rid, error_info(item.future.exception()))
             case wp.StreamClose(stream):
                 entry = self.streams.pop(stream, None)
                 if entry is not None:
@@ -153,7 +157,9 @@ class FrontendLink:
                 log.warning("a %s from a %s, which this worker does not take", type(msg).__name__,
                             "shard leader" if self.leader else "front end")
 
-    def _submit(self, msg: wp.Submit) -> None:
+    def _item(self, msg: wp.Submit) -> WorkItem | None:
+        """A submit's work for the batcher; None when it is answered already (a failure: it fails
+        alone, whatever else came in its message; a stream opened)."""
         if msg.op == "stream_open":
             return self._stream_open(msg)
         host, rid, options = self.host, msg.rid, msg.options
@@ -166,35 +172,33 @@ class FrontendLink:
             else:
                 call, inputs = host.call_for(hm, msg.op, options), self.view.array(msg.input)
             key = (msg.model, msg.op, inputs.shape[1:], inputs.dtype.str, options)
-            self._queue(rid, msg.model, key, inputs, call, msg.outputs, stream_step)
+            return WorkItem(msg.model, key, inputs, call, solo=stream_step, tag=(self, rid, msg.outputs))
         except Exception as exc:
             self.answer(rid, error_info(exc))
+            return None
 
     def _band(self, msg) -> None:
         """A shard group leader's band (service/worker/shard_member.py): a solo item, like a stream's step."""
         try:
             inputs, call, out_refs = self.host.shard_member.call_for(self, msg, self.host.models, self.view)
-            self._queue(msg.rid, msg.model, (msg.model, type(msg).__name__), inputs, call, out_refs, True)
+            self._admit([WorkItem(msg.model, (msg.model, type(msg).__name__), inputs, call, solo=True,
+                                  tag=(self, msg.rid, out_refs))])
         except Exception as exc:
             self.answer(msg.rid, error_info(exc))
 
-    def _queue(self, rid: int, model: str, key, inputs, call, out_refs: dict[str, TensorRef], solo: bool) -> None:
-        """A request into the batcher; its answer comes when it is done (Worker._deliver)."""
-        host = self.host
-        item = host.batcher.submit(model, key, inputs, call, solo=solo, tag=(self, rid))
-        self.items[rid] = item
+    def _admit(self, items: list[WorkItem]) -> None:
+        """Requests into the batcher together; each is answered when its model call is done
+        (the batcher's on_done, then Worker._deliver) or when it is withdrawn (Cancel)."""
+        for item in items:  # before the batcher has them: a finished item is popped from here
+            self.items[item.tag[1]] = item
+        try:
+            self.host.batcher.submit_many(items)
+        except Exception as exc:  # a stopped worker: nothing of them runs
+            for item in items:
+                self.items.pop(item.tag[1], None)
+                self.answer(item.tag[1], error_info(exc))
 
-        def finished(future) -> None:
-            self.items.pop(rid, None)
-            if threading.current_thread() is host.device_thread:
-                host.deliveries.put((self, rid, out_refs, future))  # the device goes on meanwhile
-            else:  # withdrawn or refused off the device thread: nothing to write
-                self.deliver(rid, out_refs, future)
-                self.flush()
-
-        item.future.add_done_callback(finished)
-
-    def _stream_open(self, msg: wp.Submit) -> None:
+    def _stream_open(self, msg: wp.Submit) -> None:  # answered here: no model call to queue
         options = msg.options
         try:
             hm = self.host.models[msg.model]
@@ -243,23 +247,26 @@ class Worker:
         self._wake_r, self._wake_w = Pipe(duplex=False)
 
     def _deliver(self) -> None:
-        """The delivery thread: finished requests' outputs into their front ends' blocks and one
-        answer message per front end for all that finished together, off the device thread (a
-        batch of float32 images is megabytes to copy; the device runs the next batch meanwhile)."""
+        """The delivery thread: finished model calls' outputs into their front ends' blocks and
+        one answer message per front end for all that finished together, off the device thread (a
+        batch of float32 images is megabytes to copy; the device runs the next batch meanwhile).
+        The device thread hands over a whole batch at once (the batcher's on_done)."""
         deliveries = self.host.deliveries
         while True:
-            touched = set()
-            work = deliveries.get()
-            while work is not None:
-                link, rid, out_refs, future = work
-                link.deliver(rid, out_refs, future)
-                touched.add(link)
+            answers: dict[FrontendLink, list[wp.Done]] = {}
+            batch = deliveries.get()
+            while batch is not None:
+                for item in batch:
+                    link = item.tag[0]
+                    done = link.deliver(item)
+                    if done is not None:
+                        answers.setdefault(link, []).append(done)
                 try:
-                    work = deliveries.get_nowait()
+                    batch = deliveries.get_nowait()
                 except queue.Empty:
-                    work = None
-            for link in touched:
-                link.flush()
+                    batch = None
+            for link, dones in answers.items():
+                link.send(wp.DoneMany(dones))
 
     def _broadcast(self) -> None:
         desc = self.host.description()
@@ -305,7 +312,9 @@ class Worker:
                 sel.register(link.conn, selectors.EVENT_READ, link)
                 watched.add(link)
             shm.sweep()  # released arenas that a batch still viewed, once it is done
-            for key, _ in sel.select(PARENT_POLL_S):
+            ready = sel.select(PARENT_POLL_S)
+            self.host.tally.publish(force=not ready)  # now and then, and when idle
+            for key, _ in ready:
                 link = key.data
                 if link is None:
                     self._wake_r.recv_bytes()
