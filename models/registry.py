@@ -31,6 +31,7 @@ FAMILIES: tuple[str, ...] = (
     "qwen_image_vae",  # diffusers AutoencoderKLQwenImage (the Qwen-Image VAE: Wan 2.1's decoder on one frame)
     "convnext",        # ConvNeXt vision encoder
     "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)
+    "hunyuanimage_vae",  # diffusers AutoencoderKLHunyuanImage (the HunyuanImage 2.1 VAE, 64 channels, 32x)
 )
 
 TINY_PREFIX = "tiny-"

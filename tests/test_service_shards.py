@@ -67,7 +67,8 @@ def two_devices(request, server_factory, saved):
     if request.param == "gloo":
         pytest.importorskip("torch.distributed")
     srv = server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd,"
-                                "flux2=tiny-flux2-vae,qwen=tiny-qwen-image-vae,wan22=tiny-wan2.2-vae",
+                                "flux2=tiny-flux2-vae,qwen=tiny-qwen-image-vae,wan22=tiny-wan2.2-vae,"
+                                "hy=tiny-hunyuanimage-vae",
                          devices="0,1", max_queue_delay_ms=0, **group_settings(request.param))
     wait_until_every_device_is_ready(srv.url, "vae")
     return srv
@@ -124,6 +125,7 @@ def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
     ("qwen", (1, 16, 1, 5, 3)),        # ... its N,C,1,h,w form
     ("wan22", (1, 12, 3, 5, 3)),       # Wan 2.2: DupUp3D shortcuts, 2x2 output patches
     ("taesd", (1, 4, 7, 5)),           # TAESD: plain convs, its upsamplers' halo
+    ("hy", (1, 16, 5, 3)),             # HunyuanImage 2.1: channel-repeating shortcuts, channel-to-space
 ])
 def test_the_2026_families_over_two_shards_equal_their_unsharded_decode(two_devices, model, shape):
     """Their parity against diffusers is tests/test_sharded_families_emulated.py's; here, the

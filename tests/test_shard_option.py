@@ -126,5 +126,6 @@ def test_the_cli_knows_every_sharded_family_by_its_preset():
     from models.registry import PRESETS
 
     sharded = {p.family for p in PRESETS.values() if p.family in sharding.family_modules()}
-    assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae", "taesd"}
+    assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae", "taesd",
+                       "hunyuanimage_vae"}
     assert "convnext" not in sharding.family_modules()

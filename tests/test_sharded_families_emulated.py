@@ -3,7 +3,8 @@ emulated shards (threads of the NumPy backend joined by ThreadShards, NCCL's col
 semantics), each through its own forward with a row shard current (models/nn/row_shard.py):
 FLUX.2 (the SD decoder behind BatchNorm de-normalisation and 2x2 unpatchify), Qwen-Image (the Wan
 2.1 decoder on one frame), Wan 2.2 (residual up blocks with DupUp3D shortcuts, 2x2 output
-patches) and TAESD (plain convs and ReLUs, its upsamplers' halo) each equal the unsharded decode
+patches), TAESD (plain convs and ReLUs, its upsamplers' halo) and the HunyuanImage 2.1 VAE (convs
+with channel-repeating shortcuts, channel-to-space upsamplers, GroupNorm, attention) each equal the unsharded decode
 and the diffusers class with the same fresh random weights, over odd row splits; with an exchange
 kept shard-local, each visibly does not."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import test_models_flux2_vae as flux2
+import test_models_hunyuanimage_vae as hunyuan
 import test_models_qwen_image_vae as qwen
 import test_models_taesd as taesd
 import test_models_wan22_vae as wan22
@@ -53,7 +55,16 @@ def _taesd(tmp, seed):
     return "tiny-taesd", lat.astype(np.float32), lambda z: taesd.reference_decode(vae, z)
 
 
-FAMILIES = {"flux2": _flux2, "qwen-image": _qwen, "wan2.2": _wan22, "taesd": _taesd}
+def _hunyuan(tmp, seed):
+    vae = hunyuan.make_vae(hunyuan.SMALL, seed)
+    vae.save_pretrained(tmp)
+    # 7 latent rows (3 shards hold 3, 2, 2; 5 shards 2, 2, 1, 1, 1), odd width: conv_in's and the
+    # upsamplers' channel-repeating shortcuts and channel-to-space shuffles run on each band
+    lat = np.random.default_rng(seed).standard_normal((2, hunyuan.SMALL["latent_channels"], 7, 3))
+    return "hunyuanimage2.1-vae", lat.astype(np.float32), lambda z: hunyuan.pipeline_decode(vae, z)
+
+
+FAMILIES = {"flux2": _flux2, "qwen-image": _qwen, "wan2.2": _wan22, "taesd": _taesd, "hunyuanimage": _hunyuan}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -81,7 +92,7 @@ def test_the_sharded_decode_equals_the_unsharded_one_and_diffusers(case, shards)
 @pytest.mark.parametrize("local", ["halo", "norm", "attention"])
 def test_each_exchange_matters(case, local):
     name, seed, model, lat, ours, _ = case
-    if local == "norm" and name != "flux2":
+    if local == "norm" and name not in ("flux2", "hunyuanimage"):
         pytest.skip("the Wan decoders' RMS norm is per position, TAESD has none: no statistics cross shards")
     if local == "attention" and name == "taesd":
         pytest.skip("TAESD has no attention")
