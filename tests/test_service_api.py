@@ -229,8 +229,13 @@ def test_encode_formats_agree(live_server):
     u = live_server.url
     size = httpx.get(f"{u}/v1/models/tiny-convnext").json()["inputs"][0]["resized_to"][0]
     pics = rng().integers(0, 256, (3, size, size, 3), dtype=np.uint8)
-    one = _encode(u, content=_png(pics[0]), headers={"content-type": "image/png"}).json()
+    r = _encode(u, content=_png(pics[0]), headers={"content-type": "image/png"})
+    one = r.json()
     assert one["model"] == "tiny-convnext" and len(one["embeddings"]) == 1
+    # compact JSON, the floats as the shortest text that reads back to the float32's value in float64:
+    # what json.dumps writes (the body is written by msgspec, whose floats must stay the same text)
+    assert r.headers["content-type"] == "application/json"
+    assert r.content == json.dumps(one, ensure_ascii=False, separators=(",", ":")).encode()
     emb0 = np.asarray(one["embeddings"][0])
     assert emb0.shape == (one["embedding_dim"],) and np.isfinite(emb0).all()
     # the same pixels as .npy (uint8 and float in [0,1]) give the same embedding
