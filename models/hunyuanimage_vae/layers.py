@@ -3,11 +3,11 @@
 Its resamplers move channels to space (and back) with a parameter-free shortcut beside the conv:
 - Upsample: conv(x) to 4 * out channels and x repeated channel by channel (repeat_interleave) to
   as many, both shuffled to 2x the size with the block of 4 outside the channels (channel
-  r * out + c lands at offset r = 2 * dy + dx). The shortcut is a 1x1 selection of x, so it is
-  added to the conv's centre tap at load, and the conv's output channels are reordered to
-  torch's pixel_shuffle order (c * 4 + r): one shard-aware conv, then backend.pixel_shuffle,
-  which is row-local (a band's rows double with it).
-- The decoder's conv_in adds x repeated to its width: folded into its centre tap the same way.
+  r * out + c lands at offset r = 2 * dy + dx). The shortcut is a 0/1 selection of x's channels
+  (row-local), added in the conv's epilogue, and the conv's output channels are reordered at
+  load to torch's pixel_shuffle order (c * 4 + r): one shard-aware conv, then
+  backend.pixel_shuffle, which is row-local too (a band's rows double with it).
+- The decoder's conv_in adds x repeated to its width the same way.
 - Downsample (encoder only): conv to out / 4 channels, space-to-depth with the same order, plus the
   space-to-depth of x averaged over groups of channels. Both are one 4x4 stride-2 conv, padding 1:
   output (r, c) at y reads input rows 2y + dy - 1 .. 2y + dy + 1 (kernel rows dy .. dy + 2).
@@ -31,21 +31,29 @@ def _shuffle_order(channels: int) -> np.ndarray:
 
 
 class ShortcutConv(Conv2d):
-    """A 3x3 'same' conv plus x with each channel repeated `repeats` times (repeat_interleave),
-    folded into the centre tap; `shuffle`: output channels reordered for backend.pixel_shuffle."""
+    """A 3x3 'same' conv plus x with each channel repeated `repeats` times (repeat_interleave);
+    `shuffle`: output channels reordered for backend.pixel_shuffle. The shortcut is a 0/1 channel
+    selection (a Linear, row-local) added in the conv's epilogue: exact in any dtype, where
+    folding it into the centre tap would round 1 + w to a half-precision weight."""
 
     def __init__(self, cin: int, cout: int, repeats: int, shuffle: bool = False):
         super().__init__(cin, cout, 3, padding=1)
         self.repeats, self.shuffle = repeats, shuffle
+        self.select = None
+
+    def _order(self) -> np.ndarray:
+        return _shuffle_order(self.cout // 4) if self.shuffle else np.arange(self.cout)
 
     def convert(self, name, host):
-        host = np.array(host, dtype=np.float32)
-        if name == "weight":
-            k = np.arange(self.cout)
-            host[k, k // self.repeats, 1, 1] += np.float32(1.0)
-        if self.shuffle:
-            host = host[_shuffle_order(self.cout // 4)]
-        return super().convert(name, host)
+        return super().convert(name, np.asarray(host, np.float32)[self._order()])
+
+    def derive(self, tensors, prefix) -> None:
+        select = np.zeros((self.cout, self.cin), np.float32)
+        select[np.arange(self.cout), self._order() // self.repeats] = 1.0
+        self.select = self.backend.asarray(select)
+
+    def __call__(self, x, residual=None, activation=None):
+        return super().__call__(x, residual=self.backend.linear(x, self.select))
 
 
 class Upsample(Module):

@@ -49,8 +49,16 @@ def _wan22(tmp_path, seed):
     return vae, folder, lambda v, lat: ref.reference_decode(v, config, lat)
 
 
+def _hunyuan(tmp_path, seed):
+    import test_models_hunyuanimage_vae as ref
+    vae = ref.make_vae(dict(ref.PRESETS["hunyuanimage2.1-vae"].config), seed)
+    vae.save_pretrained(tmp_path)
+    return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
+
+
 FAMILIES = {"taesd": (_taesd, (1, 4, 23, 19)), "flux2-vae": (_flux2, (1, 128, 7, 5)),
-            "qwen-image-vae": (_qwen, (1, 16, 11, 9)), "wan2.2-vae": (_wan22, (1, 48, 3, 5, 3))}
+            "qwen-image-vae": (_qwen, (1, 16, 11, 9)), "wan2.2-vae": (_wan22, (1, 48, 3, 5, 3)),
+            "hunyuanimage2.1-vae": (_hunyuan, (1, 64, 5, 3))}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
