@@ -269,6 +269,18 @@ class ConvNeXtEncoder:
         return {"embedding": bk.to_host(pooled).astype(np.float32, copy=False),
                 "logits": None if logits is None else bk.to_host(logits).astype(np.float32, copy=False)}
 
+    def encode_started(self, pixels_nhwc01: np.ndarray) -> "StartedEncode":
+        """encode's work queued on the device, its results on their way to the host: `.result()`
+        gives what encode returns (the same values). The caller may queue the next batch before
+        it waits (the service's batcher does, where the backend runs ahead). The outputs are
+        copied out of the forward's buffers before the next forward is queued, so a replayed
+        graph can reuse them at once."""
+        bk = self.backend
+        x = self._host_input(pixels_nhwc01)
+        forward = self._encode_device_uint8 if x.dtype == np.uint8 else self._encode_device
+        pooled, logits = forward(bk.asarray(x))
+        return StartedEncode(bk, bk.to_host_async(pooled), None if logits is None else bk.to_host_async(logits))
+
     def card(self) -> dict:
         cfg = self.config
         return card_fields(
@@ -280,6 +292,20 @@ class ConvNeXtEncoder:
                     "has_labels": self.labels is not None, "layer_scale": cfg.layer_scale,
                     "activation": cfg.activation, "head_norm_eps": cfg.head_norm_eps,
                     "mean": list(cfg.mean), "std": list(cfg.std)})
+
+
+class StartedEncode:
+    """ConvNeXtEncoder.encode_started's handle: the embeddings (and logits) on their way to the host."""
+
+    def __init__(self, backend, pooled, logits):
+        self.backend, self.pooled, self.logits = backend, pooled, logits
+
+    def result(self) -> dict:
+        embedding = self.pooled.result()
+        logits = None if self.logits is None else self.logits.result()
+        self.backend.flush_timings()  # the events are complete now: this does not wait on the device
+        return {"embedding": np.asarray(embedding, np.float32),
+                "logits": None if logits is None else np.asarray(logits, np.float32)}
 
 
 def _clean_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -198,13 +198,17 @@ class Batcher:
                     metrics.QUEUE_DEPTH.labels(model).set(depth)
                 time.sleep(DEPTH_PUBLISH_S)
 
-    def _next_batch(self) -> list[WorkItem] | None:
+    def _next_batch(self, wait: bool = True) -> list[WorkItem] | None:
+        """The next batch to run; None once stopped. wait=False (a batch is still on its way):
+        [] at once where none is ready yet (nothing queued, or its batching window still open)."""
         with self._cond:
             while True:
                 if self._stopped:
                     return None
                 if self._pending:
                     break
+                if not wait:
+                    return []
                 self._cond.wait(0.5)
             first = self._pending[0]
             deadline = first.enqueued + self.delay_s
@@ -215,6 +219,8 @@ class Batcher:
                 left = deadline - time.perf_counter()
                 if self._rows[first.key] >= self.max_batch or left <= 0 or first.solo:
                     break
+                if not wait:
+                    return []
                 self._cond.wait(left)
             batch, rows = [], 0
             target = self._bucket(self._rows[first.key])
@@ -235,26 +241,55 @@ class Batcher:
             return batch
 
     def _loop(self) -> None:
+        """Batches one after another; a call whose result is still on its way (Later) stays
+        `ahead` while the next batch is stacked and started, and is finished (its result waited
+        for, split, delivered) right after: the host's work for batch k+1 overlaps the device's
+        for batch k, and results still leave in batch order. Nothing ready to start: the batch
+        ahead is finished at once, so a lone request waits for nothing."""
+        ahead: _Started | None = None
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch(wait=ahead is None)
             if batch is None:
+                if ahead is not None:
+                    self._finish(ahead)
                 return
-            if batch:
-                self.on_busy(time.monotonic())
-                try:
-                    self._run(batch)
-                finally:
+            if not batch:
+                if ahead is not None:
+                    self._finish(ahead)
+                    ahead = None
                     self.on_busy(0.0)
-                    if self.on_done is not None:
-                        try:
-                            self.on_done(batch)
-                        except Exception:
-                            log.exception("on_done hook failed")
-                    # its inputs (views of front ends' arenas) go now, not when the next batch comes:
-                    # the arena of a front end that has gone is unmapped once no view of it is left
-                    batch = None
+                continue
+            self.on_busy(time.monotonic())
+            started = self._start(batch)
+            batch = None  # its inputs (views of front ends' arenas) go with the call, not with the loop
+            if ahead is not None:
+                self._finish(ahead)
+                ahead = None
+            if started is not None and isinstance(started.out, Later):
+                ahead = started
+            elif started is not None:
+                self._finish(started)
+            if ahead is None:
+                self.on_busy(0.0)
 
-    def _run(self, batch: list[WorkItem]) -> None:
+    def _done(self, batch: list[WorkItem]) -> None:
+        """Every item of the batch is resolved: the worker's hand-off (on_done)."""
+        if self.on_done is not None:
+            try:
+                self.on_done(batch)
+            except Exception:
+                log.exception("on_done hook failed")
+
+    def _after_call(self) -> None:
+        if self.after_batch is not None:
+            try:
+                self.after_batch()
+            except Exception:  # timings are best effort; never fail requests over them
+                log.exception("after_batch hook failed")
+
+    def _start(self, batch: list[WorkItem]) -> "_Started | None":
+        """Stack the batch and make its model call. None: the call ended it already (its error,
+        or stopped with its requesters gone), every item resolved and handed off."""
         model = batch[0].model
         if self.on_start is not None:
             try:
@@ -266,9 +301,10 @@ class Batcher:
         metrics.observe_many(metrics.QUEUE_WAIT_SECONDS.labels(model), waits)
         inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         stacked = time.perf_counter()
-        metrics.BATCH_SIZE.labels(model).observe(inputs.shape[0])
+        rows = int(inputs.shape[0])
+        metrics.BATCH_SIZE.labels(model).observe(rows)
         metrics.DEVICE_BATCHES.labels(model, self.name).inc()
-        metrics.DEVICE_ROWS.labels(model, self.name).inc(inputs.shape[0])
+        metrics.DEVICE_ROWS.labels(model, self.name).inc(rows)
         try:
             if self.before_call is not None:
                 self.before_call(inputs)
@@ -276,32 +312,46 @@ class Batcher:
             # or frame group instead of holding the device for work nobody reads
             with interrupt.watching(lambda: all(it.cancelled for it in batch)):
                 out = batch[0].call(inputs)
-            called = time.perf_counter()
         except interrupt.Abandoned:
-            log.info("model %s: a batch of %d stopped early, its requesters gone", model, inputs.shape[0])
+            log.info("model %s: a batch of %d stopped early, its requesters gone", model, rows)
             metrics.ABANDONED.labels(model).inc()
+            self._after_call()
             for it in batch:
                 _resolve(it.future, None, Cancelled())
-            return
+            self._done(batch)
+            return None
         except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch
-            # the id ties a client's 500 to this log line (and its traceback)
-            error_id = uuid.uuid4().hex[:16]
-            log.exception("model %s failed on a batch of %d (error id %s)", model, inputs.shape[0], error_id)
+            self._failed(batch, rows, exc)
+            return None
+        return _Started(batch, out, now, stacked, waits, rows)
+
+    def _failed(self, batch: list[WorkItem], rows: int, exc: BaseException) -> None:
+        # the id ties a client's 500 to this log line (and its traceback)
+        error_id = uuid.uuid4().hex[:16]
+        log.error("model %s failed on a batch of %d (error id %s)", batch[0].model, rows, error_id, exc_info=exc)
+        try:
+            exc.error_id = error_id
+        except AttributeError:
+            pass
+        self._after_call()
+        for it in batch:
+            _resolve(it.future, None, exc)
+        self._done(batch)
+
+    def _finish(self, started: "_Started") -> None:
+        """A started call's result (waited for where it is Later) split over its items."""
+        batch, out = started.batch, started.out
+        if isinstance(out, Later):
             try:
-                exc.error_id = error_id
-            except AttributeError:
-                pass
-            for it in batch:
-                _resolve(it.future, None, exc)
-            return
-        finally:
-            if self.after_batch is not None:
-                try:
-                    self.after_batch()
-                except Exception:  # timings are best effort; never fail requests over them
-                    log.exception("after_batch hook failed")
+                out = out.result()
+            except BaseException as exc:  # noqa: BLE001 - the device's error, handed to every requester
+                self._failed(batch, started.rows, exc)
+                return
+        called = time.perf_counter()
+        self._after_call()
+        model = batch[0].model
         # per-row cost, smoothed: Retry-After hints are the queued rows times this
-        per_row = (time.perf_counter() - now) / max(int(inputs.shape[0]), 1)
+        per_row = (time.perf_counter() - started.now) / max(started.rows, 1)
         self.row_seconds = per_row if self.row_seconds == 0.0 else 0.8 * self.row_seconds + 0.2 * per_row
         split = time.perf_counter()
         parts, start = [], 0
@@ -309,8 +359,34 @@ class Batcher:
             parts.append(_rows_of(out, start, start + it.rows))
             start += it.rows
         if self.stats is not None:  # before the results go out, so a client that got one sees it counted
-            self.stats.batch_done(model, BatchTimes(int(inputs.shape[0]), tuple(ns(w) for w in waits),
-                                                    ns(stacked - now), ns(called - stacked),
-                                                    ns(time.perf_counter() - split)))
+            self.stats.batch_done(model, BatchTimes(started.rows, tuple(ns(w) for w in started.waits),
+                                                    ns(started.stacked - started.now),
+                                                    ns(called - started.stacked), ns(time.perf_counter() - split)))
         for it, part in zip(batch, parts):
             _resolve(it.future, part)
+        self._done(batch)
+
+
+class Later:
+    """A model call's result still on its way from the device: `pending.result()` gives it (waits
+    for the copy). A call that returns one lets the batcher stack and start the next batch
+    before this one's result is waited for (Batcher._loop)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: Any):
+        self.pending = pending
+
+    def result(self) -> Any:
+        return self.pending.result()
+
+
+@dataclass(eq=False)
+class _Started:
+    """A batch whose model call has been made: its output (or Later) and its times so far."""
+    batch: list[WorkItem]
+    out: Any
+    now: float
+    stacked: float
+    waits: list[float]
+    rows: int

@@ -18,7 +18,7 @@ from ..ipc.batch_sizes import batch_sizes
 from ..model_stats import ModelStats
 from ..settings import Settings
 from . import fault_injection, oom_recovery
-from .batcher import Batcher
+from .batcher import Batcher, Later
 from .loading import load_entry, shard_offered, view_of, warm_up
 from .shard_leader import DEADLINE_S, ShardLeader, comm_class
 from .shard_member import ShardMember
@@ -166,6 +166,11 @@ class ModelHost:
             return lambda x: self.shard_leader.decode(hm, x, options.shards, options.clamp, options.uint8)
         if op == "decode":
             return lambda x: oom_recovery.decode(hm, x, tiled=options.tiled, clamp=options.clamp, uint8=options.uint8)
+        if op == "encode" and self.backend.runs_ahead and hasattr(hm.model, "encode_started"):
+            # the device runs ahead: the batcher stacks and starts the next batch while this one's
+            # embeddings are on their way back (batcher.Later)
+            started = hm.model.encode_started
+            return lambda x: Later(started(x))
         if op in ("encode", "vae_encode"):
             return hm.model.encode
         raise ValueError(f"unknown op {op!r}")

@@ -1,0 +1,90 @@
+"""The batcher keeps one batch ahead where the model call's result is still on its way from the
+device (batcher.Later): the next batch is stacked and its call made before the previous one's
+result is waited for, results still leave in batch order, an error met while waiting fails that
+batch alone, and a lone request waits for nothing. Real threads, no model: the calls are
+functions whose results arrive when the test lets them."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.worker.batcher import Batcher, Later
+
+
+class _Pending:
+    """A result that arrives when `gate` is set (a device copy still running)."""
+
+    def __init__(self, value, gate: threading.Event, log: list, name: str, fail: bool = False):
+        self.value, self.gate, self.log, self.name, self.fail = value, gate, log, name, fail
+
+    def result(self):
+        self.log.append(f"wait {self.name}")
+        assert self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError(f"device error in {self.name}")
+        return self.value
+
+
+@pytest.fixture
+def batcher():
+    b = Batcher(max_batch=4, max_queue_delay_ms=0)
+    yield b
+    b.stop()
+
+
+def _call(log, gates, name, fail=False):
+    def call(x):
+        log.append(f"start {name}")
+        return Later(_Pending(x * 10, gates[name], log, name, fail))
+    return call
+
+
+def test_the_next_batch_starts_before_the_previous_result_is_waited_for(batcher):
+    log, gates = [], {"a": threading.Event(), "b": threading.Event()}
+    a = batcher.submit("m", "k", np.full((1, 2), 1.0), _call(log, gates, "a"))
+    deadline = time.monotonic() + 10
+    while "wait a" not in log and time.monotonic() < deadline:  # a lone batch is waited for at once
+        time.sleep(0.005)
+    assert log == ["start a", "wait a"]
+    # a is on its way; b queued meanwhile: once a arrives, b is stacked and started ...
+    b = batcher.submit("m", "k", np.full((1, 2), 2.0), _call(log, gates, "b"))
+    c_gate = threading.Event()
+    gates["c"] = c_gate
+    c = batcher.submit("m", "k2", np.full((1, 2), 3.0), _call(log, gates, "c"))
+    gates["a"].set()
+    assert a.future.result(10).tolist() == [[10.0, 10.0]]
+    deadline = time.monotonic() + 10
+    while "start c" not in log and time.monotonic() < deadline:
+        time.sleep(0.005)
+    # ... and c (another key: a batch of its own) started before b's result was waited for
+    assert log.index("start c") < log.index("wait b"), log
+    assert not b.future.done()
+    gates["b"].set()
+    c_gate.set()
+    assert b.future.result(10).tolist() == [[20.0, 20.0]]
+    assert c.future.result(10).tolist() == [[30.0, 30.0]]
+    assert log.index("wait b") < log.index("wait c"), log  # results in batch order
+
+
+def test_an_error_met_while_waiting_fails_that_batch_alone(batcher):
+    log, gates = [], {"bad": threading.Event(), "good": threading.Event()}
+    bad = batcher.submit("m", "k", np.ones((1, 1)), _call(log, gates, "bad", fail=True))
+    good = batcher.submit("m", "k2", np.ones((1, 1)), _call(log, gates, "good"))
+    gates["bad"].set()
+    gates["good"].set()
+    with pytest.raises(RuntimeError, match="device error in bad"):
+        bad.future.result(10)
+    assert good.future.result(10).tolist() == [[10.0]]
+
+
+def test_a_lone_request_waits_for_no_other_batch(batcher):
+    log, gates = [], {"one": threading.Event()}
+    gates["one"].set()
+    t0 = time.perf_counter()
+    one = batcher.submit("m", "k", np.ones((2, 1)), _call(log, gates, "one"))
+    assert one.future.result(10).tolist() == [[10.0], [10.0]]
+    assert time.perf_counter() - t0 < 2.0
+    assert log == ["start one", "wait one"]
