@@ -54,7 +54,9 @@ def case(request, tmp_path_factory):
     name, seed = request.param, fresh_seed()
     tmp = tmp_path_factory.mktemp(name)
     preset, lat, reference, *folder = CASES[name](tmp, seed)
-    model = load_model(name, preset, get_backend("cuda"), weights=folder[0] if folder else str(tmp))
+    # float32 asked for: the CUDA backend's default is float16, whose sum-order differences
+    # (up to 4e-4 relative between band and whole shapes, 2026-11-28) these bounds are not for
+    model = load_model(name, preset, get_backend("cuda", dtype="float32"), weights=folder[0] if folder else str(tmp))
     ref = reference(lat)
     assert_informative(ref, f"{name} seed {seed}")
     return name, seed, model, lat, model.decode(lat, tiled=False), ref
