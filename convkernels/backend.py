@@ -170,12 +170,19 @@ class BackendBase(TensorOps):
     def _count_and_time(self, path: ConvPath, key: ConvKey, x, w, bias, residual, activation):
         """`_run` for a synchronous device: count the conv, run it, and time it on the host
         when sampled (the result is ready when run returns)."""
-        self._conv_metrics(key.op, path.name)[0].inc()
+        return self._counted(key.op, path.name, path.run, x, w, key, bias, residual, activation)
+
+    def _counted(self, op: str, path: str, fn, *args):
+        """fn(*args) counted as one `op` on `path` and, when sampled, timed on the host (a
+        synchronous device: the result is ready when fn returns). A fused op that stands for a
+        conv goes through here too, so every counted path has timings."""
+        count, seconds = self._conv_metrics(op, path)
+        count.inc()
         if not self._sampled():
-            return path.run(x, w, key, bias, residual, activation)
+            return fn(*args)
         t0 = time.perf_counter()
-        out = path.run(x, w, key, bias, residual, activation)
-        self._conv_metrics(key.op, path.name)[1].observe(time.perf_counter() - t0)
+        out = fn(*args)
+        seconds.observe(time.perf_counter() - t0)
         return out
 
     def _conv_metrics(self, op: str, path: str):

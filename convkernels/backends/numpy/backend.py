@@ -277,9 +277,8 @@ class NumpyBackend(BackendBase):
         kernel = (w.shape[1], w.shape[2])
         if self.before_conv is not None:
             self.before_conv(x, w, ConvSpec.make(2, 1, (kernel[0] // 2, kernel[1] // 2), 1, x.shape[-1]))
-        self._conv_metrics("conv2d", "depthwise_layer_norm")[0].inc()
-        return fused.depthwise_layer_norm(x, self._winograd_u(w, fused.depthwise_taps), kernel, bias, norm_w,
-                                          norm_b, eps)
+        return self._counted("conv2d", "depthwise_layer_norm", fused.depthwise_layer_norm, x,
+                             self._winograd_u(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
 
     def _group_norm(self, x, num_groups, weight, bias, eps, activation):
         x = self._f(x)
