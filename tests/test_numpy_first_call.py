@@ -194,3 +194,13 @@ def test_the_queue_and_the_thread_are_bounded():
     assert tuner.wait(10) and calls == []
     too_big = ConvKey("conv2d", (1, 8192, 8192, 4), (4, 3, 3, 4), "float32", ConvSpec.make(2, 1, 1), (False, False, None))
     assert not background.BackgroundTuner(activity, lambda *a: None).submit(("big",), too_big, [])
+
+
+@pytest.mark.parametrize("mode", ["background", "request", "off"])
+def test_the_service_setting_reaches_the_backend(mode):
+    """CONVSERVE_NUMPY_AUTOTUNE, through Settings.backend_options() as every backend knob."""
+    from service.settings import Settings
+
+    be = get_backend("numpy", **Settings(numpy_autotune=mode).backend_options())
+    assert be.choice.mode == mode and (be.choice.tuner is not None) == (mode == "background")
+    assert be.describe()["autotune"] == mode
