@@ -126,7 +126,7 @@ def test_background_measurement_is_persisted_and_then_used(tmp_path, monkeypatch
     runs = counting_runs(be)
     first = conv_case(rng, be)
     assert be.conv_choices()[0]["path"] != fast
-    be.choice.tuner.idle_s = 0.01
+    be.choice.tuner.idle_s, be.choice.tuner.max_load = 0.01, float("inf")  # not gated on the box's load
     assert be.choice.tuner.wait(60)
     (stored,) = tmp_path.glob("numpy-paths-*.json")
     assert list(json.loads(stored.read_text())["choices"].values()) == [fast]
@@ -148,7 +148,7 @@ def test_a_measured_path_no_faster_than_the_estimate_does_not_replace_it(tmp_pat
     conv_case(rng, be)
     estimate = be.conv_choices()[0]["path"]
     assert estimate != "shift_gemm"
-    be.choice.tuner.idle_s = 0.01
+    be.choice.tuner.idle_s, be.choice.tuner.max_load = 0.01, float("inf")  # not gated on the box's load
     assert be.choice.tuner.wait(60)
     (stored,) = tmp_path.glob("numpy-paths-*.json")
     assert list(json.loads(stored.read_text())["choices"].values()) == [estimate]
@@ -175,6 +175,7 @@ def small_key(n: int = 1) -> ConvKey:
 def test_a_run_overlapping_a_request_is_thrown_away_and_repeated():
     activity, calls, results = background.Activity(), [], []
     tuner = background.BackgroundTuner(activity, lambda key, valid, win, t: results.append(t), idle_s=0.01)
+    tuner.max_load = float("inf")
     assert tuner.submit(("k",), small_key(), fake_paths(calls, activity, "a"))
     assert tuner.wait(60)
     assert calls.count("a") == 4 and calls.count("b") == 3  # three rounds each, "a" once again
@@ -204,3 +205,15 @@ def test_the_service_setting_reaches_the_backend(mode):
     be = get_backend("numpy", **Settings(numpy_autotune=mode).backend_options())
     assert be.choice.mode == mode and (be.choice.tuner is not None) == (mode == "background")
     assert be.describe()["autotune"] == mode
+
+
+def test_nothing_is_timed_while_the_machine_is_oversubscribed():
+    """Timings taken while other jobs load the cores are noise: the tuner waits for the load
+    average to fall below its limit (here: never, then at once)."""
+    activity, calls = background.Activity(), []
+    tuner = background.BackgroundTuner(activity, lambda *a: None, idle_s=0.01)
+    tuner.max_load = -1.0
+    assert tuner.submit(("k",), small_key(), fake_paths(calls, activity, None))
+    assert not tuner.wait(0.5) and calls == []
+    tuner.max_load = float("inf")
+    assert tuner.wait(60) and calls.count("a") == 3 and tuner.measured == 1

@@ -8,9 +8,13 @@ store and drops the memoised estimate), so the next call of that shape runs the 
 Bounds, so that it never competes with the requests it serves:
 - one thread per backend, started on demand and ended when the queue is empty; at most
   MAX_PENDING work keys wait (more are dropped: those shapes keep the model's choice);
-- a timed run starts only after the backend has run no conv or linear for IDLE_S, and a run
-  during which one started is thrown away and repeated (at most MAX_RETRIES times per key, then
-  the key is given up); the thread runs at the lowest CPU priority where the OS allows it;
+- a timed run starts only after the backend has run no conv or linear for IDLE_S and while the
+  machine is not oversubscribed (1-minute load average below its CPU count), and a run during
+  which a conv or linear started is thrown away and repeated (at most MAX_RETRIES times per key,
+  then the key is given up); the thread runs at the lowest CPU priority where the OS allows it.
+  The load gate is there because timings taken while other jobs run are noise (one Winograd conv:
+  15 ms idle, 370-1500 ms so), and a noisy winner would be persisted: on a box that other jobs
+  keep busy, shapes keep the cost model's choice;
 - a key whose operands and output would take more than MAX_OPERAND_BYTES is not measured;
 - a request arriving mid-run shares the CPU with at most that one candidate run.
 """
@@ -59,6 +63,13 @@ class Activity:
             return 0.0 if self.busy else time.monotonic() - self.last
 
 
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this OS: the idle check alone
+        return 0.0
+
+
 class Busy(Exception):
     """The process never stayed idle long enough to time a run."""
 
@@ -69,6 +80,7 @@ class BackgroundTuner:
         self.activity = activity
         self.done = done  # (key, valid, winner, {path name: best seconds}) once a key is measured
         self.idle_s = idle_s
+        self.max_load = float(os.cpu_count() or 1)  # 1-minute load average a timed run waits below
         self._pending: OrderedDict[tuple, tuple[ConvKey, list[ConvPath]]] = OrderedDict()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -151,6 +163,6 @@ class BackgroundTuner:
                 if self._closed:
                     raise Busy()
             idle = self.activity.idle_for()
-            if idle >= self.idle_s:
+            if idle >= self.idle_s and _load() < self.max_load:
                 return
-            time.sleep(min(0.1, self.idle_s - idle))
+            time.sleep(max(0.01, min(0.1, self.idle_s - idle)))

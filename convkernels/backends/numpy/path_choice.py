@@ -28,7 +28,7 @@ log = logging.getLogger("convkernels.numpy.paths")
 MODES = ("background", "request", "off")
 #: a measured path replaces the cost model's only when it was at least this much faster: the
 #: difference between near-equal paths is noise on a shared box, and flipping costs a re-choice
-REPLACE_MARGIN = 0.9
+REPLACE_MARGIN = 0.85
 
 
 class MeasuredChoices:
