@@ -32,7 +32,7 @@ WORKLOADS = {  # preset, input shape, call
 }
 
 
-def child(workload: str, store: str, steady: int) -> dict:
+def child(workload: str, store: str, steady: int, tuner_wait_s: float) -> dict:
     import numpy as np
 
     import convkernels
@@ -60,7 +60,9 @@ def child(workload: str, store: str, steady: int) -> dict:
     tuner = getattr(getattr(backend, "choice", None), "tuner", None)
     if tuner is not None:
         t0 = time.perf_counter()
-        out["tuner_done"] = tuner.wait(3600)
+        # the tuner waits for the box's load average to fall below its CPU count: on a busy
+        # shared box it may not finish, and the steady calls then run the cost model's choices
+        out["tuner_done"] = tuner.wait(tuner_wait_s)
         out["tuner_s"], out["tuner_keys"] = time.perf_counter() - t0, tuner.measured
     times, cpus = [], []
     for _ in range(steady):
@@ -83,11 +85,12 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["sd-vae-256", "convnext-b1"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steady", type=int, default=3)
+    ap.add_argument("--tuner-wait-s", type=float, default=300, help="longest wait for the background tuner")
     ap.add_argument("--json")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "STORE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.steady)))
+        print(json.dumps(child(*args.child, args.steady, args.tuner_wait_s)))
         return
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": os.getcwd()}
     print(f"# first_call — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; "
@@ -100,7 +103,8 @@ def main() -> None:
                 with tempfile.TemporaryDirectory(prefix="first-call-paths-") as store:
                     before = load()
                     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", workload, store,
-                                           "--steady", str(args.steady)], cwd=path, capture_output=True, text=True,
+                                           "--steady", str(args.steady), "--tuner-wait-s", str(args.tuner_wait_s)],
+                                          cwd=path, capture_output=True, text=True,
                                           env={**os.environ, "PYTHONPATH": path})
                 if proc.returncode:
                     print(f"  {workload} {name}: failed: {proc.stderr.strip()[-600:]}", flush=True)
@@ -109,7 +113,8 @@ def main() -> None:
                 assert r["convkernels"].startswith(path), (r["convkernels"], path)
                 r.update(workload=workload, tree=name, rep=rep + 1, load_before=before, load_after=load())
                 rows.append(r)
-                tuner = (f", tuner {r['tuner_s']:.1f} s for {r['tuner_keys']} keys" if "tuner_s" in r else "")
+                tuner = (f", tuner {r['tuner_s']:.1f} s for {r['tuner_keys']} keys"
+                         f"{'' if r['tuner_done'] else ' (not done)'}" if "tuner_s" in r else "")
                 print(f"  {workload} {name} #{rep + 1}: first {r['first_s']:.2f} s, second {r['second_s']:.2f} s"
                       f"{tuner}, steady {r['steady_s']:.2f} s (all {', '.join(f'{t:.2f}' for t in r['steady_all_s'])})"
                       f"; CPU s first {r['first_cpu_s']:.2f}, second {r['second_cpu_s']:.2f}, steady "
