@@ -58,21 +58,33 @@ class PathChooser:
         if self.cache_metrics:
             PLAN_CACHE_EVENTS.labels(self.backend_name, "miss").inc()
         t0 = time.perf_counter()
-        valid = self.candidates(key)
-        if not valid:
-            raise ValueError(f"{self.backend_name}: no kernel path accepts {key.describe()}")
-        forced = [p for p in valid if p.name == self.forced] if self.forced else []
-        if forced:
-            path = forced[0]
-        elif self.measure is not None and len(valid) > 1:
-            path = self.measure(key, valid)
-        else:
-            path = min(valid, key=lambda p: p.cost(key))
+        path = self._decide(key)
         if self.cache_metrics:
             PLAN_BUILD_SECONDS.labels(self.backend_name).observe(time.perf_counter() - t0)
         with self._lock:
             self._memo[key] = path
         return path
+
+    def _decide(self, key: ConvKey) -> ConvPath:
+        valid = self.candidates(key)
+        if not valid:
+            raise ValueError(f"{self.backend_name}: no kernel path accepts {key.describe()}")
+        forced = [p for p in valid if p.name == self.forced] if self.forced else []
+        if forced:
+            return forced[0]
+        if self.measure is not None and len(valid) > 1:
+            return self.measure(key, valid)
+        return min(valid, key=lambda p: p.cost(key))
+
+    def rechoose(self, match: Callable[[ConvKey], bool]) -> None:
+        """Decide again for the memoised keys `match` accepts (call counts stay), e.g. once a
+        background measurement has replaced an estimate the measure hook gave."""
+        with self._lock:
+            keys = [k for k in self._memo if match(k)]
+        for key in keys:
+            path = self._decide(key)
+            with self._lock:
+                self._memo[key] = path
 
     def clear(self) -> None:
         with self._lock:

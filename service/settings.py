@@ -145,6 +145,10 @@ class Settings(BaseSettings):
     #: /docs and /openapi.json answer without the API key (they follow it by default)
     public_docs: bool = False
     plan_cache_dir: str | None = None
+    #: NumPy backend: how a new conv shape's path is chosen. background: a cost model answers at
+    #: once and the candidates are timed later, while the worker is idle; request: timed inside
+    #: the first request (several steady calls' time); off: the cost model alone
+    numpy_autotune: Literal["background", "request", "off"] = "background"
     plan_cache_capacity: int = Field(128, ge=1)
     unfold_limit_bytes: int | None = None
     tile_size: int | None = None
@@ -240,7 +244,7 @@ class Settings(BaseSettings):
         opts: dict = {"dtype": self.dtype} if self.dtype else {}
         if self.unfold_limit_bytes:
             opts["unfold_limit_bytes"] = self.unfold_limit_bytes
-        opts["numpy_options"] = {"plan_cache_dir": self.plan_cache_dir}
+        opts["numpy_options"] = {"plan_cache_dir": self.plan_cache_dir, "autotune": self.numpy_autotune}
         opts["cuda_options"] = {"cuda_graphs": self.cuda_graphs, "graph_capacity": self.cuda_graph_capacity,
                                 "graph_max_bytes": self.cuda_graph_max_bytes,
                                 "autotune": self.cuda_autotune, "autotune_max_plans": self.cuda_autotune_plans,

@@ -27,7 +27,9 @@ def conv_once(be, rng):
 
 
 def counting_backend(monkeypatch, directory):
-    be = get_backend("numpy", autotune_min_macs=1, plan_cache_dir=str(directory))
+    # measured inside the request (autotune="request"), so the store is written when conv2d
+    # returns; tests/test_numpy_first_call.py covers the background tuner's use of the store
+    be = get_backend("numpy", autotune_min_macs=1, plan_cache_dir=str(directory), autotune="request")
     timed = []
     real = be._time_paths
     monkeypatch.setattr(be, "_time_paths", lambda key, valid: timed.append(key) or real(key, valid))

@@ -14,8 +14,10 @@ from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from . import conv as nc
 from . import fused
 from .activations import apply_activation, c_ready, gelu
-from .autotune import time_paths, work_key
+from .autotune import time_paths
+from .background import Activity
 from .blas import BlasThreads
+from .path_choice import MeasuredChoices
 from .path_store import PathStore
 
 DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
@@ -36,15 +38,19 @@ class NumpyBackend(BackendBase):
 
     def __init__(self, dtype: str = "float32", unfold_limit_bytes: int | None = None,
                  timing_sample_rate: float = 1.0, attention_chunk: int = 2048,
-                 autotune_min_macs: float = 5e7, plan_cache_dir: str | None = None):
+                 autotune_min_macs: float = 5e7, plan_cache_dir: str | None = None,
+                 autotune: str = "background"):
         self.unfold_limit_bytes = int(unfold_limit_bytes or DEFAULT_UNFOLD_LIMIT)
         self.attention_chunk = attention_chunk
-        # Convs above this size pick their path by timing every valid one once (Winograd vs
-        # shift-gemm vs unfold flips with channels, size and BLAS build); smaller ones use the
-        # static cost rule, where measuring would cost more than it saves. inf disables.
+        # Convs above this size pick their path by measurement (Winograd vs shift-gemm vs unfold
+        # flips with channels, size and BLAS build), by default in the background after the cost
+        # model has answered (path_choice.py says how `autotune` changes that); smaller ones use
+        # the static cost rule, where measuring would cost more than it saves. inf disables.
         self.autotune_min_macs = float(autotune_min_macs)
+        self.autotune = autotune
         # measured choices outlive the process when a directory is given (as CUDA's plans do)
         self.path_store = PathStore(plan_cache_dir) if plan_cache_dir else None
+        self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
         self._wino_cache: dict = {}
         super().__init__(dtype, timing_sample_rate)
@@ -76,24 +82,10 @@ class NumpyBackend(BackendBase):
             return x
         return x.astype(np.float32)
 
-    def measure_paths(self):
-        store = self.path_store
-        timed: dict = store.load() if store else {}  # work key name -> the path its measurement chose
-
-        def measure(key: ConvKey, valid: list[ConvPath]) -> ConvPath:
-            if key.macs() < self.autotune_min_macs:
-                return min(valid, key=lambda p: p.cost(key))
-            name = PathStore.name(work_key(key))
-            chosen = next((p for p in valid if p.name == timed.get(name)), None)
-            if chosen is not None:
-                return chosen
-            chosen = self._time_paths(key, valid)
-            if store:
-                store.put(timed, name, chosen.name)
-            else:
-                timed[name] = chosen.name
-            return chosen
-        return measure
+    def measure_paths(self):  # hooks late-bound: tests wrap _time_paths
+        self.choice = MeasuredChoices(self.autotune, self.autotune_min_macs, self.path_store,
+                                      lambda k, v: self._time_paths(k, v), lambda m: self.paths.rechoose(m), self.activity)
+        return self.choice
 
     def _time_paths(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
         return time_paths(key, valid)
@@ -172,6 +164,10 @@ class NumpyBackend(BackendBase):
         ]
 
     def _run(self, path, key, x, w, bias, residual, activation):
+        with self.activity:
+            return self._run_pinned(path, key, x, w, bias, residual, activation)
+
+    def _run_pinned(self, path, key, x, w, bias, residual, activation):
         spec = key.spec
         if key.w_shape[-1] == 1 and spec.groups > 1 and not spec.transpose:
             # depthwise paths call no BLAS: pinning its threads would cost ~10 us for nothing
@@ -345,6 +341,10 @@ class NumpyBackend(BackendBase):
         return np.pad(np.asarray(x), width, mode="constant" if mode == "zeros" else "edge")
 
     def _linear(self, x, weight, bias, residual, activation):
+        with self.activity:  # ConvNeXt's MLPs: most of its time, and no conv
+            return self._linear_run(x, weight, bias, residual, activation)
+
+    def _linear_run(self, x, weight, bias, residual, activation):
         x, weight = self._operands(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
@@ -396,4 +396,4 @@ class NumpyBackend(BackendBase):
         return self._f(x).mean(axis=axes, keepdims=keepdims)
 
     def describe(self) -> dict:
-        return {**super().describe(), "unfold_limit_bytes": self.unfold_limit_bytes}
+        return {**super().describe(), "unfold_limit_bytes": self.unfold_limit_bytes, "autotune": self.autotune}
