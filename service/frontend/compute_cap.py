@@ -3,10 +3,12 @@ before the request takes a device (service/frontend/pipeline.py calls it).
 
 - Pixels. Output pixels (frames x height x width, over the batch; input pixels for encoders)
   past the backend's cap are refused with 413 `too-much-work` (CONVSERVE_MAX_REQUEST_PIXELS).
-- New shapes. The first request of an input shape pays for choosing the conv paths of every conv
-  it runs, which the NumPy backend measures (convkernels/backends/numpy/autotune.py): on a 2-core
-  CPU a tiny-vae 512x512 decode took 11.6 s the first time and 1.0-1.7 s after. So such a first
-  run is charged NEW_SHAPE_FACTOR times its pixels. Where that still fits the cap, nothing
+- New shapes. The first request of an input shape may pay for choosing the conv paths of every
+  conv it runs: with CONVSERVE_NUMPY_AUTOTUNE=request the NumPy backend times them inside it (on a
+  2-core CPU a tiny-vae 512x512 decode took 11.6 s the first time and 1.0-1.7 s after); by default
+  (background) a cost model answers and the first call costs 1-3 later ones (weight transforms,
+  first-touch memory). The charge stays the worst case, whatever the setting: such a first run is
+  charged NEW_SHAPE_FACTOR times its pixels. Where that still fits the cap, nothing
   changes: even measured, the request is no more work than one the cap lets through. Where it
   does not (a *large* new shape), the request is admitted only when no other large new shape is
   running in this front end and only while its new-shape time credit lasts: the credit starts
