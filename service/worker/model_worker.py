@@ -115,7 +115,6 @@ class FrontendLink:
             raise ValueError(f"expected a hello, got a {type(hello).__name__}")
         self.leader = isinstance(hello, wp.LeaderHello)
         self.view = ArenaView(recv_handle(self.conn), hello.arena_size)
-        self.send(self.host.description())
 
     def close(self) -> None:
         self.closed = True
@@ -269,12 +268,12 @@ class Worker:
                 link.send(wp.DoneMany(dones))
 
     def _broadcast(self) -> None:
-        desc = self.host.description()
-        with self._links_lock:
+        with self._links_lock:  # the state read and sent as one step against a link joining (_accept)
+            desc = self.host.description()
             links = [link for link in self.links if not link.closed]
             self.links = links
-        for link in links:
-            link.send(desc)
+            for link in links:
+                link.send(desc)
 
     def _started(self, batch) -> None:
         by_link: dict[FrontendLink, list[int]] = {}
@@ -295,7 +294,11 @@ class Worker:
                     return
                 log.warning("a front end's connection failed its handshake: %s: %s", exc.__class__.__name__, exc)
                 continue
+            # its first Status and its place among the links in one step, under the lock a
+            # broadcast takes too: a change in between (the load failing) would otherwise reach
+            # every link but this one, which would show "loading" for good
             with self._links_lock:
+                link.send(self.host.description())
                 self.links.append(link)
             self._wake_w.send_bytes(b"+")
 
