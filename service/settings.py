@@ -176,6 +176,10 @@ class Settings(BaseSettings):
     #: a front end sends the requests one turn of its event loop has for a model worker in one
     #: message (service/frontend/engine.py); off: one message each (to measure what it saves)
     bulk_submit: bool = True
+    #: on a device that runs ahead (CUDA), a model worker stacks and starts the next batch while
+    #: this one's results are on their way back (service/worker/batcher.py `Later`); off: each
+    #: batch is waited for before the next is started (to measure what it saves)
+    run_ahead: bool = True
     #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
     #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
     #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)

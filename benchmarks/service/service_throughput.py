@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=2.0, help="the server's batching window")
     ap.add_argument("--no-bulk", action="store_true",
                     help="CONVSERVE_BULK_SUBMIT=0: each request its own message to the worker (no SubmitMany)")
+    ap.add_argument("--no-run-ahead", action="store_true",
+                    help="the server's CONVSERVE_RUN_AHEAD=false: each batch waited for before the next starts")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw model (a second row of the same run)")
     ap.add_argument("--log", help="server log file")
@@ -305,6 +307,8 @@ def main() -> None:
         settings["workers"] = args.workers
     if args.no_bulk:
         settings["bulk_submit"] = "false"
+    if args.no_run_ahead:
+        settings["run_ahead"] = "false"
     url_path = f"/v1/models/m/{args.workload}"
     rows = []
     with ServerProcess(log_path=args.log, **settings) as srv:

@@ -166,7 +166,8 @@ class ModelHost:
             return lambda x: self.shard_leader.decode(hm, x, options.shards, options.clamp, options.uint8)
         if op == "decode":
             return lambda x: oom_recovery.decode(hm, x, tiled=options.tiled, clamp=options.clamp, uint8=options.uint8)
-        if op == "encode" and self.backend.runs_ahead and hasattr(hm.model, "encode_started"):
+        if (op == "encode" and self.backend.runs_ahead and self.settings.run_ahead
+                and hasattr(hm.model, "encode_started")):
             # the device runs ahead: the batcher stacks and starts the next batch while this one's
             # embeddings are on their way back (batcher.Later)
             started = hm.model.encode_started
