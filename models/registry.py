@@ -32,6 +32,10 @@ FAMILIES: tuple[str, ...] = (
     "convnext",        # ConvNeXt vision encoder
     "taesd",           # diffusers AutoencoderTiny tiny preview VAEs (TAESD, TAESDXL, TAEF1)
     "hunyuanimage_vae",  # diffusers AutoencoderKLHunyuanImage (the HunyuanImage 2.1 VAE, 64 channels, 32x)
+    "dc_ae",           # diffusers AutoencoderDC (SANA's deep-compression autoencoder, 32 channels, 32x)
+    "ltx2_vae",        # diffusers AutoencoderKLLTX2Video (the LTX-2 video VAE, 128 channels, 32x, 8x time)
+    "hunyuanvideo15_vae",  # diffusers AutoencoderKLHunyuanVideo15 (the HunyuanVideo 1.5 VAE, 32 channels, 16x, 4x time)
+    "qwen_image21_vae",  # diffusers AutoencoderKLQwenImage21 (the Qwen-Image 2.1 VAE: Wan 2.2's on one frame, 64 ch)
 )
 
 TINY_PREFIX = "tiny-"

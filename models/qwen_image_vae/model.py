@@ -114,8 +114,7 @@ class QwenImageVAEDecoder(WanVAEDecoder):
         super().__init__(name, preset, backend, cfg, tensors, weights_source, options)
         # the pipeline's own form: latents_std = 1 / std (float32), then latents / latents_std + mean
         self._inv_std = np.float32(1.0) / self._std
-        self.encoder_tree = EncoderTree(cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks,
-                                        cfg.temperal_downsample, cfg.input_channels)
+        self.encoder_tree = self._encoder_tree(cfg)
         wanted = self.encoder_tree.expected_shapes()
         encoder = random_state_dict(wanted, options.seed + 1, INIT_RULES) if tensors is None else \
             normalize_keys(tensors, cfg)
@@ -126,6 +125,11 @@ class QwenImageVAEDecoder(WanVAEDecoder):
 
     def _denormalise(self, lat: np.ndarray) -> np.ndarray:
         return lat / self._inv_std + self._mean
+
+    def _encoder_tree(self, cfg) -> EncoderTree:
+        """The checkpoint's encoder side, before it loads (Qwen-Image 2.1's is residual, with frame convs)."""
+        return EncoderTree(cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.num_res_blocks, cfg.temperal_downsample,
+                           cfg.input_channels)
 
     def _one_frame(self, latents) -> np.ndarray:
         lat = np.asarray(latents)
@@ -151,11 +155,8 @@ class QwenImageVAEDecoder(WanVAEDecoder):
         max_untiled_pixels."""
         if not self.has_encoder:
             raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
-        img = np.asarray(images_nhwc01, dtype=np.float32)
+        x = self._encoder_pixels(images_nhwc01)
         f = self.spatial_factor
-        if img.ndim != 4 or img.shape[-1] != 3 or img.shape[0] < 1 or min(img.shape[1:3]) < f:
-            raise ValueError(f"{self.name}: images must be (N, H, W, 3) with H, W >= {f}, got {img.shape}")
-        x = np.ascontiguousarray(np.float32(2.0) * img - np.float32(1.0))
         h, w = x.shape[1:3]
         t = self.tiling
         if tiled is None:
@@ -167,6 +168,14 @@ class QwenImageVAEDecoder(WanVAEDecoder):
         else:
             mean = self._encode_mean(x)
         return np.ascontiguousarray((mean.transpose(0, 3, 1, 2) - self._mean[:, :, 0]) / self._std[:, :, 0])
+
+    def _encoder_pixels(self, images_nhwc01) -> np.ndarray:
+        """Validated images as the encoder takes them: float32 x * 2 - 1, N,H,W,C."""
+        img = np.asarray(images_nhwc01, dtype=np.float32)
+        f = self.spatial_factor
+        if img.ndim != 4 or img.shape[-1] != 3 or img.shape[0] < 1 or min(img.shape[1:3]) < f:
+            raise ValueError(f"{self.name}: images must be (N, H, W, 3) with H, W >= {f}, got {img.shape}")
+        return np.ascontiguousarray(np.float32(2.0) * img - np.float32(1.0))
 
     def _encode_mean(self, x_nhwc: np.ndarray) -> np.ndarray:
         """Images (N, H, W, 3) in [-1, 1] -> the posterior mean (N, h, w, C), host float32: the Wan

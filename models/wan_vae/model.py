@@ -174,7 +174,7 @@ class WanVAEDecoder:
         self.temporal_factor = cfg.temporal_factor
         self._mean = np.asarray(cfg.latents_mean, np.float32).reshape(1, -1, 1, 1, 1)
         self._std = np.asarray(cfg.latents_std, np.float32).reshape(1, -1, 1, 1, 1)
-        self.tree = _VAEDecoderTree(cfg, self.decoder_class)
+        self.tree = self._decoder_tree(cfg)
         if tensors is None:
             self.weights_source, self.weights_naming = "random init", None
             tensors = random_state_dict(self.tree.expected_shapes(), options.seed, INIT_RULES)
@@ -193,6 +193,10 @@ class WanVAEDecoder:
         #: a row shard's recorded steady steps (their collectives are captured with them), one per
         #: shard group and band
         self.sharded_steps: dict = {}
+
+    def _decoder_tree(self, cfg: WanVAEConfig) -> Module:
+        """The checkpoint's decoder side, before it loads (a family whose convs differ makes its own)."""
+        return _VAEDecoderTree(cfg, self.decoder_class)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _prepare(self, latents_ncthw) -> PreparedLatents:
