@@ -55,17 +55,19 @@ def _odd_space_kernel(w, name: str) -> None:
         raise ValueError(f"{name} takes odd spatial kernels (a 'same' conv), got {space}")
 
 
-def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None):
+def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None,
+                groups: int = 1):
     """A stride-1 "same" 2-D conv (kernel kh x kw, padding (kh-1)/2, (kw-1)/2, as the VAEs' 3x3
     convs) of the whole image, on this shard's rows. Each shard sends its first and last
     (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding.
-    residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip)."""
+    residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip).
+    groups: a grouped conv's (a depthwise one's halo is the same rows of every channel)."""
     _odd_space_kernel(w, "halo_conv2d")
     kh, kw = int(w.shape[1]), int(w.shape[2])
     rows_pad = (0, 0)
     if (kh - 1) // 2:
         x, rows_pad = row_halo_parts(backend, comm, x, (kh - 1) // 2, axis=1)
-    return backend.conv2d(x, w, bias, padding=(rows_pad, ((kw - 1) // 2,) * 2), residual=residual,
+    return backend.conv2d(x, w, bias, padding=(rows_pad, ((kw - 1) // 2,) * 2), groups=groups, residual=residual,
                           activation=activation)
 
 

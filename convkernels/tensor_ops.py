@@ -364,6 +364,10 @@ class TensorOps(ABC):
     def mul(self, a, b):
         return a * b
 
+    def divide(self, a, b):
+        """a / b elementwise, NumPy broadcasting (a linear attention's normaliser)."""
+        return a / b
+
     def mean(self, x, axes: int | Sequence[int], keepdims: bool = False):
         axes_t = (axes,) if isinstance(axes, int) else tuple(axes)
         return self._mean(x, axes_t, keepdims)

@@ -47,16 +47,16 @@ class Conv2d(Conv):
         if shard is not None and self.kernel[0] > 1:
             self._check_same_conv()
             return halo_conv2d(self.backend, shard.comm, x, self.weight, self.bias, residual=residual,
-                               activation=activation)
+                               activation=activation, groups=self.groups)
         return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                                    groups=self.groups, residual=residual, activation=activation)
 
     def _check_same_conv(self) -> None:
-        """Only a stride-1 'same' conv runs on a band of rows (halo_conv2d); a stride-2 conv, or
-        one padded otherwise, would need rows no halo gives."""
+        """Only a stride-1 'same' conv runs on a band of rows (halo_conv2d, grouped or not); a
+        stride-2 conv, or one padded otherwise, would need rows no halo gives."""
         same = tuple((k - 1) // 2 for k in self.kernel)
         pads = (self.padding,) * 2 if isinstance(self.padding, int) else tuple(self.padding)
-        if self.stride != 1 or self.groups != 1 or any(p not in (s, (s, s)) for p, s in zip(pads, same)):
+        if self.stride != 1 or any(p not in (s, (s, s)) for p, s in zip(pads, same)):
             raise ValueError(f"a {self.kernel} conv of stride {self.stride}, padding {self.padding}, "
                              f"groups {self.groups} cannot run on a row shard")
 

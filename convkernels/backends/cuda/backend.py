@@ -333,6 +333,9 @@ class CudaBackend(BackendBase):
     def mul(self, a, b):
         return self.arrays.binary(a, b, self.cp.multiply)
 
+    def divide(self, a, b):
+        return self.arrays.binary(a, b, self.cp.divide)
+
     def _softmax(self, x, axis):
         dt, contiguous = self.dtype_of(x), self.arrays.contiguous
         axis = axis % x.ndim
