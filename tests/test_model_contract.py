@@ -28,7 +28,8 @@ def backend():
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux-vae", "tiny-flux2-vae", "tiny-wan-vae",
                                     "tiny-wan2.2-vae", "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd",
-                                    "tiny-hunyuanimage-vae"])
+                                    "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
+                                    "tiny-qwen-image2.1-vae"])
 def test_each_family_follows_its_kinds_protocol(backend, preset):
     model = load_model(preset, preset, backend)
     assert isinstance(model, PROTOCOLS[model.kind])
@@ -37,15 +38,19 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
 
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
-                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-convnext", "tiny-hunyuanimage-vae"])
+                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-convnext", "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
+                                    "tiny-qwen-image2.1-vae"])
 def test_per_channel_latent_statistics_are_typed_and_match_the_card(backend, preset):
     """The Wan-family decoders (Wan 2.1, Wan 2.2, Qwen-Image) give their latents_mean/latents_std as
     `latent_stats` (what the service scales remote-VAE latents with), the values their card's config
     shows; the others, normalised by a scaling factor or not at all, do not claim it."""
     model = load_model(preset, preset, backend)
-    per_channel = preset in ("tiny-wan-vae", "tiny-wan2.2-vae", "tiny-qwen-image-vae")
+    per_channel = preset in ("tiny-wan-vae", "tiny-wan2.2-vae", "tiny-qwen-image-vae", "tiny-qwen-image2.1-vae",
+                             "tiny-ltx2-vae")
     assert isinstance(model, PerChannelLatents) == per_channel
-    if per_channel:
+    if preset == "tiny-ltx2-vae":  # the checkpoint's buffers (random init: diffusers' zeros and ones), / scaling 1
+        assert model.latent_stats == ((0.0,) * 8, (1.0,) * 8)
+    elif per_channel:
         cfg = model.card()["config"]
         assert model.latent_stats == (tuple(cfg["latents_mean"]), tuple(cfg["latents_std"]))
         assert len(model.latent_stats[1]) == model.latent_channels
@@ -65,7 +70,8 @@ def test_every_family_refuses_an_unknown_preset_or_config_with_one_error(backend
 
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
-                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-hunyuanimage-vae"])
+                                    "tiny-qwen-image-vae", "tiny-taesd", "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
+                                    "tiny-qwen-image2.1-vae"])
 def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset):
     model = load_model(preset, preset, backend, options=ModelOptions(tile_size=256))
     chain, t = [], model.tiling
@@ -81,8 +87,8 @@ def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset)
     model.tiling = last
     if model.kind == IMAGE_DECODER:
         # AutoencoderKL's rule refuses some sizes; AutoencoderTiny's takes any, and the Qwen-Image
-        # VAE tiles by the Wan VAE's rule (checked by the decode below)
-        if preset not in ("tiny-taesd", "tiny-qwen-image-vae"):
+        # VAEs (1 and 2.1) tile by the Wan VAE's rule (checked by the decode below)
+        if preset not in ("tiny-taesd", "tiny-qwen-image-vae", "tiny-qwen-image2.1-vae"):
             # tiles are of the decoder's own latents (FLUX.2's unpatchified ones: its config's factor)
             tiling.validate_image_tiles(model.tiling, model.config.spatial_factor)
         z = rng.standard_normal((1, model.latent_channels, 23, 19)).astype(np.float32)
@@ -91,7 +97,7 @@ def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset)
     else:
         z = rng.standard_normal((1, model.latent_channels, 2, 11, 9)).astype(np.float32)
         f = model.spatial_factor
-        assert model.decode(z, tiled=True).shape == (1, 5, 11 * f, 9 * f, 3)
+        assert model.decode(z, tiled=True).shape == (1, 1 + model.temporal_factor, 11 * f, 9 * f, 3)
 
 
 def test_tile_size_becomes_each_decoders_own_setting(backend):
@@ -107,7 +113,8 @@ def test_tile_size_becomes_each_decoders_own_setting(backend):
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
                                     "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd",
-                                    "tiny-hunyuanimage-vae"])
+                                    "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
+                                    "tiny-qwen-image2.1-vae"])
 def test_example_inputs_are_what_the_model_takes_at_the_asked_size(backend, preset):
     """Warm-up and the CLI bench build their inputs with example_input: a decoder's latents decode
     to the asked pixel size rounded down to its grid; an encoder takes images of that size."""

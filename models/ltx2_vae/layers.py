@@ -3,7 +3,8 @@
 - CausalConv: LTX2VideoCausalConv3d, a 3x3x3 conv whose time axis is padded by repeating the first
   frame (causal: kT-1 copies in front) or the first and last frames (non-causal: (kT-1)/2 each
   side, the LTX-2 decoder's default), and whose rows and columns are padded by reflection (the
-  decoder's `reflect`) or zeros. On a row shard (rows are axis 2) it takes one halo row from each
+  decoder's `reflect`) or zeros; a lone row or column (1-row latents, a tiled decode's last tile,
+  which torch's reflect padding refuses) is repeated instead. On a row shard (rows are axis 2) it takes one halo row from each
   neighbour and reflects only at the image's own top and bottom: the reflected row is the joined
   band's second (or second to last) row, which is the image's own whatever the band's height.
 - Resnet: pixel (RMS over channels, eps 1e-8) norm, SiLU, conv, twice, plus the input; with
@@ -58,6 +59,8 @@ class CausalConv(Module):
         the reflected line: the joined lines' second (or second to last), the image's own."""
         x = b.concat([r for r in (before, x, after) if r is not None], axis=axis)
         n = x.shape[axis]
+        if n == 1:  # a lone line has no reflection (torch refuses it): it stands for itself
+            return b.concat([x, x, x], axis=axis)
         parts = [b.slice(x, axis, 1, 2)] if before is None else []
         parts.append(x)
         if after is None:

@@ -105,10 +105,9 @@ class LTX2VAEModel:
         lat = np.asarray(latents_ncthw)
         shard = row_shard.current()
         rows = shard.whole if shard is not None else (lat.shape[3] if lat.ndim == 5 else 0)
-        if lat.ndim != 5 or lat.shape[1] != self.latent_channels or min(lat.shape) < 1 or rows < 2 \
-                or lat.shape[4] < 2:
-            raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, T, h, w) with T >= 1 and "
-                             f"h, w >= 2 (the decoder pads by reflection), got {lat.shape}")
+        if lat.ndim != 5 or lat.shape[1] != self.latent_channels or min(lat.shape) < 1:
+            raise ValueError(f"{self.name}: latents must be (N, {self.latent_channels}, T, h, w) with every size "
+                             f">= 1, got {lat.shape}")
         lat = lat.astype(np.float32)
         if self.noise_scale:
             n, c, t, _, w = lat.shape

@@ -3,7 +3,7 @@
 shards all call here, and none knows a family.
 
 A family offers a row-split decode by naming it in its FAMILY (ModelFamily.row_sharding): every
-decoder family does (SD/SDXL/FLUX.1, FLUX.2, Qwen-Image, TAESD, HunyuanImage 2.1, Wan 2.1 and 2.2);
+decoder family does (SD/SDXL/FLUX.1, FLUX.2, Qwen-Image, Qwen-Image 2.1, TAESD, HunyuanImage 2.1, LTX-2, SANA's DC-AE, Wan 2.1 and 2.2);
 encoders do not. There is no second walk of any decoder: each shard runs the model's own decode on its rows
 of the latents with its RowShard current (models/nn/row_shard.py), and the layers that need
 other shards' rows exchange them through the shard's communicator. The decode is untiled; its
