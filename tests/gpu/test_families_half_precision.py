@@ -56,9 +56,25 @@ def _hunyuan(tmp_path, seed):
     return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
 
 
+def _hunyuan15(tmp_path, seed):
+    import test_models_hunyuanvideo15_vae as ref
+    vae = ref.make_vae(dict(ref.PRESETS["hunyuanvideo1.5-vae"].config), seed)
+    vae.save_pretrained(tmp_path)
+    return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
+
+
+def _ltx2(tmp_path, seed):
+    import test_models_ltx2_vae as ref
+    vae = ref.make_vae(dict(ref.PRESETS["ltx2-vae"].config), seed)
+    vae.save_pretrained(tmp_path)
+    return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
+
+
 FAMILIES = {"taesd": (_taesd, (1, 4, 23, 19)), "flux2-vae": (_flux2, (1, 128, 7, 5)),
             "qwen-image-vae": (_qwen, (1, 16, 11, 9)), "wan2.2-vae": (_wan22, (1, 48, 3, 5, 3)),
-            "hunyuanimage2.1-vae": (_hunyuan, (1, 64, 5, 3))}
+            "hunyuanimage2.1-vae": (_hunyuan, (1, 64, 5, 3)),
+            "ltx2-vae": (_ltx2, (1, 128, 2, 3, 2)),
+            "hunyuanvideo1.5-vae": (_hunyuan15, (1, 32, 2, 5, 3))}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
