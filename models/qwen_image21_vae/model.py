@@ -30,7 +30,7 @@ import numpy as np
 
 from convkernels import Backend
 
-from ..contract import SINGLE_FRAME_LATENTS
+from ..contract import ROW_MAJOR_TOKENS, SINGLE_FRAME_LATENTS
 from ..nn.weights import WeightsError
 from ..qwen_image_vae.model import QwenImageVAEDecoder
 from ..wan22_vae.encoder import ResidualEncoder3d
@@ -105,6 +105,8 @@ class QwenImage21VAEModel(QwenImageVAEDecoder):
                     output=f"float32 RGB (N, {f}h, {f}w, 3) in [0, 1]: the first three of the decoder's RGBA "
                            "channels (decode_rgba gives all four)",
                     pixel_channels={"decoded": RGBA, "served": RGB},
+                    # the 2.1 pipeline packs unpatched latents as row-major tokens (B, h * w, C), as FLUX.2's
+                    packed_latents=ROW_MAJOR_TOKENS,
                     **{SINGLE_FRAME_LATENTS: True})
         if self.has_encoder:
             card["encode"] = (f"images (N, H, W, 3 or 4) in [0, 1], H and W multiples of {f}; RGB gets alpha 1 -> "
