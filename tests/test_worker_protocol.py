@@ -35,6 +35,7 @@ MESSAGES = [
                    wp.Submit(6, "vae", "decode", wp.Options(uint8=True), IN, {"out": OUT})]),
     wp.Cancel(3), wp.StreamClose(3), wp.Query(5, "stats"),
     wp.ShardJoin(6, "vae", 1, 2, ("127.0.0.1", 4242, "ab")),
+    wp.ShardJoin(6, "vae", 1, 2, bytes(range(128))),  # NCCL's id in CuPy 14: bytes, which its join insists on
     wp.ShardDecode(7, "vae", 1, 2, 16, True, False, IN, OUT), wp.ShardStreamOpen(8, "vae", 1, 2, 1, 16, True, IN),
     wp.ShardStreamNext(9, "vae", 1, 2, 1, 0, OUT), wp.ShardStreamClose(1),
     _status(), wp.Started([3, 4]), wp.Done(3), wp.Done(8, None, 8),

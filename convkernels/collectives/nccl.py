@@ -37,12 +37,13 @@ class NcclShards:
         self._cp, self._comm, self.rank, self.size = cp, comm, rank, size
 
     @staticmethod
-    def unique_id() -> tuple:
-        """The group's id, made once by whoever starts the ranks (picklable)."""
+    def unique_id() -> bytes | tuple:
+        """The group's id, made once by whoever starts the ranks: bytes in CuPy 14 (a tuple of ints
+        in older CuPy); `join` wants it back unchanged."""
         return _nccl().get_unique_id()
 
     @classmethod
-    def join(cls, uid: tuple, rank: int, size: int) -> "NcclShards":
+    def join(cls, uid: bytes | tuple, rank: int, size: int) -> "NcclShards":
         """This process's rank, on its current GPU; returns once every rank has joined."""
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} outside a group of {size}")

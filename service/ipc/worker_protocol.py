@@ -111,7 +111,9 @@ class ShardJoin(_Msg):
     model: str  # the request's that made the group (the batcher's metrics label its join with it)
     rank: int
     size: int
-    uid: tuple  # the communicator's group id (NCCL's, or the test communicator's)
+    # the communicator's group id, exactly as its unique_id() made it: NCCL's is bytes in CuPy 14
+    # (a tuple of ints in older CuPy), the test communicator's a tuple; its join takes it back as is
+    uid: bytes | tuple
 
 
 class ShardDecode(_Msg):

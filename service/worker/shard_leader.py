@@ -186,7 +186,7 @@ class _Group:
                     end_group(f"the shard follower at {f.address} was not ready in {self.deadline_s:.0f} s")
                 if f.state != "ready":
                     raise RuntimeError(f"the shard follower at {f.address} failed to load its models")
-        uid = tuple(comm_cls.unique_id())  # a tuple of plain values: it travels in the ShardJoin
+        uid = comm_cls.unique_id()  # bytes or a tuple of plain values: it travels in the ShardJoin as is
         rids = self._send_all(lambda rank, rid, blocks: wp.ShardJoin(rid, model, rank, self.size, uid))
         try:
             self.comm = comm_cls.join(uid, 0, self.size)  # returns once every follower has joined too
