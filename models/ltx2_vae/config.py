@@ -1,7 +1,7 @@
 """diffusers `AutoencoderKLLTX2Video` (the LTX-2 video VAE): presets, the config read from
 config.json, strict structure rules and the family's options.
 
-The real preset is the LTX-2.0 VAE as diffusers' scripts/convert_ltx2_to_diffusers.py writes it for
+The real preset is the LTX-2.0 VAE as diffusers' LTX-2 conversion script (convert_ltx2_to_diffusers) writes it for
 Lightricks/LTX-2 (folder `vae`): 128 latent channels, 4x4 patches and three 2x2x2 residual
 depth-to-space upsamplers (32x space, 8x time), a non-causal decoder (decoder_causal=False) with
 reflect padding and no timestep conditioning. Its config.json was not checked against the Hub here
