@@ -68,7 +68,8 @@ def two_devices(request, server_factory, saved):
         pytest.importorskip("torch.distributed")
     srv = server_factory(models=f"vae=tiny-vae:{saved.root / 'vae'},wan=tiny-wan-vae,taesd=tiny-taesd,"
                                 "flux2=tiny-flux2-vae,qwen=tiny-qwen-image-vae,wan22=tiny-wan2.2-vae,"
-                                "hy=tiny-hunyuanimage-vae",
+                                "hy=tiny-hunyuanimage-vae,ltx=tiny-ltx2-vae,q21=tiny-qwen-image2.1-vae,"
+                                "hv=tiny-hunyuanvideo1.5-vae,dc=tiny-dc-ae",
                          devices="0,1", max_queue_delay_ms=0, **group_settings(request.param))
     wait_until_every_device_is_ready(srv.url, "vae")
     return srv
@@ -126,6 +127,10 @@ def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
     ("wan22", (1, 12, 3, 5, 3)),       # Wan 2.2: DupUp3D shortcuts, 2x2 output patches
     ("taesd", (1, 4, 7, 5)),           # TAESD: plain convs, its upsamplers' halo
     ("hy", (1, 16, 5, 3)),             # HunyuanImage 2.1: channel-repeating shortcuts, channel-to-space
+    ("ltx", (1, 8, 2, 5, 3)),          # LTX-2: reflect-padded 3-D convs, depth-to-space, whole-clip decode
+    ("q21", (2, 8, 5, 3)),             # Qwen-Image 2.1: Wan 2.2's residual blocks with 2-D frame convs, 16x
+    ("hv", (2, 8, 3, 5, 3)),           # HunyuanVideo 1.5: replicate-padded causal convs, frame-causal attention
+    ("dc", (1, 8, 5, 3)),              # SANA's DC-AE: depthwise convs' halos, linear attention's all-reduced sums
 ])
 def test_the_2026_families_over_two_shards_equal_their_unsharded_decode(two_devices, model, shape):
     """Their parity against diffusers is tests/test_sharded_families_emulated.py's; here, the

@@ -43,6 +43,13 @@ def _qwen(tmp_path, seed):
     return vae, folder, lambda v, lat: ref.reference_decode(v, config, lat)
 
 
+def _qwen21(tmp_path, seed):
+    import test_models_qwen_image21_vae as ref
+    vae, folder, config = ref.make_reference(tmp_path, dict(ref.PRESETS["qwen-image2.1-vae"]), seed)
+    # the served pixels are RGB: the pipeline's RGBA less alpha
+    return vae, folder, lambda v, lat: ref.reference_decode(v, config, lat)[..., :3]
+
+
 def _wan22(tmp_path, seed):
     import test_models_wan22_vae as ref
     vae, folder, config = ref.make_reference(tmp_path, dict(ref.PRESETS["wan2.2-vae"]), seed)
@@ -72,6 +79,7 @@ def _ltx2(tmp_path, seed):
 
 FAMILIES = {"taesd": (_taesd, (1, 4, 23, 19)), "flux2-vae": (_flux2, (1, 128, 7, 5)),
             "qwen-image-vae": (_qwen, (1, 16, 11, 9)), "wan2.2-vae": (_wan22, (1, 48, 3, 5, 3)),
+            "qwen-image2.1-vae": (_qwen21, (1, 64, 7, 5)),
             "hunyuanimage2.1-vae": (_hunyuan, (1, 64, 5, 3)),
             "ltx2-vae": (_ltx2, (1, 128, 2, 3, 2)),
             "hunyuanvideo1.5-vae": (_hunyuan15, (1, 32, 2, 5, 3))}
