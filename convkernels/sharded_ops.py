@@ -49,6 +49,34 @@ def row_halo_parts(backend, comm: ShardComm, x, halo: int, axis: int = 1):
     return backend.concat([r for r in (above, x, below) if r is not None], axis=axis), missing
 
 
+def wide_row_halo_parts(backend, comm: ShardComm, x, halo: int, counts, axis: int = 1):
+    """row_halo_parts for a halo taller than some shard's band (a 5x5 conv at the latents' scale on
+    bands of one row): `counts` is every shard's row count at x's scale, rank order. Each shard
+    all-gathers its first and last min(rows, halo) rows; the rows above a band are the last rows
+    of the shards above it, nearest first, as far as `halo` reaches (below likewise). Where fewer
+    than `halo` rows lie beyond the band the image ends there: the conv's zero padding stands in."""
+    counts = [int(c) for c in counts]
+    k = [min(c, halo) for c in counts]
+    n, me = x.shape[axis], comm.rank
+    edges = backend.concat([backend.slice(x, axis, 0, k[me]), backend.slice(x, axis, n - k[me], n)], axis=axis)
+    every = comm.allgather(edges, [2 * c for c in k])
+    above, need = [], halo
+    for r in range(me - 1, -1, -1):
+        if not need:
+            break
+        take = min(need, k[r])  # the last `take` of its last k[r] rows
+        above.insert(0, backend.slice(every[r], axis, 2 * k[r] - take, 2 * k[r]))
+        need -= take
+    below, need_below = [], halo
+    for r in range(me + 1, comm.size):
+        if not need_below:
+            break
+        take = min(need_below, k[r])  # the first `take` of its first k[r] rows
+        below.append(backend.slice(every[r], axis, 0, take))
+        need_below -= take
+    return backend.concat(above + [x] + below, axis=axis), (need, need_below)
+
+
 def _odd_space_kernel(w, name: str) -> None:
     space = tuple(int(k) for k in w.shape[-3:-1])
     if any(k % 2 == 0 for k in space):
@@ -56,17 +84,21 @@ def _odd_space_kernel(w, name: str) -> None:
 
 
 def halo_conv2d(backend, comm: ShardComm, x, w, bias=None, *, residual=None, activation: str | None = None,
-                groups: int = 1):
+                groups: int = 1, counts=None):
     """A stride-1 "same" 2-D conv (kernel kh x kw, padding (kh-1)/2, (kw-1)/2, as the VAEs' 3x3
     convs) of the whole image, on this shard's rows. Each shard sends its first and last
     (kh-1)/2 rows to its neighbours; the image's own top and bottom get the conv's zero padding.
     residual: this shard's rows of a tensor added in the conv's epilogue (a resnet's skip).
-    groups: a grouped conv's (a depthwise one's halo is the same rows of every channel)."""
+    groups: a grouped conv's (a depthwise one's halo is the same rows of every channel).
+    counts: every shard's rows at x's scale where some band may be shorter than the halo
+    (wide_row_halo_parts then gathers rows from beyond the neighbours)."""
     _odd_space_kernel(w, "halo_conv2d")
     kh, kw = int(w.shape[1]), int(w.shape[2])
-    rows_pad = (0, 0)
-    if (kh - 1) // 2:
-        x, rows_pad = row_halo_parts(backend, comm, x, (kh - 1) // 2, axis=1)
+    rows_pad, halo = (0, 0), (kh - 1) // 2
+    if halo and counts is not None and min(counts) < halo:
+        x, rows_pad = wide_row_halo_parts(backend, comm, x, halo, counts, axis=1)
+    elif halo:
+        x, rows_pad = row_halo_parts(backend, comm, x, halo, axis=1)
     return backend.conv2d(x, w, bias, padding=(rows_pad, ((kw - 1) // 2,) * 2), groups=groups, residual=residual,
                           activation=activation)
 

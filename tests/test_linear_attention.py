@@ -73,8 +73,9 @@ def test_on_row_shards_the_sums_are_all_reduced(shards):
     assert err < 1e-6, f"{shards} shards: rel L2 {err:.2e}"
 
 
-@pytest.mark.parametrize("shards", [2, 3])
+@pytest.mark.parametrize("shards", [2, 3, 5])
 def test_a_depthwise_conv_on_row_shards_takes_its_halo(shards):
+    """5 shards of 8 rows hold 2, 2, 2, 1, 1: the 5x5 conv's halo of 2 reaches past a neighbour."""
     backend = get_backend("numpy")
     rng = np.random.default_rng(shards)
     conv = Conv2d(12, 12, 5, padding=2, groups=12)

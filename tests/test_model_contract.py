@@ -29,7 +29,7 @@ def backend():
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux-vae", "tiny-flux2-vae", "tiny-wan-vae",
                                     "tiny-wan2.2-vae", "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd",
                                     "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
-                                    "tiny-qwen-image2.1-vae"])
+                                    "tiny-qwen-image2.1-vae", "tiny-dc-ae"])
 def test_each_family_follows_its_kinds_protocol(backend, preset):
     model = load_model(preset, preset, backend)
     assert isinstance(model, PROTOCOLS[model.kind])
@@ -39,7 +39,7 @@ def test_each_family_follows_its_kinds_protocol(backend, preset):
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
                                     "tiny-qwen-image-vae", "tiny-taesd", "tiny-convnext", "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
-                                    "tiny-qwen-image2.1-vae"])
+                                    "tiny-qwen-image2.1-vae", "tiny-dc-ae"])
 def test_per_channel_latent_statistics_are_typed_and_match_the_card(backend, preset):
     """The Wan-family decoders (Wan 2.1, Wan 2.2, Qwen-Image) give their latents_mean/latents_std as
     `latent_stats` (what the service scales remote-VAE latents with), the values their card's config
@@ -71,7 +71,7 @@ def test_every_family_refuses_an_unknown_preset_or_config_with_one_error(backend
 
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
                                     "tiny-qwen-image-vae", "tiny-taesd", "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
-                                    "tiny-qwen-image2.1-vae"])
+                                    "tiny-qwen-image2.1-vae", "tiny-dc-ae"])
 def test_smaller_tilings_shrink_to_a_floor_and_each_is_accepted(backend, preset):
     model = load_model(preset, preset, backend, options=ModelOptions(tile_size=256))
     chain, t = [], model.tiling
@@ -114,7 +114,7 @@ def test_tile_size_becomes_each_decoders_own_setting(backend):
 @pytest.mark.parametrize("preset", ["tiny-vae", "tiny-flux2-vae", "tiny-wan-vae", "tiny-wan2.2-vae",
                                     "tiny-qwen-image-vae", "tiny-convnext", "tiny-taesd",
                                     "tiny-hunyuanimage-vae", "tiny-hunyuanvideo1.5-vae", "tiny-ltx2-vae",
-                                    "tiny-qwen-image2.1-vae"])
+                                    "tiny-qwen-image2.1-vae", "tiny-dc-ae"])
 def test_example_inputs_are_what_the_model_takes_at_the_asked_size(backend, preset):
     """Warm-up and the CLI bench build their inputs with example_input: a decoder's latents decode
     to the asked pixel size rounded down to its grid; an encoder takes images of that size."""

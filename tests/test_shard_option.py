@@ -127,5 +127,5 @@ def test_the_cli_knows_every_sharded_family_by_its_preset():
 
     sharded = {p.family for p in PRESETS.values() if p.family in sharding.family_modules()}
     assert sharded == {"autoencoder_kl", "flux2_vae", "qwen_image_vae", "wan_vae", "wan22_vae", "taesd",
-                       "hunyuanimage_vae", "qwen_image21_vae", "ltx2_vae", "hunyuanvideo15_vae"}
+                       "hunyuanimage_vae", "qwen_image21_vae", "ltx2_vae", "hunyuanvideo15_vae", "dc_ae"}
     assert "convnext" not in sharding.family_modules()

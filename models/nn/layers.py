@@ -47,7 +47,8 @@ class Conv2d(Conv):
         if shard is not None and self.kernel[0] > 1:
             self._check_same_conv()
             return halo_conv2d(self.backend, shard.comm, x, self.weight, self.bias, residual=residual,
-                               activation=activation, groups=self.groups)
+                               activation=activation, groups=self.groups,
+                               counts=shard.token_counts(x.shape[1], 1) if self.kernel[0] > 3 else None)
         return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                                    groups=self.groups, residual=residual, activation=activation)
 
