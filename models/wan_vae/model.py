@@ -194,8 +194,7 @@ class WanVAEDecoder:
         #: shard group and band
         self.sharded_steps: dict = {}
 
-    def _decoder_tree(self, cfg: WanVAEConfig) -> Module:
-        """The checkpoint's decoder side, before it loads (a family whose convs differ makes its own)."""
+    def _decoder_tree(self, cfg: WanVAEConfig) -> Module:  # a family whose convs differ builds its own
         return _VAEDecoderTree(cfg, self.decoder_class)
 
     # ---- decode ----------------------------------------------------------------------------------
