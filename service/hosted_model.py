@@ -98,8 +98,9 @@ class HostedModel:
     @property
     def per_channel_scaling(self) -> bool:
         """Wan-family latents (the Wan VAE, the Qwen-Image VAE): normalised by the config's
-        latents_mean/latents_std per channel instead of a scaling/shift factor."""
-        return self.is_video or self.single_frame_latents
+        latents_mean/latents_std per channel instead of a scaling/shift factor. Read from the model's
+        latent_stats, not its kind: a video VAE may scale by one factor (HunyuanVideo 1.5)."""
+        return isinstance(self.model, PerChannelLatents) and self.model.latent_stats is not None
 
     @property
     def latent_ndim(self) -> int:
