@@ -77,12 +77,20 @@ def _ltx2(tmp_path, seed):
     return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
 
 
+def _dc_ae(tmp_path, seed):
+    import test_models_dc_ae as ref
+    vae = ref.make_vae(dict(ref.PRESETS["dc-ae-f32c32"].config), seed)
+    vae.save_pretrained(tmp_path)
+    return vae, tmp_path, lambda v, lat: ref.pipeline_decode(v, lat)
+
+
 FAMILIES = {"taesd": (_taesd, (1, 4, 23, 19)), "flux2-vae": (_flux2, (1, 128, 7, 5)),
             "qwen-image-vae": (_qwen, (1, 16, 11, 9)), "wan2.2-vae": (_wan22, (1, 48, 3, 5, 3)),
             "qwen-image2.1-vae": (_qwen21, (1, 64, 7, 5)),
             "hunyuanimage2.1-vae": (_hunyuan, (1, 64, 5, 3)),
             "ltx2-vae": (_ltx2, (1, 128, 2, 3, 2)),
-            "hunyuanvideo1.5-vae": (_hunyuan15, (1, 32, 2, 5, 3))}
+            "hunyuanvideo1.5-vae": (_hunyuan15, (1, 32, 2, 5, 3)),
+            "dc-ae-f32c32": (_dc_ae, (1, 32, 5, 3))}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
