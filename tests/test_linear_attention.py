@@ -73,6 +73,36 @@ def test_on_row_shards_the_sums_are_all_reduced(shards):
     assert err < 1e-6, f"{shards} shards: rel L2 {err:.2e}"
 
 
+def test_bfloat16_sums_are_gathered_and_added_in_rank_order(monkeypatch):
+    """NCCL reduces no bfloat16 here: such sums travel by all-gather, added in rank order."""
+    backend = get_backend("numpy")
+    qkv = np.random.default_rng(7).standard_normal((1, 7, 5, 3 * HEAD)).astype(np.float32)
+    whole = relu_linear_attention(backend, qkv, HEAD)
+    monkeypatch.setattr(backend, "dtype_of", lambda x: "bfloat16")
+    reduced = []
+
+    class NoReduce:
+        def __init__(self, comm):
+            self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+        def allreduce_sum(self, a):
+            reduced.append(a)
+            raise AssertionError("bfloat16 sums must not be all-reduced")
+
+        def allgather(self, a, lengths=None):
+            return self.comm.allgather(a, lengths)
+
+    bounds = split_rows(7, 3)
+    parts = split(qkv, bounds, axis=1)
+
+    def shard(comm, rank):
+        with RowShard(NoReduce(comm), 7, parts[rank].shape[1]).running():
+            return relu_linear_attention(backend, parts[rank], HEAD)
+
+    out = np.concatenate(run_sharded(3, shard), axis=1)
+    assert not reduced and rel_l2(out, whole) < 1e-6
+
+
 @pytest.mark.parametrize("shards", [2, 3, 5])
 def test_a_depthwise_conv_on_row_shards_takes_its_halo(shards):
     """5 shards of 8 rows hold 2, 2, 2, 1, 1: the 5x5 conv's halo of 2 reaches past a neighbour."""

@@ -41,7 +41,20 @@ def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
     ones = b.add(b.mul(b.slice(v, -1, 0, 1), 0.0), 1.0)  # the padded row of ones, made on the device
     sums = b.matmul(b.transpose(k, (0, 1, 3, 2)), b.concat([v, ones], axis=-1))  # (N, G, d, d + 1)
     if shard is not None:
-        sums = shard.comm.allreduce_sum(sums)
+        sums = all_sum(b, shard.comm, sums)
     out = b.matmul(q, sums)  # (N, G, T, d + 1)
     y = b.divide(b.slice(out, -1, 0, d), b.add(b.slice(out, -1, d, d + 1), eps / whole))
     return b.reshape(b.transpose(y, (0, 2, 1, 3)), (n, h, w, groups * d))
+
+
+def all_sum(backend, comm, a):
+    """Every shard's `a` added, on every shard: one all-reduce. bfloat16, which the NCCL
+    communicator does not reduce, is all-gathered and added in rank order (the same sum on every
+    shard); its lengths are known (every shard's sums have one shape), so no host round trip."""
+    if backend.dtype_of(a) != "bfloat16":
+        return comm.allreduce_sum(a)
+    parts = comm.allgather(a, [int(a.shape[1])] * comm.size)
+    total = parts[0]
+    for part in parts[1:]:
+        total = backend.add(total, part)
+    return total
