@@ -23,7 +23,8 @@ layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
 `attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
-[None: not fused], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1].
+[None: not fused], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
+stack a batch anywhere].
 """
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ class BackendBase(TensorOps):
     attention_score_bytes: int | None = None
     #: _upsample_conv2d takes a ShuffledResidual as it is (else upsample_conv2d makes it first)
     reads_shuffled_residual: bool = False
+
+    def host_batch(self, shape, dtype) -> np.ndarray | None:
+        """Where a caller stacking a batch of host inputs should put it, for asarray to upload it
+        cheapest; None (the default): anywhere, ordinary host memory is as good."""
+        return None
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' conv2d(x, w) + bias) as one fused op, or None where the

@@ -80,14 +80,17 @@ class Batcher:
                  stats: ModelStats | None = None, before_call: Callable[[np.ndarray], None] | None = None,
                  on_start: Callable[[list[WorkItem]], None] | None = None,
                  on_busy: Callable[[float], None] | None = None,
-                 on_done: Callable[[list[WorkItem]], None] | None = None):
+                 on_done: Callable[[list[WorkItem]], None] | None = None,
+                 host_batch: Callable[[tuple, Any], np.ndarray | None] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
         (the seam of the injected model-call faults, service/worker/fault_injection.py). on_start(batch):
         told which items a model call is about to run (the worker tells their front ends).
         on_busy(started): on the device thread, when a model call starts (time.monotonic()) and
         ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py).
         on_done(batch): on the device thread, once every item of a model call is resolved (a
-        result or the call's error): one hand-off per batch where a future's callback is one per item."""
+        result or the call's error): one hand-off per batch where a future's callback is one per item.
+        host_batch(shape, dtype): where to stack a batch's inputs (the backend's host_batch), or None."""
+        self.host_batch = host_batch
         self.on_busy = on_busy or (lambda started: None)
         self.on_done = on_done
         self.on_start = on_start
@@ -287,6 +290,17 @@ class Batcher:
             except Exception:  # timings are best effort; never fail requests over them
                 log.exception("after_batch hook failed")
 
+    def _stacked(self, batch: list[WorkItem]) -> np.ndarray:
+        """The batch's inputs as one array: stacked where the backend uploads them cheapest
+        (host_batch: CUDA's pinned buffers, one copy in all), else where NumPy puts them; a lone
+        request's own input where the backend has no such place."""
+        first = batch[0].inputs
+        rows = sum(it.inputs.shape[0] for it in batch)
+        where = self.host_batch((rows, *first.shape[1:]), first.dtype) if self.host_batch is not None else None
+        if where is None:
+            return first if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
+        return np.concatenate([it.inputs for it in batch], axis=0, out=where)
+
     def _start(self, batch: list[WorkItem]) -> "_Started | None":
         """Stack the batch and make its model call. None: the call ended it already (its error,
         or stopped with its requesters gone), every item resolved and handed off."""
@@ -299,7 +313,7 @@ class Batcher:
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
         metrics.observe_many(metrics.QUEUE_WAIT_SECONDS.labels(model), waits)
-        inputs = batch[0].inputs if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
+        inputs = self._stacked(batch)
         stacked = time.perf_counter()
         rows = int(inputs.shape[0])
         metrics.BATCH_SIZE.labels(model).observe(rows)

@@ -1,7 +1,10 @@
 """ConvNeXt's encode_started on the CUDA backend: two batches queued before either is waited for
 (what the service's batcher does with one batch ahead) give exactly what encode gives each, the
 second's replayed graph never overwriting the first's embeddings on their way to the host; uint8
-and float pixels, graphs on (the service's default). Skipped without CUDA."""
+and float pixels, graphs on (the service's default). And the same with every batch stacked in the
+backend's pinned staging buffers (host_batch, as the batcher stacks them), more batches in flight
+than there are buffers: each is uploaded from its own buffer before the buffer is written again.
+Skipped without CUDA."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,3 +37,24 @@ def test_batches_queued_ahead_equal_encode(model, dtype):
         for w, g in zip(wanted, got):
             assert g.shape == w.shape and np.array_equal(g, w)
     assert len({tuple(np.round(w[0], 4)) for w in wanted}) == 3  # the batches differ: a mix-up would show
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_batches_stacked_in_pinned_buffers_equal_encode(model, dtype):
+    from convkernels.backends.cuda.staging import SLOTS
+
+    rng = np.random.default_rng(11)
+    batches = [rng.integers(0, 256, (4, 224, 224, 3), dtype=np.uint8) for _ in range(SLOTS + 2)]
+    if dtype == "float32":
+        batches = [b.astype(np.float32) / 255 for b in batches]
+    wanted = [model.encode(b)["embedding"] for b in batches]
+    bk = model.backend
+    for _ in range(2):
+        started = []
+        for b in batches:  # all queued before any is waited for, as the batcher's queue would
+            where = bk.host_batch(b.shape, b.dtype)
+            assert where is not None
+            np.concatenate([b[:2], b[2:]], axis=0, out=where)
+            started.append(model.encode_started(where))
+        for w, s in zip(wanted, started):
+            assert np.array_equal(s.result()["embedding"], w)

@@ -1,0 +1,90 @@
+"""The CPU-side rules of the CUDA backend's pinned staging (convkernels/backends/cuda/staging.py),
+with a stand-in for CuPy whose "device" copies are host memmoves: a taken buffer has the shape
+asked for and is uploaded as it is; a buffer is handed out again only after its last upload was
+waited for; anything not taken, too large or empty is not staged. Runs everywhere; the upload on a
+real GPU is tests/gpu/test_convnext_started_gpu.py's."""
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from convkernels.backends.cuda.staging import PinnedStaging
+
+
+class _Event:
+    log: list = []
+
+    def __init__(self, **kw):
+        self.waited = False
+
+    def record(self, stream):
+        _Event.log.append(("record", self))
+
+    def synchronize(self):
+        self.waited = True
+        _Event.log.append(("wait", self))
+
+
+class _DeviceArray:
+    def __init__(self, shape, dtype):
+        self.host = np.zeros(shape, dtype)
+        self.shape, self.dtype = self.host.shape, self.host.dtype
+        self.data = types.SimpleNamespace(ptr=self.host.ctypes.data)
+
+
+def _fake_cupy():
+    runtime = types.SimpleNamespace(memcpyHostToDevice=1,
+                                    memcpyAsync=lambda dst, src, n, kind, stream: ctypes.memmove(dst, src, n))
+    cuda = types.SimpleNamespace(Event=_Event, runtime=runtime,
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    return types.SimpleNamespace(cuda=cuda, empty=lambda shape, dtype: _DeviceArray(shape, dtype))
+
+
+@pytest.fixture
+def staging(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.zeros(n, dtype)))
+    _Event.log = []
+    return PinnedStaging(_fake_cupy(), slots=2, max_slot_bytes=1 << 22)
+
+
+def test_a_taken_buffer_is_uploaded_as_it_is(staging):
+    host = staging.take((3, 5, 7, 3), np.uint8)
+    assert host.shape == (3, 5, 7, 3) and host.dtype == np.uint8
+    host[...] = np.arange(host.size, dtype=np.uint8).reshape(host.shape)
+    dev = staging.upload(host)
+    np.testing.assert_array_equal(dev.host, host)
+    assert staging.upload(np.ascontiguousarray(host.copy())) is None  # not one of its buffers
+    assert staging.upload(host[1:]) is None  # a view elsewhere in one is not a taken buffer
+
+
+def test_a_buffer_comes_round_again_only_after_its_upload_was_waited_for(staging):
+    a = staging.take((4, 8), np.float32)
+    staging.upload(a)
+    first_upload = _Event.log[-1][1]
+    b = staging.take((4, 8), np.float32)  # the second slot: nothing to wait for
+    assert not first_upload.waited
+    staging.upload(b)
+    again = staging.take((4, 8), np.float32)  # the first slot again: its upload is waited for first
+    assert first_upload.waited and again.ctypes.data == a.ctypes.data
+    assert staging.take((4, 8), np.float32).ctypes.data == b.ctypes.data
+
+
+def test_a_larger_batch_gets_a_larger_buffer_and_the_old_one_is_forgotten(staging):
+    small = staging.take((2, 4), np.float32)
+    old = small.ctypes.data
+    staging.take((1,), np.float32)
+    big = staging.take((1 << 16, 4), np.float32)  # slot 0 again, too small now
+    assert big.nbytes == (1 << 16) * 4 * 4
+    assert staging.upload(big) is not None
+    if big.ctypes.data != old:
+        fake = np.frombuffer((ctypes.c_char * 32).from_address(old), np.float32).reshape(2, 4)
+        assert staging.upload(fake) is None
+
+
+def test_too_large_or_empty_batches_are_not_staged(staging):
+    assert staging.take((1 << 21, 4), np.float32) is None  # 32 MiB over the 4 MiB bound
+    assert staging.take((0, 3), np.float32) is None
