@@ -90,16 +90,10 @@ class Batcher:
         on_done(batch): on the device thread, once every item of a model call is resolved (a
         result or the call's error): one hand-off per batch where a future's callback is one per item.
         host_batch(shape, dtype): where to stack a batch's inputs (the backend's host_batch), or None."""
-        self.host_batch = host_batch
+        self.host_batch, self.on_done, self.on_start, self.stats = host_batch, on_done, on_start, stats
         self.on_busy = on_busy or (lambda started: None)
-        self.on_done = on_done
-        self.on_start = on_start
-        self.max_batch = max_batch
-        self.delay_s = max_queue_delay_ms / 1000.0
-        self.name = name
-        self.after_batch = after_batch
-        self.before_call = before_call
-        self.stats = stats
+        self.max_batch, self.delay_s, self.name = max_batch, max_queue_delay_ms / 1000.0, name
+        self.after_batch, self.before_call = after_batch, before_call
         self._pending: deque[WorkItem] = deque()
         #: queued rows per batching key, queued items per model (kept by _enqueue/_dequeued)
         self._rows: dict[Hashable, int] = {}
@@ -291,12 +285,10 @@ class Batcher:
                 log.exception("after_batch hook failed")
 
     def _stacked(self, batch: list[WorkItem]) -> np.ndarray:
-        """The batch's inputs as one array: stacked where the backend uploads them cheapest
-        (host_batch: CUDA's pinned buffers, one copy in all), else where NumPy puts them; a lone
-        request's own input where the backend has no such place."""
-        first = batch[0].inputs
-        rows = sum(it.inputs.shape[0] for it in batch)
-        where = self.host_batch((rows, *first.shape[1:]), first.dtype) if self.host_batch is not None else None
+        """The inputs stacked where the backend uploads them cheapest (host_batch: CUDA's pinned
+        buffers), else by NumPy (a lone request's input as it is)."""
+        first, rows = batch[0].inputs, sum(it.rows for it in batch)
+        where = self.host_batch((rows, *first.shape[1:]), first.dtype) if self.host_batch else None
         if where is None:
             return first if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         return np.concatenate([it.inputs for it in batch], axis=0, out=where)

@@ -41,7 +41,7 @@ def test_batches_queued_ahead_equal_encode(model, dtype):
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_batches_stacked_in_pinned_buffers_equal_encode(model, dtype):
-    from convkernels.backends.cuda.staging import SLOTS
+    from convkernels.backends.cuda.transfer import SLOTS
 
     rng = np.random.default_rng(11)
     batches = [rng.integers(0, 256, (4, 224, 224, 3), dtype=np.uint8) for _ in range(SLOTS + 2)]

@@ -1,4 +1,4 @@
-"""The CPU-side rules of the CUDA backend's pinned staging (convkernels/backends/cuda/staging.py),
+"""The CPU-side rules of the CUDA backend's pinned staging (convkernels/backends/cuda/transfer.py, PinnedStaging),
 with a stand-in for CuPy whose "device" copies are host memmoves: a taken buffer has the shape
 asked for and is uploaded as it is; a buffer is handed out again only after its last upload was
 waited for; anything not taken, too large or empty is not staged. Runs everywhere; the upload on a
@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from convkernels.backends.cuda.staging import PinnedStaging
+from convkernels.backends.cuda.transfer import PinnedStaging
 
 
 class _Event:

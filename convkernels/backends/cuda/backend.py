@@ -40,7 +40,6 @@ from .fusions import CudaFusions
 from .graphs import CaptureState, GraphCache, GraphedForward
 from .options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
-from .staging import PinnedStaging
 from .transfer import copy_into, start_to_host
 from .upsample import upsample_conv2d
 
@@ -80,7 +79,6 @@ class CudaBackend(BackendBase):
         self._graph_lock = threading.RLock()
         self.capture = CaptureState()
         self.arrays = CudaArrays(cp)
-        self.staging = PinnedStaging(cp)
         self.weights = DerivedWeights(self.capture)
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (blas.py)
         self.blas = Cublas(cp, allow_tf32=options.allow_tf32)
@@ -117,15 +115,10 @@ class CudaBackend(BackendBase):
         host = np.asarray(host)
         if host.dtype.kind != "f" and str(host.dtype) != "bfloat16" and host.dtype != np.uint8:
             raise ValueError(f"cuda backend: expected a floating or uint8 array, got dtype {host.dtype}")
-        if host.dtype in (np.float16, np.float32, np.uint8):
-            staged = self.staging.upload(host)  # a batch stacked in host_batch's pinned buffer: one DMA
-            if staged is not None:
-                return self.arrays.cast(staged, dt)
         return self.arrays.from_host(host, dt)
 
-    def host_batch(self, shape, dtype):
-        """A pinned buffer to stack a batch in, uploaded by asarray with no host copy (staging.py)."""
-        return self.staging.take(tuple(shape), dtype)
+    def host_batch(self, shape, dtype):  # pinned: asarray uploads it with no host copy (transfer.py)
+        return self.arrays.staging.take(tuple(shape), dtype)
 
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, np.ndarray):
