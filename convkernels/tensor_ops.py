@@ -368,6 +368,14 @@ class TensorOps(ABC):
         """a / b elementwise, NumPy broadcasting (a linear attention's normaliser)."""
         return a / b
 
+    def astype(self, x, dtype: str):
+        """x stored as `dtype` ('float32', 'float16', 'bfloat16'): for a layer that computes in
+        float32 on a half-precision backend, as diffusers upcasts a linear attention's sums."""
+        return x if self.dtype_of(x) == dtype else self._astype(x, dtype)
+
+    def _astype(self, x, dtype: str):
+        return x.astype(dtype)
+
     def mean(self, x, axes: int | Sequence[int], keepdims: bool = False):
         axes_t = (axes,) if isinstance(axes, int) else tuple(axes)
         return self._mean(x, axes_t, keepdims)

@@ -259,6 +259,10 @@ def test_matmul_linear_softmax_mean_add_mul(target):
     assert be.dtype_of(be.add(a, a)) == target.dtype
     neg = be.mul(a, -1.0)  # a scalar operand (the Wan RMS norm's generic route uses this)
     assert be.dtype_of(neg) == target.dtype and np.array_equal(be.to_host(neg), -be.to_host(a))
+    wide = be.astype(a, "float32")  # a layer computing in float32 on any backend, and back
+    assert be.dtype_of(wide) == "float32" and np.array_equal(be.to_host(wide), be.to_host(a))
+    back = be.astype(wide, target.dtype)
+    assert be.dtype_of(back) == target.dtype and np.array_equal(be.to_host(back), be.to_host(a))
 
 
 @pytest.mark.parametrize("lq,lk,d,lead", [(37, 37, 29, (1, 2)), (37, 37, 17, (2, 3)), (50, 23, 64, (2, 3)),

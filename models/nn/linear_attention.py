@@ -10,7 +10,9 @@ shard's queries see the whole image's keys and values at the cost of a few KiB p
 other shards' tokens.
 
 The sums are taken as means (k scaled by 1 / the whole image's token count, eps likewise): the
-quotient is the same, and a half-precision backend does not overflow summing many tokens.
+quotient is the same. On a half-precision backend the layer computes in float32, as diffusers
+upcasts it: in float16, eps / tokens flushes to zero and a query whose ReLU is all zero divides
+0 by 0 (NaN; the H200's float16 encode of DC-AE, 2026-11-29).
 
 diffusers runs its "quadratic" form when an image has no more tokens than the head dimension:
 softmax-free scores k^T q normalised over keys, then v times them. That is the same quotient
@@ -34,6 +36,8 @@ def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
     shard = row_shard.current()
     whole = tokens if shard is None else sum(shard.token_counts(h, w))
     b = backend
+    stored = b.dtype_of(qkv)
+    qkv = b.astype(qkv, "float32")
     x = b.transpose(b.reshape(qkv, (n, tokens, groups, 3 * d)), (0, 2, 1, 3))  # (N, G, T, 3d)
     q = b.relu(b.slice(x, -1, 0, d))
     k = b.mul(b.relu(b.slice(x, -1, d, 2 * d)), 1.0 / whole)
@@ -44,7 +48,7 @@ def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
         sums = all_sum(b, shard.comm, sums)
     out = b.matmul(q, sums)  # (N, G, T, d + 1)
     y = b.divide(b.slice(out, -1, 0, d), b.add(b.slice(out, -1, d, d + 1), eps / whole))
-    return b.reshape(b.transpose(y, (0, 2, 1, 3)), (n, h, w, groups * d))
+    return b.astype(b.reshape(b.transpose(y, (0, 2, 1, 3)), (n, h, w, groups * d)), stored)
 
 
 def all_sum(backend, comm, a):

@@ -1,6 +1,5 @@
 """The CUDA backend: CuPy arrays, convolutions through cuDNN frontend graphs, the rest as our
 CuPy kernels. Its parts, one module each:
-
 - options.py: the settings (CudaOptions, the one constructor argument).
 - arrays.py: storage dtypes and casts (bfloat16 as uint16 bit patterns; to_host returns
   float32, which holds every bf16 value exactly), weights derived once per buffer.
@@ -11,12 +10,11 @@ CuPy kernels. Its parts, one module each:
   docstring states what may run inside a capture).
 - kernels.py (+ src/*.cu): norms, activations, casts, depthwise, softmax kernels.
 - attention.py: attention, as cuBLAS products around the softmax kernel, per dtype.
-- blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py: cuBLAS,
-  cuBLASLt and cuDNN through their C APIs, the plan cache, block copies.
+- blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py: cuBLAS, cuBLASLt and cuDNN through
+  their C APIs, the plan cache, block copies and the pinned staging of host batches.
 
-Host <-> device copies happen only in asarray / to_host / to_host_async. Latency: sampled convs
-get a pair of CUDA events on the current stream; flush_timings() reads them after the batch (no
-synchronisation per conv). Matmuls (linear, attention, gemm_fallback's products) go through
+Host <-> device copies happen only in asarray / to_host / to_host_async. Sampled convs get a pair
+of CUDA events; flush_timings() reads them after the batch (no synchronisation per conv). Matmuls (linear, attention, gemm_fallback's products) go through
 cuBLAS's C API on the backend's own handle, never CuPy's cuBLAS: that is what lets `graphed`
 forwards be captured as CUDA graphs.
 """
@@ -338,6 +336,9 @@ class CudaBackend(BackendBase):
 
     def divide(self, a, b):
         return self.arrays.binary(a, b, self.cp.divide)
+
+    def _astype(self, x, dtype: str):  # bfloat16 is uint16 bit patterns here: our casts, not CuPy's
+        return self.arrays.cast(x, dtype)
 
     def _softmax(self, x, axis):
         dt, contiguous = self.dtype_of(x), self.arrays.contiguous

@@ -109,6 +109,9 @@ class MlxBackend(BackendBase):
             x = x.astype(mx.float32)
         return np.array(x)
 
+    def _astype(self, x, dtype: str):
+        return x.astype(_DTYPES[dtype])
+
     def dtype_of(self, x) -> str:
         if isinstance(x, mx.array):
             return _NAMES.get(x.dtype, str(x.dtype).rsplit(".", 1)[-1])
