@@ -350,21 +350,27 @@ class NumpyBackend(BackendBase):
         x, weight = self._operands(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
-        res = None if residual is None else self._f(residual)
+        if self.bf16_linear is not None:
+            out = self.bf16_linear(x2, weight, None if b is None else np.ascontiguousarray(b),
+                                   None if residual is None else self._f(residual), activation)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], weight.shape[0])
         with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
-            # bias, activation and residual in one pass per cache-resident block of the output;
-            # dtype=bfloat16: the product itself in bfloat16 where the CPU has it (bf16.py)
-            out = None if self.bf16_linear is None else self.bf16_linear(x2, weight, b, res, activation)
-            out = fused.linear(x2, weight, b, res, activation) if out is None else out
+            # bias, activation and residual in one pass per cache-resident block of the output
+            out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation)
             if out is not None:
                 return out.reshape(*x.shape[:-1], weight.shape[0])
             out = np.matmul(x2, weight.T)
         if activation == "gelu":
             out = gelu(out, b)
         else:
-            out = apply_activation(out if b is None else np.add(out, b, out=out), activation, owned=True)
+            if b is not None:
+                out += b
+            out = apply_activation(out, activation, owned=True)
         out = out.reshape(*x.shape[:-1], weight.shape[0])
-        return out if residual is None else np.add(out, res.astype(out.dtype, copy=False), out=out)
+        if residual is not None:
+            out += self._f(residual).astype(out.dtype, copy=False)
+        return out
 
     def _matmul(self, a, b):
         a, b = self._f(a), self._f(b)
