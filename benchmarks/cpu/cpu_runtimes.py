@@ -50,8 +50,7 @@ WORKLOADS = {
     "wan-5x128": ("Wan 2.1 decode 5x128x128", "wan", "wan2.1-vae", (1, 16, 2, 16, 16), "tiny-wan-vae", (1, 4, 2, 16, 16)),
 }
 FIRST_CALL = ("sd-vae-256", "convnext-b1")
-CONTENDERS = {"ours": "ours (numpy)", "ours-bf16": "ours, dtype=bfloat16 (bf16 linears where AVX512-BF16)",
-              "ort": "ONNX Runtime", "openvino": "OpenVINO", "torch": "PyTorch"}
+CONTENDERS = {"ours": "ours (numpy)", "ort": "ONNX Runtime", "openvino": "OpenVINO", "torch": "PyTorch"}
 NEEDS = {"ort": "onnxruntime", "openvino": "openvino", "torch": "torch"}
 PACKAGES = ("convserve", "numpy", "torch", "onnxruntime", "openvino", "onnx", "onnxscript", "diffusers",
             "transformers", "threadpoolctl")
@@ -210,16 +209,16 @@ def ms(seconds) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
-def ratio(results: dict, peer: str, ours: str = "ours") -> str:
-    a, b = (results.get(c, {}).get("median_s") for c in (ours, peer))
+def ratio(results: dict, peer: str) -> str:
+    a, b = (results.get(c, {}).get("median_s") for c in ("ours", peer))
     return f"{a / b:.2f}" if a and b else "n/a"
 
 
 def steady_table(rows: dict, args) -> None:
     names = [CONTENDERS[c] for c in args.contenders]
     print("\nSteady calls: median over the kept runs (kept/all runs); ours/X is a time ratio, < 1: ours faster")
-    print("| workload | " + " | ".join(names) + " | ours/ORT | ours/OpenVINO | ours/PyTorch | ours-bf16/ORT |")
-    print("| --- " * (len(names) + 5) + "|")
+    print("| workload | " + " | ".join(names) + " | ours/ORT | ours/OpenVINO | ours/PyTorch |")
+    print("| --- " * (len(names) + 4) + "|")
     for key, (info, res) in rows.items():
         cells = []
         for c in args.contenders:
@@ -227,7 +226,7 @@ def steady_table(rows: dict, args) -> None:
             cells.append("skipped" if "skipped" in r else
                          f"{ms(r['median_s'])} ({len(r['kept'])}/{len(r['kept']) + len(r['discarded'])})")
         print(f"| {info['label']} | " + " | ".join(cells) + " | "
-              + " | ".join(ratio(res, p) for p in ("ort", "openvino", "torch")) + f" | {ratio(res, 'ort', 'ours-bf16')} |")
+              + " | ".join(ratio(res, p) for p in ("ort", "openvino", "torch")) + " |")
     print("\nOutputs: relative L2 to PyTorch's output on the same input")
     print("| workload | " + " | ".join(names) + " |")
     print("| --- " * (len(names) + 1) + "|")
@@ -249,7 +248,7 @@ def first_calls(key: str, workdir: Path, info: dict, args) -> list[dict]:
             w.close()
             stored = [json.loads(Path(p).read_text()).get("choices", {}) for p in glob.glob(f"{store}/*.json")]
             shutil.rmtree(store, ignore_errors=True)
-            res.update(workload=key, contender=c, rep=rep + 1, store_choices=sum(map(len, stored)) if c.startswith("ours") else None)
+            res.update(workload=key, contender=c, rep=rep + 1, store_choices=sum(map(len, stored)) if c == "ours" else None)
             out.append(res)
             if "error" in res:
                 print(f"  {CONTENDERS[c]} first call failed: {res['error']}", flush=True)
@@ -257,7 +256,7 @@ def first_calls(key: str, workdir: Path, info: dict, args) -> list[dict]:
                 print(f"  discarded: {CONTENDERS[c]} fresh process {rep + 1}: other processes used "
                       f"{res['others_cores']:.2f} cores over its {res['wall_s']:.2f} s (load {res['load_s']:.2f} s, "
                       f"first call {ms(res['first_s'])}, steady {ms(res['steady_s'])}"
-                      + (f", {res['store_choices']} path choices stored)" if c.startswith("ours") else ")"), flush=True)
+                      + (f", {res['store_choices']} path choices stored)" if c == "ours" else ")"), flush=True)
     return out
 
 

@@ -124,13 +124,12 @@ def prepare(workdir: Path) -> dict:
 
 def build(contender: str, spec: dict, workdir: Path, store: str | None = None):
     """(run(x) -> np.ndarray, threads it uses) for one contender."""
-    if contender in ("ours", "ours-bf16"):
+    if contender == "ours":
         from threadpoolctl import threadpool_info
 
         from convkernels import get_backend
         from models import load_model
-        backend = get_backend("numpy", dtype="bfloat16" if contender == "ours-bf16" else "float32",
-                              numpy_options={"plan_cache_dir": store} if store else None)
+        backend = get_backend("numpy", numpy_options={"plan_cache_dir": store} if store else None)
         model = load_model("bench", spec["preset"], backend, weights=str(workdir / "checkpoint"))
         blas = [i.get("num_threads") for i in threadpool_info() if i.get("user_api") == "blas"]
         if spec["family"] == "convnext":

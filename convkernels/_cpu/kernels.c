@@ -542,10 +542,6 @@ static PyMethodDef methods[] = {
     {"winograd4_output", winograd4_output, METH_VARARGS, "winograd4_output(m, out_hwo, ho, wo, o, tw, r0, r1): F(4x4,3x3)"},
     {"group_norm", ck_group_norm, METH_VARARGS,
      "group_norm(x, w, b, out, has_w, has_b, n, s, c, groups, eps, act): act 0 none, 1 silu, 2 gelu"},
-    {"has_bf16_gemm", ck_has_bf16_gemm, METH_NOARGS, "has_bf16_gemm(): this CPU runs gemm_bf16 (AVX512-BF16)"},
-    {"pack_bf16", ck_pack_bf16, METH_VARARGS, "pack_bf16(w_nk, packed_u16, n, k): a weight as gemm_bf16's bfloat16 pairs"},
-    {"gemm_bf16", ck_gemm_bf16, METH_VARARGS,
-     "gemm_bf16(a_mk, packed_u16, out_mn, m, k, n): out = bf16(a) @ bf16(w)^T, float32 accumulation"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};

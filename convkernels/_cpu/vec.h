@@ -172,10 +172,6 @@ PyObject *ck_epilogue(PyObject *self, PyObject *args);
 PyObject *ck_layer_norm(PyObject *self, PyObject *args);
 PyObject *ck_group_norm(PyObject *self, PyObject *args);
 PyObject *ck_depthwise_layer_norm(PyObject *self, PyObject *args);
-/* ... and of gemm_bf16.c */
-PyObject *ck_has_bf16_gemm(PyObject *self, PyObject *args);
-PyObject *ck_pack_bf16(PyObject *self, PyObject *args);
-PyObject *ck_gemm_bf16(PyObject *self, PyObject *args);
 
 /* kernels.c's depthwise row, used by the fused depthwise + LayerNorm in norms.c */
 void ck_depthwise_rows_s1(const float *x, const float *w, const float *bias, float *out, Py_ssize_t h,

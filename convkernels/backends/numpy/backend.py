@@ -12,7 +12,7 @@ from ...paths import ConvPath
 from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, prod, upsample_shapes
 from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from . import conv as nc
-from . import bf16, fused
+from . import fused
 from .activations import apply_activation, c_ready, gelu
 from .autotune import time_paths
 from .background import Activity
@@ -34,8 +34,7 @@ _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
 
 class NumpyBackend(BackendBase):
     name = "numpy"
-    #: bfloat16: float32 arrays, linear layers as bfloat16 products where the CPU has AVX512-BF16 (bf16.py)
-    supported_dtypes = ("float32", "float64", "bfloat16")
+    supported_dtypes = ("float32", "float64")
 
     def __init__(self, dtype: str = "float32", unfold_limit_bytes: int | None = None,
                  timing_sample_rate: float = 1.0, attention_chunk: int = 2048,
@@ -54,12 +53,11 @@ class NumpyBackend(BackendBase):
         self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
         self._wino_cache: dict = {}
-        self.bf16_linear = bf16.for_dtype(dtype)
         super().__init__(dtype, timing_sample_rate)
 
     # ---- arrays ---------------------------------------------------------------------------
     def _compute_dtype(self, dt) -> np.dtype:
-        return np.dtype(np.float64) if dt in ("float64", np.float64) else np.dtype(np.float32)
+        return np.dtype(np.float64) if np.dtype(dt) == np.float64 else np.dtype(np.float32)
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)
@@ -350,11 +348,6 @@ class NumpyBackend(BackendBase):
         x, weight = self._operands(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
-        if self.bf16_linear is not None:
-            out = self.bf16_linear(x2, weight, None if b is None else np.ascontiguousarray(b),
-                                   None if residual is None else self._f(residual), activation)
-            if out is not None:
-                return out.reshape(*x.shape[:-1], weight.shape[0])
         with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
             # bias, activation and residual in one pass per cache-resident block of the output
             out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation)
