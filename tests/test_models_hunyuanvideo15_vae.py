@@ -80,7 +80,7 @@ def tiny_vae(tmp_path_factory):
 def test_decode_matches_the_pipeline(tiny_vae, backend_name):
     vae, folder, seed = tiny_vae
     model = load_model("h", PRESET, backend_named(backend_name), weights=folder)
-    assert model.kind == "video-decoder" and not model.has_encoder
+    assert model.kind == "video-decoder" and model.has_encoder  # the encoder: test_models_hunyuanvideo15_vae_encoder.py
     assert (model.latent_channels, model.spatial_factor, model.temporal_factor) == (C, 8, 4)
     rng = np.random.default_rng(seed)
     for n, t, h, w in [(2, 2, 5, 3), (1, 1, 3, 4)]:
@@ -179,6 +179,7 @@ def test_decoder_only_and_strict_loading(tiny_vae, tmp_path):
     sd = vae.state_dict()
     decoder_only = {k: v for k, v in sd.items() if k.startswith("decoder.")}
     model = load_model("h", PRESET, get_backend("numpy"), weights=_folder(tmp_path, "dec", decoder_only, config))
+    assert not model.has_encoder
     x = latents(np.random.default_rng(seed), 1, C, 2, 2, 3)
     assert rel_l2(model.decode(x), pipeline_decode(vae, x)) < TOL, f"seed {seed}"
     gone = "decoder.up_blocks.1.upsamplers.0.conv.conv.weight"

@@ -86,6 +86,34 @@ class HunyuanVideo15VAEConfig(DiffusersConfig):
             prev = up or ch
         return out
 
+    def encoder_levels(self) -> list[tuple[int, int, int | None, bool]]:
+        """Per down block (resnet input, resnet width, downsample output or None, temporal
+        downsample), as HunyuanVideo15Encoder3D builds them."""
+        widths, out = list(self.block_out_channels), []
+        prev, s, t = widths[0], self.spatial_compression_ratio, self.temporal_compression_ratio
+        for i, ch in enumerate(widths):
+            down, temporal = None, False
+            if i < np.log2(s):
+                temporal = bool(i >= np.log2(s // t))
+                down = widths[i + 1] if self.downsample_match_channel else ch
+            out.append((prev, ch, down, temporal))
+            prev = down or ch
+        return out
+
+    def encoder_problems(self) -> list[str]:
+        """What diffusers' encoder could not run with these fields (its views would fail); checked
+        only where a checkpoint holds the encoder, so a decoder-only config is not refused for it."""
+        problems, z2 = [], 2 * self.latent_channels
+        if self.block_out_channels[-1] % z2:
+            problems.append(f"2 * latent_channels ({z2}) must divide block_out_channels[-1] "
+                            f"({self.block_out_channels[-1]}: the encoder's output shortcut averages groups)")
+        for _, ch, down, temporal in self.encoder_levels():
+            factor = 8 if temporal else 4
+            if down is not None and (down % factor or (factor * ch) % down or (temporal and (factor * ch // down) % 2)):
+                problems.append(f"a downsample {ch}->{down} (its conv gives {down}/{factor} channels, its shortcut "
+                                f"averages {factor}x{ch} channels to {down}{', in even groups' if temporal else ''})")
+        return problems
+
     def validate(self) -> None:
         problems, widths, z = [], list(reversed(self.block_out_channels)), self.latent_channels
         s, t = self.spatial_compression_ratio, self.temporal_compression_ratio

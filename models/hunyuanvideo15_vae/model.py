@@ -13,7 +13,10 @@ batch of any size decodes (diffusers' own attention mask fails for a batch of 2:
 Tiled decode is diffusers' rule for this class (spatial tiles of tile_sample_min_size pixels every
 int(tile_latent * (1 - overlap)) latents, blended over int(tile * overlap) pixels, every tile through
 the whole clip with its own cache; here the loops are swapped so tiled groups stream too).
-The encoder is not offered (the text-to-video pipeline never encodes); its weights are ignored.
+The encoder (encoder.py) is served where the checkpoint holds it (`has_encoder`): encode gives what
+the image-to-video pipeline's _get_image_latents hands on, the posterior mean (mode) * scaling_factor,
+for clips of 1 + 4k frames (the pipeline encodes its one conditioning frame), run in diffusers' own
+chunks of frames with the causal cache (the first frame alone, then 4), so memory is one chunk's.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from ..nn.weights import ModelConfigError, fold_output_affine
 from ..wan_vae.chunk_plan import UNSHARDED, ChunkPlan, chunk_plan
 from ..wan_vae.layers import FeatureCache
 from ..wan_vae.model import joined_groups, one_group_ahead
+from ..wan22_vae.model import encode_chunks, video_encoder_input
 from .config import HunyuanVideo15VAEConfig, HunyuanVideo15VAEOptions
+from .encoder import Encoder
 from .layers import Decoder
 
 #: random init: U(+-1/sqrt(fan_in)) as PyTorch's default, RMS-norm gammas one
@@ -58,6 +63,7 @@ class HunyuanVideo15VAEDecoder:
     #: Hub weights only; load_model sets it (models/contract.py)
     weights_provenance: dict | None = None
     architecture = "diffusers AutoencoderKLHunyuanVideo15 decoder (HunyuanVideo 1.5 VAE, causal 3-D convs)"
+    #: set at load: whether the checkpoint holds the encoder (random init makes one)
     has_encoder = False
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: HunyuanVideo15VAEConfig,
@@ -85,6 +91,44 @@ class HunyuanVideo15VAEDecoder:
         self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out.conv", 0.5, 0.5), backend,
                                f"AutoencoderKLHunyuanVideo15 decoder (preset {preset!r})",
                                ignore_unexpected=("encoder.",))
+        self._load_encoder(cfg, tensors, options.seed + 1 if self.weights_source == "random init" else None)
+
+    def _load_encoder(self, cfg: HunyuanVideo15VAEConfig, tensors: Mapping[str, np.ndarray], seed: int | None):
+        """The encoder where the checkpoint holds any of it (random init makes one, seeded apart from
+        the decoder); a partial encoder is an error naming every missing or mis-shaped tensor."""
+        self.encoder_tree = Module()
+        self.encoder = self.encoder_tree.add("encoder", Encoder(cfg))
+        wanted = self.encoder_tree.expected_shapes()
+        if seed is not None:
+            tensors = random_state_dict(wanted, seed, INIT_RULES)
+        self.has_encoder = any(k in tensors for k in wanted)
+        if not self.has_encoder:
+            return
+        problems = cfg.encoder_problems()
+        if problems:
+            raise ModelConfigError("unsupported AutoencoderKLHunyuanVideo15 encoder config: " + "; ".join(problems))
+        self.encoder_tree.load_checked(tensors, self.backend, f"AutoencoderKLHunyuanVideo15 encoder (preset "
+                                       f"{self.preset!r})", ignore_unexpected=("decoder.",))
+
+    # ---- encode ----------------------------------------------------------------------------------
+    def encode(self, video_nfhw01) -> np.ndarray:
+        """Frames (N, 1 + 4k, H, W, 3) in [0, 1], H and W multiples of the spatial factor -> the
+        image-to-video pipeline's latents (N, C, 1 + k, H/16, W/16), float32: the posterior mean
+        (its mode, as the pipeline's retrieve_latents(sample_mode="argmax")) * scaling_factor.
+        Chunked (the first frame alone, then 4), exact: the convs are causal, the temporal
+        downsamplers treat only the clip's first frame apart, the attention is frame-causal. Untiled."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        x = video_encoder_input(self.name, video_nfhw01, self.spatial_factor, self.temporal_factor)
+        b, z = self.backend, self.latent_channels
+        state = FeatureCache()
+        means = []
+        for start, stop in encode_chunks(x.shape[1], self.temporal_factor):
+            interrupt.check()  # its requesters gone: stop between chunks
+            out = self.encoder(b.asarray(np.ascontiguousarray(x[:, start:stop])), state)
+            means.append(np.asarray(b.to_host(out), np.float32)[..., :z])
+        mean = np.concatenate(means, axis=1).transpose(0, 4, 1, 2, 3)
+        return np.ascontiguousarray(mean * np.float32(self.scaling_factor))
 
     # ---- decode ----------------------------------------------------------------------------------
     def _prepare(self, latents_ncthw) -> np.ndarray:
@@ -170,7 +214,10 @@ class HunyuanVideo15VAEDecoder:
 
     def card(self) -> dict:
         f, t = self.spatial_factor, self.temporal_factor
-        return card_fields(self, self.architecture, has_encoder=False,
+        encode = {} if not self.has_encoder else {
+            "encode": f"frames (N, 1 + {t}k, H, W, 3) in [0, 1], H and W multiples of {f} -> latents (N, C, 1 + k, "
+                      f"H/{f}, W/{f}) as the image-to-video pipeline holds them: posterior mean * scaling_factor"}
+        return card_fields(self, self.architecture, has_encoder=self.has_encoder, **encode,
                            latent_channels=self.latent_channels, spatial_factor=f, temporal_factor=t,
                            scaling_factor=self.scaling_factor, shift_factor=0.0,
                            input="latents (N, C, T, h, w) as the pipeline holds them; decode applies "

@@ -199,22 +199,7 @@ class Wan22VAEDecoder(WanVAEDecoder):
         return np.ascontiguousarray((mean - self._mean) * self._inv_std)
 
     def _encoder_input(self, video) -> np.ndarray:
-        """Validated frames as the encoder takes them: float32 x * 2 - 1 (the video processor's map
-        to [-1, 1]), N,F,H,W,3."""
-        v = np.asarray(video)
-        f, step = self.spatial_factor, ENCODE_CHUNK_FRAMES
-        if v.ndim != 5 or v.shape[-1] != 3 or min(v.shape) < 1:
-            raise ValueError(f"{self.name}: video must be (N, F, H, W, 3) with every size >= 1, got {v.shape}")
-        if (v.shape[1] - 1) % step:
-            raise ValueError(f"{self.name}: the frame count must be 1 + {step}k (1, 5, 9, ...), got {v.shape[1]}")
-        if v.shape[2] % f or v.shape[3] % f:
-            raise ValueError(f"{self.name}: height and width must be multiples of {f}, got {v.shape[2]}x{v.shape[3]}")
-        if v.dtype.kind != "f":
-            raise ValueError(f"{self.name}: video must be floating point in [0, 1], got {v.dtype}")
-        x = np.float32(2.0) * v.astype(np.float32) - np.float32(1.0)
-        if not np.isfinite(x).all():
-            raise ValueError(f"{self.name}: video contains NaN or Inf")
-        return x
+        return video_encoder_input(self.name, video, self.spatial_factor, ENCODE_CHUNK_FRAMES)
 
     def card(self) -> dict:
         card = super().card()
@@ -227,9 +212,30 @@ class Wan22VAEDecoder(WanVAEDecoder):
         return card
 
 
-def encode_chunks(frames: int) -> list[tuple[int, int]]:
-    """diffusers' _encode chunks of a 1 + 4k frame clip: the first frame alone, then 4 at a time."""
-    return [(0, 1)] + [(s, s + ENCODE_CHUNK_FRAMES) for s in range(1, frames, ENCODE_CHUNK_FRAMES)]
+def encode_chunks(frames: int, step: int = ENCODE_CHUNK_FRAMES) -> list[tuple[int, int]]:
+    """diffusers' _encode chunks of a 1 + 4k frame clip: the first frame alone, then 4 (step) at a time."""
+    return [(0, 1)] + [(s, s + step) for s in range(1, frames, step)]
+
+
+def video_encoder_input(name: str, video, spatial_factor: int, step: int) -> np.ndarray:
+    """Validated frames as a video VAE encoder takes them: float32 x * 2 - 1 (the video processor's
+    map to [-1, 1]), N,F,H,W,3 with F = 1 + step * k and sides multiples of spatial_factor; every
+    refusal a ValueError naming the rule (the service answers 422)."""
+    v = np.asarray(video)
+    f = spatial_factor
+    if v.ndim != 5 or v.shape[-1] != 3 or min(v.shape) < 1:
+        raise ValueError(f"{name}: video must be (N, F, H, W, 3) with every size >= 1, got {v.shape}")
+    if (v.shape[1] - 1) % step:
+        raise ValueError(f"{name}: the frame count must be 1 + {step}k (1, {1 + step}, {1 + 2 * step}, ...), "
+                         f"got {v.shape[1]}")
+    if v.shape[2] % f or v.shape[3] % f:
+        raise ValueError(f"{name}: height and width must be multiples of {f}, got {v.shape[2]}x{v.shape[3]}")
+    if v.dtype.kind != "f":
+        raise ValueError(f"{name}: video must be floating point in [0, 1], got {v.dtype}")
+    x = np.float32(2.0) * v.astype(np.float32) - np.float32(1.0)
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: video contains NaN or Inf")
+    return x
 
 
 def host_unpatchify(x: np.ndarray, patch: int) -> np.ndarray:
