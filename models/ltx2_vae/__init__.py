@@ -3,8 +3,10 @@
 
 config.py: presets, the config.json fields, structure rules and options; layers.py: its causal /
 non-causal 3-D convs with reflect padding, pixel-norm resnets with timestep modulation and the
-residual depth-to-space upsamplers; model.py: the decoder with the pipeline's de-normalisation
-around it, whole-clip decode handed out in frame groups."""
+residual depth-to-space upsamplers; encoder.py: the encoder (patchify, space-to-depth downsamplers
+with their averaged shortcuts); model.py: the decoder with the pipeline's de-normalisation around it,
+whole-clip decode handed out in frame groups, and encode with the image-to-video pipeline's
+normalisation."""
 from ..contract import VIDEO_DECODER
 from ..family import ModelFamily
 from .config import DESCRIPTIONS, PRESETS, LTX2VAEConfig, LTX2VAEOptions

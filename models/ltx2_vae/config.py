@@ -43,9 +43,9 @@ PRESETS: dict[str, dict] = {
 }
 
 DESCRIPTIONS = {
-    "ltx2-vae": "LTX-2 video VAE decoder (Lightricks/LTX-2, folder vae; AutoencoderKLLTX2Video, 128 latent "
+    "ltx2-vae": "LTX-2 video VAE decoder and encoder (Lightricks/LTX-2, folder vae; AutoencoderKLLTX2Video, 128 latent "
                 "channels, 32x space, 8x time, non-causal decoder)",
-    "tiny-ltx2-vae": "tiny LTX-2-architecture video VAE decoder for tests and CPU demos (8 latent channels, "
+    "tiny-ltx2-vae": "tiny LTX-2-architecture video VAE decoder and encoder for tests and CPU demos (8 latent channels, "
                      "32x space, 8x time)",
 }
 
@@ -73,8 +73,8 @@ class LTX2VAEOptions(ModelOptions):
 
 @dataclass(frozen=True)
 class LTX2VAEConfig(DiffusersConfig):
-    """The fields of diffusers' AutoencoderKLLTX2Video config.json (the decoder's shape it; the
-    encoder's are kept so a full config.json reads, the encoder itself is not built)."""
+    """The fields of diffusers' AutoencoderKLLTX2Video config.json: the decoder's, and the
+    encoder's (built where the checkpoint holds it: models/ltx2_vae/encoder.py)."""
 
     in_channels: int = 3
     out_channels: int = 3
@@ -118,6 +118,47 @@ class LTX2VAEConfig(DiffusersConfig):
         layers = tuple(reversed(self.decoder_layers_per_block))
         return [(boc[i] // factors[i], _STRIDES.get(kinds[i]) if scaling[i] else None, factors[i], residual[i],
                  layers[i + 1]) for i in range(len(boc))]
+
+    def encoder_levels(self) -> list[tuple[int, int, tuple[int, int, int] | None]]:
+        """Per down block: (its output width, resnets, downsample stride or None), as
+        LTX2VideoEncoder3d reads the config."""
+        n = len(self.block_out_channels)
+        scaling = self._per_block(self.spatio_temporal_scaling, n)
+        return [(self.block_out_channels[i], self.layers_per_block[i],
+                 _STRIDES.get(self.downsample_type[i]) if scaling[i] else None) for i in range(n)]
+
+    def encoder_problems(self) -> list[str]:
+        """Why diffusers' encoder would not run this config, or runs it as we do not (empty: fine)."""
+        n = len(self.block_out_channels)
+        if len(self.layers_per_block) != n + 1 or len(self.downsample_type) != n or \
+                len(self._per_block(self.spatio_temporal_scaling, n)) != n:
+            return [f"block_out_channels has {n} entries: downsample_type and spatio_temporal_scaling must have "
+                    f"{n}, layers_per_block {n + 1}"]
+        problems = []
+        scaling = self._per_block(self.spatio_temporal_scaling, n)
+        if any(s and k not in _STRIDES for s, k in zip(scaling, self.downsample_type)):
+            problems.append(f"downsample_type entries must be {sorted(_STRIDES)} (the strided 'conv' downsampler "
+                            f"is not offered), got {list(self.downsample_type)}")
+            return problems
+        if self.patch_size_t != 1:
+            problems.append(f"patch_size_t {self.patch_size_t}: diffusers' encoder sizes conv_in for 1")
+        width, st, ss = self.latent_channels, 1, 1
+        for i, (out, _, stride) in enumerate(self.encoder_levels()):
+            size = int(np.prod(stride)) if stride is not None else 1
+            if stride is None and out != width or stride is not None and (out % size or (width * size) % out):
+                problems.append(f"down block {i} takes {width} channels to {out}: diffusers' encoder does not "
+                                "run that config")
+                break
+            if stride is not None:
+                st, ss = st * stride[0], ss * stride[1]
+            width = out
+        if not problems and (self.patch_size * ss, st) != (self.spatial_factor, self.temporal_factor):
+            problems.append(f"the encoder compresses {self.patch_size * ss}x space and {st}x time, the decoder "
+                            f"expands {self.spatial_factor}x and {self.temporal_factor}x")
+        if self.encoder_spatial_padding_mode not in ("reflect", "zeros"):
+            problems.append(f"encoder_spatial_padding_mode must be 'reflect' or 'zeros', got "
+                            f"{self.encoder_spatial_padding_mode!r}")
+        return problems
 
     @property
     def mid_width(self) -> int:

@@ -17,6 +17,13 @@ no frame can be finished before the clip's last latent frame is read: decode_fra
 whole clip, then hands it out in frame groups (1, then temporal_factor frames each). Memory grows
 with the clip. Spatial tiling is diffusers' tiled_decode (tiles of the whole clip blended as
 AutoencoderKLWan's, models/nn/tiling.py); diffusers' framewise (temporal) tiling is not offered.
+
+Encode (where the checkpoint holds the encoder: `has_encoder`; models/ltx2_vae/encoder.py) is what
+the image-to-video and condition pipelines do before the denoiser: frames in [0, 1] -> x * 2 - 1 ->
+vae.encode -> the posterior mean (retrieve_latents "argmax") -> (mean - latents_mean) / latents_std.
+Those pipelines call _normalize_latents without scaling_factor (its default 1.0) although decode
+divides by it: equal for LTX-2's own checkpoint (scaling_factor 1.0); encode follows the pipelines.
+One untiled call on the whole clip (the encoder is causal in time, but one pass is what diffusers runs).
 """
 from __future__ import annotations
 
@@ -32,8 +39,9 @@ from ..nn import row_shard
 from ..nn.module import Module, random_state_dict
 from ..nn.tiling import (TileSettings, plan_video_tiles, smaller_video_tiles, stitch_video_tiles, video_tiles,
                          video_tiles_for_size)
-from ..nn.weights import fold_output_affine
+from ..nn.weights import ModelConfigError, fold_output_affine
 from .config import LTX2VAEConfig, LTX2VAEOptions
+from .encoder import Encoder
 from .layers import Decoder
 
 #: random init: U(+-1/sqrt(fan_in)) as PyTorch's default; the latent statistics as diffusers inits them
@@ -83,6 +91,7 @@ class LTX2VAEModel:
         self.noise_scale = float(options.noise_scale) if conditioned else 0.0
         self.noise_seed = int(options.noise_seed)
         self.tree = _Tree(cfg, float(options.timestep))
+        random_init = tensors is None
         if tensors is None:
             self.weights_source = "random init"
             tensors = random_state_dict(self.tree.expected_shapes(), options.seed, INIT_RULES)
@@ -91,11 +100,31 @@ class LTX2VAEModel:
             prefix = "vae."  # a whole pipeline's state dict: only when every name has it
             if tensors and all(k.startswith(prefix) for k in tensors):
                 tensors = {k[len(prefix):]: v for k, v in tensors.items()}
-        # the encoder half of a full VAE checkpoint is fine to carry (encode is not offered)
+        # the encoder half of a full VAE checkpoint is loaded apart (below)
         self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out.conv", 0.5, 0.5), backend,
                                f"AutoencoderKLLTX2Video decoder (preset {preset!r})", ignore_unexpected=("encoder.",))
         self._mean, self._std = self.tree.stats
         self._decode_device = backend.graphed(self.tree.decoder.__call__)
+        self.has_encoder, self._encode_device = False, None
+        self._load_encoder(cfg, None if random_init else tensors, options.seed + 1, backend, preset)
+
+    def _load_encoder(self, cfg: LTX2VAEConfig, tensors, seed: int, backend: Backend, preset: str) -> None:
+        """The encoder, where the checkpoint holds any of it (strict: a partial one is an error), or
+        seeded apart from the decoder under random init (where the config is one diffusers runs)."""
+        if tensors is not None and not any(k.startswith("encoder.") for k in tensors):
+            return  # a decoder-only checkpoint: decode only
+        problems = cfg.encoder_problems()
+        if problems:
+            if tensors is None:
+                return
+            raise ModelConfigError("unsupported AutoencoderKLLTX2Video encoder config: " + "; ".join(problems))
+        tree = Module()
+        encoder = tree.add("encoder", Encoder(cfg))
+        if tensors is None:
+            tensors = random_state_dict(tree.expected_shapes(), seed, INIT_RULES)
+        tree.load_checked(tensors, backend, f"AutoencoderKLLTX2Video encoder (preset {preset!r})",
+                          ignore_unexpected=("decoder.", "latents_"))
+        self.has_encoder, self._encode_device = True, backend.graphed(encoder.__call__)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _prepare(self, latents_ncthw) -> np.ndarray:
@@ -168,6 +197,39 @@ class LTX2VAEModel:
         than one tile), False = never, None = when a frame exceeds max_untiled_pixels."""
         return self._decode_all(self._prepare(latents_ncthw), tiled, uint8, clamp)
 
+    # ---- encode ----------------------------------------------------------------------------------
+    def encode(self, video_nfhw01) -> np.ndarray:
+        """Frames (N, 1 + 8k, H, W, 3) in [0, 1], H and W multiples of 32 -> what diffusers' LTX-2
+        image-to-video (and condition) pipeline hands the denoiser: the posterior mean of
+        vae.encode(x * 2 - 1) (retrieve_latents "argmax"), then (mean - latents_mean) / latents_std,
+        float32 (N, C, 1 + k, H/32, W/32). The pipelines' _normalize_latents is called there without
+        scaling_factor (its default 1.0), so none is applied here either. Untiled, whole clip."""
+        if not self.has_encoder:
+            raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
+        b = self.backend
+        mean = np.asarray(b.to_host(self._encode_device(b.asarray(self._encoder_input(video_nfhw01)))), np.float32)
+        mean = mean.transpose(0, 4, 1, 2, 3)
+        return np.ascontiguousarray((mean - self._mean) / self._std)
+
+    def _encoder_input(self, video) -> np.ndarray:
+        """Validated frames as the encoder takes them: float32 x * 2 - 1 (the video processor's map
+        to [-1, 1]), N,F,H,W,3."""
+        v = np.asarray(video)
+        s, t = self.spatial_factor, self.temporal_factor
+        if v.ndim != 5 or v.shape[-1] != 3 or min(v.shape) < 1:
+            raise ValueError(f"{self.name}: video must be (N, F, H, W, 3) with every size >= 1, got {v.shape}")
+        if (v.shape[1] - 1) % t:
+            raise ValueError(f"{self.name}: the frame count must be 1 + {t}k (1, {1 + t}, {1 + 2 * t}, ...), "
+                             f"got {v.shape[1]}")
+        if v.shape[2] % s or v.shape[3] % s:
+            raise ValueError(f"{self.name}: height and width must be multiples of {s}, got {v.shape[2]}x{v.shape[3]}")
+        if v.dtype.kind != "f":
+            raise ValueError(f"{self.name}: video must be floating point in [0, 1], got {v.dtype}")
+        x = np.float32(2.0) * v.astype(np.float32) - np.float32(1.0)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{self.name}: video contains NaN or Inf")
+        return np.ascontiguousarray(x)
+
     def output_frames(self, latent_frames: int) -> int:
         """Frames decoded from this many latent frames: 1 + temporal_factor * (T - 1)."""
         return 1 + self.temporal_factor * (latent_frames - 1)
@@ -191,7 +253,12 @@ class LTX2VAEModel:
                                  "scaling_factor + latents_mean (the checkpoint's buffers)",
                            output=f"float32 (N, 1 + {self.temporal_factor}*(T-1), {self.spatial_factor}h, "
                                   f"{self.spatial_factor}w, 3) in [0, 1]",
-                           timestep=self.timestep, noise_scale=self.noise_scale,
+                           timestep=self.timestep, noise_scale=self.noise_scale, has_encoder=self.has_encoder,
+                           **({"encode": f"frames (N, 1 + {self.temporal_factor}k, H, W, 3) in [0, 1], H and W "
+                                         f"multiples of {self.spatial_factor} -> normalised latents (N, C, 1 + k, "
+                                         f"H/{self.spatial_factor}, W/{self.spatial_factor}): (posterior mean - "
+                                         "latents_mean) / latents_std, as the image-to-video pipeline"}
+                              if self.has_encoder else {}),
                            limits={"streaming": "frame groups after a whole-clip decode (the decoder is not "
                                                 "causal in time)" if not self.config.decoder_causal else
                                                 "frame groups after a whole-clip decode",
