@@ -19,8 +19,8 @@ _ROUTES = {
                       "{name} is an {kind}; streaming decode is for video decoders"),
     "vae_decode": (lambda hm: hm.is_decoder, "wrong-model-kind", "{name} is an {kind}; remote_decode needs a VAE decoder"),
     "vae_encode": (lambda hm: hm.can_encode, "no-vae-encoder",
-                   "{name} ({kind}) serves no VAE encoder: remote_encode takes an image VAE or a Wan 2.2 video "
-                   "VAE whose checkpoint holds the encoder weights"),
+                   "{name} ({kind}) serves no VAE encoder: remote_encode takes an image VAE or a video VAE "
+                   "(Wan 2.2, HunyuanVideo 1.5, LTX-2) whose checkpoint holds the encoder weights"),
 }
 
 

@@ -305,7 +305,9 @@ N,3,F,H,W in [-1,1] (`VideoProcessor.preprocess_video`'s layout, what `vae.encod
 3,H,W; uint8 N,F,H,W,3, N,H,W,3, H,W,3. It answers N,48,1+k,H/16,W/16: with `do_scaling=True` the TI2V
 pipeline's normalised latents `(mean - latents_mean) * (1 / latents_std)`; with no factors the unscaled
 posterior mean. The LTX-2 VAE likewise, with F = 1 + 8k, sides multiples of 32, N,128,1+k,H/32,W/32, and
-the image-to-video pipeline's `(mean - latents_mean) / latents_std` with `do_scaling=True`. The compute cap
+the image-to-video pipeline's `(mean - latents_mean) / latents_std` with `do_scaling=True`. The
+HunyuanVideo 1.5 VAE: F = 1 + 4k, sides multiples of 16, N,32,1+k,H/16,W/16, `mean * scaling_factor` (its
+image-to-video pipeline's) with `do_scaling=True`. The compute cap
 counts every frame's pixels."""
 
 
