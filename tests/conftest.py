@@ -4,6 +4,7 @@ the op suite runs on (op_backends.py)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -31,26 +32,51 @@ from live_server import LiveServer, start_server
 from op_backends import HALF_TARGETS, TARGETS, Target, available, target_params
 
 
+#: every server the factory started, in order, and those a session-scoped fixture keeps
+_STARTED: list[LiveServer] = []
+_SESSION_OWNED: set[int] = set()
+
+
+def _stop_all(servers: list[LiveServer]) -> None:
+    """All told to drain at once, then waited for (one by one, the drains' grace added up to
+    ~34 s at the end of the suite)."""
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    for s in servers:
+        s.stop()
+
+
 @pytest.fixture(scope="session")
 def server_factory(tmp_path_factory):
-    """start(**settings) -> LiveServer; every server started is stopped at session end."""
-    started: list[LiveServer] = []
+    """start(**settings) -> LiveServer. A server lives until the end of the test module that
+    started it (_servers_end_with_their_module), one a session fixture owns until the session's."""
     log_dir = tmp_path_factory.mktemp("servers")
 
     def start(**settings) -> LiveServer:
         s = start_server(log_dir, **settings)
-        started.append(s)
+        _STARTED.append(s)
         return s
 
     yield start
-    for s in started:
-        s.stop()
+    _stop_all(_STARTED)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _servers_end_with_their_module():
+    """Servers a module started stop when it ends: kept to the session's end, 35 modules' idle
+    servers (three processes each) held memory and woke the CPU through every later module."""
+    first = len(_STARTED)
+    yield
+    _stop_all([s for s in _STARTED[first:] if id(s) not in _SESSION_OWNED])
 
 
 @pytest.fixture(scope="session")
 def live_server(server_factory) -> LiveServer:
     """The default model set (tiny-vae, tiny-convnext, tiny-wan-vae), default limits."""
-    return server_factory(models="tiny-vae,tiny-convnext,tiny-wan-vae")
+    s = server_factory(models="tiny-vae,tiny-convnext,tiny-wan-vae")
+    _SESSION_OWNED.add(id(s))
+    return s
 
 
 @pytest.fixture(params=target_params(TARGETS))

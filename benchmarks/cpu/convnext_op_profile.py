@@ -156,8 +156,12 @@ def main():
     ap.add_argument("--workdir", default=None, help="reuse a prepared workdir (else a fresh temporary one)")
     ap.add_argument("--row-block-bytes", type=int, default=None,
                     help="what-if: the fused linear's output block (convkernels/backends/numpy/fused.py)")
-    ap.add_argument("--child", choices=["ort"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["ort", "prepare"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child == "prepare":  # torch (the weights, the ONNX export) only ever in this child
+        from cpu_runtimes_worker import prepare
+        print(json.dumps(prepare(Path(args.workdir))))
+        return
     if args.child:
         total, rows = profile_ort(Path(args.workdir), args.reps)
         print(json.dumps({"total": total, "rows": rows}))
@@ -170,10 +174,13 @@ def main():
         tmp = tempfile.TemporaryDirectory()
         workdir = Path(tmp.name)
     if not (workdir / "spec.json").exists() or not (workdir / "input.npy").exists():
-        from cpu_runtimes_worker import prepare
         (workdir / "spec.json").write_text(json.dumps(
             {"family": "convnext", "preset": args.preset, "shape": [args.batch, args.size, args.size, 3]}))
-        print("prepare:", prepare(workdir))
+        # in a child: torch loaded here would bind our C kernels to its libgomp, whose spinning
+        # threads made the epilogue 77 ms instead of ~8 (2-core Xeon, 2026-11-29; NOTES.md)
+        out = subprocess.run([sys.executable, __file__, "--child", "prepare", "--workdir", str(workdir)],
+                             capture_output=True, text=True, check=True)
+        print("prepare:", out.stdout.strip().splitlines()[-1])
     if args.row_block_bytes:
         from convkernels.backends.numpy import fused
         fused.ROW_BLOCK_BYTES = args.row_block_bytes
