@@ -31,17 +31,29 @@ INIT_RULES = ((r"norm[^.]*\.weight$", "ones"), (r"norm[^.]*\.bias$", "zeros"), (
 
 
 class HunyuanImageVAEModel:
-    """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md."""
+    """An image decoder (and encoder when the checkpoint has one) per docs/interfaces.md.
+
+    Also the shape of another family's image VAE scaled by one factor around a decoder and an
+    encoder (models/dc_ae): a subclass names its parts below and its default tile."""
 
     kind = IMAGE_DECODER
     #: Hub weights only; load_model sets it (models/contract.py)
     weights_provenance: dict | None = None
     architecture = "diffusers AutoencoderKLHunyuanImage (HunyuanImage 2.1 VAE)"
+    checkpoint_class = "AutoencoderKLHunyuanImage"
+    decoder_class, encoder_class, options_class, init_rules = Decoder, Encoder, HunyuanImageVAEOptions, INIT_RULES
+    #: why encode(tiled=True) is refused
+    tiled_encode_refusal = "diffusers' AutoencoderKLHunyuanImage tiled_encode takes 5-D video input"
+
+    @staticmethod
+    def default_tile_latent(cfg) -> int:
+        """diffusers: tile_latent_min_size = sample_size // spatial_compression_ratio"""
+        return cfg.sample_size // cfg.spatial_factor
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: HunyuanImageVAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
                  options: HunyuanImageVAEOptions | None = None):
-        options = options or HunyuanImageVAEOptions()
+        options = options or self.options_class()
         self.name, self.preset, self.backend, self.config = name, preset, backend, cfg
         f = cfg.spatial_factor
         tile_latent = options.tile_latent_size
@@ -49,19 +61,18 @@ class HunyuanImageVAEModel:
             tile_latent = max(1, int(options.tile_size) // f)
         self.latent_channels, self.spatial_factor = cfg.latent_channels, f
         self.scaling_factor = float(cfg.scaling_factor)
-        # diffusers: tile_latent_min_size = sample_size // spatial_compression_ratio
-        self.tiling = tiling.image_tiles(int(tile_latent or cfg.sample_size // f), f,
+        self.tiling = tiling.image_tiles(int(tile_latent or self.default_tile_latent(cfg)), f,
                                          float(options.tile_overlap_factor),
                                          int(options.memory_budget_bytes or backend.work_memory_budget))
         self.tree = Module()  # what the checkpoint holds, by its names
-        self.decoder = self.tree.add("decoder", Decoder(cfg))
+        self.decoder = self.tree.add("decoder", self.decoder_class(cfg))
         encoder_side = Module()
-        self.encoder = encoder_side.add("encoder", Encoder(cfg))
+        self.encoder = encoder_side.add("encoder", self.encoder_class(cfg))
         encoder_shapes = encoder_side.expected_shapes()
         if tensors is None:
             self.weights_source = "random init"
             wanted = {**self.tree.expected_shapes(), **(encoder_shapes if options.with_encoder else {})}
-            tensors = random_state_dict(wanted, options.seed, INIT_RULES)
+            tensors = random_state_dict(wanted, options.seed, self.init_rules)
         else:
             self.weights_source = weights_source or "given tensors"
             prefix = "vae."  # a whole pipeline's state dict: only when every name has it
@@ -75,7 +86,7 @@ class HunyuanImageVAEModel:
             self.encoder = None
         # VaeImageProcessor's x / 2 + 0.5 before its clip: done by conv_out itself
         self.tree.load_checked(fold_output_affine(tensors, "decoder.conv_out", 0.5, 0.5), backend,
-                               f"AutoencoderKLHunyuanImage preset {preset!r}")
+                               f"{self.checkpoint_class} preset {preset!r}")
         # device latents -> device images; a backend may record and replay it (CUDA graphs)
         self._decode_device = backend.graphed(self.decoder.__call__)
 
@@ -119,8 +130,7 @@ class HunyuanImageVAEModel:
         if not self.has_encoder:
             raise RuntimeError(f"{self.name}: the checkpoint has no encoder weights")
         if tiled:
-            raise ValueError(f"{self.name}: tiled encode is not offered (diffusers' AutoencoderKLHunyuanImage "
-                             f"tiled_encode takes 5-D video input); encode untiled")
+            raise ValueError(f"{self.name}: tiled encode is not offered ({self.tiled_encode_refusal}); encode untiled")
         img = np.asarray(images_nhwc01, dtype=np.float32)
         f = self.spatial_factor
         if img.ndim != 4 or img.shape[-1] != self.config.in_channels or img.shape[1] % f or img.shape[2] % f:
