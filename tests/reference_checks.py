@@ -40,6 +40,17 @@ def assert_informative(ref, what: str) -> None:
         f"{what}: reference flat or saturated (std {std:.4f}, {clamped:.0%} clamped)"
 
 
+
+def assert_latents_informative(ref, what: str) -> None:
+    """An encode's reference latents must be finite and vary, or comparing with them proves nothing.
+    Latents are not pixels: normalised ones spread around 0 with a std near 1, so the pixel guard's
+    clamp count means nothing for them (an LTX-2 encode of std 0.73 once had 79 % outside (0, 1))."""
+    ref = np.asarray(ref, dtype=np.float64)
+    assert np.isfinite(ref).all(), f"{what}: reference latents hold NaN or inf"
+    std = float(ref.std())
+    assert std > INFORMATIVE_STD * max(1.0, float(np.abs(ref.mean()))), \
+        f"{what}: reference latents flat (std {std:.4g}, mean {float(ref.mean()):.4g})"
+
 # The same float32 model run in two processes (two model workers, a worker and the test, two GPUs)
 # may sum in another order: each process times its own conv paths (a Winograd F(4x4) in one, an
 # im2col gemm in the other) and BLAS splits a gemm by its thread count. Measured on tiny-vae's

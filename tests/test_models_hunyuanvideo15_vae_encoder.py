@@ -15,7 +15,7 @@ from models import WeightsError, load_model
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 from test_models_hunyuanvideo15_vae import C, PRESET, TINY, _folder, backend_named, make_vae  # noqa: E402
-from torch_reference import assert_informative, fresh_seed, rel_l2  # noqa: E402
+from torch_reference import assert_latents_informative, fresh_seed, rel_l2  # noqa: E402
 
 TOL = 1e-4
 
@@ -55,7 +55,7 @@ def test_encode_matches_the_pipeline(tiny_vae, backend_name):
         video = rng.random((n, f, h, w, 3), dtype=np.float32)
         ours, ref = model.encode(video), pipeline_encode(vae, video)
         assert ours.shape == (n, C, 1 + (f - 1) // 4, h // 8, w // 8) and ours.dtype == np.float32
-        assert_informative(ref, f"seed {seed}")
+        assert_latents_informative(ref, f"seed {seed}")
         err = rel_l2(ours, ref)
         print(f"{backend_name} encode {(n, f, h, w)}: rel L2 {err:.2e}")
         assert err < TOL, f"{backend_name} {(n, f, h, w)} seed {seed}: rel L2 {err:.2e}"

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 import test_models_ltx2_vae as ref  # noqa: E402
 from test_models_ltx2_vae import _folder, backend_named  # noqa: E402
-from torch_reference import assert_informative, fresh_seed, rel_l2  # noqa: E402
+from torch_reference import assert_latents_informative, fresh_seed, rel_l2  # noqa: E402
 
 TOL = ref.TOL
 
@@ -58,7 +58,7 @@ def test_encode_matches_the_pipeline(tiny_vae, backend_name):
         video = rng.random((n, f, h, w, 3), dtype=np.float32)
         ours, want = model.encode(video), pipeline_encode(vae, video)
         assert ours.shape == want.shape == (n, 8, 1 + (f - 1) // 8, h // 32, w // 32) and ours.dtype == np.float32
-        assert_informative(want, f"seed {seed}")
+        assert_latents_informative(want, f"seed {seed}")
         err = rel_l2(ours, want)
         print(f"{backend_name} encode {(n, f, h, w)}: rel L2 {err:.2e}")
         assert err < TOL, f"{backend_name} {(n, f, h, w)} seed {seed}: rel L2 {err:.2e}"

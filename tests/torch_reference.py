@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference_checks import assert_informative, fresh_seed, rel_l2  # noqa: F401 (the parity tests import them from here)
+from reference_checks import assert_informative, assert_latents_informative, fresh_seed, rel_l2  # noqa: F401 (the parity tests import them from here)
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
