@@ -542,6 +542,12 @@ static PyMethodDef methods[] = {
     {"winograd4_output", winograd4_output, METH_VARARGS, "winograd4_output(m, out_hwo, ho, wo, o, tw, r0, r1): F(4x4,3x3)"},
     {"group_norm", ck_group_norm, METH_VARARGS,
      "group_norm(x, w, b, out, has_w, has_b, n, s, c, groups, eps, act): act 0 none, 1 silu, 2 gelu"},
+    {"gemm_panel_width", ck_gemm_panel_width, METH_NOARGS,
+     "gemm_panel_width(): the columns of gemm's packed panels on this CPU; 0: no compiled tiles"},
+    {"pack_weight", ck_pack_weight, METH_VARARGS, "pack_weight(w_nk, packed, n, k, nr): a linear's weight as gemm's panels"},
+    {"gemm", ck_gemm, METH_VARARGS,
+     "gemm(a_mk, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act): out = act(a @ w^T + bias) + res; "
+     "nr: the panel width packed for (gemm_panel_width(), or 16 for the AVX2 tiles on an AVX-512 CPU)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};

@@ -172,6 +172,10 @@ PyObject *ck_epilogue(PyObject *self, PyObject *args);
 PyObject *ck_layer_norm(PyObject *self, PyObject *args);
 PyObject *ck_group_norm(PyObject *self, PyObject *args);
 PyObject *ck_depthwise_layer_norm(PyObject *self, PyObject *args);
+/* ... and of gemm.c */
+PyObject *ck_gemm_panel_width(PyObject *self, PyObject *args);
+PyObject *ck_pack_weight(PyObject *self, PyObject *args);
+PyObject *ck_gemm(PyObject *self, PyObject *args);
 
 /* kernels.c's depthwise row, used by the fused depthwise + LayerNorm in norms.c */
 void ck_depthwise_rows_s1(const float *x, const float *w, const float *bias, float *out, Py_ssize_t h,

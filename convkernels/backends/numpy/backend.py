@@ -2,7 +2,6 @@
 float16/bfloat16 inputs are accepted and computed in float32."""
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 
@@ -19,6 +18,7 @@ from .background import Activity
 from .blas import BlasThreads
 from .path_choice import MeasuredChoices
 from .path_store import PathStore
+from .weight_cache import TransformedWeights
 
 DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 
@@ -52,7 +52,7 @@ class NumpyBackend(BackendBase):
         self.path_store = PathStore(plan_cache_dir) if plan_cache_dir else None
         self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
-        self._wino_cache: dict = {}
+        self._wino_cache = TransformedWeights()
         super().__init__(dtype, timing_sample_rate)
 
     # ---- arrays ---------------------------------------------------------------------------
@@ -228,24 +228,8 @@ class NumpyBackend(BackendBase):
         return self._run_winograd_3d(x, w, key, bias, residual, activation, nc.F4X3)
 
     def _winograd_u(self, w: np.ndarray, transform=nc.winograd_weights) -> np.ndarray:
-        """Transformed weights (Winograd's, sub-pixel phases'), cached per weight buffer: the
-        transform costs about a third of the conv (26 ms at 512->512) and model weights never change. A view (Wan's first latent frame
-        uses only the last time tap, a fresh slice per call) is cached under the array owning its
-        memory, keyed by where the view starts and how it walks that memory."""
-        owner = w
-        while isinstance(owner.base, np.ndarray):
-            owner = owner.base
-        key = (transform, id(owner), w.__array_interface__["data"][0], w.shape, w.strides)
-        hit = self._wino_cache.get(key)
-        if hit is not None and hit[0]() is owner:
-            return hit[1]
-        u = transform(np.asarray(w, np.float32))
-        try:
-            ref = weakref.ref(owner, lambda _r, k=key: self._wino_cache.pop(k, None))
-        except TypeError:  # not weak-referenceable: do not cache
-            return u
-        self._wino_cache[key] = (ref, u)
-        return u
+        """transform(w), once per weight buffer (weight_cache.py)"""
+        return self._wino_cache(w, transform)
 
     def _run_shift(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
@@ -260,9 +244,16 @@ class NumpyBackend(BackendBase):
     def _run_unfold(self, x, w, key, bias, residual, activation):
         """im2col_gemm and tiled_unfold: convkernels/unfold.py on NumPy (col2im if transposed)."""
         x, w = self._operands(x, w)
-        conv = conv_transpose_col2im if key.spec.transpose else conv_unfold_gemm
-        out, _ = conv(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes)
+        if key.spec.transpose:
+            out, _ = conv_transpose_col2im(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes)
+        else:
+            out, _ = conv_unfold_gemm(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes,
+                                      lambda a, wt: fused.matmul(a, wt, self._pack))
         return self._epilogue(out, bias, residual, activation)
+
+    def _pack(self, w: np.ndarray) -> np.ndarray:
+        """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""
+        return self._winograd_u(w, fused.pack_panels)
 
     # ---- other ops ------------------------------------------------------------------------
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
@@ -350,7 +341,7 @@ class NumpyBackend(BackendBase):
         b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
         with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
             # bias, activation and residual in one pass per cache-resident block of the output
-            out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation)
+            out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation, self._pack)
             if out is not None:
                 return out.reshape(*x.shape[:-1], weight.shape[0])
             out = np.matmul(x2, weight.T)

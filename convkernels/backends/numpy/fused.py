@@ -1,6 +1,8 @@
 """Fused ops of the NumPy backend on the compiled kernels (convkernels/_cpu): a linear whose bias,
-activation and residual are one pass over each block of the gemm's output while that block is
-still in cache, and the depthwise conv + LayerNorm of ConvNeXt's block in one pass. Each returns
+activation and residual are applied to each tile of the product while it is still in registers
+(gemm.c, weights packed once; where the CPU has no compiled tiles, one pass over each block of
+NumPy's matmul output while it is in cache), and the depthwise conv + LayerNorm of ConvNeXt's
+block in one pass. Each returns
 None where it does not apply (no compiler, another dtype, a layout the kernel does not take);
 the backend then runs the unfused ops."""
 from __future__ import annotations
@@ -28,9 +30,24 @@ def _vector(p, c: int) -> bool:
     return p is None or (_f32(p) and p.shape == (c,))
 
 
-def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None):
+def panel_width() -> int:
+    """Columns of gemm.c's packed panels on this CPU; 0 where it has no compiled tiles."""
+    return int(_cpu._kernels.gemm_panel_width()) if _cpu.AVAILABLE else 0
+
+
+def pack_panels(weight: np.ndarray) -> np.ndarray:
+    """A linear's (O, I) weight as gemm.c's panels (the backend caches it per weight buffer)."""
+    nr = panel_width()
+    n, k = weight.shape
+    out = np.empty(-(-n // nr) * k * nr, np.float32)
+    _cpu._kernels.pack_weight(np.ascontiguousarray(weight, np.float32), out, n, k, nr)
+    return out
+
+
+def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None, packed=None):
     """act(x2 @ weight.T + bias) + residual for x2 (rows, I), residual (..., O) holding rows x O
-    or None; None where the compiled epilogue does not apply."""
+    or None; None where the compiled kernels do not apply. `packed`: a callable giving the
+    weight's panels (pack_panels, cached), used where this CPU has compiled tiles."""
     if not _cpu.AVAILABLE or activation not in ACT_CODES or not _f32(x2) or weight.dtype != np.float32:
         return None
     rows, o = x2.shape[0], weight.shape[0]
@@ -40,19 +57,34 @@ def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str |
         residual = residual.reshape(rows, o)
     if not _vector(bias, o):
         return None
+    if weight.ndim != 2 or x2.shape[1] != weight.shape[1]:
+        return None
+    none = np.zeros(1, np.float32)
+    nr = panel_width() if packed is not None else 0
+    if nr and rows:
+        out = np.empty((rows, o), np.float32)
+        _cpu._kernels.gemm(x2, packed(weight), none if bias is None else bias, none if residual is None else residual,
+                           out, rows, x2.shape[1], o, nr, bias is not None, residual is not None, ACT_CODES[activation])
+        return out
     if bias is None and residual is None and activation is None:
         return x2 @ weight.T
     out = np.empty((rows, o), np.float32)
     wt = weight.T
     step = max(1, ROW_BLOCK_BYTES // (4 * o))
     kernels, act = _cpu._kernels, ACT_CODES[activation]
-    none = np.zeros(1, np.float32)
     for r0 in range(0, rows, step):
         blk = out[r0:r0 + step]
         np.matmul(x2[r0:r0 + step], wt, out=blk)
         kernels.epilogue(blk, none if bias is None else bias, none if residual is None else residual[r0:r0 + step],
                          blk, bias is not None, residual is not None, blk.shape[0], o, act)
     return out
+
+
+def matmul(a: np.ndarray, wt: np.ndarray, packed) -> np.ndarray:
+    """a @ wt, wt a weight's transposed view (an unfolded conv's product: ConvNeXt's stem and
+    downsamplers), on gemm.c's tiles where they apply, else NumPy's matmul"""
+    out = linear(a, wt.T, None, None, None, packed) if a.ndim == 2 else None
+    return a @ wt if out is None else out
 
 
 def depthwise_taps(w: np.ndarray) -> np.ndarray:

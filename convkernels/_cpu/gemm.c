@@ -1,0 +1,215 @@
+/* Float32 matrix products with the linear layer's epilogue inside the micro-tile, for the NumPy
+ * backend's linears (ConvNeXt's MLPs: about 70 % of a CPU encode).
+ *
+ * Why not OpenBLAS's sgemm: on ConvNeXt-T at batch 1 its calls ran at about 70 GFLOP/s per core
+ * where ONNX Runtime's MLAS ran the same products at about 105 (2-core Xeon, 2026-11-29); MLAS
+ * keeps its weights packed once, splits small products over N as well as M, and adds bias,
+ * activation and residual while a tile is still in registers. This file does the same:
+ *
+ * - out (M, N) = act(A (M, K) @ w^T + bias) + residual, w (N, K) a linear layer's weight;
+ * - w packed once (pack_weight) into panels of NR columns, k-major: panel p holds, for every k,
+ *   the NR floats w[p NR .. p NR + NR - 1][k], zeros past N, so a tile's loads are contiguous;
+ * - a tile of MR rows x NR columns keeps its MR x NR/16 accumulators in registers over all of K,
+ *   broadcasting one A element per row and step; the finished tile goes to a stack scratch in L1,
+ *   and the epilogue runs from there into `out`, so `out` is written once;
+ * - tiles per ISA, chosen when the module loads: AVX-512 (x86-64-v4) 12 x 32 (24 of 32 zmm),
+ *   AVX2 + FMA (x86-64-v3) 6 x 16 (12 of 16 ymm). Elsewhere gemm_panel_width() is 0 and the
+ *   backend keeps NumPy's matmul;
+ * - work is split in tasks of one row block x a chunk of panels, so a product of few rows (a
+ *   7 x 7 stage's 49 tokens) still spreads over the threads.
+ *
+ * Every element of K is summed in order, one fused multiply-add per step: the result differs from
+ * BLAS's (which blocks K) by float32 rounding only. */
+#include "vec.h"
+#include <stdlib.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define HAVE_GEMM_TILES 1
+#endif
+
+/* ---- packing --------------------------------------------------------------------------------- */
+
+static void pack_panels(const float *w, float *out, Py_ssize_t n, Py_ssize_t k, Py_ssize_t nr)
+{
+    Py_ssize_t panels = (n + nr - 1) / nr;
+#pragma omp parallel for schedule(static) if (n * k > PARALLEL_MIN_WORK)
+    for (Py_ssize_t p = 0; p < panels; p++)
+        for (Py_ssize_t kk = 0; kk < k; kk++)
+            for (Py_ssize_t j = 0; j < nr; j++) {
+                Py_ssize_t col = p * nr + j;
+                out[(p * k + kk) * nr + j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+/* ---- the epilogue of one finished tile ----------------------------------------------------- */
+
+/* rows x cols of the scratch tile (row stride nr) -> out, with bias, activation and residual */
+INLINE void tile_epilogue(const float *t, Py_ssize_t nr, Py_ssize_t rows, Py_ssize_t cols, const float *bias,
+                          const float *res, float *out, Py_ssize_t n, int act)
+{
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *tr = t + r * nr;
+        const float *rr = res ? res + r * n : NULL;
+        float *o = out + r * n;
+        Py_ssize_t c = 0;
+        for (; c + ACT_VEC <= cols; c += ACT_VEC) {
+            vf8 v = vload8(tr + c);
+            if (bias) v += vload8(bias + c);
+            v = vact(v, act);
+            if (rr) v += vload8(rr + c);
+            vstore8(o + c, v);
+        }
+        if (c < cols) {
+            Py_ssize_t m = cols - c;
+            vf8 v = vload8(tr + c);
+            if (bias) v += vload8_part(bias + c, m);
+            v = vact(v, act);
+            if (rr) v += vload8_part(rr + c, m);
+            vstore8_part(o + c, v, m);
+        }
+    }
+}
+
+#ifdef HAVE_GEMM_TILES
+/* all 16 lanes = x (written out: `(vf16){0} + x` costs an add, as -0.0 + 0.0 is not -0.0) */
+#define BCAST16(x) ((vf16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
+
+/* One MR x (16 NV) tile over all of K into the scratch t (row stride 16 NV). a: MR rows, stride lda. */
+#define DEFINE_TILE(NAME, TARGET, MR, NV)                                                             \
+    TARGET static void NAME(const float *a, Py_ssize_t lda, const float *bp, Py_ssize_t k, float *t)   \
+    {                                                                                                  \
+        vf16 acc[MR][NV];                                                                              \
+        for (int r = 0; r < MR; r++)                                                                   \
+            for (int j = 0; j < NV; j++) acc[r][j] = (vf16){0};                                        \
+        for (Py_ssize_t kk = 0; kk < k; kk++) {                                                        \
+            vf16 b[NV];                                                                                \
+            for (int j = 0; j < NV; j++) b[j] = vload16(bp + kk * 16 * NV + 16 * j);                   \
+            for (int r = 0; r < MR; r++) {                                                             \
+                float s = a[r * lda + kk];                                                             \
+                vf16 av = BCAST16(s);                                                                  \
+                for (int j = 0; j < NV; j++) acc[r][j] += av * b[j];                                   \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < MR; r++)                                                                   \
+            for (int j = 0; j < NV; j++) vstore16(t + r * 16 * NV + 16 * j, acc[r][j]);                \
+    }
+
+/* The whole product for one ISA: tasks of one row block x a chunk of panels. A row block shorter
+ * than MR (the last) is copied into a zero-padded block first, so every tile runs full. */
+#define DEFINE_GEMM(NAME, TILE, TARGET, MR, NV)                                                            \
+    TARGET static int NAME(const float *a, const float *bp, const float *bias, const float *res, float *out,  \
+                           Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                               \
+    {                                                                                                       \
+        int failed = 0;                                                                                     \
+        const Py_ssize_t nr = 16 * NV, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
+        Py_ssize_t chunk = blocks >= 8 ? panels : (panels * blocks + 7) / 8;                                \
+        if (chunk < 1) chunk = 1;                                                                           \
+        const Py_ssize_t chunks = (panels + chunk - 1) / chunk, tasks = blocks * chunks;                    \
+        int parallel = (double)m * k * n > PARALLEL_MIN_WORK && tasks > 1;                                  \
+        _Pragma("omp parallel if (parallel)")                                                               \
+        {                                                                                                   \
+            float t[MR * 16 * NV] __attribute__((aligned(64)));                                            \
+            float *pad = NULL;                                                                              \
+            _Pragma("omp for schedule(dynamic, 1)")                                                         \
+            for (Py_ssize_t task = 0; task < tasks; task++) {                                               \
+                Py_ssize_t blk = task / chunks, p0 = (task % chunks) * chunk;                               \
+                Py_ssize_t p1 = p0 + chunk < panels ? p0 + chunk : panels;                                  \
+                Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                                 \
+                const float *ab = a + r0 * k;                                                               \
+                if (rows < MR) {                                                                            \
+                    if (!pad) pad = calloc((size_t)(MR * k), sizeof(float));                                \
+                    if (!pad) { /* out of memory: the whole call fails, never a partial result */          \
+                        _Pragma("omp atomic write") failed = 1;                                             \
+                        continue;                                                                           \
+                    }                                                                                       \
+                    memcpy(pad, ab, sizeof(float) * (size_t)(rows * k));                                    \
+                    memset(pad + rows * k, 0, sizeof(float) * (size_t)((MR - rows) * k));                   \
+                    ab = pad;                                                                               \
+                }                                                                                           \
+                for (Py_ssize_t p = p0; p < p1; p++) {                                                      \
+                    Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                            \
+                    TILE(ab, k, bp + p * k * nr, k, t);                                                     \
+                    tile_epilogue(t, nr, rows, cols, bias ? bias + col : NULL,                              \
+                                  res ? res + r0 * n + col : NULL, out + r0 * n + col, n, act);             \
+                }                                                                                           \
+            }                                                                                               \
+            free(pad);                                                                                      \
+        }                                                                                                   \
+        return failed;                                                                                      \
+    }
+
+#define TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+#define TARGET_V3 __attribute__((target("arch=x86-64-v3")))
+DEFINE_TILE(tile_v4, TARGET_V4, 12, 2)
+DEFINE_GEMM(gemm_v4, tile_v4, TARGET_V4, 12, 2)
+DEFINE_TILE(tile_v3, TARGET_V3, 6, 1)
+DEFINE_GEMM(gemm_v3, tile_v3, TARGET_V3, 6, 1)
+#endif
+
+/* this CPU runs the tiles of panel width nr: 32 (AVX-512), 16 (AVX2 + FMA) */
+static int runs_tiles(Py_ssize_t nr)
+{
+#ifdef HAVE_GEMM_TILES
+    __builtin_cpu_init();
+    if (nr == 32) return __builtin_cpu_supports("x86-64-v4");
+    if (nr == 16) return __builtin_cpu_supports("x86-64-v3");
+#endif
+    return 0;
+}
+
+/* the panel width of the widest tiles this CPU runs; 0: none (NumPy's matmul stays) */
+static Py_ssize_t panel_width(void) { return runs_tiles(32) ? 32 : runs_tiles(16) ? 16 : 0; }
+
+/* ---- Python faces ---------------------------------------------------------------------------- */
+
+PyObject *ck_gemm_panel_width(PyObject *self, PyObject *args) { return PyLong_FromSsize_t(panel_width()); }
+
+PyObject *ck_pack_weight(PyObject *self, PyObject *args)
+{
+    Py_buffer bf[2];
+    Py_ssize_t n, k, nr;
+    if (!PyArg_ParseTuple(args, "y*w*nnn", &bf[0], &bf[1], &n, &k, &nr)) return NULL;
+    Py_ssize_t panels = nr > 0 ? (n + nr - 1) / nr : 0;
+    int bad = n < 1 || k < 1 || nr < 1 || too_small(&bf[0], n * k) || too_small(&bf[1], panels * k * nr);
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        pack_panels(bf[0].buf, bf[1].buf, n, k, nr);
+        Py_END_ALLOW_THREADS
+    }
+    release(bf, 2);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "pack_weight: buffer sizes do not match");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *ck_gemm(PyObject *self, PyObject *args)
+{
+    Py_buffer bf[5];
+    Py_ssize_t m, k, n, nr;
+    int has_bias, has_res, act;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnppi", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &m, &k, &n, &nr,
+                          &has_bias, &has_res, &act))
+        return NULL;
+    Py_ssize_t panels = nr > 0 ? (n + nr - 1) / nr : 0;
+    int failed = 0, bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || too_small(&bf[0], m * k) ||
+              too_small(&bf[1], panels * k * nr) || (has_bias && too_small(&bf[2], n)) ||
+              (has_res && too_small(&bf[3], m * n)) || too_small(&bf[4], m * n) || act < 0 || act > 2;
+#ifdef HAVE_GEMM_TILES
+    if (!bad) {
+        const float *bias = has_bias ? bf[2].buf : NULL, *res = has_res ? bf[3].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        failed = nr == 32 ? gemm_v4(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act)
+                          : gemm_v3(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    release(bf, 5);
+    if (failed) return PyErr_NoMemory();
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "gemm: buffer sizes, panel width or activation do not match");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,127 @@
+"""The NumPy backend's compiled linear (convkernels/_cpu/gemm.c): weights packed once into panels,
+act(x @ w^T + bias) + residual with the epilogue applied in the tile, against torch in float64.
+Every tile this CPU runs is checked (AVX-512's 12 x 32 and AVX2's 6 x 16 on an AVX-512 machine),
+at row counts that leave a short last row block, column counts that leave a short last panel,
+few rows over many columns (split over threads by panel), and ConvNeXt's long K."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torch_reference import F, fresh_rng, rel_l2, torch
+
+from convkernels import _cpu, get_backend
+from convkernels.backends.numpy import fused
+
+TOL = 1e-5
+ACTS = {None: lambda t: t, "gelu": F.gelu, "silu": F.silu}
+
+
+def widths() -> list[int]:
+    if not _cpu.AVAILABLE or fused.panel_width() == 0:
+        return []
+    return [nr for nr in (32, 16) if nr <= fused.panel_width()]
+
+
+needs_tiles = pytest.mark.skipif(not widths(), reason="no compiled gemm tiles here (no compiler, or not x86-64 v3/v4)")
+
+
+def packed(w: np.ndarray, nr: int) -> np.ndarray:
+    n, k = w.shape
+    out = np.empty(-(-n // nr) * k * nr, np.float32)
+    _cpu._kernels.pack_weight(w, out, n, k, nr)
+    return out
+
+
+def run(x, w, nr, bias=None, res=None, act=None):
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.full((m, n), np.nan, np.float32)
+    none = np.zeros(1, np.float32)
+    _cpu._kernels.gemm(x, packed(w, nr), none if bias is None else bias, none if res is None else res, out, m, k, n,
+                       nr, bias is not None, res is not None, fused.ACT_CODES[act])
+    return out
+
+
+def scaled_err(got, want) -> float:
+    """rel L2 with a floor of unit scale: a lone GELU output near 0 (1 - erf cancels there) would
+    otherwise turn the rational erf's ~1e-8 absolute error into a large relative one"""
+    diff = np.linalg.norm(np.asarray(got, np.float64) - want)
+    return float(diff / max(np.linalg.norm(want), np.sqrt(want.size)))
+
+
+def reference(x, w, bias, res, act):
+    t = F.linear(torch.from_numpy(x.astype(np.float64)), torch.from_numpy(w.astype(np.float64)),
+                 None if bias is None else torch.from_numpy(bias.astype(np.float64)))
+    t = ACTS[act](t)
+    return (t if res is None else t + torch.from_numpy(res.astype(np.float64))).numpy()
+
+
+@needs_tiles
+@pytest.mark.parametrize("nr", widths())
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (13, 17, 33), (37, 5, 16), (12, 96, 31), (49, 768, 71), (200, 45, 130)])
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+def test_tiles_match_torch(nr, m, k, n, act):
+    rng, seed = fresh_rng()
+    x = (rng.standard_normal((m, k)) * 2).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    for bias, r in [(b, res), (None, None), (b, None), (None, res)]:
+        got, want = run(x, w, nr, bias, r, act), reference(x, w, bias, r, act)
+        assert not np.isnan(got).any(), f"nr {nr} {(m, k, n)}: some output never written"
+        err = scaled_err(got, want)
+        assert err < TOL, f"nr {nr} {(m, k, n)} {act} bias {bias is not None} res {r is not None} seed {seed}: {err:.2e}"
+
+
+@needs_tiles
+@pytest.mark.parametrize("nr", widths())
+def test_convnext_shapes_on_threads(nr):
+    """ConvNeXt-T's last stage at batch 1: 49 rows (5 row blocks, the last of one row) over 3072 and
+    768 columns, K up to 3072; the work is split by panel as well as by row."""
+    rng, seed = fresh_rng()
+    for m, k, n, act, with_res in [(49, 768, 3072, "gelu", False), (49, 3072, 768, None, True), (196, 384, 1536, "gelu", False)]:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        b = rng.standard_normal(n).astype(np.float32)
+        res = rng.standard_normal((m, n)).astype(np.float32) if with_res else None
+        err = rel_l2(run(x, w, nr, b, res, act), reference(x, w, b, res, act))
+        assert err < TOL, f"nr {nr} {(m, k, n)} seed {seed}: {err:.2e}"
+
+
+@needs_tiles
+def test_mismatched_buffers_and_widths_are_refused():
+    k = _cpu._kernels
+    x, w = np.ones((4, 8), np.float32), np.ones((5, 8), np.float32)
+    nr, out, none = widths()[0], np.empty((4, 5), np.float32), np.zeros(1, np.float32)
+    p = packed(w, nr)
+    with pytest.raises(ValueError, match="gemm"):
+        k.gemm(x, p[:-1], none, none, out, 4, 8, 5, nr, False, False, 0)  # panels too short
+    with pytest.raises(ValueError, match="gemm"):
+        k.gemm(x, p, none, none, out, 4, 8, 5, 24, False, False, 0)  # no such tile
+    with pytest.raises(ValueError, match="gemm"):
+        k.gemm(x, p, none, none, out, 4, 8, 5, nr, True, False, 0)  # a bias of one float for 5 columns
+    with pytest.raises(ValueError, match="pack_weight"):
+        k.pack_weight(w, np.empty(3, np.float32), 5, 8, nr)
+
+
+@needs_tiles
+def test_the_backend_packs_a_weight_once_and_follows_a_new_one(monkeypatch):
+    """The backend's linear packs through its weight cache: the same weight is packed once, and a
+    new weight array (another layer, or one replaced) is packed anew, never served stale panels."""
+    be = get_backend("numpy")
+    rng, seed = fresh_rng()
+    x = rng.standard_normal((3, 7, 40)).astype(np.float32)
+    w1, w2 = (rng.standard_normal((2, 50, 40)) / 7).astype(np.float32)
+    calls = []
+    real = fused.pack_panels
+
+    def counting(w):
+        calls.append(w.shape)
+        return real(w)
+
+    monkeypatch.setattr(fused, "pack_panels", counting)
+    for w in (w1, w1, w2, w1):
+        got = be.linear(x, w, None, activation="gelu")
+        assert rel_l2(got, reference(x.reshape(-1, 40), w, None, None, "gelu").reshape(got.shape)) < TOL, f"seed {seed}"
+    assert len(calls) == 2, f"packed {len(calls)} times for two weights"
