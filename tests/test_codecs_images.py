@@ -1,5 +1,5 @@
 """Image outputs: the NumPy+zlib PNG writer is lossless and readable by PIL (every shape, several
-IDAT chunks, views that are not C-contiguous); JPEG and WebP stay decodable at the new defaults."""
+IDAT chunks, views that are not C-contiguous, RGBA); JPEG and WebP stay decodable at the new defaults."""
 from __future__ import annotations
 
 import io
@@ -30,6 +30,21 @@ def test_png_bytes_is_lossless(shape):
         data = images.png_bytes(img)
         back = Image.open(io.BytesIO(data))
         assert back.format == "PNG" and back.mode == "RGB" and back.size == (shape[1], shape[0])
+        np.testing.assert_array_equal(_decode(data), img)
+
+
+@pytest.mark.parametrize("fmt", ["png", "webp"])
+def test_rgba_images_keep_their_alpha(fmt):
+    """An alpha decoder's RGBA (the Qwen-Image 2.1 VAE): PNG (the fast writer, colour type 6) is
+    lossless; WebP keeps alpha exactly, its RGB lossy."""
+    rng = np.random.default_rng(4)
+    img = np.concatenate([_smooth(33, 17), rng.integers(0, 256, (33, 17, 1), dtype=np.uint8)], axis=-1)
+    data = images.image_bytes(img, fmt, 90)
+    back = Image.open(io.BytesIO(data))
+    assert back.mode == "RGBA" and back.size == (17, 33)
+    np.testing.assert_array_equal(_decode(data)[..., 3], img[..., 3])
+    if fmt == "png":
+        assert data == images.png_bytes(img)
         np.testing.assert_array_equal(_decode(data), img)
 
 
