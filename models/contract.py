@@ -58,6 +58,19 @@ class ImageDecoder(TiledDecoder, Protocol):
 
 
 @runtime_checkable
+class AlphaDecoder(Protocol):
+    """An image decoder whose decoder writes a fourth channel, alpha, beside RGB (the Qwen-Image 2.1
+    VAE: its pipeline's PIL output is RGBA). `decode` stays the ImageDecoder's RGB; `decode_rgba`
+    gives all four channels, and the service serves them (docs/api.md, `channels`)."""
+
+    #: True: read by the service from a model or its ModelView (which has no decode_rgba)
+    decodes_alpha: bool
+
+    def decode_rgba(self, latents_nchw: np.ndarray, tiled: bool | None = None, *, uint8: bool = False) -> np.ndarray:
+        """float32 N,H,W,4 (RGB, then alpha) in [0, 1]; uint8=True: uint8 N,H,W,4. Always clamped."""
+
+
+@runtime_checkable
 class VideoDecoder(TiledDecoder, Protocol):
     temporal_factor: int
 

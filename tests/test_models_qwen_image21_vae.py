@@ -243,7 +243,8 @@ def test_tiny_preset_matches_diffusers_card_and_bad_latents(tmp_path):
     assert isinstance(model, QwenImage21VAEModel) and model.kind == "image-decoder"
     assert model.has_encoder and model.latent_channels == 8 and model.spatial_factor == 16
     card = model.card()
-    assert card["single_frame_latents"] is True and card["pixel_channels"] == {"decoded": 4, "served": 3}
+    assert card["single_frame_latents"] is True and card["pixel_channels"] == {"decoded": 4, "served": 4, "on_request": 3}
+    assert model.decodes_alpha is True  # models/contract.py AlphaDecoder: the service serves decode_rgba
     x = np.random.default_rng(0).standard_normal((2, 8, 5, 3)).astype(np.float32)
     t0 = time.perf_counter()
     out = model.decode(x)

@@ -160,3 +160,16 @@ def test_qwen_image_takes_its_one_frame_latents_too(case):
     if name not in ("qwen-image", "qwen-image2.1"):
         pytest.skip("N,C,1,h,w latents are Qwen-Image's (1 and 2.1)")
     assert rel_l2(decode_emulated(model, lat[:, :, None], 3), ours) < UNSHARDED_TOL, f"seed {seed}"
+
+
+def test_qwen21_alpha_splits_by_rows_as_its_rgb(case):
+    """The served RGBA (decode_band's alpha: decode_rgba on each band) equals the unsharded RGBA,
+    alpha included (decode_rgba's own parity with diffusers is tests/test_models_qwen_image21_vae.py's)."""
+    name, seed, model, lat, ours, _ = case
+    if name != "qwen-image2.1":
+        pytest.skip("alpha is the Qwen-Image 2.1 VAE's (an AlphaDecoder)")
+    whole = model.decode_rgba(lat, tiled=False)
+    assert_informative(whole[..., 3], f"alpha, seed {seed}")
+    out = decode_emulated(model, lat, 3, alpha=True)
+    assert out.shape == whole.shape == (*ours.shape[:-1], 4)
+    assert rel_l2(out[..., 3], whole[..., 3]) < UNSHARDED_TOL and rel_l2(out, whole) < UNSHARDED_TOL, f"seed {seed}"

@@ -11,8 +11,9 @@ Qwen-Image 2.1 pipeline's latent handling around it:
             -> x * latents_std + latents_mean       (the 2.1 pipeline's de-normalisation, per channel)
             -> post_quant_conv, the residual decoder on that one frame -> clamp to [-1, 1]
             -> x / 2 + 0.5 (folded into conv_out)   -> RGBA (N, 16h, 16w, 4) in [0, 1] (decode_rgba)
-            decode() serves its first three channels, RGB (N, 16h, 16w, 3): the service's pixels
-            are RGB; the alpha the pipeline's PIL output carries is decode_rgba's fourth channel.
+            decode() gives its first three channels, RGB (N, 16h, 16w, 3), as every image decoder's
+            decode does; the service serves decode_rgba's four (the pipeline's PIL output is RGBA:
+            alpha is the fourth channel), or RGB where a request asks (docs/api.md, `channels`).
 
     encode: images (N, H, W, 3 or 4) in [0, 1], H and W multiples of 16 (RGB gets an opaque alpha, as
             the pipeline's convert("RGBA") gives it) -> x * 2 - 1 -> the residual encoder on one frame
@@ -47,13 +48,15 @@ RGB = 3
 
 class QwenImage21VAEModel(QwenImageVAEDecoder):
     """Image decoder per docs/interfaces.md: the Qwen-Image 2.1 pipeline's normalised latents
-    (N, 64, h, w) or (N, 64, 1, h, w) -> float32 RGB images (N, 16h, 16w, 3) in [0, 1] (RGBA:
-    decode_rgba); and, when the checkpoint has the encoder (`has_encoder`), images -> latents."""
+    (N, 64, h, w) or (N, 64, 1, h, w) -> float32 RGBA images (N, 16h, 16w, 4) in [0, 1]
+    (decode_rgba; decode: their RGB); and, when the checkpoint has the encoder (`has_encoder`),
+    images -> latents. An AlphaDecoder (models/contract.py)."""
 
     architecture = ("diffusers AutoencoderKLQwenImage21 (Qwen-Image 2.1 VAE: the Wan 2.2 residual VAE on one "
                     "frame with 2-D convs, RGBA)")
     reference_class = "AutoencoderKLQwenImage21"
     decoder_class = ResidualDecoder3d
+    decodes_alpha = True  # models/contract.py AlphaDecoder: the service serves decode_rgba's four channels
 
     def __init__(self, name: str, preset: str, backend: Backend, cfg: QwenImage21VAEConfig,
                  tensors: Mapping[str, np.ndarray] | None = None, weights_source: str | None = None,
@@ -102,9 +105,10 @@ class QwenImage21VAEModel(QwenImageVAEDecoder):
         f = self.spatial_factor
         card.update(input="normalised latents (N, C, h, w) or (N, C, 1, h, w), as the Qwen-Image 2.1 pipeline "
                           "holds them after _unpack_latents; decode applies latents * latents_std + latents_mean",
-                    output=f"float32 RGB (N, {f}h, {f}w, 3) in [0, 1]: the first three of the decoder's RGBA "
-                           "channels (decode_rgba gives all four)",
-                    pixel_channels={"decoded": RGBA, "served": RGB},
+                    output=f"float32 RGBA (N, {f}h, {f}w, 4) in [0, 1], the pipeline's four channels (alpha "
+                           "last); channels=rgb asks for the first three, and JPEG, which holds no alpha, "
+                           "gets those",
+                    pixel_channels={"decoded": RGBA, "served": RGBA, "on_request": RGB},
                     # the 2.1 pipeline packs unpatched latents as row-major tokens (B, h * w, C), as FLUX.2's
                     packed_latents=ROW_MAJOR_TOKENS,
                     **{SINGLE_FRAME_LATENTS: True})

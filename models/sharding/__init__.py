@@ -10,7 +10,7 @@ other shards' rows exchange them through the shard's communicator. The decode is
 de-normalisation, unpatchify and output clip are row-local and run on each shard as they are.
 
 Latent rows are axis -2 of every family's latents (N,C,h,w; N,C,T,h,w; N,C,1,h,w) and pixel rows
-axis -3 of its pixels (N,H,W,3; N,F,H,W,3).
+axis -3 of its pixels (N,H,W,3, an AlphaDecoder's RGBA N,H,W,4; N,F,H,W,3).
 """
 from __future__ import annotations
 
@@ -108,12 +108,16 @@ def _shard(comm: ShardComm, band, total_rows: int) -> RowShard:
     return RowShard(comm, int(total_rows), int(np.shape(band)[LATENT_ROWS]))
 
 
-def decode_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp: bool = True) -> np.ndarray:
+def decode_band(model, comm: ShardComm, band: np.ndarray, total_rows: int, clamp: bool = True,
+                alpha: bool = False) -> np.ndarray:
     """This shard's rows of model.decode(latents, tiled=False, clamp=clamp), float32 pixels: band
     is its rows of the latents as the pipeline hands them, of the whole's total_rows (split as
-    bands() splits them); every shard of the group calls this together."""
+    bands() splits them); every shard of the group calls this together. alpha: an AlphaDecoder's
+    RGBA rows (model.decode_rgba; models/contract.py)."""
     check(model)
     with _shard(comm, band, total_rows).running():
+        if alpha:
+            return model.decode_rgba(band, tiled=False)
         return model.decode(band, tiled=False, clamp=clamp)
 
 
@@ -133,17 +137,17 @@ def frame_groups_band(model, comm: ShardComm, band: np.ndarray, total_rows: int,
 
 
 def decode_emulated(model, latents: np.ndarray, shards: int, clamp: bool = True,
-                    comm_wrapper=None) -> np.ndarray:
+                    comm_wrapper=None, alpha: bool = False) -> np.ndarray:
     """model.decode(latents, tiled=False) on `shards` emulated shards of one backend (threads,
     convkernels.collectives.shard_comm.ThreadShards): each band decoded by decode_band, the pixel rows joined.
     comm_wrapper(comm, rank) -> comm, if given, stands between each shard and its communicator
-    (tests and injected faults break one shard with it)."""
+    (tests and injected faults break one shard with it). alpha: decode_band's."""
     lat = np.asarray(latents)
     parts = split(lat, bands(model, lat.shape, shards), axis=LATENT_ROWS)
 
     def shard(comm, rank):
         return decode_band(model, comm_wrapper(comm, rank) if comm_wrapper else comm, parts[rank],
-                           lat.shape[LATENT_ROWS], clamp)
+                           lat.shape[LATENT_ROWS], clamp, alpha)
 
     return np.concatenate(run_sharded(shards, shard), axis=PIXEL_ROWS)
 

@@ -2,8 +2,8 @@
 pipeline's de-normalisation (and its _encode_vae_image), run by PyTorch in float32 (on the CPU; the full
 preset's decode on the GPU, TF32 off), identical random weights in every parameter and non-trivial
 latents_mean/std, through the public models.load_model path: relative L2 < 1e-4 in float32, < 1e-2 in
-float16 / bfloat16; all four RGBA channels (decode_rgba) and the served RGB; N,C,h,w and the pipeline's
-N,C,1,h,w, untiled and in the Wan VAE's tiles; encode untiled. Skipped without a CUDA GPU + CuPy + cuDNN."""
+float16 / bfloat16; all four RGBA channels (decode_rgba, what the service serves) and decode's RGB; N,C,h,w
+and the pipeline's N,C,1,h,w, untiled and in the Wan VAE's tiles; encode untiled. Skipped without a CUDA GPU + CuPy + cuDNN."""
 from __future__ import annotations
 
 import numpy as np
