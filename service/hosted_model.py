@@ -10,8 +10,8 @@ from typing import cast
 
 import numpy as np
 
-from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, SINGLE_FRAME_LATENTS, VIDEO_DECODER, ImageDecoder, Kind,
-                             Model, PerChannelLatents, VideoDecoder)
+from models.contract import (IMAGE_DECODER, IMAGE_ENCODER, SINGLE_FRAME_LATENTS, VIDEO_DECODER, AlphaDecoder,
+                             ImageDecoder, Kind, Model, PerChannelLatents, VideoDecoder)
 
 from .settings import ModelEntry
 
@@ -41,9 +41,11 @@ class ModelView:
     shard_family: str | None = None
     #: per-channel latent statistics (latents_mean, latents_std) of a PerChannelLatents decoder, else None
     latent_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    #: an AlphaDecoder's: it decodes RGBA (decode_rgba), served unless a request asks for RGB
+    decodes_alpha: bool = False
 
     _ATTRS = ("latent_channels", "spatial_factor", "temporal_factor", "has_encoder", "input_size", "embed_dim",
-              "labels", "latent_stats")
+              "labels", "latent_stats", "decodes_alpha")
 
     def card(self) -> dict:
         return dict(self.card_doc)
@@ -103,6 +105,11 @@ class HostedModel:
         return isinstance(self.model, PerChannelLatents) and self.model.latent_stats is not None
 
     @property
+    def decodes_alpha(self) -> bool:
+        """An image decoder that also decodes alpha (models/contract.py AlphaDecoder): RGBA pixels."""
+        return self.kind == IMAGE_DECODER and bool(getattr(self.model, "decodes_alpha", False))
+
+    @property
     def latent_ndim(self) -> int:
         return 5 if self.is_video else 4
 
@@ -115,11 +122,11 @@ class HostedModel:
         """The KServe tensor a decoder answers."""
         return "frames" if self.is_video else "images"
 
-    def output_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """What decoding latents of this shape gives: N,H,W,3 or N,F,H,W,3."""
+    def output_shape(self, latent_shape: tuple[int, ...], alpha: bool = False) -> tuple[int, ...]:
+        """What decoding latents of this shape gives: N,H,W,3 or N,F,H,W,3; alpha: N,H,W,4 (RGBA)."""
         m, n, hw = self.model, latent_shape[0], latent_shape[-2:]
         frames = (1 + m.temporal_factor * (latent_shape[2] - 1),) if self.is_video else ()
-        return (n, *frames, hw[0] * m.spatial_factor, hw[1] * m.spatial_factor, 3)
+        return (n, *frames, hw[0] * m.spatial_factor, hw[1] * m.spatial_factor, 4 if alpha else 3)
 
     def encoded_shape(self, pixels_shape: tuple[int, ...]) -> tuple[int, ...]:
         """What a VAE encoder gives images N,H,W,3: N,C,h,w, each side halved (floored) once per
@@ -142,8 +149,12 @@ class HostedModel:
             outs["logits"] = ((rows, int(self.extra["logits_dim"])), "float32")
         return outs
 
-    def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool = False) -> np.ndarray:
-        """uint8: the pixels come off the device as uint8 (what image and video files hold)."""
+    def decode(self, latents: np.ndarray, tiled: bool | None, clamp: bool, uint8: bool = False,
+               alpha: bool = False) -> np.ndarray:
+        """uint8: the pixels come off the device as uint8 (what image and video files hold).
+        alpha: an AlphaDecoder's RGBA (decode_rgba, always clamped) instead of its RGB."""
+        if alpha:
+            return cast(AlphaDecoder, self.model).decode_rgba(latents, tiled=tiled, uint8=uint8)
         # video decoders always clamp, as diffusers' AutoencoderKLWan does
         if self.is_video:
             return cast(VideoDecoder, self.model).decode(latents, tiled=tiled, uint8=uint8)
@@ -166,11 +177,13 @@ class HostedModel:
         """KServe v2 input/output tensor metadata (-1 = any size)."""
         m = self.model
         if self.is_decoder:
-            video = self.is_video
+            video, alpha = self.is_video, self.decodes_alpha
             return ([{"name": "latents", "datatype": "FP32", "shape": [-1, m.latent_channels, *[-1] * (2 + video)],
                       "layout": self.latent_layout.replace(",", ""), "accepts": ["FP32", "FP16", "BF16", "FP64"]}],
-                    [{"name": self.output_name, "datatype": "FP32", "shape": [-1] * (3 + video) + [3],
-                      "layout": "NFHWC" if video else "NHWC", "range": [0, 1]}])
+                    [{"name": self.output_name, "datatype": "FP32", "shape": [-1] * (3 + video) + [4 if alpha else 3],
+                      "layout": "NFHWC" if video else "NHWC", "range": [0, 1],
+                      # RGBA by default; the `channels` option's values, the default first (docs/api.md)
+                      **({"channels": ["rgba", "rgb"]} if alpha else {})}])
         outs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, m.embed_dim]}]
         if self.labels is not None or self.extra.get("has_logits"):
             outs.append({"name": "logits", "datatype": "FP32", "shape": [-1, -1]})

@@ -134,11 +134,12 @@ def test_a_wan_clip_over_two_shards_equals_its_unsharded_decode(two_devices):
 ])
 def test_the_2026_families_over_two_shards_equal_their_unsharded_decode(two_devices, model, shape):
     """Their parity against diffusers is tests/test_sharded_families_emulated.py's; here, the
-    served route: split, decoded by both devices, joined."""
+    served route: split, decoded by both devices, joined (the Qwen-Image 2.1 VAE's RGBA, alpha and all)."""
     lat = np.random.default_rng().standard_normal(shape).astype(np.float32)
     whole = pixels(decode(two_devices.url, model, lat))
     sharded = pixels(decode(two_devices.url, model, lat, shards="2"))
     assert sharded.shape == whole.shape and whole.std() > INFORMATIVE_STD
+    assert whole.shape[-1] == (4 if model == "q21" else 3)
     assert rel_l2(sharded, whole) < 1e-5, rel_l2(sharded, whole)
 
 

@@ -9,6 +9,11 @@ exactly, service/worker/shard_leader.py) or `auto` (service/frontend/shard_optio
 decides). Read on REST (`?shards=`) and in KServe's request parameters (`parse_shards`, before the
 body is read), and decided against the model, the server's devices and the latents once, in
 `build` (`decide_shards`).
+
+The `channels` option: `rgba` or `rgb` (None: the model's own). A decoder that decodes alpha (an
+AlphaDecoder, the Qwen-Image 2.1 VAE, whose pipeline's PIL output is RGBA) answers RGBA by default,
+where the answer can hold alpha: every format but JPEG (and MP4, a video decoder's). `rgba` asked of
+JPEG, or of a model without alpha, is a 422 naming why (`decide_alpha`).
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ MAX_SHARDS = 64
 LATENT_ROWS = -2
 #: answers that are files: their pixels leave the device as uint8 (a quarter of float32's bytes)
 FILE_FORMATS = frozenset({"png", "jpeg", "webp", "mp4"})
+#: answers that cannot hold an alpha channel (remote_decode names JPEG "jpg")
+NO_ALPHA_FORMATS = {"jpeg": "JPEG", "jpg": "JPEG", "mp4": "MP4"}
+CHANNELS = ("rgba", "rgb")
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +56,7 @@ class DecodeRequest:
     tiled: bool | None = None  # None lets the model choose
     shards: int = 1  # decided (decide_shards): 1, or N > 1 devices the model, server and latents take
     clamp: bool = True  # False: the unclamped decoder output (remote_decode `pt`)
+    alpha: bool = False  # decided (decide_alpha): RGBA pixels, N,H,W,4, of an AlphaDecoder
 
     @property
     def uint8(self) -> bool:
@@ -56,7 +65,7 @@ class DecodeRequest:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return self.hm.output_shape(self.latents.shape)
+        return self.hm.output_shape(self.latents.shape, self.alpha)
 
     @property
     def first_run_key(self) -> tuple:
@@ -66,7 +75,7 @@ class DecodeRequest:
     def worker_options(self) -> wp.Options:
         """The options of the worker's message (decode and stream_open); a sharded decode is untiled."""
         return wp.Options(tiled=False if self.shards > 1 else self.tiled, clamp=self.clamp, uint8=self.uint8,
-                          shards=self.shards)
+                          shards=self.shards, alpha=self.alpha)
 
     def link(self, engine):
         """The worker the decode goes to: None (any worker serving the model) on one device; for
@@ -82,20 +91,50 @@ class DecodeRequest:
 
 
 async def build(svc, hm: HostedModel, latents: np.ndarray, *, format: str, dtype: str = "float32",
-                tiled: bool | None = None, shards: int | str = 1, clamp: bool = True) -> DecodeRequest:
+                tiled: bool | None = None, shards: int | str = 1, clamp: bool = True,
+                channels: str | None = None, answer: str | None = None) -> DecodeRequest:
     """The request of `latents` as a client sent them: validated (validation.latents, a large
-    body's NaN scan in the codec pool) and its `shards` (parse_shards' value) decided, once.
-    svc: the front end's Service (its settings, codec pool and links to the workers)."""
+    body's NaN scan in the codec pool) and its `shards` (parse_shards' value) and `channels`
+    (rgba | rgb | None) decided, once. answer: what the route makes of the pixels, where `format`
+    (tensor) does not say (remote_decode's image file: jpg | png). svc: the front end's Service
+    (its settings, codec pool and links to the workers)."""
+    alpha = decide_alpha(hm, channels, answer or format)
     lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
     engine = svc.engine
     n = decide_shards(hm, lat.shape, shards, tiled, engine.device_count,
                       groups_off(engine.backend_name, svc.settings), engine.shard_offered)
-    return DecodeRequest(hm, lat, format, dtype, tiled, n, clamp)
+    return DecodeRequest(hm, lat, format, dtype, tiled, n, clamp, alpha)
 
 
 def parse_tiled(value: str) -> bool | None:
     """The `tiled` query value: on | off | auto (None: the model's rule)."""
     return {"on": True, "off": False}.get(value)
+
+
+def parse_channels(value) -> str | None:
+    """The `channels` option as a JSON value (KServe's request parameters): rgba | rgb | None."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() in CHANNELS:
+        return value.lower()
+    raise Problem(422, "bad-channels", f"channels must be 'rgba' or 'rgb', not {value!r}")
+
+
+def decide_alpha(hm: HostedModel, channels: str | None, answer: str) -> bool:
+    """Whether the decode answers RGBA: `channels` (rgba | rgb | None: the model's own) for an
+    answer of `answer` (png, jpeg, jpg, webp, npy, mp4, tensor). A 422 for rgba of a model that
+    decodes no alpha, or of an answer that cannot hold it."""
+    if channels == "rgb":
+        return False
+    if channels is None:
+        return hm.decodes_alpha and answer not in NO_ALPHA_FORMATS
+    if not hm.decodes_alpha:
+        raise Problem(422, "no-alpha", f"{hm.name} decodes RGB only: channels=rgba is for a decoder with an "
+                      "alpha channel (card pixel_channels, e.g. the Qwen-Image 2.1 VAE)")
+    if answer in NO_ALPHA_FORMATS:
+        raise Problem(422, "format-without-alpha", f"{NO_ALPHA_FORMATS[answer]} holds no alpha: ask channels=rgba "
+                      "with PNG, WebP, .npy or a tensor, or channels=rgb")
+    return True
 
 
 def parse_shards(value) -> int | str:

@@ -334,8 +334,9 @@ class Service:
 
     async def decode(self, req: DecodeRequest, *, disconnected: DisconnectCheck | None = None) -> np.ndarray:
         """A decode as its route decided it (service/frontend/decode_request.py) -> float32 images
-        N,H,W,3 (image decoder) or videos N,F,H,W,3, in [0,1]; with req.uint8, uint8 pixels converted
-        on the device (a quarter of the bytes to move, and nothing left to convert for a file).
+        N,H,W,3 (image decoder; req.alpha: RGBA N,H,W,4) or videos N,F,H,W,3, in [0,1]; with req.uint8,
+        uint8 pixels converted on the device (a quarter of the bytes to move, and nothing left to
+        convert for a file).
         req.shards > 1 decodes untiled on the first N devices together."""
         hm, out_shape = req.hm, req.out_shape
         pixels = math.prod(out_shape[:-1])

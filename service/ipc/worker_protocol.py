@@ -62,6 +62,7 @@ class Options(msgspec.Struct, frozen=True, omit_defaults=True):
     clamp: bool = True          # decode
     uint8: bool = False         # decode, stream_open: pixels as uint8, converted on the device
     shards: int = 1             # decode, stream_open: N>1 runs on a shard group of N devices
+    alpha: bool = False         # decode: an AlphaDecoder's RGBA pixels (N,H,W,4), not its RGB
     stream: int | None = None   # stream_next: the stream's id (stream_open's answer)
 
 
@@ -126,6 +127,7 @@ class ShardDecode(_Msg):
     uint8: bool
     input: TensorRef   # the band's latents
     output: TensorRef  # its pixels
+    alpha: bool = False  # RGBA pixels (decode_rgba), as the request's Options.alpha
 
 
 class ShardStreamOpen(_Msg):

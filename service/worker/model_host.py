@@ -163,9 +163,11 @@ class ModelHost:
         if op == "decode" and options.shards > 1:
             if self.shard_leader is None:
                 raise ValueError(f"{self.spec.device} does not lead shard groups; the first device's worker does")
-            return lambda x: self.shard_leader.decode(hm, x, options.shards, options.clamp, options.uint8)
+            return lambda x: self.shard_leader.decode(hm, x, options.shards, options.clamp, options.uint8,
+                                                      options.alpha)
         if op == "decode":
-            return lambda x: oom_recovery.decode(hm, x, tiled=options.tiled, clamp=options.clamp, uint8=options.uint8)
+            return lambda x: oom_recovery.decode(hm, x, tiled=options.tiled, clamp=options.clamp, uint8=options.uint8,
+                                                 alpha=options.alpha)
         if (op == "encode" and self.backend.runs_ahead and self.settings.run_ahead
                 and hasattr(hm.model, "encode_started")):
             # the device runs ahead: the batcher stacks and starts the next batch while this one's

@@ -39,23 +39,24 @@ def _tiling(model: TiledDecoder, tiling):
         model.tiling = old
 
 
-def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool, uint8: bool = False) -> np.ndarray:
+def decode(hm: HostedModel, x: np.ndarray, *, tiled: bool | None, clamp: bool, uint8: bool = False,
+           alpha: bool = False) -> np.ndarray:
     """hm.decode(x), retried on MemoryError: row by row, then tiled, then in smaller tiles."""
     try:
-        return hm.decode(x, tiled, clamp, uint8)
+        return hm.decode(x, tiled, clamp, uint8, alpha)
     except MemoryError as exc:
         log.warning("%s: out of memory decoding %s (%s); retrying in tiles", hm.name, x.shape, exc)
         count(hm.name, "device_oom", "retried")
     if x.shape[0] > 1:
-        out = np.concatenate([_retry_tiled(hm, x[i:i + 1], clamp, uint8) for i in range(x.shape[0])], axis=0)
+        out = np.concatenate([_retry_tiled(hm, x[i:i + 1], clamp, uint8, alpha) for i in range(x.shape[0])], axis=0)
     else:
-        out = _retry_tiled(hm, x, clamp, uint8)
+        out = _retry_tiled(hm, x, clamp, uint8, alpha)
     count(hm.name, "device_oom", "recovered")
     return out
 
 
-def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
-    return _in_smaller_tiles(hm, _tilings_to_try(hm.model), lambda: hm.decode(x, True, clamp, uint8), None,
+def _retry_tiled(hm: HostedModel, x: np.ndarray, clamp: bool, uint8: bool, alpha: bool) -> np.ndarray:
+    return _in_smaller_tiles(hm, _tilings_to_try(hm.model), lambda: hm.decode(x, True, clamp, uint8, alpha), None,
                              f"decoding {tuple(x.shape)}")
 
 

@@ -252,19 +252,19 @@ class _Group:
                 blocks.free()
             self.inflight = False
 
-    def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool) -> np.ndarray:
+    def decode(self, hm, latents: np.ndarray, clamp: bool, uint8: bool, alpha: bool = False) -> np.ndarray:
         model = hm.model
         total = latents.shape[sharding.LATENT_ROWS]
         bands = split(latents, sharding.bands(model, latents.shape, self.size), axis=sharding.LATENT_ROWS)
-        pixel_shape = hm.output_shape
 
         def part(rank, rid, blocks):
             return wp.ShardDecode(rid, hm.name, rank, self.size, total, clamp, uint8, blocks.put(bands[rank]),
-                                  blocks.reserve(pixel_shape(bands[rank].shape), "uint8" if uint8 else "float32"))
+                                  blocks.reserve(hm.output_shape(bands[rank].shape, alpha),
+                                                 "uint8" if uint8 else "float32"), alpha)
 
         rids = self._send_all(part)
         try:
-            own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp), uint8)
+            own = pixels(sharding.decode_band(model, self.comm, bands[0], total, clamp, alpha), uint8)
         except Exception as exc:
             end_group(f"the leader's band failed: {type(exc).__name__}: {exc}")
         return self._collect(rids, lambda bands: np.concatenate([own, *bands], axis=sharding.PIXEL_ROWS))
@@ -351,14 +351,13 @@ class ShardLeader:
         finally:
             groups.close()
 
-    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool) -> np.ndarray:
+    def decode(self, hm, latents: np.ndarray, shards: int, clamp: bool, uint8: bool, alpha: bool = False) -> np.ndarray:
         self._check(hm)
         if self.comm_cls is None:
             try:
-                out = sharding.decode_emulated(hm.model, latents, shards, clamp,
-                                               comm_wrapper=self.fault)
+                out = sharding.decode_emulated(hm.model, latents, shards, clamp, comm_wrapper=self.fault, alpha=alpha)
             except Exception as exc:
                 raise ShardFailed(f"sharded decode over {shards} emulated shards failed: "
                                   f"{type(exc).__name__}: {exc}") from exc
             return pixels(out, uint8)
-        return self._group(hm.name, shards).decode(hm, latents, clamp, uint8)
+        return self._group(hm.name, shards).decode(hm, latents, clamp, uint8, alpha)

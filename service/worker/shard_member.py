@@ -94,7 +94,7 @@ class ShardMember:
         comm = self._comm(link, msg)
         self.running_for = link
         try:
-            out = sharding.decode_band(hm.model, comm, band, msg.total_rows, msg.clamp)
+            out = sharding.decode_band(hm.model, comm, band, msg.total_rows, msg.clamp, msg.alpha)
         except Exception as exc:
             end_group(f"band {msg.rank} of {msg.size} failed: {type(exc).__name__}: {exc}")
         finally:

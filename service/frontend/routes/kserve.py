@@ -174,7 +174,9 @@ INFER_BODY = {"requestBody": {"required": True, "content": {
         "parameters": {"type": "object", "properties": {
             "binary_data_output": {"type": "boolean"},
             "shards": {"description": "decoders: 1, N or 'auto' (service/frontend/decode_request.py)",
-                       "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "enum": ["auto"]}]}}}}}},
+                       "oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "enum": ["auto"]}]},
+            "channels": {"description": "decoders: rgba or rgb pixels; default: the model's own (RGBA for a "
+                                        "decoder with alpha)", "type": "string", "enum": ["rgba", "rgb"]}}}}}},
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"},
                                  "description": f"binary tensor extension: JSON header ({HEADER_LENGTH} bytes) "
                                                 "then the tensors' raw bytes"}}}}
@@ -191,8 +193,10 @@ async def infer(name: str, request: Request, version: str | None = None):
         body = await read_body(request, svc.settings.max_body_bytes)
         doc, tensors = await svc.in_pool(_parse, body, request.headers.get(HEADER_LENGTH))
         if hm.is_decoder:
-            shards = decode_request.parse_shards((doc.get("parameters") or {}).get("shards"))
-            req = await decode_request.build(svc, hm, _only_input(tensors, "latents"), format="tensor", shards=shards)
+            params = doc.get("parameters") or {}
+            shards = decode_request.parse_shards(params.get("shards"))
+            req = await decode_request.build(svc, hm, _only_input(tensors, "latents"), format="tensor", shards=shards,
+                                             channels=decode_request.parse_channels(params.get("channels")))
             out = await svc.decode(req, disconnected=request.is_disconnected)
             results = {hm.output_name: out}
         else:

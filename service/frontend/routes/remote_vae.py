@@ -211,7 +211,11 @@ Answers (`shape` and `dtype` headers on tensors, dtype = the request's float dty
 - `output_type=pt`, `partial_postprocess=False`: the decoder's output as `vae.decode(...).sample`,
   N,3,H,W about [-1,1], unclamped (video: N,3,F,H,W in [-1,1]; one-frame image latents: N,3,1,H,W).
 - video VAE, `output_type=mp4`: H.264 MP4 bytes (`fps`, `quality` tune it).
-Video answers drop the batch axis for one video; several keep it (MP4: a zip of video_000.mp4, ...)."""
+Video answers drop the batch axis for one video; several keep it (MP4: a zip of video_000.mp4, ...).
+
+A VAE that decodes alpha (card `pixel_channels`: the Qwen-Image 2.1 VAE) answers its four channels, RGBA, as
+`vae.decode(...).sample` and its pipeline's PIL output have them: tensors N,4,H,W (uint8 N,H,W,4), PNG files
+RGBA; a JPEG file holds RGB. `channels=rgb` (not a remote_decode argument: a query parameter) asks for RGB."""
 
 
 @router.post("/models/{name}/vae/decode", summary="diffusers remote_decode protocol", description=DECODE_DOC,
@@ -231,7 +235,9 @@ async def remote_decode(
         height: int | None = Query(None, ge=1, description="image height in pixels, for packed latents"),
         width: int | None = Query(None, ge=1, description="image width in pixels, for packed latents"),
         fps: float = Query(16.0, gt=0, le=240, description="MP4 frame rate"),
-        quality: int = Query(90, ge=1, le=100, description="JPEG quality; MP4 quality (CRF 51..0)")):
+        quality: int = Query(90, ge=1, le=100, description="JPEG quality; MP4 quality (CRF 51..0)"),
+        channels: Literal["rgba", "rgb"] | None = Query(
+            None, description="rgba or rgb; default: the model's own (RGBA for a VAE with alpha, but in JPEG)")):
     svc = service(request)
     async with svc.admit(name, "vae_decode") as hm:
         video = hm.is_video
@@ -267,7 +273,8 @@ async def remote_decode(
         lat = to_model_latents(hm, np.asarray(lat), scaling)
         # raw decoder output (`pt`, not post-processed) must not be clipped; everything else is
         raw = output_type == "pt" and not partial_postprocess
-        req = await decode_request.build(svc, hm, lat, format="tensor", clamp=not raw)  # float pixels, rounded here
+        req = await decode_request.build(svc, hm, lat, format="tensor", clamp=not raw,  # float pixels, rounded here
+                                         channels=channels, answer=image_file_fmt or output_type)
         out01 = await svc.decode(req, disconnected=request.is_disconnected)
         reply = float_reply_dtype(dtype)
 

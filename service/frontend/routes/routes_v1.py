@@ -118,8 +118,10 @@ def _decode_format(hm: HostedModel, fmt: str | None) -> str:
         "N,C,T,H,W for video decoders (a missing N means 1), sent as .npy, safetensors or JSON+base64.\n\n"
         "Image decoders answer png (default), jpeg or webp: one latent gives the image bytes, several give "
         "`application/zip` with `image_000.<ext>`, `image_001.<ext>`... in batch order. `npy` gives float32 "
-        "N,H,W,3 in [0,1].\n\nVideo decoders answer mp4 (H.264, default; several videos: a zip of "
-        "`video_000.mp4`...) or `npy` frames float32 N,F,H,W,3 in [0,1], F = 1 + 4*(T-1).\n\n"
+        "N,H,W,3 in [0,1]. A decoder with alpha (card `pixel_channels`: the Qwen-Image 2.1 VAE) answers RGBA, "
+        "N,H,W,4, RGBA PNG/WebP (JPEG: RGB, it holds no alpha), unless `channels=rgb`.\n\n"
+        "Video decoders answer mp4 (H.264, default; several videos: a zip of `video_000.mp4`...) or `npy` "
+        "frames float32 N,F,H,W,3 in [0,1], F = 1 + 4*(T-1).\n\n"
         "`X-Output-Shape` gives the decoded array shape."),
     responses={**ERRORS, 200: {"description": "image, zip, mp4 or npy", "content": {
         "image/png": {}, "image/jpeg": {}, "image/webp": {}, "application/zip": {}, "video/mp4": {},
@@ -134,7 +136,10 @@ async def decode(name: str, request: Request,
                      "float32", description="npy: the pixels' type (uint8: 0..255, rounded on the device)"),
                  shards: str = Query("1", description="devices that decode it together, untiled and exact: 1, N "
                                      "(the first N devices) or auto (only where measured to pay); "
-                                     "SD/SDXL/FLUX.1 image VAEs and Wan 2.1")):
+                                     "SD/SDXL/FLUX.1 image VAEs and Wan 2.1"),
+                 channels: Literal["rgba", "rgb"] | None = Query(
+                     None, description="rgba (alpha last) or rgb; default: the model's own, RGBA for a decoder "
+                                       "with alpha except as JPEG")):
     started = time.perf_counter()
     svc = service(request)
     tracking = svc.admit(name, "decode")
@@ -146,7 +151,7 @@ async def decode(name: str, request: Request,
         latents, _ = await svc.offload(len(body), codecs.read_tensor_body, body, request.headers.get("content-type"),
                                        "latents")
         req = await decode_request.build(svc, hm, latents, format=fmt, dtype=dtype,
-                                         tiled=decode_request.parse_tiled(tiled), shards=requested)
+                                         tiled=decode_request.parse_tiled(tiled), shards=requested, channels=channels)
         if hm.is_video and req.latents.shape[0] == 1:  # one clip: sent as its groups are decoded; ends `tracking`
             return await whole_clip_response(svc, req, fps=fps, quality=quality, tracking=tracking,
                                              disconnected=request.is_disconnected, started=started)
