@@ -210,21 +210,37 @@ class Supervisor:
         return child.args[0].device if child in self.workers else child.name
 
     def _watch(self) -> None:
+        """Reaps each child that dies and starts it again when its pause is over. The pauses run
+        side by side, never one after another in this loop: waiting one out here held back every
+        other death (a shard group's two workers came back 2 s apart, a crash-looping worker kept
+        a dead front end down for up to MAX_PAUSE_S) and the hang checks meanwhile."""
         limit = heartbeat.hang_limit(self.settings)
+        due: dict[_Child, float] = {}  # dead children, each waiting out its pause: when it starts again
         while not self._stopping.is_set():
             with self._lock:
-                children = [c for c in (*self.workers, *self.frontends) if c.proc is not None]
+                children = [c for c in (*self.workers, *self.frontends) if c.proc is not None and c not in due]
             sentinels = {c.proc.sentinel: c for c in children}
-            for sentinel in wait(list(sentinels), timeout=WATCH_S):
+            soonest = min(due.values(), default=time.monotonic() + WATCH_S)
+            for sentinel in wait(list(sentinels), timeout=min(WATCH_S, max(0.0, soonest - time.monotonic()))):
                 if self._stopping.is_set():
                     return
-                self._restart(sentinels[sentinel])
+                child = sentinels[sentinel]
+                due[child] = time.monotonic() + self._reap(child)
+            now = time.monotonic()
+            for child in [c for c, at in due.items() if at <= now]:
+                if self._stopping.is_set():
+                    return
+                del due[child]
+                self._start_again(child)
             if not self._stopping.is_set():
-                self._kill_hung(limit)
+                self._kill_hung(limit, skip=due)
 
-    def _kill_hung(self, limit: float) -> None:
+    def _kill_hung(self, limit: float, skip=()) -> None:
+        """skip: dead workers waiting to start again (their pid may be another process's now)."""
         now = time.monotonic()
         for child in self.workers:
+            if child in skip:
+                continue
             why = None if child.killed_for else child.beat.hung(now, limit, child.started)
             if why is None:
                 continue
@@ -232,11 +248,12 @@ class Supervisor:
                       child.name, child.proc.pid, why, limit)
             child.killed_for = f"hung: {why}"
             try:
-                os.kill(child.proc.pid, signal.SIGKILL)  # its sentinel fires: _restart reaps and restarts it
+                os.kill(child.proc.pid, signal.SIGKILL)  # its sentinel fires: _watch reaps and restarts it
             except ProcessLookupError:
                 pass
 
-    def _restart(self, child: _Child) -> None:
+    def _reap(self, child: _Child) -> float:
+        """A dead child reaped, logged and counted; returns its pause before it starts again."""
         proc = child.proc
         proc.join(REAP_S)  # reaped now: no zombie, and its real exit status
         lived = time.monotonic() - child.started
@@ -250,8 +267,10 @@ class Supervisor:
             metrics.WORKER_UP.labels(self._device_of(child)).set(0)
             metrics.WORKER_RESTARTS.labels(self._device_of(child)).inc()
         child.pause = 1.0 if lived >= STABLE_AFTER_S else min(MAX_PAUSE_S, child.pause * 2)
-        if lived < STABLE_AFTER_S and self._stopping.wait(child.pause):
-            return
+        return 0.0 if lived >= STABLE_AFTER_S else child.pause
+
+    def _start_again(self, child: _Child) -> None:
+        worker = child in self.workers
         child.restarts += 1
         child.start(self.ctx)
         if worker:

@@ -7,6 +7,7 @@ two CPU workers, cpu:0 and cpu:1, as two GPUs would get):
 - a model worker killed mid-request (SIGKILL, as an OOM kill or a segfault would) is started
   again: its requests in flight get 503 with Retry-After, none hangs or is lost silently,
   /readyz is false while its model has no live worker, and the front end stays up;
+- workers that die together are reaped at once and each waits out its own restart pause;
 - several front ends (--workers 2) share one model worker: no model is loaded twice on a device.
 """
 from __future__ import annotations
@@ -16,16 +17,21 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
-from live_server import metric, metric_sum, npy, scrape, start_server
+from live_server import metric, metric_sum, npy, scrape, start_server, wait_until_every_device_is_ready
 from reference_checks import cross_process_atol
 
 NPY = {"content-type": "application/x-npy"}
 HOLD = 4242.0  # latents holding this value keep their worker busy until the release file exists
+#: a worker that dies young is started again after this pause (service/supervisor.py: the first
+#: pause, 1 s, doubled)
+FIRST_PAUSE_S = 2.0
 
 
 def latents(hold: bool = False) -> np.ndarray:
@@ -83,8 +89,43 @@ def test_the_cross_process_bound_admits_every_conv_path_and_refuses_other_weight
         assert np.abs(wrong.decode(x) - ref).max() > 1000 * cross_process_atol(ref)
 
 
-def test_requests_spread_over_two_devices_and_every_device_is_reported(server_factory):
-    srv = server_factory(models="tiny-vae", devices="0,1", max_batch=2, max_queue_delay_ms=0)
+@pytest.fixture(scope="module")
+def two_devices(server_factory):
+    return server_factory(models="tiny-vae", devices="0,1", max_batch=2, max_queue_delay_ms=0)
+
+
+def died_at(log: str, pid: int) -> datetime:
+    """When the supervisor logged the death of `pid` (its log line's timestamp)."""
+    line = next(line for line in log.splitlines() if f"(pid {pid}) died" in line)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+
+def test_workers_that_die_together_wait_out_their_restart_pauses_side_by_side(two_devices):
+    """Both workers killed at once (as a shard group's failure ends both): each death is reaped
+    and logged at once, and each worker waits out its own restart pause (2 s after a short
+    life). The supervisor once slept each pause in its watch loop, so the second death was
+    only seen, and its pause begun, after the first worker had been started again: the second
+    death line came a whole pause after the first. (First in this module: the workers must die
+    young, under STABLE_AFTER_S, to have a pause at all.)"""
+    srv = two_devices
+    wait_until_every_device_is_ready(srv.url, "tiny-vae")
+    pids = [d["pid"] for d in httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(f"(pid {pid}) died" in srv.log_path.read_text(errors="replace") for pid in pids), 30,
+             "both deaths logged")
+    log = srv.log_path.read_text(errors="replace")
+    apart = abs((died_at(log, pids[1]) - died_at(log, pids[0])).total_seconds())
+    # side by side: milliseconds apart; one after the other: a whole pause and a process start
+    assert apart < FIRST_PAUSE_S / 2, f"the deaths were logged {apart:.3f} s apart:\n{srv.log()}"
+    wait_until_every_device_is_ready(srv.url, "tiny-vae")
+    devices = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]
+    assert not {d["pid"] for d in devices} & set(pids)
+    assert decode(srv.url, latents()).status_code == 200
+
+
+def test_requests_spread_over_two_devices_and_every_device_is_reported(two_devices):
+    srv = two_devices
     # ready once one device is; the other may still be warming up
     wait_for(lambda: len(httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]) == 2, what="both devices")
     devices = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"]
