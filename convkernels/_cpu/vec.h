@@ -90,17 +90,69 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
     memcpy(p, t, sizeof(float) * (size_t)n);
 }
 
-/* clamp as compare + blend (C has no vector ?:): the scalar `z < lo ? lo : z` made GCC give up
+/* The activations, written once for a vector type V (its int twin VI) and instantiated for 8 floats
+ * (vclamp, verf, vtanh, vact: every loop of norms.c) and 16 floats (vact16 ...: gemm.c's AVX-512
+ * tiles, whose epilogue would run at half width on 8-float vectors).
+ *
+ * clamp as compare + blend (C has no vector ?:): the scalar `z < lo ? lo : z` made GCC give up
  * vectorising ("control flow in loop") in every clone but AVX-512's, whose masks hid it. NaN
- * compares false and passes through, as in the scalar form. */
-INLINE vf8 vclamp(vf8 x, float lo, float hi)
-{
-    vf8 l = (vf8){0} + lo, h = (vf8){0} + hi;
-    vi8 m = x < l;
-    x = (vf8)((m & (vi8)l) | (~m & (vi8)x));
-    m = x > h;
-    return (vf8)((m & (vi8)h) | (~m & (vi8)x));
-}
+ * compares false and passes through, as in the scalar form.
+ * erf(z) as z * P(z^2) / Q(z^2) on [-4, 4] (the float32 rational fit Eigen and XLA use; no exp).
+ * tanh(x) as x * P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float32 rational fit).
+ * activation codes shared with Python: 0 none, 1 silu, 2 gelu (exact-erf form). */
+#define DEFINE_ACTIVATIONS(SFX, V, VI)                                                          \
+    INLINE V vclamp##SFX(V x, float lo, float hi)                                              \
+    {                                                                                          \
+        V l = (V){0} + lo, h = (V){0} + hi;                                                    \
+        VI m = x < l;                                                                          \
+        x = (V)((m & (VI)l) | (~m & (VI)x));                                                   \
+        m = x > h;                                                                             \
+        return (V)((m & (VI)h) | (~m & (VI)x));                                                \
+    }                                                                                          \
+    INLINE V verf##SFX(V z)                                                                    \
+    {                                                                                          \
+        z = vclamp##SFX(z, -4.0f, 4.0f);                                                       \
+        V z2 = z * z;                                                                          \
+        V p = (V){0} - 2.72614225801306e-10f;                                                  \
+        p = p * z2 + 2.77068142495902e-08f;                                                    \
+        p = p * z2 - 2.10102402082508e-06f;                                                    \
+        p = p * z2 - 5.69250639462346e-05f;                                                    \
+        p = p * z2 - 7.34990630326855e-04f;                                                    \
+        p = p * z2 - 2.95459980854025e-03f;                                                    \
+        p = p * z2 - 1.60960333262415e-02f;                                                    \
+        V q = (V){0} - 1.45660718464996e-05f;                                                  \
+        q = q * z2 - 2.13374055278905e-04f;                                                    \
+        q = q * z2 - 1.68282697438203e-03f;                                                    \
+        q = q * z2 - 7.37332916720468e-03f;                                                    \
+        q = q * z2 - 1.42647390514189e-02f;                                                    \
+        return z * p / q;                                                                      \
+    }                                                                                          \
+    INLINE V vtanh##SFX(V x)                                                                   \
+    {                                                                                          \
+        x = vclamp##SFX(x, -7.90531110763549805f, 7.90531110763549805f);                       \
+        V x2 = x * x;                                                                          \
+        V p = (V){0} - 2.76076847742355e-16f;                                                  \
+        p = p * x2 + 2.00018790482477e-13f;                                                    \
+        p = p * x2 - 8.60467152213735e-11f;                                                    \
+        p = p * x2 + 5.12229709037114e-08f;                                                    \
+        p = p * x2 + 1.48572235717979e-05f;                                                    \
+        p = p * x2 + 6.37261928875436e-04f;                                                    \
+        p = p * x2 + 4.89352455891786e-03f;                                                    \
+        V q = (V){0} + 1.19825839466702e-06f;                                                  \
+        q = q * x2 + 1.18534705686654e-04f;                                                    \
+        q = q * x2 + 2.26843463243900e-03f;                                                    \
+        q = q * x2 + 4.89352518554385e-03f;                                                    \
+        return x * p / q;                                                                      \
+    }                                                                                          \
+    INLINE V vact##SFX(V v, int act)                                                           \
+    {                                                                                          \
+        if (act == 1) return 0.5f * v * (1.0f + vtanh##SFX(0.5f * v)); /* v * sigmoid(v) */    \
+        if (act == 2) return 0.5f * v * (1.0f + verf##SFX(v * 0.70710678118654752f));          \
+        return v;                                                                              \
+    }
+
+DEFINE_ACTIVATIONS(, vf8, vi8)
+DEFINE_ACTIVATIONS(16, vf16, vi16)
 
 INLINE vf8 vsplat8(float v) { return (vf8){0} + v; }
 
@@ -110,53 +162,6 @@ INLINE float vsum(vf8 v)
     float s = 0.0f;
     for (int i = 0; i < ACT_VEC; i++) s += v[i];
     return s;
-}
-
-/* erf(z) as z * P(z^2) / Q(z^2) on [-4, 4] (the float32 rational fit Eigen and XLA use; no exp) */
-INLINE vf8 verf(vf8 z)
-{
-    z = vclamp(z, -4.0f, 4.0f);
-    vf8 z2 = z * z;
-    vf8 p = (vf8){0} - 2.72614225801306e-10f;
-    p = p * z2 + 2.77068142495902e-08f;
-    p = p * z2 - 2.10102402082508e-06f;
-    p = p * z2 - 5.69250639462346e-05f;
-    p = p * z2 - 7.34990630326855e-04f;
-    p = p * z2 - 2.95459980854025e-03f;
-    p = p * z2 - 1.60960333262415e-02f;
-    vf8 q = (vf8){0} - 1.45660718464996e-05f;
-    q = q * z2 - 2.13374055278905e-04f;
-    q = q * z2 - 1.68282697438203e-03f;
-    q = q * z2 - 7.37332916720468e-03f;
-    q = q * z2 - 1.42647390514189e-02f;
-    return z * p / q;
-}
-
-/* tanh(x) as x * P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float32 rational fit) */
-INLINE vf8 vtanh(vf8 x)
-{
-    x = vclamp(x, -7.90531110763549805f, 7.90531110763549805f);
-    vf8 x2 = x * x;
-    vf8 p = (vf8){0} - 2.76076847742355e-16f;
-    p = p * x2 + 2.00018790482477e-13f;
-    p = p * x2 - 8.60467152213735e-11f;
-    p = p * x2 + 5.12229709037114e-08f;
-    p = p * x2 + 1.48572235717979e-05f;
-    p = p * x2 + 6.37261928875436e-04f;
-    p = p * x2 + 4.89352455891786e-03f;
-    vf8 q = (vf8){0} + 1.19825839466702e-06f;
-    q = q * x2 + 1.18534705686654e-04f;
-    q = q * x2 + 2.26843463243900e-03f;
-    q = q * x2 + 4.89352518554385e-03f;
-    return x * p / q;
-}
-
-/* activation codes shared with Python: 0 none, 1 silu, 2 gelu (exact-erf form) */
-INLINE vf8 vact(vf8 v, int act)
-{
-    if (act == 1) return 0.5f * v * (1.0f + vtanh(0.5f * v)); /* v * sigmoid(v) */
-    if (act == 2) return 0.5f * v * (1.0f + verf(v * 0.70710678118654752f));
-    return v;
 }
 
 INLINE int too_small(Py_buffer *buf, Py_ssize_t floats) { return buf->len < (Py_ssize_t)sizeof(float) * floats; }

@@ -207,15 +207,16 @@ class NumpyBackend(BackendBase):
     def _run_winograd(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
         if c_ready(x):
-            out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, self._winograd_u(w))
+            u = self._winograd_u(w)
+            out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F2X3, self._planes_gemm(u))
         else:
             out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd4(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes,
-                                        self._winograd_u(w, nc.winograd4_weights), nc.F4X3)
+        u = self._winograd_u(w, nc.winograd4_weights)
+        out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F4X3, self._planes_gemm(u))
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd_3d(self, x, w, key, bias, residual, activation, tile=nc.F2X3):
@@ -250,6 +251,13 @@ class NumpyBackend(BackendBase):
             out, _ = conv_unfold_gemm(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes,
                                       lambda a, wt: fused.matmul(a, wt, self._pack))
         return self._epilogue(out, bias, residual, activation)
+
+    def _planes_gemm(self, u: np.ndarray):
+        """Winograd's per-plane products on gemm.c's tiles (u's panels packed once), or None: NumPy's"""
+        if not fused.panel_width():
+            return None
+        packed = self._winograd_u(u, fused.pack_planes)
+        return lambda v, out: fused.planes_matmul(v, packed, out)
 
     def _pack(self, w: np.ndarray) -> np.ndarray:
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""

@@ -221,10 +221,10 @@ F4X3 = WinogradTile(4, 36, winograd4_weights, "winograd4_input", "winograd4_outp
 
 
 def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
-                           u: np.ndarray | None = None, tile: WinogradTile = F2X3) -> np.ndarray:
+                           u: np.ndarray | None = None, tile: WinogradTile = F2X3, planes_matmul=None) -> np.ndarray:
     """3x3 stride-1 conv2d by Winograd with the tile transforms in the C extension and the
     `tile.planes` gemms in BLAS. `u`: the transformed weights (planes, C, O) when the caller
-    caches them."""
+    caches them; `planes_matmul(v, out)`: out[i] = v[i] @ u[i] another way (compiled tiles)."""
     from ..._cpu import _kernels
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -249,7 +249,10 @@ def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_byt
             vb = v[:q * p * c].reshape(q, p, c)
             transform_in(x[b], vb, zeros, h, wd, c, tw, pt, pl, r0, r1)
             mb = m[:q * p * o].reshape(q, p, o)
-            np.matmul(vb, u, out=mb)
+            if planes_matmul is None:
+                np.matmul(vb, u, out=mb)
+            else:
+                planes_matmul(vb, mb)
             transform_out(mb, out[b], ho, wo, o, tw, r0, r1)
     return out
 

@@ -80,6 +80,20 @@ def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str |
     return out
 
 
+def pack_planes(u: np.ndarray) -> np.ndarray:
+    """Winograd's transformed weights (planes, C, O) as gemm.c's panels, one row per plane"""
+    return np.stack([pack_panels(np.ascontiguousarray(plane.T)) for plane in u])
+
+
+def planes_matmul(v: np.ndarray, packed_u: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = v[i] @ u[i] for Winograd's planes (v (planes, P, C), out (planes, P, O)), on gemm.c's
+    tiles: one call per plane, each split over the threads by rows"""
+    q, p, c = v.shape
+    o, nr, none, gemm = out.shape[2], panel_width(), np.zeros(1, np.float32), _cpu._kernels.gemm
+    for i in range(q):
+        gemm(v[i], packed_u[i], none, none, out[i], p, c, o, nr, False, False, 0)
+
+
 def matmul(a: np.ndarray, wt: np.ndarray, packed) -> np.ndarray:
     """a @ wt, wt a weight's transposed view (an unfolded conv's product: ConvNeXt's stem and
     downsamplers), on gemm.c's tiles where they apply, else NumPy's matmul"""
