@@ -70,35 +70,27 @@ def settle(url: str, timeout: float = 30.0) -> dict:
     pytest.fail("worker never went idle")
 
 
-def run_load(url: str, n: int, side: int, concurrency: int) -> tuple[float, list[int]]:
+def run_load(url: str, n: int, side: int, concurrency: int) -> list[int]:
     data = [body(side) for _ in range(n)]
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        codes = [r.status_code for r in pool.map(lambda d: decode(url, d), data)]
-    return time.perf_counter() - t0, codes
+        return [r.status_code for r in pool.map(lambda d: decode(url, d), data)]
 
 
 def test_batches_form_under_concurrent_load(server_factory):
+    """Only the batched server: the batch-1 server beside it, and the timed rounds on both, were
+    there for a speed-up that was printed, never asserted (pytest hides the print of a passing
+    test); benchmarks/service/batching.py measures it."""
     batched = server_factory(models="tiny-vae", max_batch=8, max_queue_delay_ms=20, max_queue=64)
-    single = server_factory(models="tiny-vae", max_batch=1, max_queue=64)
     n, side = 24, 6
-    for s in (batched, single):  # one untimed round: paths are chosen per batch size on first use
-        assert run_load(s.url, n, side, concurrency=n)[1] == [200] * n
     s0 = scrape(batched.url)
-    times = {"batched": [], "single": []}
-    for _ in range(3):  # alternate, keep the best of each (printed for the log, not asserted)
-        for name, srv in (("batched", batched), ("single", single)):
-            secs, codes = run_load(srv.url, n, side, concurrency=n)
-            assert codes == [200] * n
-            times[name].append(secs)
+    for _ in range(3):
+        assert run_load(batched.url, n, side, concurrency=n) == [200] * n
     s1 = scrape(batched.url)
     batches = metric(s1, "convserve_batch_size_count", model="tiny-vae") - metric(s0, "convserve_batch_size_count", model="tiny-vae")
     rows = metric(s1, "convserve_batch_size_sum", model="tiny-vae") - metric(s0, "convserve_batch_size_sum", model="tiny-vae")
     ones = metric(s1, "convserve_batch_size_bucket", model="tiny-vae", le="1.0") - metric(s0, "convserve_batch_size_bucket", model="tiny-vae", le="1.0")
     assert rows == 3 * n
     assert batches - ones > 0 and rows / batches > 1.5, f"{batches} batches for {rows} rows"
-    speedup = min(times["single"]) / min(times["batched"])
-    print(f"batched {min(times['batched']):.2f}s vs batch-1 {min(times['single']):.2f}s for {n} requests: {speedup:.2f}x")
 
 
 @pytest.fixture(scope="module")
