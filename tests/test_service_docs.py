@@ -7,12 +7,19 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 
 KEY = "docs-key"
 
 
-def test_docs_follow_the_api_key_and_load_only_local_assets(server_factory):
-    srv = server_factory(models="tiny-vae", api_key=KEY)
+@pytest.fixture(scope="module")
+def keyed(server_factory):
+    """A server with an API key and the docs behind it (the default); its tests only read."""
+    return server_factory(models="tiny-vae", api_key=KEY)
+
+
+def test_docs_follow_the_api_key_and_load_only_local_assets(keyed):
+    srv = keyed
     for path in ("/docs", "/openapi.json"):
         r = httpx.get(f"{srv.url}{path}")
         assert r.status_code == 401 and r.headers["content-type"].startswith("application/problem+json"), path
@@ -37,10 +44,10 @@ def test_public_docs_answer_without_the_key(server_factory):
     assert r.status_code == 401  # the models still need it
 
 
-def test_root_points_at_the_docs_without_the_key(server_factory):
+def test_root_points_at_the_docs_without_the_key(keyed):
     """/ is what a newcomer opens first: a small JSON naming the docs, never a bare 404, and it asks
     for no key (it says whether the rest does)."""
-    srv = server_factory(models="tiny-vae", api_key=KEY)
+    srv = keyed
     r = httpx.get(f"{srv.url}/")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
     doc = r.json()
@@ -88,8 +95,8 @@ def test_every_problem_kind_has_its_entry_in_the_api_docs():
     assert Problem(429, "queue-full", "x").body()["type"] == "docs/api.md#queue-full"
 
 
-def test_problem_types_point_into_the_docs_over_http(server_factory):
-    srv = server_factory(models="tiny-vae")
+def test_problem_types_point_into_the_docs_over_http(live_server):
+    srv = live_server  # the session's server (tiny-vae among its models, no key)
     for r, kind in ((httpx.get(f"{srv.url}/v1/models/nope"), "unknown-model"),
                     (httpx.get(f"{srv.url}/no/such/route"), "not-found"),
                     (httpx.post(f"{srv.url}/v1/models/tiny-vae/decode", content=b"x",
