@@ -21,7 +21,6 @@
  * Every element of K is summed in order, one fused multiply-add per step: the result differs from
  * BLAS's (which blocks K) by float32 rounding only. */
 #include "vec.h"
-#include <stdlib.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define HAVE_GEMM_TILES 1
@@ -99,56 +98,57 @@ DEFINE_TILE_EPILOGUE(tile_epilogue16, vf16, DW_VEC, vload16, vload_part, vstore1
             for (int j = 0; j < NV; j++) vstore16(t + r * 16 * NV + 16 * j, acc[r][j]);                \
     }
 
-/* The whole product for one ISA: tasks of one row block x a chunk of panels. A row block shorter
- * than MR (the last) is copied into a zero-padded block first, so every tile runs full. */
-#define DEFINE_GEMM(NAME, TILE, EPILOGUE, TARGET, MR, NV)                                                            \
-    TARGET static int NAME(const float *a, const float *bp, const float *bias, const float *res, float *out,  \
-                           Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                               \
+typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssize_t k, float *t);
+
+/* The whole product for one ISA. The larger of A (M x K) and the packed B (K x N) is read once:
+ * with more columns than rows, each task takes a chunk of panels and runs every row block on a
+ * panel while it is in L2 (ConvNeXt-T's 49 x 3072 x 768: 9.4 MB of panels, which the other order
+ * read from L3 once per row block); otherwise a chunk of row blocks and every panel on each. About
+ * 16 tasks, handed out one at a time, keep two or more threads even. The last row block, shorter
+ * than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at that stage a
+ * padded 12-row tile for the 49th row cost 3x the 1-row tile. */
+#define GEMM_TASKS 16
+#define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NV)                                                  \
+    TARGET static void NAME(const float *a, const float *bp, const float *bias, const float *res, float *out, \
+                            Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                              \
     {                                                                                                       \
-        int failed = 0;                                                                                     \
         const Py_ssize_t nr = 16 * NV, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
-        Py_ssize_t chunk = blocks >= 8 ? panels : (panels * blocks + 7) / 8;                                \
-        if (chunk < 1) chunk = 1;                                                                           \
-        const Py_ssize_t chunks = (panels + chunk - 1) / chunk, tasks = blocks * chunks;                    \
+        const int by_panel = n > m;                                                                         \
+        const Py_ssize_t outer = by_panel ? panels : blocks, inner = by_panel ? blocks : panels;            \
+        const Py_ssize_t chunk = (outer + GEMM_TASKS - 1) / GEMM_TASKS, tasks = (outer + chunk - 1) / chunk; \
         int parallel = (double)m * k * n > PARALLEL_MIN_WORK && tasks > 1;                                  \
         _Pragma("omp parallel if (parallel)")                                                               \
         {                                                                                                   \
             float t[MR * 16 * NV] __attribute__((aligned(64)));                                            \
-            float *pad = NULL;                                                                              \
             _Pragma("omp for schedule(dynamic, 1)")                                                         \
             for (Py_ssize_t task = 0; task < tasks; task++) {                                               \
-                Py_ssize_t blk = task / chunks, p0 = (task % chunks) * chunk;                               \
-                Py_ssize_t p1 = p0 + chunk < panels ? p0 + chunk : panels;                                  \
-                Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                                 \
-                const float *ab = a + r0 * k;                                                               \
-                if (rows < MR) {                                                                            \
-                    if (!pad) pad = calloc((size_t)(MR * k), sizeof(float));                                \
-                    if (!pad) { /* out of memory: the whole call fails, never a partial result */          \
-                        _Pragma("omp atomic write") failed = 1;                                             \
-                        continue;                                                                           \
+                Py_ssize_t o1 = (task + 1) * chunk < outer ? (task + 1) * chunk : outer;                    \
+                for (Py_ssize_t o = task * chunk; o < o1; o++)                                              \
+                    for (Py_ssize_t i = 0; i < inner; i++) {                                                \
+                        Py_ssize_t blk = by_panel ? i : o, p = by_panel ? o : i;                            \
+                        Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                         \
+                        Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                        \
+                        TILES[rows](a + r0 * k, k, bp + p * k * nr, k, t);                                  \
+                        EPILOGUE(t, nr, rows, cols, bias ? bias + col : NULL,                               \
+                                 res ? res + r0 * n + col : NULL, out + r0 * n + col, n, act);              \
                     }                                                                                       \
-                    memcpy(pad, ab, sizeof(float) * (size_t)(rows * k));                                    \
-                    memset(pad + rows * k, 0, sizeof(float) * (size_t)((MR - rows) * k));                   \
-                    ab = pad;                                                                               \
-                }                                                                                           \
-                for (Py_ssize_t p = p0; p < p1; p++) {                                                      \
-                    Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                            \
-                    TILE(ab, k, bp + p * k * nr, k, t);                                                     \
-                    EPILOGUE(t, nr, rows, cols, bias ? bias + col : NULL,                              \
-                                  res ? res + r0 * n + col : NULL, out + r0 * n + col, n, act);             \
-                }                                                                                           \
             }                                                                                               \
-            free(pad);                                                                                      \
         }                                                                                                   \
-        return failed;                                                                                      \
     }
 
 #define TARGET_V4 __attribute__((target("arch=x86-64-v4")))
 #define TARGET_V3 __attribute__((target("arch=x86-64-v3")))
-DEFINE_TILE(tile_v4, TARGET_V4, 12, 2)
-DEFINE_GEMM(gemm_v4, tile_v4, tile_epilogue16, TARGET_V4, 12, 2)
-DEFINE_TILE(tile_v3, TARGET_V3, 6, 1)
-DEFINE_GEMM(gemm_v3, tile_v3, tile_epilogue8, TARGET_V3, 6, 1)
+#define TILE_V4(R) DEFINE_TILE(tile_v4_##R, TARGET_V4, R, 2)
+#define TILE_V3(R) DEFINE_TILE(tile_v3_##R, TARGET_V3, R, 1)
+TILE_V4(1) TILE_V4(2) TILE_V4(3) TILE_V4(4) TILE_V4(5) TILE_V4(6)
+TILE_V4(7) TILE_V4(8) TILE_V4(9) TILE_V4(10) TILE_V4(11) TILE_V4(12)
+TILE_V3(1) TILE_V3(2) TILE_V3(3) TILE_V3(4) TILE_V3(5) TILE_V3(6)
+/* by height: tiles_v4[r] is r rows x 32 columns (AVX-512), tiles_v3[r] r rows x 16 (AVX2) */
+static const tile_fn tiles_v4[13] = {NULL, tile_v4_1, tile_v4_2, tile_v4_3, tile_v4_4, tile_v4_5, tile_v4_6,
+                                     tile_v4_7, tile_v4_8, tile_v4_9, tile_v4_10, tile_v4_11, tile_v4_12};
+static const tile_fn tiles_v3[7] = {NULL, tile_v3_1, tile_v3_2, tile_v3_3, tile_v3_4, tile_v3_5, tile_v3_6};
+DEFINE_GEMM(gemm_v4, tiles_v4, tile_epilogue16, TARGET_V4, 12, 2)
+DEFINE_GEMM(gemm_v3, tiles_v3, tile_epilogue8, TARGET_V3, 6, 1)
 #endif
 
 /* this CPU runs the tiles of panel width nr: 32 (AVX-512), 16 (AVX2 + FMA) */
@@ -198,20 +198,21 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
                           &has_bias, &has_res, &act))
         return NULL;
     Py_ssize_t panels = nr > 0 ? (n + nr - 1) / nr : 0;
-    int failed = 0, bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || too_small(&bf[0], m * k) ||
+    int bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || too_small(&bf[0], m * k) ||
               too_small(&bf[1], panels * k * nr) || (has_bias && too_small(&bf[2], n)) ||
               (has_res && too_small(&bf[3], m * n)) || too_small(&bf[4], m * n) || act < 0 || act > 2;
 #ifdef HAVE_GEMM_TILES
     if (!bad) {
         const float *bias = has_bias ? bf[2].buf : NULL, *res = has_res ? bf[3].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        failed = nr == 32 ? gemm_v4(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act)
-                          : gemm_v3(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+        if (nr == 32)
+            gemm_v4(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+        else
+            gemm_v3(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
         Py_END_ALLOW_THREADS
     }
 #endif
     release(bf, 5);
-    if (failed) return PyErr_NoMemory();
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "gemm: buffer sizes, panel width or activation do not match");
         return NULL;
