@@ -75,27 +75,37 @@ DEFINE_TILE_EPILOGUE(tile_epilogue8, vf8, ACT_VEC, vload8, vload8_part, vstore8,
 DEFINE_TILE_EPILOGUE(tile_epilogue16, vf16, DW_VEC, vload16, vload_part, vstore16, vstore_part, vact16)
 
 #ifdef HAVE_GEMM_TILES
-/* all 16 lanes = x (written out: `(vf16){0} + x` costs an add, as -0.0 + 0.0 is not -0.0) */
+/* all lanes = x (written out: `(vf16){0} + x` costs an add, as -0.0 + 0.0 is not -0.0) */
 #define BCAST16(x) ((vf16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
+#define BCAST8(x) ((vf8){x, x, x, x, x, x, x, x})
 
-/* One MR x (16 NV) tile over all of K into the scratch t (row stride 16 NV). a: MR rows, stride lda. */
-#define DEFINE_TILE(NAME, TARGET, MR, NV)                                                             \
+/* B's panel rows fetched this many steps of K ahead (past the panel's end it is a harmless hint) */
+#ifndef GEMM_PREFETCH_K
+#define GEMM_PREFETCH_K 16
+#endif
+
+/* One MR x (L NV) tile over all of K into the scratch t (row stride L NV), on vectors V of L floats
+ * (one register each: 16-float vectors on AVX2 lived on the stack, 10 GFLOP/s); a: MR rows, stride lda. */
+#define DEFINE_TILE(NAME, TARGET, MR, NV, V, L, LOAD, STORE, BCAST)                                   \
     TARGET static void NAME(const float *a, Py_ssize_t lda, const float *bp, Py_ssize_t k, float *t)   \
     {                                                                                                  \
-        vf16 acc[MR][NV];                                                                              \
+        V acc[MR][NV];                                                                                 \
         for (int r = 0; r < MR; r++)                                                                   \
-            for (int j = 0; j < NV; j++) acc[r][j] = (vf16){0};                                        \
+            for (int j = 0; j < NV; j++) acc[r][j] = (V){0};                                           \
         for (Py_ssize_t kk = 0; kk < k; kk++) {                                                        \
-            vf16 b[NV];                                                                                \
-            for (int j = 0; j < NV; j++) b[j] = vload16(bp + kk * 16 * NV + 16 * j);                   \
+            V b[NV];                                                                                   \
+            for (int j = 0; j < NV; j++) {                                                             \
+                __builtin_prefetch(bp + (kk + GEMM_PREFETCH_K) * L * NV + L * j);                      \
+                b[j] = LOAD(bp + kk * L * NV + L * j);                                                 \
+            }                                                                                          \
             for (int r = 0; r < MR; r++) {                                                             \
                 float s = a[r * lda + kk];                                                             \
-                vf16 av = BCAST16(s);                                                                  \
+                V av = BCAST(s);                                                                       \
                 for (int j = 0; j < NV; j++) acc[r][j] += av * b[j];                                   \
             }                                                                                          \
         }                                                                                              \
         for (int r = 0; r < MR; r++)                                                                   \
-            for (int j = 0; j < NV; j++) vstore16(t + r * 16 * NV + 16 * j, acc[r][j]);                \
+            for (int j = 0; j < NV; j++) STORE(t + r * L * NV + L * j, acc[r][j]);                     \
     }
 
 typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssize_t k, float *t);
@@ -108,18 +118,18 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
  * than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at that stage a
  * padded 12-row tile for the 49th row cost 3x the 1-row tile. */
 #define GEMM_TASKS 16
-#define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NV)                                                  \
+#define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NR)                                                  \
     TARGET static void NAME(const float *a, const float *bp, const float *bias, const float *res, float *out, \
                             Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                              \
     {                                                                                                       \
-        const Py_ssize_t nr = 16 * NV, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
+        const Py_ssize_t nr = NR, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
         const int by_panel = n > m;                                                                         \
         const Py_ssize_t outer = by_panel ? panels : blocks, inner = by_panel ? blocks : panels;            \
         const Py_ssize_t chunk = (outer + GEMM_TASKS - 1) / GEMM_TASKS, tasks = (outer + chunk - 1) / chunk; \
         int parallel = (double)m * k * n > PARALLEL_MIN_WORK && tasks > 1;                                  \
         _Pragma("omp parallel if (parallel)")                                                               \
         {                                                                                                   \
-            float t[MR * 16 * NV] __attribute__((aligned(64)));                                            \
+            float t[MR * NR] __attribute__((aligned(64)));                                                  \
             _Pragma("omp for schedule(dynamic, 1)")                                                         \
             for (Py_ssize_t task = 0; task < tasks; task++) {                                               \
                 Py_ssize_t o1 = (task + 1) * chunk < outer ? (task + 1) * chunk : outer;                    \
@@ -138,8 +148,8 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
 
 #define TARGET_V4 __attribute__((target("arch=x86-64-v4")))
 #define TARGET_V3 __attribute__((target("arch=x86-64-v3")))
-#define TILE_V4(R) DEFINE_TILE(tile_v4_##R, TARGET_V4, R, 2)
-#define TILE_V3(R) DEFINE_TILE(tile_v3_##R, TARGET_V3, R, 1)
+#define TILE_V4(R) DEFINE_TILE(tile_v4_##R, TARGET_V4, R, 2, vf16, 16, vload16, vstore16, BCAST16)
+#define TILE_V3(R) DEFINE_TILE(tile_v3_##R, TARGET_V3, R, 2, vf8, 8, vload8, vstore8, BCAST8)
 TILE_V4(1) TILE_V4(2) TILE_V4(3) TILE_V4(4) TILE_V4(5) TILE_V4(6)
 TILE_V4(7) TILE_V4(8) TILE_V4(9) TILE_V4(10) TILE_V4(11) TILE_V4(12)
 TILE_V3(1) TILE_V3(2) TILE_V3(3) TILE_V3(4) TILE_V3(5) TILE_V3(6)
@@ -147,8 +157,8 @@ TILE_V3(1) TILE_V3(2) TILE_V3(3) TILE_V3(4) TILE_V3(5) TILE_V3(6)
 static const tile_fn tiles_v4[13] = {NULL, tile_v4_1, tile_v4_2, tile_v4_3, tile_v4_4, tile_v4_5, tile_v4_6,
                                      tile_v4_7, tile_v4_8, tile_v4_9, tile_v4_10, tile_v4_11, tile_v4_12};
 static const tile_fn tiles_v3[7] = {NULL, tile_v3_1, tile_v3_2, tile_v3_3, tile_v3_4, tile_v3_5, tile_v3_6};
-DEFINE_GEMM(gemm_v4, tiles_v4, tile_epilogue16, TARGET_V4, 12, 2)
-DEFINE_GEMM(gemm_v3, tiles_v3, tile_epilogue8, TARGET_V3, 6, 1)
+DEFINE_GEMM(gemm_v4, tiles_v4, tile_epilogue16, TARGET_V4, 12, 32)
+DEFINE_GEMM(gemm_v3, tiles_v3, tile_epilogue8, TARGET_V3, 6, 16)
 #endif
 
 /* this CPU runs the tiles of panel width nr: 32 (AVX-512), 16 (AVX2 + FMA) */
