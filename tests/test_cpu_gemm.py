@@ -156,3 +156,21 @@ def test_each_tile_keeps_its_accumulators_in_registers(tmp_path):
         assert body, f"{name} not found in the build"
         fma = [ln for ln in body if ln.startswith("vfmadd")]
         assert len(fma) == fmas and all(reg in ln and "(%rsp)" not in ln for ln in fma), f"{name}: {fma}"
+
+
+@needs_tiles
+@pytest.mark.parametrize("nr", widths())
+def test_rows_read_in_place_from_a_wider_matrix(nr):
+    """A's rows `lda` floats apart from an offset (the 3-D Winograd reads a run of frames of each
+    tile's row in place): equal to the product of the copied slice; a stride that would read past
+    the buffer is refused."""
+    rng, seed = fresh_rng()
+    p, frames, c, first, count, o = 29, 5, 7, 1, 3, 45
+    v = rng.standard_normal((p, frames, c)).astype(np.float32)
+    w = (rng.standard_normal((o, count * c)) / 5).astype(np.float32)
+    out, none = np.full((p, o), np.nan, np.float32), np.zeros(1, np.float32)
+    _cpu._kernels.gemm(v, packed(w, nr), none, none, out, p, count * c, o, nr, False, False, 0, first * c, frames * c)
+    want = reference(np.ascontiguousarray(v[:, first:first + count].reshape(p, -1)), w, None, None, None)
+    assert scaled_err(out, want) < TOL, f"nr {nr} seed {seed}"
+    with pytest.raises(ValueError, match="row stride"):
+        _cpu._kernels.gemm(v, packed(w, nr), none, none, out, p, count * c, o, nr, False, False, 0, 3 * c, frames * c)

@@ -119,8 +119,8 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
  * padded 12-row tile for the 49th row cost 3x the 1-row tile. */
 #define GEMM_TASKS 16
 #define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NR)                                                  \
-    TARGET static void NAME(const float *a, const float *bp, const float *bias, const float *res, float *out, \
-                            Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                              \
+    TARGET static void NAME(const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res, \
+                            float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                  \
     {                                                                                                       \
         const Py_ssize_t nr = NR, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
         const int by_panel = n > m;                                                                         \
@@ -138,7 +138,7 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
                         Py_ssize_t blk = by_panel ? i : o, p = by_panel ? o : i;                            \
                         Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                         \
                         Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                        \
-                        TILES[rows](a + r0 * k, k, bp + p * k * nr, k, t);                                  \
+                        TILES[rows](a + r0 * lda, lda, bp + p * k * nr, k, t);                                \
                         EPILOGUE(t, nr, rows, cols, bias ? bias + col : NULL,                               \
                                  res ? res + r0 * n + col : NULL, out + r0 * n + col, n, act);              \
                     }                                                                                       \
@@ -202,29 +202,32 @@ PyObject *ck_pack_weight(PyObject *self, PyObject *args)
 PyObject *ck_gemm(PyObject *self, PyObject *args)
 {
     Py_buffer bf[5];
-    Py_ssize_t m, k, n, nr;
+    Py_ssize_t m, k, n, nr, a_offset = 0, lda = -1;
     int has_bias, has_res, act;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnppi", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &m, &k, &n, &nr,
-                          &has_bias, &has_res, &act))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnppi|nn", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &m, &k, &n, &nr,
+                          &has_bias, &has_res, &act, &a_offset, &lda))
         return NULL;
+    if (lda < 0) lda = k;
     Py_ssize_t panels = nr > 0 ? (n + nr - 1) / nr : 0;
-    int bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || too_small(&bf[0], m * k) ||
-              too_small(&bf[1], panels * k * nr) || (has_bias && too_small(&bf[2], n)) ||
-              (has_res && too_small(&bf[3], m * n)) || too_small(&bf[4], m * n) || act < 0 || act > 2;
+    int bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || a_offset < 0 || lda < k ||
+              (m > 0 && too_small(&bf[0], a_offset + (m - 1) * lda + k)) || too_small(&bf[1], panels * k * nr) ||
+              (has_bias && too_small(&bf[2], n)) || (has_res && too_small(&bf[3], m * n)) ||
+              too_small(&bf[4], m * n) || act < 0 || act > 2;
 #ifdef HAVE_GEMM_TILES
     if (!bad) {
+        const float *a = (const float *)bf[0].buf + a_offset;
         const float *bias = has_bias ? bf[2].buf : NULL, *res = has_res ? bf[3].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
         if (nr == 32)
-            gemm_v4(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+            gemm_v4(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
         else
-            gemm_v3(bf[0].buf, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+            gemm_v3(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
         Py_END_ALLOW_THREADS
     }
 #endif
     release(bf, 5);
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "gemm: buffer sizes, panel width or activation do not match");
+        PyErr_SetString(PyExc_ValueError, "gemm: buffer sizes, panel width, row stride or activation do not match");
         return NULL;
     }
     Py_RETURN_NONE;

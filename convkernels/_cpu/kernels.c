@@ -546,8 +546,9 @@ static PyMethodDef methods[] = {
      "gemm_panel_width(): the columns of gemm's packed panels on this CPU; 0: no compiled tiles"},
     {"pack_weight", ck_pack_weight, METH_VARARGS, "pack_weight(w_nk, packed, n, k, nr): a linear's weight as gemm's panels"},
     {"gemm", ck_gemm, METH_VARARGS,
-     "gemm(a_mk, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act): out = act(a @ w^T + bias) + res; "
-     "nr: the panel width packed for (gemm_panel_width(), or 16 for the AVX2 tiles on an AVX-512 CPU)"},
+     "gemm(a, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act[, a_offset, lda]): out = act(a @ w^T + "
+     "bias) + res, A's rows `lda` floats apart from a_offset; nr: the panel width packed for (gemm_panel_width(), "
+     "or 16 for the AVX2 tiles on an AVX-512 CPU)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};

@@ -221,8 +221,8 @@ class NumpyBackend(BackendBase):
 
     def _run_winograd_3d(self, x, w, key, bias, residual, activation, tile=nc.F2X3):
         x, w = self._operands(x, w)
-        out = nc.conv_winograd_3d(x, w, key, self.unfold_limit_bytes,
-                                  self._winograd_u(w, _WINOGRAD_3D_WEIGHTS[tile]), tile)
+        u = self._winograd_u(w, _WINOGRAD_3D_WEIGHTS[tile])
+        out = nc.conv_winograd_3d(x, w, key, self.unfold_limit_bytes, u, tile, self._planes_gemm(u))
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd4_3d(self, x, w, key, bias, residual, activation):
@@ -257,7 +257,7 @@ class NumpyBackend(BackendBase):
         if not fused.panel_width():
             return None
         packed = self._winograd_u(u, fused.pack_planes)
-        return lambda v, out: fused.planes_matmul(v, packed, out)
+        return lambda v, out, frames=None: fused.planes_matmul(v, packed, out, frames)
 
     def _pack(self, w: np.ndarray) -> np.ndarray:
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""

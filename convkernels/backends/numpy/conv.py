@@ -272,12 +272,13 @@ def winograd_3d_row_bytes(key: ConvKey, tile: WinogradTile = F2X3) -> int:
 
 
 def conv_winograd_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
-                     u: np.ndarray | None = None, tile: WinogradTile = F2X3) -> np.ndarray:
+                     u: np.ndarray | None = None, tile: WinogradTile = F2X3, planes_matmul=None) -> np.ndarray:
     """(KT, 3, 3) stride-1 conv3d: Winograd in space, direct in time. Each input frame is
     transformed once (not once per time tap), into V laid out (planes, tiles, frames, C) so the KT
     frames an output frame reads are one (tiles, KT*C) matrix per plane: a single batched gemm
     with a KT-times deeper reduction than per-tap gemms, no accumulation passes. Zero time padding
-    is zero V. Tiled over rows of output tiles so V stays under `limit_bytes`."""
+    is zero V. Tiled over rows of output tiles so V stays under `limit_bytes`. `planes_matmul(vb,
+    out, (first, count))`: the per-plane products another way (compiled tiles, reading vb in place)."""
     from ..._cpu import _kernels
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -310,7 +311,10 @@ def conv_winograd_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: in
                              frames * c, p * frames * c)
             mb = m[:q * p * o].reshape(q, p, o)
             for t in range(t_out):
-                np.matmul(vb[:, :, t:t + kt].reshape(q, p, kt * c), u, out=mb)
+                if planes_matmul is None:
+                    np.matmul(vb[:, :, t:t + kt].reshape(q, p, kt * c), u, out=mb)
+                else:
+                    planes_matmul(vb, mb, (t, kt))
                 transform_out(mb, out[b, t], ho, wo, o, tw, r0, r1)
     return out
 

@@ -101,13 +101,20 @@ def pack_planes(u: np.ndarray) -> np.ndarray:
     return out
 
 
-def planes_matmul(v: np.ndarray, packed_u: np.ndarray, out: np.ndarray) -> None:
+def planes_matmul(v: np.ndarray, packed_u: np.ndarray, out: np.ndarray, frames: tuple[int, int] | None = None) -> None:
     """out[i] = v[i] @ u[i] for Winograd's planes (v (planes, P, C), out (planes, P, O)), on gemm.c's
-    tiles: one call per plane, each split over the threads by rows"""
-    q, p, c = v.shape
+    tiles: one call per plane, each split over the threads by rows. `frames` (first, count): v is
+    (planes, P, F, C) and each row reads `count` frames from `first` (the 3-D Winograd's time taps),
+    in place: the rows are F * C floats apart."""
+    q, p = v.shape[:2]
     o, nr, none, gemm = out.shape[2], panel_width(), np.zeros(1, np.float32), _cpu._kernels.gemm
+    if frames is None:
+        for i in range(q):
+            gemm(v[i], packed_u[i], none, none, out[i], p, v.shape[2], o, nr, False, False, 0)
+        return
+    (first, count), (f, c) = frames, v.shape[2:]
     for i in range(q):
-        gemm(v[i], packed_u[i], none, none, out[i], p, c, o, nr, False, False, 0)
+        gemm(v[i], packed_u[i], none, none, out[i], p, count * c, o, nr, False, False, 0, first * c, f * c)
 
 
 def matmul(a: np.ndarray, wt: np.ndarray, packed) -> np.ndarray:
