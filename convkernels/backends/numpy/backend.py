@@ -347,8 +347,10 @@ class NumpyBackend(BackendBase):
         x, weight = self._operands(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         b = None if bias is None else self._f(bias).astype(x2.dtype, copy=False)
-        with self.blas_threads.for_macs(float(x2.shape[0]) * weight.shape[0] * weight.shape[1]):
-            # bias, activation and residual in one pass per cache-resident block of the output
+        # the compiled tiles (bias, activation and residual applied in registers) call no BLAS, so
+        # they skip threadpoolctl's limit for small gemms (~15 us a call)
+        macs = float("inf") if fused.panel_width() else float(x2.shape[0]) * weight.shape[0] * weight.shape[1]
+        with self.blas_threads.for_macs(macs):
             out = fused.linear(x2, weight, b, None if residual is None else self._f(residual), activation, self._pack)
             if out is not None:
                 return out.reshape(*x.shape[:-1], weight.shape[0])
