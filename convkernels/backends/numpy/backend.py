@@ -180,12 +180,12 @@ class NumpyBackend(BackendBase):
             return self._count_and_time(path, key, x, w, bias, residual, activation)
 
     def _epilogue(self, out, bias, residual, activation):
-        if bias is not None:
-            out += self._f(bias).astype(out.dtype, copy=False)
-        out = apply_activation(out, activation, owned=True)
-        if residual is not None:
-            out = out + self._f(residual).astype(out.dtype, copy=False)
-        return out
+        b = None if bias is None else self._f(bias).astype(out.dtype, copy=False)
+        r = None if residual is None else self._f(residual).astype(out.dtype, copy=False)
+        if fused.epilogue_in_place(out, b, r, activation):  # one compiled pass, on the threads
+            return out
+        out = apply_activation(out if b is None else np.add(out, b, out=out), activation, owned=True)
+        return out if r is None else out + r
 
     def _operands(self, x, w):
         x, w = self._f(x), self._f(w)

@@ -126,6 +126,20 @@ def matmul(a: np.ndarray, wt: np.ndarray, packed) -> np.ndarray:
     return a @ wt if out is None else out
 
 
+def epilogue_in_place(out: np.ndarray, bias, residual, activation: str | None) -> bool:
+    """out = act(out + bias) + residual in one compiled pass (a conv's epilogue: SD-VAE's decode
+    spent 0.3 s of 3.4 in NumPy's separate passes); False where it does not apply."""
+    if not _cpu.AVAILABLE or activation not in ACT_CODES or not _f32(out) or not out.flags.writeable or out.size == 0:
+        return False
+    c = out.shape[-1]
+    if not _vector(bias, c) or (residual is not None and (not _f32(residual) or residual.shape != out.shape)):
+        return False
+    none = np.zeros(1, np.float32)
+    _cpu._kernels.epilogue(out, none if bias is None else bias, none if residual is None else residual, out,
+                           bias is not None, residual is not None, out.size // c, c, ACT_CODES[activation])
+    return True
+
+
 def depthwise_taps(w: np.ndarray) -> np.ndarray:
     """(C, kh, kw, 1) depthwise weights as the kernels' (kh * kw, C) taps"""
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T, dtype=np.float32)
