@@ -2,7 +2,6 @@
 float16/bfloat16 inputs are accepted and computed in float32."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from ... import _cpu
@@ -24,11 +23,9 @@ DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 
 #: numpy-style names of dtypes seen, as dtype_of returns them (str(dtype) costs ~4 us a call)
 _DTYPE_NAMES: dict = {}
-_GN_ACT = {None: 0, "silu": 1, "gelu": 2}  # activation codes of the C group_norm
 
 
-#: the 3-D weight transform per tile variant (a named function each: the transformed-weight
-#: cache is keyed by it)
+#: the 3-D weight transform per tile variant (one function each: the weight cache is keyed by it)
 _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
                         nc.F4X3: lambda w: nc.winograd_weights_3d(w, nc.F4X3)}
 
@@ -42,10 +39,9 @@ class NumpyBackend(BackendBase):
                  autotune: str = "background"):
         self.unfold_limit_bytes = int(unfold_limit_bytes or DEFAULT_UNFOLD_LIMIT)
         self.attention_chunk = attention_chunk
-        # Convs above this size pick their path by measurement (Winograd vs shift-gemm vs unfold
-        # flips with channels, size and BLAS build), by default in the background after the cost
-        # model has answered (path_choice.py says how `autotune` changes that); smaller ones use
-        # the static cost rule, where measuring would cost more than it saves. inf disables.
+        # Convs above this size pick their path by measurement (the winner flips with channels, size
+        # and machine), by default in the background after the cost model has answered (path_choice.py);
+        # smaller ones use the static cost rule, where measuring costs more than it saves. inf disables.
         self.autotune_min_macs = float(autotune_min_macs)
         self.autotune = autotune
         # measured choices outlive the process when a directory is given (as CUDA's plans do)
@@ -194,7 +190,7 @@ class NumpyBackend(BackendBase):
 
     def _run_pointwise(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        return self._epilogue(nc.conv_pointwise(x, w, key), bias, residual, activation)
+        return self._epilogue(nc.conv_pointwise(x, w, key, self._tiles_matmul), bias, residual, activation)
 
     def _run_depthwise(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
@@ -249,7 +245,7 @@ class NumpyBackend(BackendBase):
             out, _ = conv_transpose_col2im(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes)
         else:
             out, _ = conv_unfold_gemm(nc.NUMPY, x, w, key.spec, key.out_shape, self.unfold_limit_bytes,
-                                      lambda a, wt: fused.matmul(a, wt, self._pack))
+                                      self._tiles_matmul)
         return self._epilogue(out, bias, residual, activation)
 
     def _planes_gemm(self, u: np.ndarray):
@@ -262,6 +258,10 @@ class NumpyBackend(BackendBase):
     def _pack(self, w: np.ndarray) -> np.ndarray:
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""
         return self._winograd_u(w, fused.pack_panels)
+
+    def _tiles_matmul(self, a: np.ndarray, wt: np.ndarray) -> np.ndarray:
+        """a @ wt (wt a weight's transposed view) on gemm.c's tiles where they apply"""
+        return fused.matmul(a, wt, self._pack)
 
     # ---- other ops ------------------------------------------------------------------------
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
@@ -277,13 +277,13 @@ class NumpyBackend(BackendBase):
 
     def _group_norm(self, x, num_groups, weight, bias, eps, activation):
         x = self._f(x)
-        if c_ready(x) and activation in _GN_ACT:
+        if c_ready(x) and activation in fused.ACT_CODES:
             n, c = x.shape[0], x.shape[-1]
             out = np.empty_like(x)
-            w = np.ascontiguousarray(self._f(weight), np.float32) if weight is not None else np.zeros(1, np.float32)
-            b = np.ascontiguousarray(self._f(bias), np.float32) if bias is not None else np.zeros(1, np.float32)
+            w, b = (np.ascontiguousarray(self._f(p), np.float32) if p is not None else np.zeros(1, np.float32)
+                    for p in (weight, bias))
             _cpu._kernels.group_norm(x, w, b, out, weight is not None, bias is not None, n, x.size // (n * c), c,
-                                     num_groups, eps, _GN_ACT[activation])
+                                     num_groups, eps, fused.ACT_CODES[activation])
             return out
         n, c = x.shape[0], x.shape[-1]
         xr = x.reshape(n, -1, num_groups, c // num_groups)
@@ -303,8 +303,8 @@ class NumpyBackend(BackendBase):
             c = x.shape[-1]
             x = np.ascontiguousarray(x)
             out = np.empty_like(x)
-            w = np.ascontiguousarray(self._f(weight), np.float32) if weight is not None else np.zeros(1, np.float32)
-            b = np.ascontiguousarray(self._f(bias), np.float32) if bias is not None else np.zeros(1, np.float32)
+            w, b = (np.ascontiguousarray(self._f(p), np.float32) if p is not None else np.zeros(1, np.float32)
+                    for p in (weight, bias))
             _cpu._kernels.layer_norm(x, w, b, out, weight is not None, bias is not None, x.size // c, c, eps)
             return apply_activation(out, activation, owned=True)
         mean = x.mean(axis=-1, keepdims=True)

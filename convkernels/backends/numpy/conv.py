@@ -40,10 +40,11 @@ def _rows_per_tile(bytes_per_row: int, limit: int, total: int) -> int:
     return max(1, min(total, limit // max(1, bytes_per_row)))
 
 
-def conv_pointwise(x: np.ndarray, w: np.ndarray, key: ConvKey) -> np.ndarray:
-    """1x1, stride 1, unpadded, ungrouped: the input already is the patch matrix."""
+def conv_pointwise(x: np.ndarray, w: np.ndarray, key: ConvKey, matmul=np.matmul) -> np.ndarray:
+    """1x1, stride 1, unpadded, ungrouped: the input already is the patch matrix. `matmul(a, wt)`:
+    the product another way (the compiled tiles)."""
     c = x.shape[-1]
-    out = np.ascontiguousarray(x).reshape(-1, c) @ w.reshape(w.shape[0], c).T
+    out = matmul(np.ascontiguousarray(x).reshape(-1, c), w.reshape(w.shape[0], c).T)
     return out.reshape(key.out_shape)
 
 
