@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import platform
 import select
 import shutil
@@ -57,6 +58,17 @@ PACKAGES = ("convserve", "numpy", "torch", "onnxruntime", "openvino", "onnx", "o
 REPLY_TIMEOUT_S = 3600
 
 
+#: --threads: every contender's threads (ours: OpenMP's and BLAS's), for a per-core comparison
+THREADS_ENV = "CPU_RUNTIMES_THREADS"
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    if env.get(THREADS_ENV):
+        env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env[THREADS_ENV]
+    return env
+
+
 class Worker:
     """One worker process and its JSON-line answers; its stderr goes to a log file."""
 
@@ -64,7 +76,8 @@ class Worker:
         self.log_path = workdir / f"log-{mode}-{args[0] if mode != 'prepare' else 'torch'}.txt"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, str(WORKER), mode, *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=HERE.parents[1])
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=HERE.parents[1],
+                                     env=worker_env())
 
     def answer(self, send: str | None = None) -> dict:
         if send is not None:
@@ -113,8 +126,11 @@ def header(args, cpu: dict) -> None:
     print("# vector features: " + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in cpu["features"].items()))
     print(f"# versions: {versions()}")
     print(f"# ours' BLAS (numpy): {blas()}")
-    print(f"# threads: ORT intra-op, OpenVINO and PyTorch {cpu['physical_cores']} (the physical cores); "
-          f"ours as it ships")
+    if args.threads:
+        print(f"# threads: {args.threads} for every contender (ours: OpenMP and BLAS)")
+    else:
+        print(f"# threads: ORT intra-op, OpenVINO and PyTorch {cpu['physical_cores']} (the physical cores); "
+              f"ours as it ships")
     print(f"# load average at start: {load_average()}")
     print(f"# runs: {args.rounds} rounds, each run >= {args.min_run_s:.2f} s, {args.warmup} warm-up calls; a run is "
           f"discarded when other processes used >= {args.limit_cores} cores (read to +-"
@@ -294,7 +310,11 @@ def main() -> None:
     ap.add_argument("--first-reps", type=int, help="fresh processes per contender (default 3; --quick 1)")
     ap.add_argument("--first-steady", type=int, default=3, help="steady calls after the first call")
     ap.add_argument("--json", help="write every result here")
+    ap.add_argument("--threads", type=int, help="threads for every contender (default: ORT, OpenVINO and PyTorch "
+                    "the physical cores, ours as it ships); with taskset, a per-core comparison on a shared box")
     args = ap.parse_args()
+    if args.threads:
+        os.environ[THREADS_ENV] = str(args.threads)
     cpu = cpu_description()
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.warmup = args.warmup or (1 if args.quick else 2)

@@ -31,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_contention import Window, cpu_description  # noqa: E402
 
-THREADS = cpu_description()["physical_cores"]  # ORT's, OpenVINO's and PyTorch's own default
+#: ORT's, OpenVINO's and PyTorch's threads: cpu_runtimes.py --threads, else their own default (the physical cores)
+THREADS = int(os.environ.get("CPU_RUNTIMES_THREADS") or cpu_description()["physical_cores"])
 
 
 def input_array(spec: dict) -> np.ndarray:
