@@ -85,10 +85,7 @@ def test_readme_run_command_serves_on_a_fresh_venv(tmp_path):
     bin_dir = make_venv(tmp_path / "venv")
     port = free_port()
     env = venv_env(bin_dir)
-    # PIP_COMPILE=0: pip leaves the installed packages' byte-compiling to their first import. What
-    # is installed, and from where, is the same; the compile of every file of every dependency was
-    # 6 of the install's 35 s, and Python compiles what the server and the CLI import anyway.
-    env.update(CONVSERVE_PORT=str(port), CONVSERVE_LOG_LEVEL="warning", PIP_COMPILE="0")
+    env.update(CONVSERVE_PORT=str(port), CONVSERVE_LOG_LEVEL="warning")
     log = tmp_path / "run.log"
     t0 = time.monotonic()
     with open(log, "wb") as out:
