@@ -83,20 +83,32 @@ def _bytecode_env() -> dict[str, str]:
     return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": _PYCACHE}
 
 
-def get_status(port: int, path: str, timeout: float = 2) -> int | None:
-    """GET path on a new localhost connection: the status, or None where nothing answered. Plain
-    http.client: httpx.get builds a client (and a TLS context) per call, 46 ms of this process's
-    CPU each, which a start-up poll every 0.1 s took from the server starting beside it."""
+def plain_get(url: str, path: str, headers: dict | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    """GET url + path on a new connection: (status, body); OSError or HTTPException where nothing
+    answered. Plain http.client, for what the tests poll: httpx.get builds a client (and a TLS
+    context) per call, about 40 ms of this process's CPU each, which a poll every 0.02-0.1 s
+    took from the server it waits on (two cores)."""
     import http.client
+    from urllib.parse import urlsplit
 
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
     try:
-        conn.request("GET", path)
-        return conn.getresponse().status
-    except (OSError, http.client.HTTPException):
-        return None
+        conn.request("GET", path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
     finally:
         conn.close()
+
+
+def get_status(url: str, path: str, timeout: float = 2) -> int | None:
+    """The status of GET url + path, or None where nothing answered."""
+    import http.client
+
+    try:
+        return plain_get(url, path, timeout=timeout)[0]
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple = (), env_extra: dict | None = None,
@@ -120,7 +132,7 @@ def start_server(log_dir: Path, *, ready_timeout: float = 90.0, cli_args: tuple 
     while True:
         if proc.poll() is not None:
             pytest.fail(f"server exited {proc.returncode}:\n{server.log()}")
-        if get_status(port, "/readyz") == 200:
+        if get_status(server.url, "/readyz") == 200:
             return server
         if time.monotonic() > deadline:
             server.stop()
@@ -147,10 +159,9 @@ def from_npy(data: bytes):
 
 def scrape(url: str, headers: dict | None = None) -> dict[tuple, float]:
     """/metrics as {(sample name, sorted label items): value}."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", headers=headers or {}, timeout=10).text
+    text = plain_get(url, "/metrics", headers)[1].decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -181,25 +192,19 @@ def wait_until_every_device_is_ready(url: str, model: str, timeout: float = 120,
     end has its own view: the first accepts before it is ready, the others once they are, and the
     kernel hands each new connection to any of them. So the devices must show ready in `answers`
     answers in a row, each on a fresh connection (16 front ends: one left unready is missed with
-    probability (15/16)^120, about 4e-4). Each answer is asked on a plain http.client connection:
-    httpx.get builds a client (and its TLS context) per call, which made the 120 answers take 6 s."""
+    probability (15/16)^120, about 4e-4). Each answer is asked with plain_get (with httpx.get
+    the 120 answers took 6 s)."""
     import http.client
     import json
-    from urllib.parse import urlsplit
 
-    where = urlsplit(url)
     deadline = time.monotonic() + timeout
     in_a_row = 0
     while in_a_row < answers:
-        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)  # a new TCP connection
         try:
-            conn.request("GET", f"/v1/models/{model}")
-            devices = json.loads(conn.getresponse().read()).get("devices", [])
+            devices = json.loads(plain_get(url, f"/v1/models/{model}", timeout=5)[1]).get("devices", [])
             ok = len(devices) >= 2 and all(d["state"] == "ready" for d in devices)
         except (OSError, http.client.HTTPException, ValueError):
             ok = False
-        finally:
-            conn.close()
         in_a_row = in_a_row + 1 if ok else 0
         assert time.monotonic() < deadline, f"the devices of {model} did not all get ready"
         if not ok:
