@@ -134,6 +134,9 @@ def test_disconnected_client_work_is_skipped(server_factory, tmp_path):
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(decode, u, body(12, hold=True))  # A occupies the worker until released
         wait_for(lambda: holding(release), what="A on the worker")
+        # the queue-depth gauge lags its queue by up to the worker's publish interval: A's own 1
+        # must have given way to 0, or that stale 1 reads as B queued
+        wait_for(lambda: metric(scrape(u), "convserve_queue_depth", model="tiny-vae") == 0, what="A out of the queue")
         sock = raw_request(srv.port, body(12))
         wait_for(lambda: metric(scrape(u), "convserve_queue_depth", model="tiny-vae") == 1, what="B queued")
         sock.close()  # B's client goes away while B waits behind A

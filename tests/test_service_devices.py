@@ -164,6 +164,9 @@ def test_a_killed_worker_is_restarted_and_its_requests_get_503(server_factory, t
     with ThreadPoolExecutor(3) as pool:
         held = pool.submit(decode, srv.url, latents(hold=True))
         wait_for(lambda: release.with_name("release.holding").exists(), what="the held request on the worker")
+        # the queue-depth gauge lags its queue by up to the worker's publish interval: the held
+        # request's own 1 must have given way to 0, or that stale 1 reads as the next one queued
+        wait_for(lambda: metric(scrape(srv.url), "convserve_queue_depth", model="tiny-vae") == 0, what="none queued")
         queued = pool.submit(decode, srv.url, latents())  # waits behind the held one
         wait_for(lambda: metric(scrape(srv.url), "convserve_queue_depth", model="tiny-vae") == 1, what="queued")
         os.kill(old_pid, signal.SIGKILL)

@@ -331,8 +331,17 @@ def test_full_queue_answers_429_before_any_frame(srv):
     # other work in between its steps)
     running = threading.Thread(target=plain, args=("running", latents(2, 4, 5, 16, 16)))
     running.start()
-    wait_for(lambda: metric(scrape(srv.url), "convserve_inflight_requests", model=MODEL) == 1 and
-             metric(scrape(srv.url), "convserve_queue_depth", model=MODEL) == 0, what="the first decode to start")
+
+    def first_running() -> bool:
+        """Its model call begun (the queue-wait histogram counts a request as its batch starts),
+        and the queue-depth gauge, which lags its queue by up to the worker's publish interval,
+        back to 0: else the running decode's stale 1 would read as the next one queued."""
+        snap = scrape(srv.url)
+        return (metric(snap, "convserve_queue_wait_seconds_count", model=MODEL)
+                - metric(s0, "convserve_queue_wait_seconds_count", model=MODEL) == 1
+                and metric(snap, "convserve_queue_depth", model=MODEL) == 0)
+
+    wait_for(first_running, what="the first decode to start")
     queued = threading.Thread(target=plain, args=("queued", latents(1, 4, 1, 5, 7)))
     queued.start()
     wait_for(lambda: metric(scrape(srv.url), "convserve_queue_depth", model=MODEL) == 1, what="a queued decode")
