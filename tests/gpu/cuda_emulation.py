@@ -1,5 +1,6 @@
 """The CPU emulation of the CUDA backend's kernels (cuda/kernels.py's SOURCE, compiled as C++):
-one host thread per CUDA thread, a barrier for __syncthreads, a barrier per warp for warp shuffles,
+one host thread per CUDA thread of a block (the same threads run the blocks one after another),
+a barrier for __syncthreads, a barrier per warp for warp shuffles,
 locked atomics. A test adds `extern "C"` runners that launch its kernels with the grid the
 backend's wrapper uses, and calls them through ctypes, where there is no GPU."""
 from __future__ import annotations
@@ -63,23 +64,35 @@ static inline unsigned __float2uint_rz(float v) {
 
 SOURCE
 
+// The blocks run one after another, each block's threads together. A block's threads are the
+// same host threads block after block (started once a launch, not once a block: a GroupNorm
+// launch of 264 blocks started 67,000 threads), and a block starts once every thread has left
+// the one before (they share g_smem). The barriers are reused: each of a block's __syncthreads
+// (and each warp's shuffle) is one phase of its barrier, as it was on the block's own barrier.
 template <typename K>
 static void launch(dim3 grid, K body) {
     gridDim = grid;
-    for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-            std::barrier<> bar(blockDim.x);
-            g_bar = &bar;
-            std::vector<std::unique_ptr<std::barrier<>>> warps;
-            for (unsigned w = 0; w < blockDim.x / 32; ++w) {
-                warps.emplace_back(new std::barrier<>(32));
-                g_warp_bar[w] = warps.back().get();
-            }
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < blockDim.x; ++t)
-                ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
-            for (auto& th : ts) th.join();
-        }
+    std::barrier<> bar(blockDim.x);
+    std::barrier<> block_done(blockDim.x);
+    g_bar = &bar;
+    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    for (unsigned w = 0; w < blockDim.x / 32; ++w) {
+        warps.emplace_back(new std::barrier<>(32));
+        g_warp_bar[w] = warps.back().get();
+    }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < blockDim.x; ++t)
+        ts.emplace_back([=, &block_done] {
+            threadIdx.x = t;
+            for (unsigned by = 0; by < grid.y; ++by)
+                for (unsigned bx = 0; bx < grid.x; ++bx) {
+                    blockIdx.x = bx;
+                    blockIdx.y = by;
+                    body();
+                    block_done.arrive_and_wait();
+                }
+        });
+    for (auto& th : ts) th.join();
 }
 """
 
