@@ -15,6 +15,11 @@ import os
 import socket
 
 import numpy as np
+# imported with this module, which a worker loads as its backend comes up (comm_class): imported
+# at a group's first join instead, the leader's and then the follower's import of torch (2-3 s
+# each, one after the other) came first in every new group's first request
+import torch
+import torch.distributed as dist
 
 #: the leader's TCPStore server: kept for the life of the process (its groups rendezvous there)
 _STORES: dict[int, object] = {}
@@ -32,19 +37,16 @@ class GlooShards:
     """One rank of a gloo group (see the module docstring)."""
 
     def __init__(self, pg, rank: int, size: int):
-        import torch
         self._torch, self._pg, self.rank, self.size = torch, pg, rank, size
 
     @staticmethod
     def unique_id() -> tuple:
-        import torch.distributed as dist
         port = _free_port()
         _STORES[port] = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         return "127.0.0.1", port, os.urandom(8).hex()  # the prefix keeps each group's keys apart
 
     @classmethod
     def join(cls, uid: tuple, rank: int, size: int) -> "GlooShards":
-        import torch.distributed as dist
         host, port, prefix = uid
         store = _STORES.get(port) or dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
         return cls(dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, TIMEOUT), rank, size)
