@@ -44,8 +44,18 @@ def nvrtc():
     return ctypes.CDLL(str(path))
 
 
+#: (dtype, arch) -> its PTX: the bfloat16 branch test reads the builds the compile test made
+_PTX: dict[tuple[str, str], str] = {}
+
+
 def compile_ptx(lib, dtype: str, arch: str) -> str:
     """SOURCE built as CuPy builds it for `dtype`, for virtual architecture `arch` (compute_XX)."""
+    if (dtype, arch) not in _PTX:
+        _PTX[dtype, arch] = _compile_ptx(lib, dtype, arch)
+    return _PTX[dtype, arch]
+
+
+def _compile_ptx(lib, dtype: str, arch: str) -> str:
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), SOURCE.encode(), b"convkernels_cuda_source", 0, None, None) == 0
     try:
