@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,8 +31,10 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # this group's scripts; the repo (benchmarks.machine)
-from gpu_models import pool_in_use_peak, wall  # noqa: E402  (shared timing and memory helpers)
-from benchmarks.machine import describe_machine  # noqa: E402  (loads torch before convkernels, see machine.py)
+import benchmarks.machine  # noqa: E402,F401  (loads torch before convkernels, see machine.py)
+from family_bench import (FAMILY_COLUMNS, bench_env, graph_pool_gib, ours_peak_gib, print_table,  # noqa: E402
+                          streamed_first_group_ms, torch_peak_gib, weights_gib)
+from gpu_models import wall  # noqa: E402  (shared timing helper)
 
 
 def main() -> None:
@@ -66,29 +67,6 @@ def main() -> None:
 
     def tsync():
         torch.cuda.synchronize()
-
-    def ours_peak_gib(fn) -> float:
-        """The most bytes the CuPy pool had handed out at once during fn, less what was in use before."""
-        base, peak = pool_in_use_peak(fn)
-        return (peak - base) / 2**30
-
-    def torch_peak_gib(fn) -> float:
-        tsync()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        tsync()
-        return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-    def graph_pool_gib(model) -> float:
-        """The bytes a model's CUDA graphs keep in their own pool, which the CuPy pool's count misses
-        (2026-11-26's first run reported 0.02 GiB for the graphed image decoders without it)."""
-        forward = getattr(model, "_decode_device", None) or getattr(model, "_steady_step", None)
-        return forward.stats()["pool_bytes"] / 2**30 if forward is not None else 0.0
-
-    def weights_gib(vae) -> float:
-        return sum(p.numel() * p.element_size() for p in vae.parameters()) / 2**30
 
     def row(name, ours_ms, eager_ms, compiled_ms=None, ours_gib=None, torch_gib=None, **extra):
         r = dict(workload=name, ours_ms=ours_ms, torch_eager_ms=eager_ms, torch_compile_ms=compiled_ms,
@@ -175,40 +153,19 @@ def main() -> None:
         ours = wall(lambda: model.decode(lat, tiled=False, uint8=True), 1, max(2, args.reps // 2), csync)
         ours_gib = ours_peak_gib(lambda: model.decode(lat, tiled=False, uint8=True)) + graph_pool_gib(model)
 
-        def first_group_ms() -> float:
-            csync()
-            t1 = time.perf_counter()
-            frames = model.decode_frames(lat, tiled=False, uint8=True)
-            next(frames)
-            ms = 1e3 * (time.perf_counter() - t1)
-            frames.close()
-            csync()
-            return ms
-        first_group_ms()
-        first = statistics.median(first_group_ms() for _ in range(3))
+        first = streamed_first_group_ms(model, lat, csync)
         row(label, ours, eager, None, ours_gib, tgib, first_call_s=first_s, first_group_ms=first,
             memory_ratio=ours_gib / tgib)
         print(f"  streamed first frame group {first:.1f} ms; memory ours/torch {ours_gib / tgib:.2f}", flush=True)
 
-    gpu = torch.cuda.get_device_name()
-    env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=gpu, machine=describe_machine(),
-               torch=torch.__version__, diffusers=diffusers.__version__, cupy=cp.__version__,
-               autotune=args.autotune, upsample_form=args.upsample_form)
+    env = bench_env(cupy=cp.__version__, autotune=args.autotune, upsample_form=args.upsample_form)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"gpu_families_{'_'.join(sorted(only))}{'_autotune' if args.autotune else ''}"
                            f"{'' if args.upsample_form == 'auto' else '_' + args.upsample_form}.json"), "w") as f:
         json.dump(dict(env=env, rows=rows), f, indent=1)
-    print(f"\n# 2026 VAE families, {env['date']}, {gpu}; torch {torch.__version__}, diffusers "
-          f"{diffusers.__version__}; ratios are PyTorch's time / ours (> 1: ours faster)")
-    print("| workload | ours ms | torch eager ms | eager / ours | torch.compile ms | compile / ours | ours GiB | torch GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-    for r in rows:
-        print(f"| {r['workload']} | {f(r['ours_ms'])} | {f(r['torch_eager_ms'])} | {f(r['vs_eager'])} | "
-              f"{f(r['torch_compile_ms'])} | {f(r['vs_compile'])} | {f(r['ours_gib'])} | {f(r['torch_gib'])} |")
+    print_table(f"2026 VAE families, {env['date']}, {env['gpu']}; torch {env['torch']}, diffusers "
+                f"{env['diffusers']}; ratios are PyTorch's time / ours (> 1: ours faster)", rows, FAMILY_COLUMNS)
 
 
 if __name__ == "__main__":

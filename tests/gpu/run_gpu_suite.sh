@@ -10,7 +10,9 @@
 # WANSVC=1 (Wan through the service vs raw), MULTI='0;0,1;0,1,2,3' (SD-VAE decode over 1, 2, 4 GPUs),
 # AB=1 (ConvNeXt fusion switches on/off, benchmarks/gpu/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
 # Wan decode's first frame group spends its time, benchmarks/gpu/wan_first_chunk.py), FAMILIES=taesd,flux2,qwen,wan22
-# (benchmarks/gpu/gpu_families.py), SHARDED='--size 4096 --gpus 1,2,4' (benchmarks/gpu/sharded_decode.py).
+# (benchmarks/gpu/gpu_families.py), FAMILIES26=all or hv15,ltx2,dcae,hyimage,qwen21 (the five newest families,
+# benchmarks/gpu/gpu_families_2026.py; FAMILIES26_ARGS e.g. '--tiny'), SHARDED='--size 4096 --gpus 1,2,4'
+# (benchmarks/gpu/sharded_decode.py).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # a machine without network: wheels placed in .whl/ (git-ignored) are installed aside first
@@ -118,6 +120,11 @@ fi
 if [ -n "${FAMILIES:-}" ]; then  # the 2026 VAE families vs diffusers (FAMILIES=taesd,flux2,qwen,wan22)
   timeout ${FAMILIES_TIMEOUT:-300} python3 benchmarks/gpu/gpu_families.py --only "$FAMILIES" --compile 2>&1 \
     | tee "$OUT/gpu_families.log" | grep -v -i warn | tail -n 12
+fi
+if [ -n "${FAMILIES26:-}" ]; then  # the five newest VAE families vs diffusers, eager and torch.compile (FAMILIES26=all)
+  [ "$FAMILIES26" = all ] && FAMILIES26=hv15,ltx2,dcae,hyimage,qwen21
+  timeout ${FAMILIES26_TIMEOUT:-600} python3 benchmarks/gpu/gpu_families_2026.py --only "$FAMILIES26" \
+    ${FAMILIES26_ARGS:-} 2>&1 | tee "$OUT/gpu_families_2026.log" | grep -v -i warn | tail -n 16
 fi
 if [ -n "${SHARDED:-}" ]; then  # the sharded decode: one decode over 1, 2, 4 GPUs (SHARDED='--size 4096' or a Wan latent)
   timeout ${SHARDED_TIMEOUT:-300} python3 benchmarks/gpu/sharded_decode.py $SHARDED 2>&1 \
