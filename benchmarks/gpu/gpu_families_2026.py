@@ -285,7 +285,7 @@ def main() -> None:
             holder = None
             release_device_memory()
             print(f"  PyTorch eager: out of memory ({oom})", flush=True)
-            if row.video and args.torch_tiled and cuda and left_s() > 60:
+            if row.video and args.torch_tiled and cuda and left_s() > 120:
                 torch_tiled(vae, call, r)
         if not row.video and cuda and args.compile:
             if left_s() < 90:
