@@ -3,7 +3,7 @@ Qwen-Image 2.1) on the CUDA backend against the diffusers class on PyTorch, in o
 
 Both sides are built from our preset's config (the published checkpoint's, models/<family>/config.py)
 with identical random weights: the diffusers class is made with its own init, saved as a diffusers
-folder and loaded by ours, as the GPU tests (tests/gpu/test_*_gpu.py) do. So each row also reports
+folder and loaded by ours, as each family's GPU test under tests/gpu/ does. So each row also reports
 the relative L2 between the two decodes at the benchmark's dtype (a sanity check that both ran the
 same computation; the parity criteria are the tests'). Both run in bfloat16 by default, the dtype the
 published checkpoints ship in and gpu_families.py uses for FLUX.2, Qwen-Image and Wan 2.2 (the cuda
