@@ -200,3 +200,28 @@ def test_the_cli_reads_files_through_the_same_parser(tmp_path):
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.exit_code, r.output, r.exception)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "larger than any array" in lines[0], r.stderr
+
+
+def test_a_header_read_once_is_remembered_and_bodies_are_still_checked_each_time():
+    """Good headers are kept by their bytes (a service's clients repeat them); each body's data
+    size is still checked against its header, a bad header is never kept, and the kept headers
+    stay bounded whatever shapes clients send."""
+    from service.codecs import npy_parse
+
+    npy_parse._layouts.clear()
+    a = np.arange(2 * 5 * 3, dtype=np.uint8).reshape(2, 5, 3)
+    body = saved(a)
+    for _ in range(2):  # the second read takes the remembered header, with the same answer
+        np.testing.assert_array_equal(npy_parse.parse_npy(body), a)
+    assert len(npy_parse._layouts) == 1
+    with pytest.raises(Problem, match="declares 30 bytes of data"):  # the same header, one byte short
+        npy_parse.parse_npy(body[:-1])
+    bad = saved(np.zeros(1, np.float32)).replace(b"'<f4'", b"'|O4'")
+    with pytest.raises(Problem, match="object arrays"):
+        npy_parse.parse_npy(bad)
+    with pytest.raises(Problem, match="object arrays"):  # refused again, not remembered as good
+        npy_parse.parse_npy(bad)
+    assert len(npy_parse._layouts) == 1
+    for n in range(npy_parse.LAYOUT_CACHE + 40):
+        npy_parse.parse_npy(saved(np.zeros((1, n), np.uint8)))
+    assert len(npy_parse._layouts) == npy_parse.LAYOUT_CACHE

@@ -38,8 +38,8 @@ def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _header(body, what: str) -> tuple[dict, int]:
-    """The header dict and the offset where the data starts."""
+def _header_text(body, what: str) -> tuple[bytes, str, int]:
+    """The header's bytes, their encoding and the offset where the data starts."""
     if len(body) == 0:
         raise _bad(what, "empty, not a .npy file")
     if bytes(body[:len(MAGIC)]) != MAGIC:
@@ -58,14 +58,18 @@ def _header(body, what: str) -> tuple[dict, int]:
         raise _bad(what, f"the .npy header declares {length} bytes, over the limit of {MAX_HEADER_BYTES}")
     if start + length > len(body):
         raise _bad(what, f"truncated .npy header: it declares {length} bytes, {len(body) - start} follow")
+    return bytes(body[start:start + length]), encoding, start + length
+
+
+def _header(text: bytes, encoding: str, what: str) -> dict:
     try:
-        header = ast.literal_eval(bytes(body[start:start + length]).decode(encoding))
+        header = ast.literal_eval(text.decode(encoding))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
         raise _bad(what, f"the .npy header is not a Python literal ({exc.__class__.__name__}: {_short(str(exc))})") from None
     if not isinstance(header, dict) or header.keys() != _KEYS:
         keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
         raise _bad(what, f"the .npy header must be a dict of exactly descr, fortran_order and shape, got {_short(repr(keys))}")
-    return header, start + length
+    return header
 
 
 def _dtype(descr, what: str) -> np.dtype:
@@ -80,13 +84,9 @@ def _dtype(descr, what: str) -> np.dtype:
     return dt
 
 
-def parse_npy(body, what: str = "body") -> np.ndarray:
-    """The array a .npy body holds, as a read-only view of the body, or a 400 `bad-npy` naming the
-    first problem: truncation, an unknown version, a header that is no literal dict, an object
-    dtype (never unpickled), a shape that is no tuple of non-negative ints or that no array can
-    have, or data bytes other than the header declares. Any byte order and Fortran order are read
-    as they are (the validation after converts dtypes)."""
-    header, offset = _header(body, what)
+def _layout(text: bytes, encoding: str, what: str) -> tuple[bool, tuple, np.dtype]:
+    """(fortran_order, shape, dtype) of a header, every check of the header alone made."""
+    header = _header(text, encoding, what)
     fortran, shape = header["fortran_order"], header["shape"]
     if not isinstance(fortran, bool):
         raise _bad(what, f"the .npy fortran_order must be True or False, got {_short(repr(fortran))}")
@@ -97,6 +97,39 @@ def parse_npy(body, what: str = "body") -> np.ndarray:
     # dimensions multiply past its sizes even when it has no elements.
     if math.prod(max(s, 1) for s in shape) * dt.itemsize > _MAX_NBYTES:
         raise _bad(what, f"the .npy shape {_short(repr(shape))} of {dt} is larger than any array can be")
+    return fortran, shape, dt
+
+
+# Headers already read and found good, by their bytes. A service's clients send the same few
+# headers over and over (one image a request: the same shape and dtype each time), and reading
+# one (literal_eval, descr_to_dtype) cost about a tenth of a front end's CPU per one-image encode
+# request. Only short headers are kept (np.save's for any plain dtype are 118 bytes or less), and
+# at most LAYOUT_CACHE of them: a client sending a new shape each time costs a lookup, no memory.
+LAYOUT_CACHE = 256
+_MAX_CACHED_HEADER = 256
+_layouts: dict[tuple[bytes, str], tuple[bool, tuple, np.dtype]] = {}
+
+
+def _cached_layout(text: bytes, encoding: str, what: str) -> tuple[bool, tuple, np.dtype]:
+    key = (text, encoding)
+    found = _layouts.get(key)
+    if found is None:
+        found = _layout(text, encoding, what)  # raises for a bad header: only good ones are kept
+        if len(text) <= _MAX_CACHED_HEADER:
+            if len(_layouts) >= LAYOUT_CACHE:
+                _layouts.pop(next(iter(_layouts)))  # the oldest entry (dicts keep insertion order)
+            _layouts[key] = found
+    return found
+
+
+def parse_npy(body, what: str = "body") -> np.ndarray:
+    """The array a .npy body holds, as a read-only view of the body, or a 400 `bad-npy` naming the
+    first problem: truncation, an unknown version, a header that is no literal dict, an object
+    dtype (never unpickled), a shape that is no tuple of non-negative ints or that no array can
+    have, or data bytes other than the header declares. Any byte order and Fortran order are read
+    as they are (the validation after converts dtypes)."""
+    text, encoding, offset = _header_text(body, what)
+    fortran, shape, dt = _cached_layout(text, encoding, what)
     declared, present = math.prod(shape) * dt.itemsize, len(body) - offset
     if declared != present:
         raise _bad(what, f"the .npy header declares {declared} bytes of data (shape {_short(repr(shape))} of {dt}), "
