@@ -35,13 +35,16 @@ async def read_body(request: Request, limit: int) -> bytes | bytearray:
         charged = n
     else:
         charged = 0
+    arrivals = arrivals_of(request.scope)
+    if declared is not None and arrivals is not None and arrivals.complete():
+        return await _read_arrived(request, n)
     settings = request.app.state.settings
     # a declared length is read into one buffer of that size: joining chunks would hold the body
     # twice at its end (the chunks and the join), and the memory budget counts it once
     buf = bytearray(charged) if declared is not None else None
     chunks, total = [], 0
     timeout_s, rate, grace = settings.request_timeout_s, settings.min_body_rate, settings.min_body_rate_grace_s
-    wait = BodyWait(arrivals_of(request.scope), asyncio.get_running_loop().time)
+    wait = BodyWait(arrivals, asyncio.get_running_loop().time)
 
     def allowance() -> float:
         """Seconds of waiting the body may have used by now: the request timeout, or the grace
@@ -98,6 +101,22 @@ async def read_body(request: Request, limit: int) -> bytes | bytearray:
     body = b"".join(chunks) if buf is None else buf if total == len(buf) else buf[:total]
     # Starlette's form parser reads request.stream(), which replays a cached body: cache it
     request._body = body  # noqa: SLF001
+    return body
+
+
+async def _read_arrived(request: Request, declared: int) -> bytes:
+    """A body whose every byte is already at the server (the common case of a small request): one
+    receive hands it over whole, with nothing of the client's to wait for, so none of the slow-body
+    clock, deadline or eviction bookkeeping below applies. That bookkeeping cost about a tenth of
+    a front end's CPU per one-image request. The protocol framed it by its Content-Length, so it
+    has exactly `declared` bytes."""
+    message = await request.receive()
+    if message["type"] == "http.disconnect":
+        raise Problem(499, "client-gone", "the client went away before its body was read")
+    body = message.get("body", b"")
+    if message.get("more_body", False) or len(body) != declared:  # never, by the protocol's framing
+        raise Problem(400, "bad-body", f"the body held {len(body)} bytes, not the {declared} of its Content-Length")
+    request._body = body  # noqa: SLF001 (Starlette's form parser replays a cached body)
     return body
 
 

@@ -48,6 +48,11 @@ class Arrivals:
     def last(self) -> float:
         return self._protocol._arrived_at
 
+    def complete(self) -> bool:
+        """The whole body has been parsed (the protocol saw the request's end): reading it waits
+        on nothing of the client's. Both of uvicorn's cycles (httptools, h11) keep `more_body`."""
+        return not self._cycle.more_body
+
     def at_server(self) -> bool:
         if self._cycle.body:  # parsed, not yet handed to the app
             return True
