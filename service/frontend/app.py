@@ -13,7 +13,7 @@ from .. import metrics, problems
 from ..settings import Settings
 from .http.http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
-from .routes import api_docs, kserve, remote_vae, routes_v1, streaming, triton_extensions
+from .routes import api_docs, hot_routes, kserve, remote_vae, routes_v1, streaming, triton_extensions
 
 log = logging.getLogger("convserve")
 
@@ -83,4 +83,5 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
     app.include_router(triton_extensions.router)  # before kserve's: /v2/models/stats is not a model name
     app.include_router(kserve.router)
     app.include_router(remote_vae.router)
+    hot_routes.install(app)  # one-image encode requests past the router's matching and parameter solving
     return app
