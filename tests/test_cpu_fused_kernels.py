@@ -92,6 +92,24 @@ def test_depthwise_conv_layer_norm_matches_torch(be, c, kernel):
     assert rel_l2(got, ref) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("shape,kernel", [((1, 17, 11, 131), (7, 7)), ((3, 9, 7, 67), (7, 7)), ((1, 7, 7, 768), (7, 7)),
+                                          ((2, 23, 5, 40), (5, 3))])
+def test_depthwise_conv_layer_norm_split_over_threads(be, shape, kernel):
+    """Above a million multiply-adds the fused kernel splits each image into blocks of rows (one
+    row where an image has few), handed out to the threads: every row, odd sizes, several images"""
+    if not _cpu.AVAILABLE:
+        pytest.skip("the split over threads is the compiled kernel's")
+    rng, seed = fresh_rng()
+    c = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((c, *kernel, 1)).astype(np.float32) / 7
+    dwb, nw, nb = (rng.standard_normal(c).astype(np.float32) for _ in range(3))
+    pad = ((kernel[0] // 2,) * 2, (kernel[1] // 2,) * 2)
+    ref = F.layer_norm(t64(ref_conv(x, w, dwb, (1, 1), pad, (1, 1), c)), (c,), t64(nw), t64(nb), eps=1e-6).numpy()
+    got = be.depthwise_conv_layer_norm(x, w, dwb, nw, nb, 1e-6)
+    assert rel_l2(got, ref) < TOL, f"{shape} seed {seed}"
+
+
 def test_fused_depthwise_layer_norm_calls_the_conv_hook(be):
     if not _cpu.AVAILABLE:
         pytest.skip("fused only where compiled")

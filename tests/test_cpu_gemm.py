@@ -174,3 +174,59 @@ def test_rows_read_in_place_from_a_wider_matrix(nr):
     assert scaled_err(out, want) < TOL, f"nr {nr} seed {seed}"
     with pytest.raises(ValueError, match="row stride"):
         _cpu._kernels.gemm(v, packed(w, nr), none, none, out, p, count * c, o, nr, False, False, 0, 3 * c, frames * c)
+
+
+@needs_tiles
+@pytest.mark.parametrize("nr", widths())
+@pytest.mark.parametrize("q,p,c,o", [(7, 29, 19, 45), (36, 13, 33, 70), (3, 1, 5, 1)])
+def test_a_batch_of_products_in_one_call(nr, q, p, c, o):
+    """Winograd's planes as one call (one fork and join for all of them): each plane's product,
+    bias and residual equal its own product in float64; planes read in place from a run of frames
+    (the 3-D Winograd) too; strides that would read past a buffer are refused."""
+    rng, seed = fresh_rng()
+    k = _cpu._kernels
+    v = rng.standard_normal((q, p, c)).astype(np.float32)
+    ws = (rng.standard_normal((q, o, c)) / np.sqrt(c)).astype(np.float32)
+    pk = np.stack([packed(w, nr) for w in ws])
+    b = rng.standard_normal(o).astype(np.float32)
+    res = rng.standard_normal((q, p, o)).astype(np.float32)
+    out = np.full((q, p, o), np.nan, np.float32)
+    k.gemm(v, pk, b, res, out, p, c, o, nr, True, True, 2, 0, c, q, p * c, pk.shape[1])
+    for i in range(q):
+        err = scaled_err(out[i], reference(v[i], ws[i], b, res[i], "gelu"))
+        assert err < TOL, f"nr {nr} plane {i} of {q} {(p, c, o)} seed {seed}: {err:.2e}"
+    frames, first, count = 4, 1, 2
+    vf = rng.standard_normal((q, p, frames, c)).astype(np.float32)
+    wf = (rng.standard_normal((q, o, count * c)) / np.sqrt(c)).astype(np.float32)
+    pf = np.stack([packed(w, nr) for w in wf])
+    out = np.full((q, p, o), np.nan, np.float32)
+    k.gemm(vf, pf, b, res, out, p, count * c, o, nr, False, False, 0, first * c, frames * c, q, p * frames * c,
+           pf.shape[1])
+    for i in range(q):
+        want = reference(np.ascontiguousarray(vf[i][:, first:first + count].reshape(p, -1)), wf[i], None, None, None)
+        assert scaled_err(out[i], want) < TOL, f"nr {nr} frames, plane {i} seed {seed}"
+    none = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match="gemm"):  # one plane more than v holds
+        k.gemm(v, pk, none, none, np.empty((q + 1, p, o), np.float32), p, c, o, nr, False, False, 0, 0, c, q + 1,
+               p * c, pk.shape[1])
+    with pytest.raises(ValueError, match="gemm"):  # planes of B closer than one packed weight
+        k.gemm(v, pk, none, none, out, p, c, o, nr, False, False, 0, 0, c, q, p * c, pk.shape[1] - 1)
+
+
+@needs_tiles
+def test_winograd_planes_match_numpy_matmul():
+    """fused.planes_matmul (all planes in one call, 2-D and in place over frames) against NumPy's
+    batched matmul of the unpacked weights"""
+    rng, seed = fresh_rng()
+    q, p, c, o = 36, 23, 40, 33
+    u = (rng.standard_normal((q, c, o)) / np.sqrt(c)).astype(np.float32)
+    v = rng.standard_normal((q, p, c)).astype(np.float32)
+    out = np.full((q, p, o), np.nan, np.float32)
+    fused.planes_matmul(v, fused.pack_planes(u), out)
+    assert scaled_err(out, np.matmul(v.astype(np.float64), u)) < TOL, f"seed {seed}"
+    frames, first, count = 5, 2, 3
+    u3 = (rng.standard_normal((q, count * c, o)) / np.sqrt(c)).astype(np.float32)
+    v3 = rng.standard_normal((q, p, frames, c)).astype(np.float32)
+    fused.planes_matmul(v3, fused.pack_planes(u3), out, (first, count))
+    want = np.matmul(v3[:, :, first:first + count].reshape(q, p, -1).astype(np.float64), u3)
+    assert scaled_err(out, want) < TOL, f"frames, seed {seed}"

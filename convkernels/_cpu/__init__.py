@@ -2,10 +2,10 @@
 user checks `AVAILABLE` and falls back to pure NumPy otherwise."""
 import os
 
-# Our OpenMP threads must sleep, not spin, between parallel regions: the gemms between them run
-# on OpenBLAS's own threads, and spinning OpenMP threads took their cores (Winograd 512->512 64x64:
-# 106 ms spinning, 68 ms passive, on 2 cores). libgomp reads this once, when it is loaded.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from .wait_policy import apply_default_wait_policy
+
+# libgomp reads its wait policy once, when it is loaded (importing _kernels below): set it first
+apply_default_wait_policy(os.environ)
 
 try:
     from . import _kernels

@@ -110,37 +110,47 @@ DEFINE_TILE_EPILOGUE(tile_epilogue16, vf16, DW_VEC, vload16, vload_part, vstore1
 
 typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssize_t k, float *t);
 
-/* The whole product for one ISA. The larger of A (M x K) and the packed B (K x N) is read once:
+/* The whole product for one ISA, for `batch` products at once (Winograd's 16 or 36 planes: one
+ * parallel region for all of them instead of one per plane, whose fork and join cost more than a
+ * small plane's product on a loaded box; a, bp, out, res advance by sa, sb, m n, m n per product).
+ * The larger of A (M x K) and the packed B (K x N) is read once:
  * with more columns than rows, each task takes a chunk of panels and runs every row block on a
  * panel while it is in L2 (ConvNeXt-T's 49 x 3072 x 768: 9.4 MB of panels, which the other order
  * read from L3 once per row block); otherwise a chunk of row blocks and every panel on each. About
- * 16 tasks, handed out one at a time, keep two or more threads even. The last row block, shorter
- * than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at that stage a
- * padded 12-row tile for the 49th row cost 3x the 1-row tile. */
+ * 16 tasks in all, handed out one at a time, keep two or more threads even; a batch of products
+ * splits each product only as far as that needs (36 planes: one task each, each plane's B in L2). The last row
+ * block, shorter than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at
+ * that stage a padded 12-row tile for the 49th row cost 3x the 1-row tile. */
 #define GEMM_TASKS 16
 #define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NR)                                                  \
     TARGET static void NAME(const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res, \
-                            float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)                  \
+                            float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act, Py_ssize_t batch, \
+                            Py_ssize_t sa, Py_ssize_t sb)                                                   \
     {                                                                                                       \
         const Py_ssize_t nr = NR, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
         const int by_panel = n > m;                                                                         \
         const Py_ssize_t outer = by_panel ? panels : blocks, inner = by_panel ? blocks : panels;            \
-        const Py_ssize_t chunk = (outer + GEMM_TASKS - 1) / GEMM_TASKS, tasks = (outer + chunk - 1) / chunk; \
-        int parallel = (double)m * k * n > PARALLEL_MIN_WORK && tasks > 1;                                  \
+        const Py_ssize_t want = batch >= GEMM_TASKS ? 1 : (GEMM_TASKS + batch - 1) / batch;              \
+        const Py_ssize_t chunk = (outer + want - 1) / want, tasks = (outer + chunk - 1) / chunk;            \
+        const Py_ssize_t all = tasks * batch;                                                               \
+        int parallel = (double)m * k * n * batch > PARALLEL_MIN_WORK && all > 1;                            \
         _Pragma("omp parallel if (parallel)")                                                               \
         {                                                                                                   \
             float t[MR * NR] __attribute__((aligned(64)));                                                  \
             _Pragma("omp for schedule(dynamic, 1)")                                                         \
-            for (Py_ssize_t task = 0; task < tasks; task++) {                                               \
+            for (Py_ssize_t job = 0; job < all; job++) {                                                    \
+                Py_ssize_t bi = job / tasks, task = job % tasks;                                            \
+                const float *ab = a + bi * sa, *bb = bp + bi * sb, *rb = res ? res + bi * m * n : NULL;     \
+                float *ob = out + bi * m * n;                                                               \
                 Py_ssize_t o1 = (task + 1) * chunk < outer ? (task + 1) * chunk : outer;                    \
                 for (Py_ssize_t o = task * chunk; o < o1; o++)                                              \
                     for (Py_ssize_t i = 0; i < inner; i++) {                                                \
                         Py_ssize_t blk = by_panel ? i : o, p = by_panel ? o : i;                            \
                         Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                         \
                         Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                        \
-                        TILES[rows](a + r0 * lda, lda, bp + p * k * nr, k, t);                                \
+                        TILES[rows](ab + r0 * lda, lda, bb + p * k * nr, k, t);                             \
                         EPILOGUE(t, nr, rows, cols, bias ? bias + col : NULL,                               \
-                                 res ? res + r0 * n + col : NULL, out + r0 * n + col, n, act);              \
+                                 rb ? rb + r0 * n + col : NULL, ob + r0 * n + col, n, act);                 \
                     }                                                                                       \
             }                                                                                               \
         }                                                                                                   \
@@ -202,26 +212,31 @@ PyObject *ck_pack_weight(PyObject *self, PyObject *args)
 PyObject *ck_gemm(PyObject *self, PyObject *args)
 {
     Py_buffer bf[5];
-    Py_ssize_t m, k, n, nr, a_offset = 0, lda = -1;
+    Py_ssize_t m, k, n, nr, a_offset = 0, lda = -1, batch = 1, sa = 0, sb = -1;
     int has_bias, has_res, act;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnppi|nn", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &m, &k, &n, &nr,
-                          &has_bias, &has_res, &act, &a_offset, &lda))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnppi|nnnnn", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &m, &k, &n, &nr,
+                          &has_bias, &has_res, &act, &a_offset, &lda, &batch, &sa, &sb))
         return NULL;
     if (lda < 0) lda = k;
     Py_ssize_t panels = nr > 0 ? (n + nr - 1) / nr : 0;
-    int bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || a_offset < 0 || lda < k ||
-              (m > 0 && too_small(&bf[0], a_offset + (m - 1) * lda + k)) || too_small(&bf[1], panels * k * nr) ||
-              (has_bias && too_small(&bf[2], n)) || (has_res && too_small(&bf[3], m * n)) ||
-              too_small(&bf[4], m * n) || act < 0 || act > 2;
+    if (sb < 0) sb = panels * k * nr;
+    /* batch products: plane i reads A from a_offset + i sa, B from i sb, writes out (and reads the
+     * residual) at i m n; the strides must not make planes overlap in what they read */
+    int bad = m < 0 || k < 1 || n < 1 || !runs_tiles(nr) || a_offset < 0 || lda < k || batch < 1 ||
+              sa < 0 || sb < panels * k * nr || (batch > 1 && m > 0 && sa < 1) ||
+              (m > 0 && too_small(&bf[0], a_offset + (batch - 1) * sa + (m - 1) * lda + k)) ||
+              too_small(&bf[1], (batch - 1) * sb + panels * k * nr) ||
+              (has_bias && too_small(&bf[2], n)) || (has_res && too_small(&bf[3], batch * m * n)) ||
+              too_small(&bf[4], batch * m * n) || act < 0 || act > 2;
 #ifdef HAVE_GEMM_TILES
     if (!bad) {
         const float *a = (const float *)bf[0].buf + a_offset;
         const float *bias = has_bias ? bf[2].buf : NULL, *res = has_res ? bf[3].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
         if (nr == 32)
-            gemm_v4(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+            gemm_v4(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act, batch, sa, sb);
         else
-            gemm_v3(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act);
+            gemm_v3(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act, batch, sa, sb);
         Py_END_ALLOW_THREADS
     }
 #endif

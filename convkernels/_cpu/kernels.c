@@ -236,6 +236,11 @@ static PyObject *depthwise2d(PyObject *self, PyObject *args)
 /* B^T d B on 16 channels at once; the scalar loops below do the channel tail. GCC does not
  * vectorise the scalar form (16 gathered row pointers), and scalar transforms took 75-105 ms
  * of a 190 ms 3x3 128ch 256x256 conv on 2 EPYC cores */
+/* tiles per hand-out in the transforms' loops: handed out as threads finish, not split in equal
+ * halves up front, so a thread whose core another process holds for a moment delays no one (each
+ * conv joins after its transform); 16 tiles of 128 channels are ~15 us of work */
+#define WINOGRAD_CHUNK 16
+
 static inline __attribute__((always_inline)) void winograd_in16(const float *const d[16], Py_ssize_t ch,
                                                                  float *vp, size_t stride)
 {
@@ -273,7 +278,7 @@ static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t
                         size_t pstride, size_t stride)
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
-#pragma omp parallel for schedule(static) if (p_count * c * 16 > PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * c * 16 > PARALLEL_MIN_WORK)
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[16];
@@ -321,7 +326,7 @@ static void winograd_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t w
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
     size_t stride = (size_t)p_count * o;
-#pragma omp parallel for schedule(static) if (p_count * o * 16 > PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * o * 16 > PARALLEL_MIN_WORK)
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *mp = m + (size_t)p * o;
@@ -422,7 +427,7 @@ static void winograd4_in(const float *x, float *v, const float *zeros, Py_ssize_
                          size_t pstride, size_t stride)
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
-#pragma omp parallel for schedule(static) if (p_count * c * 36 > PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * c * 36 > PARALLEL_MIN_WORK)
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[36];
@@ -440,7 +445,7 @@ static void winograd4_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t 
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
     size_t stride = (size_t)p_count * o;
-#pragma omp parallel for schedule(static) if (p_count * o * 36 > PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * o * 36 > PARALLEL_MIN_WORK)
     for (Py_ssize_t p = 0; p < p_count; p++) {
         Py_ssize_t oh = 4 * (r0 + p / tw), ow = 4 * (p % tw);
         const float *mp = m + (size_t)p * o;
@@ -546,8 +551,9 @@ static PyMethodDef methods[] = {
      "gemm_panel_width(): the columns of gemm's packed panels on this CPU; 0: no compiled tiles"},
     {"pack_weight", ck_pack_weight, METH_VARARGS, "pack_weight(w_nk, packed, n, k, nr): a linear's weight as gemm's panels"},
     {"gemm", ck_gemm, METH_VARARGS,
-     "gemm(a, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act[, a_offset, lda]): out = act(a @ w^T + "
-     "bias) + res, A's rows `lda` floats apart from a_offset; nr: the panel width packed for (gemm_panel_width(), "
+     "gemm(a, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act[, a_offset, lda, batch, sa, sb]): out = "
+     "act(a @ w^T + bias) + res, A's rows `lda` floats apart from a_offset; `batch` products in one call, the i-th "
+     "reading A at a_offset + i sa, the panels at i sb (default: one weight's panels) and writing out at i m n; nr: the panel width packed for (gemm_panel_width(), "
      "or 16 for the AVX2 tiles on an AVX-512 CPU)"},
     {NULL, NULL, 0, NULL}};
 

@@ -7,8 +7,13 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* depthwise + LayerNorm forks only above this many multiply-adds, as the plain depthwise conv */
-#define DEPTHWISE_PARALLEL_MIN_WORK (1LL << 23)
+/* depthwise + LayerNorm forks above this many multiply-adds: ConvNeXt-T's 7 x 7 stage at batch 1
+ * (1.8 M, ~0.15 ms) gains from a second thread now that threads spin between regions; at the
+ * plain depthwise conv's 8 M, 15 of its 18 blocks ran on one thread (6.6 ms one thread, 7.2 two) */
+#define DW_LN_PARALLEL_MIN_WORK (1LL << 20)
+/* about this many blocks per thread, so a thread that starts late (another process held its
+ * core) leaves its share to the others */
+#define DW_LN_JOBS_PER_THREAD 8
 /* rows of depthwise output one fused block keeps for its LayerNorm: about a core's L2 share */
 #define DW_LN_BLOCK_BYTES (128 * 1024)
 
@@ -98,19 +103,25 @@ static void depthwise_ln(const float *x, const float *taps, const float *dwb, co
                          Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed)
 {
     Py_ssize_t row_floats = wd * c;
+    long long work = (long long)n * h * wd * c * kh * kw;
+    int parallel = work > DW_LN_PARALLEL_MIN_WORK;
     Py_ssize_t block = DW_LN_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / row_floats;
+    if (parallel) { /* blocks of fewer rows where the images alone make too few */
+        Py_ssize_t jobs = (Py_ssize_t)DW_LN_JOBS_PER_THREAD * CK_THREADS();
+        Py_ssize_t per_image = (jobs + n - 1) / n, rows = (h + per_image - 1) / per_image;
+        if (rows < block) block = rows;
+    }
     if (block < 1) block = 1;
     if (block > h) block = h;
     Py_ssize_t per_image = (h + block - 1) / block;
-    long long work = (long long)n * h * wd * c * kh * kw;
-#pragma omp parallel if (work > DEPTHWISE_PARALLEL_MIN_WORK)
+#pragma omp parallel if (parallel)
     {
         float *buf = malloc(sizeof(float) * (size_t)(block * row_floats));
         if (!buf) {
 #pragma omp atomic write
             *failed = 1;
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (Py_ssize_t job = 0; job < n * per_image; job++) {
             if (!buf) continue;
             Py_ssize_t img = job / per_image, r0 = (job % per_image) * block;

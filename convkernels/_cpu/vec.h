@@ -26,6 +26,14 @@
 /* below this many multiply-adds a call stays on one thread */
 #define PARALLEL_MIN_WORK 262144
 
+/* the threads a parallel region will get (1 where the build has no OpenMP: macOS's clang) */
+#ifdef _OPENMP
+#include <omp.h>
+#define CK_THREADS() omp_get_max_threads()
+#else
+#define CK_THREADS() 1
+#endif
+
 /* 16 floats: one AVX-512 register, two AVX2 ones; GCC lowers the vector type per clone */
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int vi16 __attribute__((vector_size(64)));
