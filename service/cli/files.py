@@ -19,6 +19,13 @@ def read_tensor(path: Path, prefer: str) -> np.ndarray:
     return arr
 
 
+def answer_format(output: Path) -> str:
+    """What `output` makes of the pixels, named as the service's `format` names it (the answer the
+    channels rule reads, service/alpha_option.py): png | jpeg | webp | npy | mp4; a folder: png frames."""
+    suffix = output.suffix.lower()
+    return IMAGE_SUFFIXES.get(suffix) or suffix.lstrip(".") or "png"
+
+
 def write_decoded(out: np.ndarray, output: Path, video: bool, quality: int, fps: float) -> list[Path]:
     from tqdm import tqdm
 

@@ -14,7 +14,7 @@ import typer
 
 from .checks import (check_backend, check_model_entries, fail, fetch_hub_weights, input_file, listen_socket,
                      model_entries, settings_problem, validated)
-from .files import check_output, read_tensor, write_decoded
+from .files import answer_format, check_output, read_tensor, write_decoded
 from .remote import post, remote_decode
 
 __all__ = ["app", "check_model_entries", "settings_from_flags"]
@@ -189,20 +189,26 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
            shards: str = typer.Option("1", help="split the decode by rows over this many GPUs, exactly "
                                       "(CUDA; SD, SDXL, FLUX.1, FLUX.2, Qwen-Image, Wan 2.1 and 2.2 VAEs; docs/sharding.md); with --url "
                                       "also auto: the server's rule"),
+           channels: Optional[str] = typer.Option(None, help="rgba|rgb; default: the model's own, RGBA (alpha "
+                                                  "last) for a decoder with alpha (Qwen-Image 2.1 VAE) except as JPEG"),
            api_key: Optional[str] = typer.Option(None, envvar="CONVSERVE_API_KEY", help="with --url: the server's key")):
     """Decode latents to images, an MP4, .npy or a folder of frames. Locally the decode takes the
-    server's path: its tile size and, on running out of memory, its retries in smaller tiles."""
+    server's path: its tile size and, on running out of memory, its retries in smaller tiles; and
+    its channels rule (service/alpha_option.py): RGBA from a decoder with alpha unless JPEG or
+    --channels rgb, and the server's refusals as one line."""
     from tqdm import tqdm
 
+    from ..alpha_option import decide_alpha, parse_channels
     from ..worker import oom_recovery
     from ..frontend import validation
 
     lat = read_tensor(latents, "latents")
     video = lat.ndim == 5
     check_output(output, video, local=not url)
+    channels = validated(parse_channels, channels)
     if url:
         remote_decode(url, model or preset or ("tiny-wan-vae" if video else "tiny-vae"), lat, output,
-                       tiled, quality, fps, api_key, shards)
+                       tiled, quality, fps, api_key, shards, channels)
         return
     if not shards.isdigit() or int(shards) < 1:
         fail(f"--shards {shards}: locally a whole number of GPUs (auto is the server's rule, with --url)")
@@ -210,13 +216,14 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
     if shards > 1:
         from .sharded import decode_sharded
         out, secs = decode_sharded(lat, preset or ("tiny-wan-vae" if video else "tiny-vae"), weights, backend,
-                                   shards, settings_from_flags())
+                                   shards, settings_from_flags(), channels, answer_format(output))
         written = validated(write_decoded, out, output, video, quality, fps)
         typer.echo(f"decoded {list(lat.shape)} -> {list(out.shape)} on {shards} GPUs in {secs:.2f}s; wrote "
                    f"{len(written)} file(s)")
         return
     hm = _load_local(settings_from_flags(tile_size=tile_size), preset or ("tiny-wan-vae" if video else "tiny-vae"),
                      weights, backend)
+    alpha = validated(decide_alpha, hm.name, hm.decodes_alpha, channels, answer_format(output))
     lat = validated(validation.latents, hm, lat)
     t = {"on": True, "off": False}.get(tiled)
     t0 = time.perf_counter()
@@ -227,7 +234,7 @@ def decode(latents: Path = typer.Argument(..., help=".npy, .safetensors or .json
                                unit="latent frame"))
             out = np.concatenate(chunks, axis=1)
         else:
-            out = np.concatenate([oom_recovery.decode(hm, lat[i:i + 1], tiled=t, clamp=True)
+            out = np.concatenate([oom_recovery.decode(hm, lat[i:i + 1], tiled=t, clamp=True, alpha=alpha)
                                   for i in tqdm(range(lat.shape[0]), desc="decode", unit="img",
                                                 disable=lat.shape[0] < 2)])
     except oom_recovery.DeviceOutOfMemory as exc:

@@ -40,7 +40,10 @@ def post(url: str, api_key: Optional[str], headers: dict | None = None, **kwargs
     return r
 
 
-def remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key, shards: str = "1") -> None:
+def remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key, shards: str = "1",
+                  channels: str | None = None) -> None:
+    """The decode on a running server; channels (rgba | rgb) goes with it where given, else the
+    server answers the model's own (service/alpha_option.py's rule, as the local decode applies it)."""
     from ..codecs import npy_bytes
     suffix = output.suffix.lower()
     if suffix not in (".npy", ".mp4", *IMAGE_SUFFIXES):
@@ -48,7 +51,8 @@ def remote_decode(url, model, lat, output: Path, tiled, quality, fps, api_key, s
     fmt = "npy" if suffix == ".npy" else "mp4" if suffix == ".mp4" else IMAGE_SUFFIXES[suffix]
     r = post(f"{url.rstrip('/')}/v1/models/{model}/decode", api_key, {"content-type": "application/x-npy"},
               content=npy_bytes(np.asarray(lat, np.float32)),
-              params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps, "shards": shards})
+              params={"format": fmt, "quality": quality, "tiled": tiled, "fps": fps, "shards": shards,
+                      **({"channels": channels} if channels else {})})
     shape = r.headers.get("x-output-shape")
     if r.headers.get("content-type") == "application/zip":  # several: out_000.png, out_001.png, ...
         import io

@@ -10,10 +10,9 @@ decides). Read on REST (`?shards=`) and in KServe's request parameters (`parse_s
 body is read), and decided against the model, the server's devices and the latents once, in
 `build` (`decide_shards`).
 
-The `channels` option: `rgba` or `rgb` (None: the model's own). A decoder that decodes alpha (an
-AlphaDecoder, the Qwen-Image 2.1 VAE, whose pipeline's PIL output is RGBA) answers RGBA by default,
-where the answer can hold alpha: every format but JPEG (and MP4, a video decoder's). `rgba` asked of
-JPEG, or of a model without alpha, is a 422 naming why (`decide_alpha`).
+The `channels` option: `rgba` or `rgb` (None: the model's own), decided in `build` by
+service/alpha_option.py's `decide_alpha`, the rule the local `convserve decode` applies too: a
+decoder with alpha answers RGBA by default except as JPEG (or MP4); rgba it cannot give is a 422.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..alpha_option import decide_alpha
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
 from ..problems import Problem
@@ -39,9 +39,6 @@ MAX_SHARDS = 64
 LATENT_ROWS = -2
 #: answers that are files: their pixels leave the device as uint8 (a quarter of float32's bytes)
 FILE_FORMATS = frozenset({"png", "jpeg", "webp", "mp4"})
-#: answers that cannot hold an alpha channel (remote_decode names JPEG "jpg")
-NO_ALPHA_FORMATS = {"jpeg": "JPEG", "jpg": "JPEG", "mp4": "MP4"}
-CHANNELS = ("rgba", "rgb")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +95,7 @@ async def build(svc, hm: HostedModel, latents: np.ndarray, *, format: str, dtype
     (rgba | rgb | None) decided, once. answer: what the route makes of the pixels, where `format`
     (tensor) does not say (remote_decode's image file: jpg | png). svc: the front end's Service
     (its settings, codec pool and links to the workers)."""
-    alpha = decide_alpha(hm, channels, answer or format)
+    alpha = decide_alpha(hm.name, hm.decodes_alpha, channels, answer or format)
     lat = await svc.offload(latents.nbytes, validation.latents, hm, latents, svc.settings)
     engine = svc.engine
     n = decide_shards(hm, lat.shape, shards, tiled, engine.device_count,
@@ -109,32 +106,6 @@ async def build(svc, hm: HostedModel, latents: np.ndarray, *, format: str, dtype
 def parse_tiled(value: str) -> bool | None:
     """The `tiled` query value: on | off | auto (None: the model's rule)."""
     return {"on": True, "off": False}.get(value)
-
-
-def parse_channels(value) -> str | None:
-    """The `channels` option as a JSON value (KServe's request parameters): rgba | rgb | None."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() in CHANNELS:
-        return value.lower()
-    raise Problem(422, "bad-channels", f"channels must be 'rgba' or 'rgb', not {value!r}")
-
-
-def decide_alpha(hm: HostedModel, channels: str | None, answer: str) -> bool:
-    """Whether the decode answers RGBA: `channels` (rgba | rgb | None: the model's own) for an
-    answer of `answer` (png, jpeg, jpg, webp, npy, mp4, tensor). A 422 for rgba of a model that
-    decodes no alpha, or of an answer that cannot hold it."""
-    if channels == "rgb":
-        return False
-    if channels is None:
-        return hm.decodes_alpha and answer not in NO_ALPHA_FORMATS
-    if not hm.decodes_alpha:
-        raise Problem(422, "no-alpha", f"{hm.name} decodes RGB only: channels=rgba is for a decoder with an "
-                      "alpha channel (card pixel_channels, e.g. the Qwen-Image 2.1 VAE)")
-    if answer in NO_ALPHA_FORMATS:
-        raise Problem(422, "format-without-alpha", f"{NO_ALPHA_FORMATS[answer]} holds no alpha: ask channels=rgba "
-                      "with PNG, WebP, .npy or a tensor, or channels=rgb")
-    return True
 
 
 def parse_shards(value) -> int | str:

@@ -29,6 +29,7 @@ DEFAULT_TIMEOUT_S = 600.0
 @dataclass
 class ShardedResult:
     images: np.ndarray              # N, (F,) H, W, 3 float32 in [0, 1], as model.decode(latents, tiled=False)
+                                    # (alpha: N, H, W, 4, as model.decode_rgba)
     seconds: list[float]            # per timed repeat: the slowest rank's wall time
     pool_bytes: list[int]           # per rank: the CuPy pool's bytes after the decodes (its high-water mark),
                                     # the recorded graphs' pools included
@@ -80,13 +81,15 @@ def _rank_main(rank: int, size: int, gpu: str, uid, job: dict, answers) -> None:
         def once():
             video = sharding.check(model).video  # Qwen-Image's latents may be N,C,1,h,w too
             if comm is None and job["whole"]:  # the single-GPU baseline, as served
-                return timed(model.decode_frames(rows, tiled=False)) if video else model.decode(rows, tiled=False)
+                if video:
+                    return timed(model.decode_frames(rows, tiled=False))
+                return model.decode_rgba(rows, tiled=False) if job["alpha"] else model.decode(rows, tiled=False)
             from convkernels.collectives.shard_comm import run_sharded
 
             def one(c):
                 if video:
                     return timed(sharding.frame_groups_band(model, c, rows, total, plan=plan))
-                return sharding.decode_band(model, c, rows, total)
+                return sharding.decode_band(model, c, rows, total, alpha=job["alpha"])
             return one(comm) if comm is not None else run_sharded(1, lambda c, r: one(c))[0]
 
         once()  # builds the plans
@@ -113,7 +116,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
                    weights: str | None = None, seed: int = 0, reps: int = 0, whole: bool = False,
                    timeout_s: float = DEFAULT_TIMEOUT_S, fail_rank: int | None = None,
                    timing_comm: str | None = None, cuda_options: dict | None = None,
-                   chunk_plan: tuple[int, bool] | None = None) -> ShardedResult:
+                   chunk_plan: tuple[int, bool] | None = None, alpha: bool = False) -> ShardedResult:
     """model.decode(latents, tiled=False) of `preset` split by latent rows over `gpus` (their
     CUDA_VISIBLE_DEVICES entries), one process each. whole=True with one GPU: the unsharded
     decode (the baseline). reps: timed repeats after the first call. fail_rank: a test-only fault.
@@ -123,7 +126,8 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
     fields: the server's are Settings.backend_options()["cuda_options"]; {"cuda_graphs": False} runs
     every rank eagerly, {"autotune": True} times each new conv's cuDNN plans on the first call).
     chunk_plan: (frames, graphed), how a sharded video's ranks step their latent frames
-    (models.sharding.ChunkPlan; by default their bands decide)."""
+    (models.sharding.ChunkPlan; by default their bands decide). alpha: an AlphaDecoder's RGBA
+    (model.decode_rgba, models/contract.py) instead of its RGB."""
     from convkernels.collectives.nccl import NcclShards
     from convkernels.collectives.shard_comm import split, split_rows
     from models.sharding import LATENT_ROWS, PIXEL_ROWS
@@ -141,7 +145,7 @@ def decode_on_gpus(preset: str, latents: np.ndarray, gpus: list[str], dtype: str
         r, size, gpus[r], uid, dict(preset=preset, dtype=dtype, weights=weights, seed=seed, rows=parts[r],
                                     total_rows=lat.shape[LATENT_ROWS], reps=reps, whole=whole, fail_rank=fail_rank,
                                     timing_comm=timing_comm, cuda_options=dict(cuda_options or {}),
-                                    chunk_plan=chunk_plan),
+                                    chunk_plan=chunk_plan, alpha=alpha),
         answers)) for r in range(size)]
     for p in procs:
         p.start()

@@ -96,17 +96,25 @@ def test_a_failing_rank_fails_the_call_and_stops_the_others():
         decode_on_gpus("tiny-vae", latents, ["0", "1"], "float32", fail_rank=1, timeout_s=300)
 
 
-def test_the_cli_decodes_on_two_gpus_as_on_one(tmp_path):
+@pytest.mark.parametrize("preset,channels,pixels", [
+    ("tiny-vae", 4, 3),
+    ("tiny-qwen-image2.1-vae", 8, 4),  # a decoder with alpha: RGBA by default, sharded as on one GPU
+])
+def test_the_cli_decodes_on_two_gpus_as_on_one(tmp_path, preset, channels, pixels):
     """`convserve decode --shards 2` writes what the one-GPU local decode writes (float32 .npy)."""
     from typer.testing import CliRunner
 
     from service.cli.main import app
 
     lat = tmp_path / "lat.npy"
-    np.save(lat, np.random.default_rng(fresh_seed()).standard_normal((1, 4, 11, 9)).astype(np.float32))
+    np.save(lat, np.random.default_rng(fresh_seed()).standard_normal((1, channels, 11, 9)).astype(np.float32))
     env = {"CONVSERVE_DTYPE": "float32"}
     runner = CliRunner()
     for name, extra in (("one.npy", []), ("two.npy", ["--shards", "2"])):
-        res = runner.invoke(app, ["decode", str(lat), "-o", str(tmp_path / name), "--backend", "cuda", *extra], env=env)
+        res = runner.invoke(app, ["decode", str(lat), "-o", str(tmp_path / name), "--backend", "cuda",
+                                  "--preset", preset, *extra], env=env)
         assert res.exit_code == 0, res.output
-    assert rel_l2(np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy")) < 1e-5
+    one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
+    assert one.shape[-1] == two.shape[-1] == pixels
+    assert rel_l2(two, one) < 1e-5
+    assert rel_l2(two[..., -1], one[..., -1]) < 1e-5  # alpha on its own where there is one

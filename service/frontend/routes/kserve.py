@@ -8,6 +8,7 @@ import math
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
+from ...alpha_option import parse_channels
 from ...codecs import bf16_to_f32, load_json, model_pixels, reshape, shape_text
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
@@ -196,7 +197,7 @@ async def infer(name: str, request: Request, version: str | None = None):
             params = doc.get("parameters") or {}
             shards = decode_request.parse_shards(params.get("shards"))
             req = await decode_request.build(svc, hm, _only_input(tensors, "latents"), format="tensor", shards=shards,
-                                             channels=decode_request.parse_channels(params.get("channels")))
+                                             channels=parse_channels(params.get("channels")))
             out = await svc.decode(req, disconnected=request.is_disconnected)
             results = {hm.output_name: out}
         else:
