@@ -109,7 +109,8 @@ def model_pixels(images: list[np.ndarray], input_size: int) -> np.ndarray:
     when every image already is uint8 at the model's size (it travels to the device as it is,
     a quarter of float32's bytes, and is converted there), else float32 through `preprocess`."""
     if all(im.dtype == np.uint8 and im.shape[:2] == (input_size, input_size) for im in images):
-        return np.stack(images)
+        # one image (most requests): a view; the front end copies it into shared memory next anyway
+        return images[0][None] if len(images) == 1 else np.stack(images)
     return np.stack([preprocess(im, input_size) for im in images])
 
 

@@ -178,7 +178,8 @@ class Service:
         hm = self.model(model)
         t0 = time.perf_counter()
         self.inflight += 1
-        metrics.INFLIGHT.labels(model).inc()
+        inflight, seconds = metrics.request_children(model, endpoint)
+        inflight.inc()
         status = 200
         req = None
         try:
@@ -200,10 +201,10 @@ class Service:
                 self._unreserve(req)
                 req.lease.close()
             self.inflight -= 1
-            metrics.INFLIGHT.labels(model).dec()
+            inflight.dec()
             elapsed = time.perf_counter() - t0
-            metrics.REQUESTS.labels(model, endpoint, str(status)).inc()
-            metrics.REQUEST_SECONDS.labels(model, endpoint).observe(elapsed)
+            metrics.request_counter(model, endpoint, status).inc()
+            seconds.observe(elapsed)
             self.stats.request_done(model, status == 200, ns(elapsed))
 
     def hand_over_lease(self) -> Lease:
