@@ -133,7 +133,7 @@ def test_group_norm_activation_matches_torch(be, c, groups, activation):
 
 
 #: functions whose loops must be vector code in an AVX2 build (the Zen 2/3 and older Xeon path)
-VECTOR_FUNCTIONS = ("epilogue_rows", "group_norm_image")
+VECTOR_FUNCTIONS = ("epilogue_task", "group_norm_image")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the AVX2 variant with")

@@ -35,8 +35,7 @@ MAX_FILES = 15
 OVER_BUDGET: dict[str, str] = {}
 #: environment variables read below service/: each is another tool's own convention, not a setting
 ENV_READS = {
-    # libgomp's: how idle threads wait (bounded spin, or sleep at once), set unless the user did
-    "convkernels/_cpu/wait_policy.py": {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"},
+    "convkernels/_cpu/__init__.py": {"OMP_WAIT_POLICY"},     # OpenMP's: idle threads must not spin
     "convkernels/backends/cuda/blas.py": {"CUDA_PATH"},      # the CUDA toolkit's install location
     "models/hub.py": {"HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME"},  # Hugging Face's cache and offline mode
 }

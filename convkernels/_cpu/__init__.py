@@ -2,10 +2,13 @@
 user checks `AVAILABLE` and falls back to pure NumPy otherwise."""
 import os
 
-from .wait_policy import apply_default_wait_policy
-
-# libgomp reads its wait policy once, when it is loaded (importing _kernels below): set it first
-apply_default_wait_policy(os.environ)
+# Our OpenMP threads must sleep, not spin, between parallel regions: the gemms between them run
+# on OpenBLAS's own threads, and spinning OpenMP threads took their cores (Winograd 512->512 64x64:
+# 106 ms spinning, 68 ms passive, on 2 cores). Our own gemm and the kernels called per op run on
+# pool.c's threads, which spin a bounded while and are not waited for when late; OpenMP threads
+# spinning 1.3 ms instead made ConvNeXt-T b1 65 -> 55 ms on a quiet 2-core box but 110 -> 400 ms
+# beside other jobs (2026-11-29). libgomp reads this once, when it is loaded.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     from . import _kernels

@@ -122,38 +122,49 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
  * block, shorter than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at
  * that stage a padded 12-row tile for the 49th row cost 3x the 1-row tile. */
 #define GEMM_TASKS 16
+typedef struct {
+    const float *a, *bp, *bias, *res;
+    float *out;
+    Py_ssize_t lda, m, k, n, sa, sb, chunk, tasks, outer, inner;
+    int act, by_panel;
+} gemm_args;
+
 #define DEFINE_GEMM(NAME, TILES, EPILOGUE, TARGET, MR, NR)                                                  \
-    TARGET static void NAME(const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res, \
-                            float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act, Py_ssize_t batch, \
-                            Py_ssize_t sa, Py_ssize_t sb)                                                   \
+    TARGET static void NAME##_task(void *ctx, Py_ssize_t job)                                               \
     {                                                                                                       \
-        const Py_ssize_t nr = NR, blocks = (m + MR - 1) / MR, panels = (n + nr - 1) / nr;              \
-        const int by_panel = n > m;                                                                         \
-        const Py_ssize_t outer = by_panel ? panels : blocks, inner = by_panel ? blocks : panels;            \
-        const Py_ssize_t want = batch >= GEMM_TASKS ? 1 : (GEMM_TASKS + batch - 1) / batch;              \
-        const Py_ssize_t chunk = (outer + want - 1) / want, tasks = (outer + chunk - 1) / chunk;            \
-        const Py_ssize_t all = tasks * batch;                                                               \
-        int parallel = (double)m * k * n * batch > PARALLEL_MIN_WORK && all > 1;                            \
-        _Pragma("omp parallel if (parallel)")                                                               \
-        {                                                                                                   \
-            float t[MR * NR] __attribute__((aligned(64)));                                                  \
-            _Pragma("omp for schedule(dynamic, 1)")                                                         \
-            for (Py_ssize_t job = 0; job < all; job++) {                                                    \
-                Py_ssize_t bi = job / tasks, task = job % tasks;                                            \
-                const float *ab = a + bi * sa, *bb = bp + bi * sb, *rb = res ? res + bi * m * n : NULL;     \
-                float *ob = out + bi * m * n;                                                               \
-                Py_ssize_t o1 = (task + 1) * chunk < outer ? (task + 1) * chunk : outer;                    \
-                for (Py_ssize_t o = task * chunk; o < o1; o++)                                              \
-                    for (Py_ssize_t i = 0; i < inner; i++) {                                                \
-                        Py_ssize_t blk = by_panel ? i : o, p = by_panel ? o : i;                            \
-                        Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                         \
-                        Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                        \
-                        TILES[rows](ab + r0 * lda, lda, bb + p * k * nr, k, t);                             \
-                        EPILOGUE(t, nr, rows, cols, bias ? bias + col : NULL,                               \
-                                 rb ? rb + r0 * n + col : NULL, ob + r0 * n + col, n, act);                 \
-                    }                                                                                       \
+        const gemm_args *g = ctx;                                                                           \
+        const Py_ssize_t m = g->m, n = g->n, k = g->k, lda = g->lda, nr = NR;                              \
+        float t[MR * NR] __attribute__((aligned(64)));                                                      \
+        Py_ssize_t bi = job / g->tasks, task = job % g->tasks;                                              \
+        const float *ab = g->a + bi * g->sa, *bb = g->bp + bi * g->sb;                                      \
+        const float *rb = g->res ? g->res + bi * m * n : NULL;                                              \
+        float *ob = g->out + bi * m * n;                                                                    \
+        Py_ssize_t o1 = (task + 1) * g->chunk < g->outer ? (task + 1) * g->chunk : g->outer;                \
+        for (Py_ssize_t o = task * g->chunk; o < o1; o++)                                                   \
+            for (Py_ssize_t i = 0; i < g->inner; i++) {                                                     \
+                Py_ssize_t blk = g->by_panel ? i : o, p = g->by_panel ? o : i;                              \
+                Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                                 \
+                Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                                \
+                TILES[rows](ab + r0 * lda, lda, bb + p * k * nr, k, t);                                     \
+                EPILOGUE(t, nr, rows, cols, g->bias ? g->bias + col : NULL, rb ? rb + r0 * n + col : NULL,  \
+                         ob + r0 * n + col, n, g->act);                                                     \
             }                                                                                               \
-        }                                                                                                   \
+    }                                                                                                       \
+    static void NAME(const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res,  \
+                     float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act, Py_ssize_t batch,       \
+                     Py_ssize_t sa, Py_ssize_t sb)                                                          \
+    {                                                                                                       \
+        gemm_args g = {a, bp, bias, res, out, lda, m, k, n, sa, sb, 0, 0, 0, 0, act, n > m};                \
+        const Py_ssize_t blocks = (m + MR - 1) / MR, panels = (n + NR - 1) / NR;                           \
+        g.outer = g.by_panel ? panels : blocks;                                                             \
+        g.inner = g.by_panel ? blocks : panels;                                                             \
+        const Py_ssize_t want = batch >= GEMM_TASKS ? 1 : (GEMM_TASKS + batch - 1) / batch;              \
+        g.chunk = (g.outer + want - 1) / want;                                                              \
+        g.tasks = (g.outer + g.chunk - 1) / g.chunk;                                                        \
+        if ((double)m * k * n * batch > PARALLEL_MIN_WORK)                                                  \
+            ck_pool_run(NAME##_task, &g, g.tasks * batch);                                                  \
+        else                                                                                                \
+            for (Py_ssize_t job = 0; job < g.tasks * batch; job++) NAME##_task(&g, job);                    \
     }
 
 #define TARGET_V4 __attribute__((target("arch=x86-64-v4")))

@@ -236,9 +236,9 @@ static PyObject *depthwise2d(PyObject *self, PyObject *args)
 /* B^T d B on 16 channels at once; the scalar loops below do the channel tail. GCC does not
  * vectorise the scalar form (16 gathered row pointers), and scalar transforms took 75-105 ms
  * of a 190 ms 3x3 128ch 256x256 conv on 2 EPYC cores */
-/* tiles per hand-out in the transforms' loops: handed out as threads finish, not split in equal
- * halves up front, so a thread whose core another process holds for a moment delays no one (each
- * conv joins after its transform); 16 tiles of 128 channels are ~15 us of work */
+/* tiles per task of the transforms: handed out as threads finish (pool.c), not split in equal
+ * halves up front, so a thread whose core another process holds for a moment delays no one;
+ * 16 tiles of 128 channels are ~15 us of work */
 #define WINOGRAD_CHUNK 16
 
 static inline __attribute__((always_inline)) void winograd_in16(const float *const d[16], Py_ssize_t ch,
@@ -275,11 +275,9 @@ static inline __attribute__((always_inline)) void tile_pixels(const float **d, i
 CLONES
 static void winograd_in(const float *x, float *v, const float *zeros, Py_ssize_t h, Py_ssize_t w, Py_ssize_t c,
                         Py_ssize_t tw, Py_ssize_t pt, Py_ssize_t pl, Py_ssize_t r0, Py_ssize_t r1,
-                        size_t pstride, size_t stride)
+                        size_t pstride, size_t stride, Py_ssize_t p0, Py_ssize_t p1)
 {
-    Py_ssize_t p_count = (r1 - r0) * tw;
-#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * c * 16 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t p = 0; p < p_count; p++) {
+    for (Py_ssize_t p = p0; p < p1; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[16];
         tile_pixels(d, 4, x, zeros, h, w, c, 2 * ti - pt, 2 * tj - pl);
@@ -322,12 +320,11 @@ static inline __attribute__((always_inline)) void winograd_out16(const float *mp
 
 CLONES
 static void winograd_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t wo, Py_ssize_t o,
-                         Py_ssize_t tw, Py_ssize_t r0, Py_ssize_t r1)
+                         Py_ssize_t tw, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t p0, Py_ssize_t p1)
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
     size_t stride = (size_t)p_count * o;
-#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * o * 16 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t p = 0; p < p_count; p++) {
+    for (Py_ssize_t p = p0; p < p1; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *mp = m + (size_t)p * o;
         Py_ssize_t oh = 2 * ti, ow = 2 * tj;
@@ -424,11 +421,9 @@ static void winograd_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t w
 CLONES
 static void winograd4_in(const float *x, float *v, const float *zeros, Py_ssize_t h, Py_ssize_t w, Py_ssize_t c,
                          Py_ssize_t tw, Py_ssize_t pt, Py_ssize_t pl, Py_ssize_t r0, Py_ssize_t r1,
-                         size_t pstride, size_t stride)
+                         size_t pstride, size_t stride, Py_ssize_t p0, Py_ssize_t p1)
 {
-    Py_ssize_t p_count = (r1 - r0) * tw;
-#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * c * 36 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t p = 0; p < p_count; p++) {
+    for (Py_ssize_t p = p0; p < p1; p++) {
         Py_ssize_t ti = r0 + p / tw, tj = p % tw;
         const float *d[36];
         tile_pixels(d, 6, x, zeros, h, w, c, 4 * ti - pt, 4 * tj - pl);
@@ -441,12 +436,11 @@ static void winograd4_in(const float *x, float *v, const float *zeros, Py_ssize_
 
 CLONES
 static void winograd4_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t wo, Py_ssize_t o,
-                          Py_ssize_t tw, Py_ssize_t r0, Py_ssize_t r1)
+                          Py_ssize_t tw, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t p0, Py_ssize_t p1)
 {
     Py_ssize_t p_count = (r1 - r0) * tw;
     size_t stride = (size_t)p_count * o;
-#pragma omp parallel for schedule(dynamic, WINOGRAD_CHUNK) if (p_count * o * 36 > PARALLEL_MIN_WORK)
-    for (Py_ssize_t p = 0; p < p_count; p++) {
+    for (Py_ssize_t p = p0; p < p1; p++) {
         Py_ssize_t oh = 4 * (r0 + p / tw), ow = 4 * (p % tw);
         const float *mp = m + (size_t)p * o;
         Py_ssize_t ch = 0;
@@ -456,9 +450,41 @@ static void winograd4_out(const float *m, float *out, Py_ssize_t ho, Py_ssize_t 
 }
 
 typedef void (*winograd_in_fn)(const float *, float *, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t,
-                               Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, size_t, size_t);
+                               Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, size_t, size_t, Py_ssize_t,
+                               Py_ssize_t);
 typedef void (*winograd_out_fn)(const float *, float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
-                                Py_ssize_t);
+                                Py_ssize_t, Py_ssize_t, Py_ssize_t);
+
+/* A transform's tiles in chunks of WINOGRAD_CHUNK on pool.c's threads (a late thread is not
+ * waited for), one thread below PARALLEL_MIN_WORK */
+typedef struct {
+    winograd_in_fn in;
+    winograd_out_fn out;
+    const float *src, *zeros;
+    float *dst;
+    Py_ssize_t h, w, c, tw, pt, pl, r0, r1, p_count;
+    size_t pstride, plane;
+} winograd_job;
+
+static void winograd_task(void *ctx, Py_ssize_t task)
+{
+    const winograd_job *j = ctx;
+    Py_ssize_t p0 = task * WINOGRAD_CHUNK, p1 = p0 + WINOGRAD_CHUNK < j->p_count ? p0 + WINOGRAD_CHUNK : j->p_count;
+    if (j->in)
+        j->in(j->src, j->dst, j->zeros, j->h, j->w, j->c, j->tw, j->pt, j->pl, j->r0, j->r1, j->pstride, j->plane, p0,
+              p1);
+    else
+        j->out(j->src, j->dst, j->h, j->w, j->c, j->tw, j->r0, j->r1, p0, p1);
+}
+
+static void winograd_run(const winograd_job *j, long long work)
+{
+    Py_ssize_t tasks = (j->p_count + WINOGRAD_CHUNK - 1) / WINOGRAD_CHUNK;
+    if (work > PARALLEL_MIN_WORK)
+        ck_pool_run(winograd_task, (void *)j, tasks);
+    else
+        for (Py_ssize_t t = 0; t < tasks; t++) winograd_task((void *)j, t);
+}
 
 /* The Python face of an input transform with `planes` planes: V is (planes, P, C) by default; a
  * caller interleaving several frames' transforms passes the distance between tiles (pstride) and
@@ -476,8 +502,10 @@ static PyObject *winograd_input_call(PyObject *args, const char *name, int plane
     int bad = r0 < 0 || r1 < r0 || pstride < c || too_small(&bf[0], h * w * c) || too_small(&bf[2], c) ||
               (p_count > 0 && too_small(&bf[1], (planes - 1) * plane + (p_count - 1) * pstride + c));
     if (!bad) {
+        winograd_job j = {fn, NULL, bf[0].buf, bf[2].buf, bf[1].buf, h, w, c, tw, pt, pl, r0, r1, p_count,
+                          (size_t)pstride, (size_t)plane};
         Py_BEGIN_ALLOW_THREADS
-        fn(bf[0].buf, bf[1].buf, bf[2].buf, h, w, c, tw, pt, pl, r0, r1, (size_t)pstride, (size_t)plane);
+        winograd_run(&j, (long long)p_count * c * planes);
         Py_END_ALLOW_THREADS
     }
     release(bf, 3);
@@ -497,8 +525,10 @@ static PyObject *winograd_output_call(PyObject *args, const char *name, int plan
     int bad = too_small(&bf[0], planes * (r1 - r0) * tw * o) || too_small(&bf[1], ho * wo * o) || r0 < 0 ||
               r1 < r0 || m * (r1 - 1) >= ho || m * (tw - 1) >= wo;
     if (!bad) {
+        Py_ssize_t p_count = (r1 - r0) * tw;
+        winograd_job j = {NULL, fn, bf[0].buf, NULL, bf[1].buf, ho, wo, o, tw, 0, 0, r0, r1, p_count, 0, 0};
         Py_BEGIN_ALLOW_THREADS
-        fn(bf[0].buf, bf[1].buf, ho, wo, o, tw, r0, r1);
+        winograd_run(&j, (long long)p_count * o * planes);
         Py_END_ALLOW_THREADS
     }
     release(bf, 2);

@@ -5,6 +5,7 @@
  * then ran scalar (exact GELU 57 ms of a 174 ms ConvNeXt-T call on a Zen 3). */
 #include "vec.h"
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 
 /* depthwise + LayerNorm forks above this many multiply-adds: ConvNeXt-T's 7 x 7 stage at batch 1
@@ -17,17 +18,26 @@
 /* rows of depthwise output one fused block keeps for its LayerNorm: about a core's L2 share */
 #define DW_LN_BLOCK_BYTES (128 * 1024)
 
-/* out = act(x + bias) + residual over rows of c channels; out may be x (in place) */
+/* out = act(x + bias) + residual over rows of c channels; out may be x (in place). Tasks of about
+ * 16 K floats on pool.c's threads. */
+typedef struct {
+    const float *x, *bias, *res;
+    float *out;
+    Py_ssize_t rows, c, chunk;
+    int act;
+} epilogue_job;
+
 CLONES
-static void epilogue_rows(const float *x, const float *bias, const float *res, float *out, Py_ssize_t rows,
-                          Py_ssize_t c, int act)
+static void epilogue_task(void *ctx, Py_ssize_t task)
 {
-    Py_ssize_t c_vec = c - c % ACT_VEC;
-#pragma omp parallel for schedule(static) if ((long long)rows * c * (act ? 16 : 2) > PARALLEL_MIN_WORK)
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * c;
-        const float *rr = res ? res + (size_t)r * c : NULL;
-        float *o = out + (size_t)r * c;
+    const epilogue_job *j = ctx;
+    const float *bias = j->bias;
+    Py_ssize_t c = j->c, c_vec = c - c % ACT_VEC, r1 = (task + 1) * j->chunk < j->rows ? (task + 1) * j->chunk : j->rows;
+    int act = j->act;
+    for (Py_ssize_t r = task * j->chunk; r < r1; r++) {
+        const float *xr = j->x + (size_t)r * c;
+        const float *rr = j->res ? j->res + (size_t)r * c : NULL;
+        float *o = j->out + (size_t)r * c;
         Py_ssize_t ch = 0;
         for (; ch < c_vec; ch += ACT_VEC) {
             vf8 v = vload8(xr + ch);
@@ -45,6 +55,18 @@ static void epilogue_rows(const float *x, const float *bias, const float *res, f
             vstore8_part(o + ch, v, n);
         }
     }
+}
+
+static void epilogue_rows(const float *x, const float *bias, const float *res, float *out, Py_ssize_t rows,
+                          Py_ssize_t c, int act)
+{
+    Py_ssize_t chunk = 16384 / c > 0 ? 16384 / c : 1;
+    epilogue_job j = {x, bias, res, out, rows, c, chunk, act};
+    Py_ssize_t tasks = (rows + chunk - 1) / chunk;
+    if ((long long)rows * c * (act ? 16 : 2) > PARALLEL_MIN_WORK)
+        ck_pool_run(epilogue_task, &j, tasks);
+    else
+        for (Py_ssize_t t = 0; t < tasks; t++) epilogue_task(&j, t);
 }
 
 /* LayerNorm of one pixel's c channels in float lanes, by the corrected two-pass algorithm
@@ -96,8 +118,42 @@ static void layer_norm_rows(const float *x, const float *w, const float *b, floa
 
 /* LayerNorm(depthwise stride-1 conv(x) + bias), output size = input size: each block of output
  * rows is convolved into a buffer that stays in cache and normalised from there, so the conv's
- * output never makes the round trip through memory that a separate LayerNorm pass costs. */
+ * output never makes the round trip through memory that a separate LayerNorm pass costs. The
+ * blocks are pool.c's tasks; each thread keeps its block buffer between calls. */
+typedef struct {
+    const float *x, *taps, *dwb, *lw, *lb;
+    float *out;
+    Py_ssize_t h, wd, c, kh, kw, ph, pw, block, per_image;
+    float eps;
+    _Atomic int failed;
+} dw_ln_job;
+
 CLONES
+static void depthwise_ln_task(void *ctx, Py_ssize_t job)
+{
+    static __thread float *buf;
+    static __thread size_t cap;
+    dw_ln_job *j = ctx;
+    Py_ssize_t h = j->h, wd = j->wd, c = j->c, row_floats = wd * c;
+    size_t need = (size_t)(j->block * row_floats);
+    if (cap < need) {
+        free(buf);
+        buf = malloc(sizeof(float) * need);
+        cap = buf ? need : 0;
+        if (!buf) {
+            j->failed = 1;
+            return;
+        }
+    }
+    Py_ssize_t img = job / j->per_image, r0 = (job % j->per_image) * j->block;
+    Py_ssize_t r1 = r0 + j->block < h ? r0 + j->block : h;
+    const float *xb = j->x + (size_t)img * h * row_floats;
+    ck_depthwise_rows_s1(xb, j->taps, j->dwb, buf, h, wd, c, j->kh, j->kw, j->ph, j->pw, r0, r1);
+    float *ob = j->out + ((size_t)img * h + r0) * row_floats;
+    for (Py_ssize_t p = 0; p < (r1 - r0) * wd; p++)
+        ln_pixel(buf + (size_t)p * c, j->lw, j->lb, ob + (size_t)p * c, c, j->eps);
+}
+
 static void depthwise_ln(const float *x, const float *taps, const float *dwb, const float *lw, const float *lb,
                          float *out, Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh,
                          Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed)
@@ -113,27 +169,12 @@ static void depthwise_ln(const float *x, const float *taps, const float *dwb, co
     }
     if (block < 1) block = 1;
     if (block > h) block = h;
-    Py_ssize_t per_image = (h + block - 1) / block;
-#pragma omp parallel if (parallel)
-    {
-        float *buf = malloc(sizeof(float) * (size_t)(block * row_floats));
-        if (!buf) {
-#pragma omp atomic write
-            *failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (Py_ssize_t job = 0; job < n * per_image; job++) {
-            if (!buf) continue;
-            Py_ssize_t img = job / per_image, r0 = (job % per_image) * block;
-            Py_ssize_t r1 = r0 + block < h ? r0 + block : h;
-            const float *xb = x + (size_t)img * h * row_floats;
-            ck_depthwise_rows_s1(xb, taps, dwb, buf, h, wd, c, kh, kw, ph, pw, r0, r1);
-            float *ob = out + ((size_t)img * h + r0) * row_floats;
-            for (Py_ssize_t p = 0; p < (r1 - r0) * wd; p++)
-                ln_pixel(buf + (size_t)p * c, lw, lb, ob + (size_t)p * c, c, eps);
-        }
-        free(buf);
-    }
+    dw_ln_job j = {x, taps, dwb, lw, lb, out, h, wd, c, kh, kw, ph, pw, block, (h + block - 1) / block, eps, 0};
+    if (parallel)
+        ck_pool_run(depthwise_ln_task, &j, n * j.per_image);
+    else
+        for (Py_ssize_t t = 0; t < n * j.per_image; t++) depthwise_ln_task(&j, t);
+    *failed = j.failed;
 }
 
 /* GroupNorm over channels-last (N, S, C): per-channel sums in double (S can be 10^6 positions),

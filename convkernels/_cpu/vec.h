@@ -190,6 +190,11 @@ PyObject *ck_gemm_panel_width(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight(PyObject *self, PyObject *args);
 PyObject *ck_gemm(PyObject *self, PyObject *args);
 
+/* pool.c: fn(ctx, t) for t in 0..ntasks-1 on the caller and the pool's workers; returns when all
+ * are done, waiting for no worker that took none */
+typedef void (*ck_task_fn)(void *ctx, Py_ssize_t task);
+void ck_pool_run(ck_task_fn fn, void *ctx, Py_ssize_t ntasks);
+
 /* kernels.c's depthwise row, used by the fused depthwise + LayerNorm in norms.c */
 void ck_depthwise_rows_s1(const float *x, const float *w, const float *bias, float *out, Py_ssize_t h,
                           Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ph,
