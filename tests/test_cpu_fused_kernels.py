@@ -132,8 +132,21 @@ def test_group_norm_activation_matches_torch(be, c, groups, activation):
     assert rel_l2(got, from_t(ref)) < TOL, f"seed {seed}"
 
 
+@pytest.mark.parametrize("shape,groups", [((2, 97, 61, 66), 11), ((1, 200, 131, 48), 16), ((3, 67, 5, 1201), 1)])
+def test_group_norm_split_over_threads(be, shape, groups):
+    """Above PARALLEL_MIN_WORK the sums run as tasks over runs of positions, each with its own
+    partial sums (up to 64 tasks, the last one shorter), and the apply pass likewise"""
+    rng, seed = fresh_rng()
+    c = shape[-1]
+    x = (rng.standard_normal(shape) * 2 + 5).astype(np.float32)
+    w, b = rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    ref = F.silu(F.group_norm(to_t(x), groups, t64(w), t64(b), eps=1e-6))
+    got = be.group_norm(x, groups, w, b, eps=1e-6, activation="silu")
+    assert rel_l2(got, from_t(ref)) < TOL, f"{shape} seed {seed}"
+
+
 #: functions whose loops must be vector code in an AVX2 build (the Zen 2/3 and older Xeon path)
-VECTOR_FUNCTIONS = ("epilogue_task", "group_norm_image")
+VECTOR_FUNCTIONS = ("epilogue_task", "gn_apply_task")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc to build the AVX2 variant with")

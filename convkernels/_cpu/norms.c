@@ -179,37 +179,83 @@ static void depthwise_ln(const float *x, const float *taps, const float *dwb, co
 
 /* GroupNorm over channels-last (N, S, C): per-channel sums in double (S can be 10^6 positions),
  * group statistics, then one vector pass of x * scale[c] + shift[c] with the activation fused.
- * Threads split the positions of one image for the sums and the rows for the apply pass. */
+ * Both passes are pool.c tasks over runs of positions; each sum task has its own row of partial
+ * sums (no lock), added up in task order, so the result does not depend on which thread ran what. */
+#define GN_MAX_TASKS 64
+
+typedef struct {
+    const float *x, *scale, *shift;
+    float *out;
+    double *part; /* tasks x 2c: each task's sums, then its sums of squares */
+    Py_ssize_t s, c, chunk;
+    int act;
+} gn_job;
+
 CLONES
+static void gn_sum_task(void *ctx, Py_ssize_t task)
+{
+    const gn_job *j = ctx;
+    Py_ssize_t c = j->c, p1 = (task + 1) * j->chunk < j->s ? (task + 1) * j->chunk : j->s;
+    double *ls = j->part + (size_t)task * 2 * c, *lq = ls + c;
+    memset(ls, 0, sizeof(double) * 2 * c);
+    for (Py_ssize_t p = task * j->chunk; p < p1; p++) {
+        const float *xr = j->x + (size_t)p * c;
+        for (Py_ssize_t ch = 0; ch < c; ch++) {
+            double v = xr[ch];
+            ls[ch] += v;
+            lq[ch] += v * v;
+        }
+    }
+}
+
+CLONES
+static void gn_apply_task(void *ctx, Py_ssize_t task)
+{
+    const gn_job *j = ctx;
+    Py_ssize_t c = j->c, c_vec = c - c % ACT_VEC, p1 = (task + 1) * j->chunk < j->s ? (task + 1) * j->chunk : j->s;
+    const float *scale = j->scale, *shift = j->shift;
+    int act = j->act;
+    for (Py_ssize_t p = task * j->chunk; p < p1; p++) {
+        const float *xr = j->x + (size_t)p * c;
+        float *o = j->out + (size_t)p * c;
+        Py_ssize_t ch = 0;
+        for (; ch < c_vec; ch += ACT_VEC)
+            vstore8(o + ch, vact(vload8(xr + ch) * vload8(scale + ch) + vload8(shift + ch), act));
+        if (ch < c) {
+            Py_ssize_t k = c - ch;
+            vf8 v = vload8_part(xr + ch, k) * vload8_part(scale + ch, k) + vload8_part(shift + ch, k);
+            vstore8_part(o + ch, vact(v, act), k);
+        }
+    }
+}
+
+static void gn_run(ck_task_fn fn, gn_job *j, Py_ssize_t tasks, int parallel)
+{
+    if (parallel)
+        ck_pool_run(fn, j, tasks);
+    else
+        for (Py_ssize_t t = 0; t < tasks; t++) fn(j, t);
+}
+
+/* part: GN_MAX_TASKS x 2c doubles of scratch */
 static void group_norm_image(const float *x, const float *w, const float *b, float *out, Py_ssize_t s,
                              Py_ssize_t c, Py_ssize_t groups, float eps, int act, double *sum, double *sq,
-                             float *scale, float *shift)
+                             float *scale, float *shift, double *part)
 {
+    int parallel = (long long)s * c > PARALLEL_MIN_WORK;
+    Py_ssize_t tasks = parallel ? ((long long)s * c + 16383) / 16384 : 1;
+    if (tasks > GN_MAX_TASKS) tasks = GN_MAX_TASKS;
+    if (tasks > s) tasks = s > 0 ? s : 1;
+    gn_job j = {x, scale, shift, out, part, s, c, (s + tasks - 1) / tasks, act};
+    tasks = j.chunk > 0 ? (s + j.chunk - 1) / j.chunk : 0;
     memset(sum, 0, sizeof(double) * c);
     memset(sq, 0, sizeof(double) * c);
-    int parallel = (long long)s * c > PARALLEL_MIN_WORK;
-#pragma omp parallel if (parallel)
-    {
-        double *ls = calloc(2 * c, sizeof(double));
-        double *lq = ls ? ls + c : NULL;
-#pragma omp for schedule(static)
-        for (Py_ssize_t p = 0; p < s; p++) {
-            if (!ls) continue;
-            const float *xr = x + (size_t)p * c;
-            for (Py_ssize_t ch = 0; ch < c; ch++) {
-                double v = xr[ch];
-                ls[ch] += v;
-                lq[ch] += v * v;
-            }
+    gn_run(gn_sum_task, &j, tasks, parallel);
+    for (Py_ssize_t t = 0; t < tasks; t++)
+        for (Py_ssize_t ch = 0; ch < c; ch++) {
+            sum[ch] += part[(size_t)t * 2 * c + ch];
+            sq[ch] += part[(size_t)t * 2 * c + c + ch];
         }
-#pragma omp critical
-        if (ls)
-            for (Py_ssize_t ch = 0; ch < c; ch++) {
-                sum[ch] += ls[ch];
-                sq[ch] += lq[ch];
-            }
-        free(ls);
-    }
     Py_ssize_t cg = c / groups;
     double count = (double)s * cg;
     for (Py_ssize_t g = 0; g < groups; g++) {
@@ -228,20 +274,7 @@ static void group_norm_image(const float *x, const float *w, const float *b, flo
             shift[ch] = (b ? b[ch] : 0.0f) - (float)m * rstd * gw;
         }
     }
-    Py_ssize_t c_vec = c - c % ACT_VEC;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (Py_ssize_t p = 0; p < s; p++) {
-        const float *xr = x + (size_t)p * c;
-        float *o = out + (size_t)p * c;
-        Py_ssize_t ch = 0;
-        for (; ch < c_vec; ch += ACT_VEC)
-            vstore8(o + ch, vact(vload8(xr + ch) * vload8(scale + ch) + vload8(shift + ch), act));
-        if (ch < c) {
-            Py_ssize_t k = c - ch;
-            vf8 v = vload8_part(xr + ch, k) * vload8_part(scale + ch, k) + vload8_part(shift + ch, k);
-            vstore8_part(o + ch, vact(v, act), k);
-        }
-    }
+    gn_run(gn_apply_task, &j, tasks, parallel);
 }
 
 /* ---- Python faces ------------------------------------------------------------------------ */
@@ -355,13 +388,15 @@ PyObject *ck_group_norm(PyObject *self, PyObject *args)
     int bad = n < 0 || s < 0 || c < 1 || too_small(&bf[0], n * s * c) || too_small(&bf[3], n * s * c) ||
               groups < 1 || c % groups || (has_w && too_small(&bf[1], c)) || (has_b && too_small(&bf[2], c)) ||
               act < 0 || act > 2;
-    double *stats = bad ? NULL : malloc(sizeof(double) * 2 * c + sizeof(float) * 2 * c);
+    /* sums, squares, GN_MAX_TASKS x 2c partial sums, then scale and shift as floats */
+    double *stats = bad ? NULL : malloc(sizeof(double) * (2 + 2 * GN_MAX_TASKS) * c + sizeof(float) * 2 * c);
     if (!bad && stats) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++)
             group_norm_image((const float *)bf[0].buf + (size_t)i * s * c, has_w ? bf[1].buf : NULL,
                              has_b ? bf[2].buf : NULL, (float *)bf[3].buf + (size_t)i * s * c, s, c, groups, eps,
-                             act, stats, stats + c, (float *)(stats + 2 * c), (float *)(stats + 2 * c) + c);
+                             act, stats, stats + c, (float *)(stats + (2 + 2 * GN_MAX_TASKS) * c),
+                             (float *)(stats + (2 + 2 * GN_MAX_TASKS) * c) + c, stats + 2 * c);
         Py_END_ALLOW_THREADS
     }
     free(stats);
