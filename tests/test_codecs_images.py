@@ -112,3 +112,17 @@ def test_encode_images_zip_of_pngs_is_lossless():
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         for i, name in enumerate(sorted(zf.namelist())):
             np.testing.assert_array_equal(_decode(zf.read(name)), images.to_uint8(imgs[i]))
+
+
+@pytest.mark.parametrize("mode,fmt", [("RGB", "JPEG"), ("L", "JPEG"), ("CMYK", "JPEG"), ("RGB", "PNG"),
+                                      ("RGBA", "PNG"), ("P", "PNG"), ("L", "WEBP")])
+def test_open_image_gives_rgb_in_every_mode(mode, fmt):
+    """Whatever mode the body holds, the pixels come back H,W,3 uint8 as PIL's convert('RGB')
+    makes them (an RGB image is taken as it is, every other mode converted)."""
+    src = Image.fromarray(np.random.default_rng(3).integers(0, 256, (13, 21, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    src.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    got = images.open_image(buf.getvalue(), 10_000)
+    want = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    assert got.shape == (13, 21, 3) and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, want)
