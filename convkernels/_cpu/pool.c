@@ -100,7 +100,17 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-static void forget_workers(void) { pool.workers = 0; } /* a fork()ed child has none of them */
+/* a fork()ed child has none of the workers, and no job: a parent thread may have been inside one
+ * (holding the lock, counted in `active`), which would otherwise block the child's first job */
+static void forget_workers(void)
+{
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pool.lock = fresh;
+    pool.workers = 0;
+    atomic_store(&pool.current, NULL);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.sleepers, 0);
+}
 
 static void start_workers(int want)
 {
