@@ -9,12 +9,12 @@ from ...backend import BackendBase
 from ...paths import ConvPath
 from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, prod, upsample_shapes
 from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
-from . import conv as nc
-from . import fused
+from . import conv as nc, fused
 from .activations import apply_activation, c_ready, gelu
 from .autotune import time_paths
 from .background import Activity
 from .blas import BlasThreads
+from .memory import retain_freed_memory
 from .path_choice import MeasuredChoices
 from .path_store import PathStore
 from .weight_cache import TransformedWeights
@@ -23,7 +23,6 @@ DEFAULT_UNFOLD_LIMIT = 64 * 1024 * 1024
 
 #: numpy-style names of dtypes seen, as dtype_of returns them (str(dtype) costs ~4 us a call)
 _DTYPE_NAMES: dict = {}
-
 
 #: the 3-D weight transform per tile variant (one function each: the weight cache is keyed by it)
 _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
@@ -48,6 +47,7 @@ class NumpyBackend(BackendBase):
         self.path_store = PathStore(plan_cache_dir) if plan_cache_dir else None
         self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
+        retain_freed_memory()  # reused pages, not a fresh mmap's page faults per op (memory.py)
         self._wino_cache = TransformedWeights()
         super().__init__(dtype, timing_sample_rate)
 
