@@ -230,3 +230,33 @@ def test_winograd_planes_match_numpy_matmul():
     fused.planes_matmul(v3, fused.pack_planes(u3), out, (first, count))
     want = np.matmul(v3[:, :, first:first + count].reshape(q, p, -1).astype(np.float64), u3)
     assert scaled_err(out, want) < TOL, f"frames, seed {seed}"
+
+
+@needs_tiles
+@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize("taps", [0, 3])
+def test_winograd_panels_are_the_float64_transform_rounded_once(m, taps):
+    """fused.winograd_panels (U = G g G^T straight into gemm.c's panels, one compiled pass) against
+    U in float64, rounded once and packed by fused.pack_planes: the same floats up to one unit in the
+    last place (float64's summation order), odd O leaving a short zero-padded last panel, 2-D and
+    3-D (KT taps stacked along the reduction). A kernel read transposed would be far off."""
+    from convkernels.backends.numpy import conv as nc
+
+    tile = nc.F2X3 if m == 2 else nc.F4X3
+    rng, seed = fresh_rng()
+    o, c = 37, 19
+    w = rng.standard_normal((o, taps, 3, 3, c) if taps else (o, 3, 3, c)).astype(np.float32)
+    w5 = w if taps else w[:, None]
+    g = tile.g
+    u = np.einsum("ai,otijc,bj->abtco", g, w5.astype(np.float64), g)  # (P, P, KT, C, O)
+    want = fused.pack_planes(u.reshape(tile.planes, -1, o).astype(np.float32))
+    got = fused.winograd_panels(w, g)
+    assert got.shape == want.shape and got.ctypes.data % 64 == 0
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1 and (ulps > 0).mean() < 0.01, f"seed {seed}"
+    wrong = fused.winograd_panels(np.ascontiguousarray(np.swapaxes(w, -3, -2)), g)
+    assert np.abs(wrong - want).max() > 0.1
+    with pytest.raises(ValueError, match="winograd_pack"):
+        _cpu._kernels.winograd_pack(np.moveaxis(w5, 0, -1).copy(), g, np.empty(got.size - 1, np.float32), o,
+                                    max(taps, 1), c, tile.m + 2,
+                                    fused.panel_width())

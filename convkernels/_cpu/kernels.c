@@ -580,11 +580,21 @@ static PyMethodDef methods[] = {
     {"gemm_panel_width", ck_gemm_panel_width, METH_NOARGS,
      "gemm_panel_width(): the columns of gemm's packed panels on this CPU; 0: no compiled tiles"},
     {"pack_weight", ck_pack_weight, METH_VARARGS, "pack_weight(w_nk, packed, n, k, nr): a linear's weight as gemm's panels"},
+    {"winograd_pack", ck_winograd_pack, METH_VARARGS,
+     "winograd_pack(w_kt_3_3_c_o, g_px3_f64, packed, o, kt, c, p, nr): Winograd's U = G g G^T as gemm's panels, "
+     "one row per plane"},
     {"gemm", ck_gemm, METH_VARARGS,
      "gemm(a, packed, bias, res, out_mn, m, k, n, nr, has_bias, has_res, act[, a_offset, lda, batch, sa, sb]): out = "
      "act(a @ w^T + bias) + res, A's rows `lda` floats apart from a_offset; `batch` products in one call, the i-th "
      "reading A at a_offset + i sa, the panels at i sb (default: one weight's panels) and writing out at i m n; nr: the panel width packed for (gemm_panel_width(), "
      "or 16 for the AVX2 tiles on an AVX-512 CPU)"},
+    {"gemm_bf16_available", ck_gemm_bf16_available, METH_NOARGS,
+     "gemm_bf16_available(): whether this CPU runs gemm_bf16 (AVX-512 BF16)"},
+    {"pack_weight_bf16", ck_pack_weight_bf16, METH_VARARGS,
+     "pack_weight_bf16(w_nk, packed_u16, n, k): a linear's weight as gemm_bf16's bfloat16 panels"},
+    {"gemm_bf16", ck_gemm_bf16, METH_VARARGS,
+     "gemm_bf16(a, packed_u16, bias, res, out_mn, m, k, n, has_bias, has_res, act[, a_offset, lda, batch, sa, sb]): "
+     "gemm with A and the weight rounded to bfloat16, float32 accumulation"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};

@@ -188,7 +188,12 @@ PyObject *ck_depthwise_layer_norm(PyObject *self, PyObject *args);
 /* ... and of gemm.c */
 PyObject *ck_gemm_panel_width(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight(PyObject *self, PyObject *args);
+PyObject *ck_winograd_pack(PyObject *self, PyObject *args);
 PyObject *ck_gemm(PyObject *self, PyObject *args);
+/* ... and of gemm_bf16.c */
+PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args);
+PyObject *ck_pack_weight_bf16(PyObject *self, PyObject *args);
+PyObject *ck_gemm_bf16(PyObject *self, PyObject *args);
 
 /* pool.c: fn(ctx, t) for t in 0..ntasks-1 on the caller and the pool's workers; returns when all
  * are done, waiting for no worker that took none */

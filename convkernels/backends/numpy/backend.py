@@ -27,6 +27,8 @@ _DTYPE_NAMES: dict = {}
 #: the 3-D weight transform per tile variant (one function each: the weight cache is keyed by it)
 _WINOGRAD_3D_WEIGHTS = {nc.F2X3: nc.winograd_weights_3d,
                         nc.F4X3: lambda w: nc.winograd_weights_3d(w, nc.F4X3)}
+#: and as gemm.c's panels, transformed and packed in one compiled pass (2-D and 3-D weights)
+_WINOGRAD_PANELS = {tile: (lambda w, g=tile.g: fused.winograd_panels(w, g)) for tile in (nc.F2X3, nc.F4X3)}
 
 class NumpyBackend(BackendBase):
     name = "numpy"
@@ -48,7 +50,7 @@ class NumpyBackend(BackendBase):
         self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
         retain_freed_memory()  # reused pages, not a fresh mmap's page faults per op (memory.py)
-        self._wino_cache = TransformedWeights()
+        self._wino_cache = TransformedWeights()  # weights transformed once per buffer (weight_cache.py)
         super().__init__(dtype, timing_sample_rate)
 
     # ---- arrays ---------------------------------------------------------------------------
@@ -203,30 +205,34 @@ class NumpyBackend(BackendBase):
     def _run_winograd(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
         if c_ready(x):
-            u = self._winograd_u(w)
-            out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F2X3, self._planes_gemm(u))
+            u, planes = self._winograd_weights(w, nc.F2X3, nc.winograd_weights)
+            out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F2X3, planes)
         else:
             out = nc.conv_winograd_f2x3(x, w, key, self.unfold_limit_bytes)
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd4(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        u = self._winograd_u(w, nc.winograd4_weights)
-        out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F4X3, self._planes_gemm(u))
+        u, planes = self._winograd_weights(w, nc.F4X3, nc.winograd4_weights)
+        out = nc.conv_winograd_compiled(x, w, key, self.unfold_limit_bytes, u, nc.F4X3, planes)
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd_3d(self, x, w, key, bias, residual, activation, tile=nc.F2X3):
         x, w = self._operands(x, w)
-        u = self._winograd_u(w, _WINOGRAD_3D_WEIGHTS[tile])
-        out = nc.conv_winograd_3d(x, w, key, self.unfold_limit_bytes, u, tile, self._planes_gemm(u))
+        u, planes = self._winograd_weights(w, tile, _WINOGRAD_3D_WEIGHTS[tile])
+        out = nc.conv_winograd_3d(x, w, key, self.unfold_limit_bytes, u, tile, planes)
         return self._epilogue(out, bias, residual, activation)
 
     def _run_winograd4_3d(self, x, w, key, bias, residual, activation):
         return self._run_winograd_3d(x, w, key, bias, residual, activation, nc.F4X3)
 
-    def _winograd_u(self, w: np.ndarray, transform=nc.winograd_weights) -> np.ndarray:
-        """transform(w), once per weight buffer (weight_cache.py)"""
-        return self._wino_cache(w, transform)
+    def _winograd_weights(self, w: np.ndarray, tile, transform):
+        """(U = transform(w), None) for NumPy's per-plane matmuls; or where gemm.c has tiles, (None,
+        the per-plane products on them), w transformed straight into their panels. Once per buffer."""
+        if not fused.panel_width():
+            return self._wino_cache(w, transform), None
+        packed = self._wino_cache(w, _WINOGRAD_PANELS[tile])
+        return None, lambda v, out, frames=None: fused.planes_matmul(v, packed, out, frames)
 
     def _run_shift(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
@@ -234,7 +240,7 @@ class NumpyBackend(BackendBase):
 
     def _run_subpixel(self, x, w, key, bias, residual, activation):
         x, w = self._operands(x, w)
-        wp = self._winograd_u(w, nc.subpixel_weights) if x.dtype == np.float32 else None
+        wp = self._wino_cache(w, nc.subpixel_weights) if x.dtype == np.float32 else None
         out = nc.conv_transpose_subpixel(x, w, key, self.unfold_limit_bytes, wp)
         return self._epilogue(out, bias, residual, activation)
 
@@ -248,16 +254,9 @@ class NumpyBackend(BackendBase):
                                       self._tiles_matmul)
         return self._epilogue(out, bias, residual, activation)
 
-    def _planes_gemm(self, u: np.ndarray):
-        """Winograd's per-plane products on gemm.c's tiles (u's panels packed once), or None: NumPy's"""
-        if not fused.panel_width():
-            return None
-        packed = self._winograd_u(u, fused.pack_planes)
-        return lambda v, out, frames=None: fused.planes_matmul(v, packed, out, frames)
-
     def _pack(self, w: np.ndarray) -> np.ndarray:
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""
-        return self._winograd_u(w, fused.pack_panels)
+        return self._wino_cache(w, fused.pack_panels)
 
     def _tiles_matmul(self, a: np.ndarray, wt: np.ndarray) -> np.ndarray:
         """a @ wt (wt a weight's transposed view) on gemm.c's tiles where they apply"""
@@ -273,7 +272,7 @@ class NumpyBackend(BackendBase):
         if self.before_conv is not None:
             self.before_conv(x, w, ConvSpec.make(2, 1, (kernel[0] // 2, kernel[1] // 2), 1, x.shape[-1]))
         return self._counted("conv2d", "depthwise_layer_norm", fused.depthwise_layer_norm, x,
-                             self._winograd_u(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
+                             self._wino_cache(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
 
     def _group_norm(self, x, num_groups, weight, bias, eps, activation):
         x = self._f(x)

@@ -5,7 +5,7 @@ F(4x4) in 2-d and 3-d, and the sub-pixel transposed conv."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -209,16 +209,18 @@ class WinogradTile:
     weights: Callable[[np.ndarray], np.ndarray]  # (O, 3, 3, C) -> (planes, C, O)
     input_kernel: str
     output_kernel: str
+    g: np.ndarray = field(compare=False)  # G, (m + 2, 3) float64: U = G g G^T, the C extension's form of `weights`
 
     def tiles(self, size: int) -> int:
         return (size + self.m - 1) // self.m
 
 
 #: F(2x2, 3x3): 4 multiplies per output, rounding like a direct conv (fp32 rel L2 ~3e-7)
-F2X3 = WinogradTile(2, 16, _winograd_weights, "winograd_input", "winograd_output")
+F2X3 = WinogradTile(2, 16, _winograd_weights, "winograd_input", "winograd_output",
+                    np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float64))
 #: F(4x4, 3x3): 2.25 multiplies per output and 44% less transformed data per output, at ~7x
 #: F(2x2)'s rounding error (fp32 rel L2 1e-6..3e-6 up to 512 channels)
-F4X3 = WinogradTile(4, 36, winograd4_weights, "winograd4_input", "winograd4_output")
+F4X3 = WinogradTile(4, 36, winograd4_weights, "winograd4_input", "winograd4_output", _G4)
 
 
 def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: int,
@@ -233,7 +235,7 @@ def conv_winograd_compiled(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_byt
     ho, wo, o = key.out_shape[1], key.out_shape[2], key.out_channels
     th, tw, q = tile.tiles(ho), tile.tiles(wo), tile.planes
     (pt, _), (pl, _) = key.spec.padding
-    if u is None:
+    if u is None and planes_matmul is None:
         u = tile.weights(w.astype(np.float32, copy=False))
     transform_in, transform_out = getattr(_kernels, tile.input_kernel), getattr(_kernels, tile.output_kernel)
     zeros = np.zeros(c, np.float32)
@@ -289,7 +291,7 @@ def conv_winograd_3d(x: np.ndarray, w: np.ndarray, key: ConvKey, limit_bytes: in
     (tlo, thi), (pt, _), (pl, _) = key.spec.padding
     frames = t_in + tlo + thi
     th, tw, q = tile.tiles(ho), tile.tiles(wo), tile.planes
-    if u is None:
+    if u is None and planes_matmul is None:
         u = winograd_weights_3d(w, tile)
     transform_in, transform_out = getattr(_kernels, tile.input_kernel), getattr(_kernels, tile.output_kernel)
     zeros = np.zeros(c, np.float32)

@@ -103,6 +103,21 @@ def pack_planes(u: np.ndarray) -> np.ndarray:
     return out
 
 
+def winograd_panels(w: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Winograd's transformed weights U = G w G^T of a (O, 3, 3, C) or (O, KT, 3, 3, C) weight, as
+    pack_planes(U) lays them out, in one compiled pass (U is never formed whole: the NumPy transform
+    and packing were most of a first call)"""
+    o, c = w.shape[0], w.shape[-1]
+    kt = w.shape[1] if w.ndim == 5 else 1
+    p, nr = g.shape[0], panel_width()
+    out = aligned_empty((p * p, -(-o // nr) * kt * c * nr))
+    w5 = w.reshape(o, kt, 3, 3, c)
+    # (KT, 3, 3, C, O): a panel's columns are then contiguous runs for the C pass (5 ms at 512 x 512)
+    wt = np.ascontiguousarray(np.moveaxis(w5, 0, -1), np.float32)
+    _cpu._kernels.winograd_pack(wt, np.ascontiguousarray(g, np.float64), out, o, kt, c, p, nr)
+    return out
+
+
 def planes_matmul(v: np.ndarray, packed_u: np.ndarray, out: np.ndarray, frames: tuple[int, int] | None = None) -> None:
     """out[i] = v[i] @ u[i] for Winograd's planes (v (planes, P, C), out (planes, P, O)), on gemm.c's
     tiles, all planes in one call: one fork and join for the 16 or 36 products, not one each (SD-VAE
