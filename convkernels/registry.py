@@ -80,6 +80,9 @@ def get_backend(name: str = "auto", cuda_options: dict | None = None, numpy_opti
                 log.info("backend auto -> numpy (cuda: %s; mlx: %s)", why, why_m)
                 name = "numpy"
     if name == "numpy":
+        if options.get("dtype") == "bfloat16":  # its GEMM-shaped products in bfloat16 (backends/numpy/bf16.py)
+            from .backends.numpy.bf16 import NumpyBf16Backend
+            return NumpyBf16Backend(**options, **(numpy_options or {}))
         from .backends.numpy.backend import NumpyBackend
         return NumpyBackend(**options, **(numpy_options or {}))
     if name == "mlx":

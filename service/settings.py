@@ -92,8 +92,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     backend: Literal["auto", "numpy", "mlx", "cuda"] = "auto"
-    #: the backend's compute dtype (each takes some: numpy float32|float64, mlx and cuda
-    #: float16|bfloat16|float32); None = the backend's default
+    #: the backend's compute dtype (each takes some: numpy float32|float64, and bfloat16 products on
+    #: CPUs with AVX-512 BF16; mlx and cuda float16|bfloat16|float32); None = the backend's default
     dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     models: str = DEFAULT_MODELS
     max_batch: int = Field(8, ge=1)

@@ -374,7 +374,8 @@ def test_help_at_80_columns_says_the_key_facts():
 
     serve = flat(rendered("serve"))
     assert DEFAULT_MODELS == SETTINGS_DEFAULT_MODELS and f"default {DEFAULT_MODELS}" in serve, serve
-    assert "float32|float64 on numpy, float16|bfloat16|float32 on mlx and cuda" in serve, serve
+    assert ("float32|float64 on numpy (and bfloat16 on CPUs with AVX-512 BF16: its matrix products), "
+            "float16|bfloat16|float32 on mlx and cuda") in serve, serve
     for param in get_command(app).commands["serve"].params:
         field = Settings.model_fields.get(param.name)
         if field is None or param.name == "dtype":  # --help; dtype's default is the backend's

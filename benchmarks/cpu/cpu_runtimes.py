@@ -60,6 +60,8 @@ REPLY_TIMEOUT_S = 3600
 
 #: --threads: every contender's threads (ours: OpenMP's and BLAS's), for a per-core comparison
 THREADS_ENV = "CPU_RUNTIMES_THREADS"
+#: --dtype: ours' compute dtype (the worker reads it)
+OURS_DTYPE_ENV = "CPU_RUNTIMES_OURS_DTYPE"
 
 
 def worker_env() -> dict:
@@ -131,6 +133,7 @@ def header(args, cpu: dict) -> None:
     else:
         print(f"# threads: ORT intra-op, OpenVINO and PyTorch {cpu['physical_cores']} (the physical cores); "
               f"ours as it ships")
+    print(f"# ours' dtype: {args.dtype}")
     print(f"# load average at start: {load_average()}")
     print(f"# runs: {args.rounds} rounds, each run >= {args.min_run_s:.2f} s, {args.warmup} warm-up calls; a run is "
           f"discarded when other processes used >= {args.limit_cores} cores (read to +-"
@@ -312,9 +315,12 @@ def main() -> None:
     ap.add_argument("--json", help="write every result here")
     ap.add_argument("--threads", type=int, help="threads for every contender (default: ORT, OpenVINO and PyTorch "
                     "the physical cores, ours as it ships); with taskset, a per-core comparison on a shared box")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="ours' dtype; bfloat16: its matrix products in bfloat16 (CPUs with AVX-512 BF16)")
     args = ap.parse_args()
     if args.threads:
         os.environ[THREADS_ENV] = str(args.threads)
+    os.environ[OURS_DTYPE_ENV] = args.dtype
     cpu = cpu_description()
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.warmup = args.warmup or (1 if args.quick else 2)
@@ -343,7 +349,7 @@ def main() -> None:
         first_table(firsts, labels, args)
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "cpu": cpu, "versions": versions(), "quick": args.quick, "limit_cores": args.limit_cores,
+            "cpu": cpu, "versions": versions(), "quick": args.quick, "limit_cores": args.limit_cores, "dtype": args.dtype,
             "steady": {k: {"info": info, "results": res} for k, (info, res) in rows.items()},
             "first_call": firsts}, indent=1))
         print(f"\nresults: {args.json}")

@@ -130,7 +130,9 @@ def build(contender: str, spec: dict, workdir: Path, store: str | None = None):
 
         from convkernels import get_backend
         from models import load_model
-        backend = get_backend("numpy", numpy_options={"plan_cache_dir": store} if store else None)
+        # cpu_runtimes.py --dtype: float32, or bfloat16 products (AVX-512 BF16 CPUs)
+        backend = get_backend("numpy", dtype=os.environ.get("CPU_RUNTIMES_OURS_DTYPE", "float32"),
+                              numpy_options={"plan_cache_dir": store} if store else None)
         model = load_model("bench", spec["preset"], backend, weights=str(workdir / "checkpoint"))
         blas = [i.get("num_threads") for i in threadpool_info() if i.get("user_api") == "blas"]
         if spec["family"] == "convnext":

@@ -10,7 +10,9 @@ CONV_SCRATCH_BUFFERS = 3
 
 
 def _itemsize(model) -> int:
-    return 2 if model.backend.dtype in ("float16", "bfloat16") else 4
+    # the NumPy backend's bfloat16 keeps its activations in float32 (only its products round)
+    half = model.backend.dtype in ("float16", "bfloat16") and model.backend.name != "numpy"
+    return 2 if half else 4
 
 
 def stage_bytes(model, px: int, ch: int) -> int:

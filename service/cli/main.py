@@ -57,7 +57,8 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
           backend: Optional[str] = typer.Option(None, help="auto|numpy|mlx|cuda; auto: cuda where CuPy and a GPU "
                                                 "are, else mlx on Apple silicon, else numpy [CONVSERVE_BACKEND; "
                                                 "default auto]"),
-          dtype: Optional[str] = typer.Option(None, help="compute dtype: float32|float64 on numpy, "
+          dtype: Optional[str] = typer.Option(None, help="compute dtype: float32|float64 on numpy (and "
+                                              "bfloat16 on CPUs with AVX-512 BF16: its matrix products), "
                                               "float16|bfloat16|float32 on mlx and cuda [CONVSERVE_DTYPE; default "
                                               "float32 on numpy and mlx, float16 on cuda]"),
           workers: Optional[int] = typer.Option(None, help="HTTP front-end processes; 0 = auto: 1 on CPU "
