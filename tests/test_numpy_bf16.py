@@ -7,9 +7,9 @@ Bounds, against torch:
 - against the float32 reference: rel L2 under 2^-8 (bfloat16's epsilon; rounding both operands of
   every product to 8 significant bits leaves ~2^-9 relative per product) and, for the product, under
   1.5x the error of torch.matmul on bfloat16 tensors on the CPU against the same reference;
-- a whole ConvNeXt (tiny-convnext's stages at ConvNeXt-T's widths) under torch's bfloat16 model's
-  error (ours rounds only the products' operands) and 1e-2, and above 1e-4, so a silent fallback to
-  float32 fails too.
+- a whole ConvNeXt (tiny-convnext's stages at ConvNeXt-T's widths): the embedding under torch's
+  bfloat16 model's error (ours rounds only the products' operands), the 14 logits under 1.5x it,
+  both under 2e-2 and above 1e-4, so a silent fallback to float32 fails too.
 The refusal runs on every machine: where /proc/cpuinfo lists no avx512_bf16 the backend must
 refuse to start, with one line that says why."""
 from __future__ import annotations
@@ -24,6 +24,8 @@ from convkernels.backends.numpy import bf16, fused
 
 TOL = 1e-5  # float32 rounding of the sums: the float32 tiles' bound (tests/test_cpu_gemm.py)
 BF16_EPS = 2.0 ** -8
+#: the whole ConvNeXt's error as a multiple of transformers' own bfloat16 model's, at most
+RATIO = {"embedding": 1.0, "logits": 1.5}
 ACTS = {None: lambda t: t, "gelu": F.gelu, "silu": F.silu}
 
 
@@ -241,5 +243,6 @@ def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
                                            ("logits", ours["logits"], logits_ref, logits_t, f32["logits"])):
         err, err_t = rel_l2(got, want), rel_l2(theirs, want)
         assert rel_l2(exact, want) < cnx.TOL, f"{name}: float32 itself, seed {seed}"
-        # measured (2026-11-29, 2-core Xeon): ours 4.3-5.5e-3, torch's 7.7e-3-1.2e-2 (it rounds every op)
-        assert 1e-4 < err < min(err_t, 1e-2), f"{name} seed {seed}: rel L2 {err:.2e}, torch bf16 {err_t:.2e}"
+        # measured over 10 seeds (2026-11-29): embedding (1536 values) 0.53-0.59x torch's error, logits
+        # (14 values, so noisier) 0.55-0.99x; ours 1.9e-3-7.7e-3, torch's 3.4e-3-1.1e-2
+        assert 1e-4 < err < min(RATIO[name] * err_t, 2e-2), f"{name} seed {seed}: rel L2 {err:.2e}, torch bf16 {err_t:.2e}"
