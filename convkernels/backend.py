@@ -223,6 +223,25 @@ class BackendBase(TensorOps):
                       (bias is not None, residual is not None, activation))
         return self._run(self.paths.choose(key), key, x, w, bias, residual, activation)
 
+    def prepare_conv(self, w: Array, *, stride=1, padding: PaddingArg = 0, dilation=1, groups=1,
+                     size: int | tuple[int, ...] = 64) -> None:
+        """At load: run now the weight transform of the path a call on an input of spatial `size`
+        (an int: that on every axis) would take (paths.py's `prepare`), so that the first request
+        does not pay it. An estimate: nothing is memoised or timed, and a call that takes another
+        path transforms then."""
+        nd = len(w.shape) - 2
+        if nd not in CONV_OPS or not any(p.prepare for p in self.paths.catalogue):
+            return
+        spec = ConvSpec.make(nd, stride, padding, dilation, groups)
+        x_shape = (1, *((size,) * nd if isinstance(size, int) else size), w.shape[-1] * groups)
+        key = ConvKey(CONV_OPS[nd], x_shape, tuple(w.shape), self.dtype_of(w), spec, (False, False, None))
+        path = self.paths.estimate(key)
+        if path is not None and path.prepare is not None:
+            path.prepare(w, key)
+
+    def prepare_linear(self, weight: Array) -> None:
+        """At load: a linear's weight transform, where the backend has one (packing); none here."""
+
     def _conv_operands(self, op: str, x, w, bias, residual) -> tuple:
         """The operands a path runs on, after validation: here x and w as given, refused unless
         their dtypes are floating (a backend that stores one compute dtype casts here instead)."""

@@ -17,6 +17,9 @@ class ConvPath:
     guard: Callable[[ConvKey], bool]
     cost: Callable[[ConvKey], float]
     run: Callable[..., Any]
+    #: prepare(w, key): the weight transform this path runs on its first call (the NumPy backend's
+    #: Winograd panels, gemm.c's packed weights), done at load instead (BackendBase.prepare_conv)
+    prepare: Callable[[Any, ConvKey], None] | None = None
 
 
 class PathChooser:
@@ -75,6 +78,16 @@ class PathChooser:
         if self.measure is not None and len(valid) > 1:
             return self.measure(key, valid)
         return min(valid, key=lambda p: p.cost(key))
+
+    def estimate(self, key: ConvKey) -> ConvPath | None:
+        """The path `key` would take now, without memoising it, counting it or timing anything (the
+        measure hook's `estimate`, where it has one, else the cost rule); None: no path accepts it."""
+        valid = self.candidates(key)
+        forced = [p for p in valid if p.name == self.forced] if self.forced else []
+        if not valid or forced:
+            return forced[0] if forced else None
+        hook = getattr(self.measure, "estimate", None)
+        return hook(key, valid) if hook is not None and len(valid) > 1 else min(valid, key=lambda p: p.cost(key))
 
     def rechoose(self, match: Callable[[ConvKey], bool]) -> None:
         """Decide again for the memoised keys `match` accepts (call counts stay), e.g. once a

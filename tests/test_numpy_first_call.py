@@ -227,3 +227,61 @@ def test_nothing_is_timed_while_the_machine_is_oversubscribed(every_round):
     assert not tuner.wait(0.5) and calls == []
     tuner.max_load = float("inf")
     assert tuner.wait(60) and calls.count("a") == 3 and tuner.measured == 1
+
+
+def _no_preparation(monkeypatch):
+    from convkernels.backends.numpy.backend import NumpyBackend
+
+    monkeypatch.setattr(NumpyBackend, "prepare_conv", lambda *a, **k: None)
+    monkeypatch.setattr(NumpyBackend, "prepare_linear", lambda *a, **k: None)
+
+
+def test_a_decoders_weights_are_transformed_at_load_and_its_first_call_transforms_none(nominal_rates, monkeypatch):
+    """Loading a model transforms the weights its paths would transform on the first call (tiny-vae:
+    Winograd's panels of its 3x3 convs, gemm.c's packing of its unfolded and 1x1 ones), choosing
+    as a call at 64 x 64 would, with nothing memoised, timed or queued; the first decode then
+    transforms nothing more, and gives the same floats as a model whose weights wait for their
+    first call. The encoder's wait for it (module.py). F(4x4) is forced: at 8 x 9 latents the cost
+    model takes F(2x2) for some convs that it would run with F(4x4) at 64 x 64."""
+    from models import load_model
+
+    be = get_backend("numpy", autotune="background")
+    be.paths.forced = "winograd_f4x3"
+    model = load_model("t", "tiny-vae", be)
+    prepared = len(be._wino_cache)
+    assert prepared >= 4, "tiny-vae's 3x3 convs of 32 and 64 channels take Winograd"
+    assert be.conv_choices() == [] and be.choice.estimated == 0
+    z = np.random.default_rng(0).standard_normal((1, 4, 8, 9)).astype(np.float32)
+    out = model.decode(z, tiled=False)
+    assert len(be._wino_cache) == prepared
+    model.encode(np.random.default_rng(1).random((1, 64, 72, 3), dtype=np.float32))
+    assert len(be._wino_cache) > prepared, "the encoder's convs are transformed on its first call"
+    _no_preparation(monkeypatch)
+    lazy = get_backend("numpy", autotune="background")
+    lazy.paths.forced = "winograd_f4x3"
+    later = load_model("t", "tiny-vae", lazy)
+    assert len(lazy._wino_cache) == 0
+    assert np.array_equal(later.decode(z, tiled=False), out)
+
+
+def test_linear_and_unfolded_conv_weights_are_packed_at_load():
+    """ConvNeXt's MLP linears, stem and downsamplers are packed into gemm.c's panels at load (its
+    first call's 65 ms of packing on ConvNeXt-T, 2-core Xeon), one entry each, and its first call
+    packs none (its depthwise convs are fused with their LayerNorm, no packing)."""
+    from convkernels.backends.numpy import fused
+    from models import load_model
+    from models.nn.layers import Conv2d, Linear
+
+    if not fused.panel_width():
+        pytest.skip("no compiled gemm tiles here: linears run on NumPy's matmul, nothing to pack")
+    be = get_backend("numpy", autotune="off")
+    model = load_model("t", "tiny-convnext", be)
+    modules = [m for _, m in model.tree.walk()]
+    linears = sum(isinstance(m, Linear) for m in modules)
+    dense_convs = sum(isinstance(m, Conv2d) and m.groups == 1 for m in modules)
+
+    def packed() -> int:
+        return sum(k[0] is fused.pack_panels for k in be._wino_cache.entries)
+    assert linears >= 4 and dense_convs >= 2 and packed() == linears + dense_convs
+    model.encode(np.random.default_rng(0).random((1, 64, 64, 3), dtype=np.float32))
+    assert packed() == linears + dense_convs

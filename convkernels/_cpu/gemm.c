@@ -53,7 +53,9 @@ CLONES static void winograd_pack(const float *w, const double *g, float *out, Py
                           Py_ssize_t c_n, int p, Py_ssize_t nr)
 {
     Py_ssize_t panels = (o_n + nr - 1) / nr, k = kt * c_n, row = panels * k * nr, tap = c_n * o_n;
-#pragma omp parallel for schedule(dynamic) if (o_n * k > PARALLEL_MIN_WORK)
+    /* One thread: two threads faulting in fresh pages side by side ran 7x slower once a few hundred
+     * MB were mapped (2-core Xeon VM, transparent huge pages: 180 ms against 24 ms per 512 x 512
+     * conv); at load, and about 7 ms of arithmetic per such conv, one thread is enough. */
     for (Py_ssize_t pn = 0; pn < panels; pn++) {
         double tg[8][3][WINOGRAD_PACK_MAX_NR]; /* G along the kernel's columns: tg[b][i] = sum_j G[b][j] g[i][j] */
         Py_ssize_t o0 = pn * nr, cols = o_n - o0 < nr ? o_n - o0 : nr;

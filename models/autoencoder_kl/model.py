@@ -90,6 +90,8 @@ class Decoder(Module):
 
 
 class Encoder(Module):
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, cfg: AutoencoderKLConfig):
         super().__init__()
         boc, groups = cfg.block_out_channels, cfg.norm_num_groups

@@ -244,6 +244,8 @@ class Decoder(Module):
 class Encoder(Module):
     """diffusers' AutoencoderDC Encoder (its output is the latent itself: no distribution)."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, cfg):
         super().__init__()
         levels, z = cfg.levels("encoder"), cfg.latent_channels

@@ -176,6 +176,8 @@ class Encoder(Module):
     """HunyuanImageEncoder2D up to the posterior mean: conv_out's first latent_channels outputs plus
     the head's shortcut (the input's channels averaged in groups), first latent_channels of it."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, cfg):
         super().__init__()
         levels, z = cfg.encoder_levels(), cfg.latent_channels

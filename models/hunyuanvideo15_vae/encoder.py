@@ -66,6 +66,8 @@ class Encoder(Module):
     temporal_factor frames) with the encode's FeatureCache; gives 2 * latent_channels channels
     (the posterior's mean, then its log-variance)."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, cfg):
         super().__init__()
         widths = list(cfg.block_out_channels)

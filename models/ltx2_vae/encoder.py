@@ -77,6 +77,8 @@ class Encoder(Module):
     """LTX2VideoEncoder3d up to the posterior mean: patchify, conv_in, down blocks, mid block,
     pixel norm + SiLU, conv_out (mean rows only). Frames in [-1, 1] -> N,T,h,w,latent_channels."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, cfg: LTX2VAEConfig):
         super().__init__()
         reflect = cfg.encoder_spatial_padding_mode == "reflect"

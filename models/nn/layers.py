@@ -52,6 +52,9 @@ class Conv2d(Conv):
         return self.backend.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                                    groups=self.groups, residual=residual, activation=activation)
 
+    def prepare(self) -> None:
+        self.backend.prepare_conv(self.weight, stride=self.stride, padding=self.padding, groups=self.groups)
+
     def _check_same_conv(self) -> None:
         """Only a stride-1 'same' conv runs on a band of rows (halo_conv2d, grouped or not); a
         stride-2 conv, or one padded otherwise, would need rows no halo gives."""
@@ -105,6 +108,9 @@ class Linear(Module):
 
     def __call__(self, x, residual=None, activation=None):
         return self.backend.linear(x, self.weight, self.bias, residual=residual, activation=activation)
+
+    def prepare(self) -> None:
+        self.backend.prepare_linear(self.weight)
 
 
 class ResnetBlock2D(Module):

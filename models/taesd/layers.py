@@ -79,6 +79,8 @@ class TinyEncoder(Module):
     """EncoderTiny's layers: a 3x3 conv (stage 0) or a bias-free 3x3 stride-2 conv (later stages),
     that stage's blocks, and a final 3x3 conv to the latent channels."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, in_channels: int, latent_channels: int, widths: Sequence[int], blocks: Sequence[int]):
         super().__init__()
         index = 0

@@ -98,6 +98,8 @@ class EncoderTree(Module):
     """The checkpoint's encoder side: the encoder (`encoder_class`: Wan 2.1's, or Wan 2.2's residual
     one) and quant_conv (1x1x1)."""
 
+    prepared_at_load = False  # transformed on the first encode (models/nn/module.py)
+
     def __init__(self, base_dim: int, z_dim: int, dim_mult, num_res_blocks: int, temperal_downsample,
                  in_channels: int = 3, encoder_class: type[Encoder3d] = Encoder3d):
         super().__init__()

@@ -9,7 +9,7 @@ from ...backend import BackendBase
 from ...paths import ConvPath
 from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, prod, upsample_shapes
 from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
-from . import conv as nc, fused
+from . import conv as nc, fused, norms
 from .activations import apply_activation, c_ready, gelu
 from .autotune import time_paths
 from .background import Activity
@@ -73,12 +73,7 @@ class NumpyBackend(BackendBase):
             name = _DTYPE_NAMES[dt] = str(dt)
         return name
 
-    def _f(self, x):
-        """Upcast half inputs to float32 (the compute dtype); leave f32/f64 alone."""
-        x = np.asarray(x)
-        if x.dtype in (np.float32, np.float64):
-            return x
-        return x.astype(np.float32)
+    _f = staticmethod(norms.as_compute)  # half inputs upcast to float32; float32 and float64 kept
 
     def measure_paths(self):  # hooks late-bound: tests wrap _time_paths
         self.choice = MeasuredChoices(self.autotune, self.autotune_min_macs, self.path_store,
@@ -138,27 +133,32 @@ class NumpyBackend(BackendBase):
                     and nc.winograd_3d_row_bytes(k, tile) <= nc.WINOGRAD_3D_ROW_MAX_BYTES)
 
         return [
-            ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise),
+            ConvPath("pointwise_gemm", is_pointwise, lambda k: 0.5 * k.macs(), self._run_pointwise,
+                     self._prepare_gemm),
             # measured on 2 Xeon cores: 7x7 depthwise 96ch 56x56 15 ms shifted, ~1 ms direct
             ConvPath("depthwise_direct", direct_depthwise_ok, lambda k: 0.05 * k.macs(), self._run_depthwise_direct),
             ConvPath("depthwise_shift", lambda k: k.is_depthwise and not k.spec.transpose,
                      depthwise_cost, self._run_depthwise),
             # 2.25x fewer multiplies; oneDNN uses Winograd for these convs too
-            ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd),
-            ConvPath("winograd_f2x3_3d", winograd_3d_ok, lambda k: 0.5 * k.macs(), self._run_winograd_3d),
+            ConvPath("winograd_f2x3", winograd_ok, lambda k: 0.5 * k.macs(), self._run_winograd,
+                     self._prepare_winograd(nc.F2X3, nc.winograd_weights)),
+            ConvPath("winograd_f2x3_3d", winograd_3d_ok, lambda k: 0.5 * k.macs(), self._run_winograd_3d,
+                     self._prepare_winograd(nc.F2X3, _WINOGRAD_3D_WEIGHTS[nc.F2X3])),
             # F(4x4): 1.5-1.6x faster than F(2x2) on large convs, ~7x its rounding error; the
             # static rule (small convs) never picks it, measured choice takes it where it wins
-            ConvPath("winograd_f4x3", winograd4_ok, lambda k: 0.6 * k.macs(), self._run_winograd4),
+            ConvPath("winograd_f4x3", winograd4_ok, lambda k: 0.6 * k.macs(), self._run_winograd4,
+                     self._prepare_winograd(nc.F4X3, nc.winograd4_weights)),
             ConvPath("winograd_f4x3_3d", lambda k: winograd_3d_ok(k, nc.F4X3), lambda k: 0.6 * k.macs(),
-                     self._run_winograd4_3d),
+                     self._run_winograd4_3d,
+                     self._prepare_winograd(nc.F4X3, _WINOGRAD_3D_WEIGHTS[nc.F4X3])),
             # no unfold buffer and ~10% faster than im2col at 512ch (measured)
             ConvPath("shift_gemm", shift_ok, lambda k: 0.9 * k.macs(), self._run_shift),
             # k4 s2 p1 transposed convs (nearest 2x + 3x3 conv as one conv): four phase convs
             # written straight into the interleaved output
             ConvPath("subpixel_gemm", is_subpixel_upsample, lambda k: 0.5 * k.macs(), self._run_subpixel),
-            ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold),
+            ConvPath("im2col_gemm", fits, dense_cost, self._run_unfold, self._prepare_gemm),
             ConvPath("tiled_unfold", lambda k: not fits(k) and not is_subpixel_upsample(k), dense_cost,
-                     self._run_unfold),
+                     self._run_unfold, self._prepare_gemm),
         ]
 
     def _run(self, path, key, x, w, bias, residual, activation):
@@ -226,6 +226,16 @@ class NumpyBackend(BackendBase):
     def _run_winograd4_3d(self, x, w, key, bias, residual, activation):
         return self._run_winograd_3d(x, w, key, bias, residual, activation, nc.F4X3)
 
+    def _prepare_winograd(self, tile, transform):
+        """a Winograd path's `prepare` (paths.py): the weight transform its calls look up, at load"""
+        return lambda w, key: self._winograd_weights(self._f(w), tile, transform)
+
+    def _prepare_gemm(self, w, key):
+        """an ungrouped pointwise or unfolded conv's `prepare`: its (O, k C) weight packed as its calls
+        pack it (their gemm's transposed view, unfold.py)"""
+        if key.spec.groups == 1 and not key.spec.transpose and fused.panel_width() and self.dtype == "float32":
+            self._pack(self._f(w).reshape(w.shape[0], -1))
+
     def _winograd_weights(self, w: np.ndarray, tile, transform):
         """(U = transform(w), None) for NumPy's per-plane matmuls; or where gemm.c has tiles, (None,
         the per-plane products on them), w transformed straight into their panels. Once per buffer."""
@@ -254,6 +264,10 @@ class NumpyBackend(BackendBase):
                                       self._tiles_matmul)
         return self._epilogue(out, bias, residual, activation)
 
+    def prepare_linear(self, weight) -> None:
+        if fused.panel_width() and self.dtype == "float32":
+            self._pack(self._f(weight))
+
     def _pack(self, w: np.ndarray) -> np.ndarray:
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""
         return self._wino_cache(w, fused.pack_panels)
@@ -274,57 +288,10 @@ class NumpyBackend(BackendBase):
         return self._counted("conv2d", "depthwise_layer_norm", fused.depthwise_layer_norm, x,
                              self._wino_cache(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
 
-    def _group_norm(self, x, num_groups, weight, bias, eps, activation):
-        x = self._f(x)
-        if c_ready(x) and activation in fused.ACT_CODES:
-            n, c = x.shape[0], x.shape[-1]
-            out = np.empty_like(x)
-            w, b = (np.ascontiguousarray(self._f(p), np.float32) if p is not None else np.zeros(1, np.float32)
-                    for p in (weight, bias))
-            _cpu._kernels.group_norm(x, w, b, out, weight is not None, bias is not None, n, x.size // (n * c), c,
-                                     num_groups, eps, fused.ACT_CODES[activation])
-            return out
-        n, c = x.shape[0], x.shape[-1]
-        xr = x.reshape(n, -1, num_groups, c // num_groups)
-        mean = xr.mean(axis=(1, 3), keepdims=True)
-        centered = xr - mean
-        var = np.square(centered).mean(axis=(1, 3), keepdims=True)
-        out = (centered * (1.0 / np.sqrt(var + eps)).astype(x.dtype)).reshape(x.shape)
-        if weight is not None:
-            out *= self._f(weight).astype(out.dtype, copy=False)
-        if bias is not None:
-            out += self._f(bias).astype(out.dtype, copy=False)
-        return apply_activation(out, activation, owned=True)
-
-    def _layer_norm(self, x, weight, bias, eps, activation):
-        x = self._f(x)
-        if c_ready(x):
-            c = x.shape[-1]
-            x = np.ascontiguousarray(x)
-            out = np.empty_like(x)
-            w, b = (np.ascontiguousarray(self._f(p), np.float32) if p is not None else np.zeros(1, np.float32)
-                    for p in (weight, bias))
-            _cpu._kernels.layer_norm(x, w, b, out, weight is not None, bias is not None, x.size // c, c, eps)
-            return apply_activation(out, activation, owned=True)
-        mean = x.mean(axis=-1, keepdims=True)
-        centered = x - mean
-        var = np.square(centered).mean(axis=-1, keepdims=True)
-        out = centered * (1.0 / np.sqrt(var + eps)).astype(x.dtype)
-        if weight is not None:
-            out *= self._f(weight).astype(out.dtype, copy=False)
-        if bias is not None:
-            out += self._f(bias).astype(out.dtype, copy=False)
-        return apply_activation(out, activation, owned=True)
-
-    def _rms_norm(self, x, weight, eps, activation):
-        # direct: one pass for the sum of squares (einsum, no x*x temporary), one to scale;
-        # the base class's layer_norm route does about three times the work
-        x = self._f(x)
-        ms = np.einsum("...c,...c->...", x, x)[..., None] * np.asarray(1.0 / x.shape[-1], x.dtype)
-        out = x * (1.0 / np.sqrt(ms + np.asarray(eps, x.dtype)))
-        if weight is not None:
-            out *= self._f(weight).astype(out.dtype, copy=False)
-        return apply_activation(out, activation, owned=True)
+    # the norms: one compiled pass each where the C extension runs (norms.py)
+    _group_norm = staticmethod(norms.group_norm)
+    _layer_norm = staticmethod(norms.layer_norm)
+    _rms_norm = staticmethod(norms.rms_norm)
 
     def _activation(self, x, activation):
         return apply_activation(self._f(x), activation)

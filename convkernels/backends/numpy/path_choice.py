@@ -67,6 +67,14 @@ class MeasuredChoices:
             self.tuner.submit(work, key, valid)
         return chosen
 
+    def estimate(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
+        """What __call__ would answer, with nothing timed or queued (a weight prepared at load)."""
+        if key.macs() < self.min_macs:
+            return min(valid, key=lambda p: p.cost(key))
+        timed = self.timed.get(PathStore.name(work_key(key)))
+        chosen = next((p for p in valid if p.name == timed), None)
+        return chosen or cost_model.model_choice(key, valid, cost_model.measure_rates())
+
     def _record(self, name: str, path_name: str) -> None:
         with self._lock:  # the tuner's thread and request threads both record
             if self.store:
