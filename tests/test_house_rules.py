@@ -36,8 +36,8 @@ OVER_BUDGET: dict[str, str] = {}
 #: environment variables read below service/: each is another tool's own convention, not a setting
 ENV_READS = {
     "convkernels/_cpu/__init__.py": {"OMP_WAIT_POLICY"},     # OpenMP's: idle threads must not spin
-    # glibc's malloc options: where a user set any, the backend leaves the allocator alone
-    "convkernels/backends/numpy/memory.py": {"GLIBC_TUNABLES", "MALLOC_*"},
+    # glibc's malloc options and NumPy's huge-page request: where a user set any, they are left alone
+    "convkernels/backends/numpy/memory.py": {"GLIBC_TUNABLES", "MALLOC_*", "NUMPY_MADVISE_HUGEPAGE"},
     "convkernels/backends/cuda/blas.py": {"CUDA_PATH"},      # the CUDA toolkit's install location
     "models/hub.py": {"HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME"},  # Hugging Face's cache and offline mode
 }

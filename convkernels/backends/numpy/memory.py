@@ -9,6 +9,13 @@ glibc ships, 1.43-1.51 s with the threshold at its 32 MiB ceiling and a 1 GiB tr
 Blocks above 32 MiB are still mapped and unmapped (the process's memory stays bounded by its
 peak plus the trim threshold). A user who set glibc's malloc options (MALLOC_* or
 GLIBC_TUNABLES) keeps them: nothing is changed then.
+
+NumPy asks for transparent huge pages on every large array (madvise). Where the kernel compacts
+memory to find them at fault time (`defrag` = madvise, as on the 2-core Xeon VM), a fresh 38 MB
+array took 114-158 ms to touch once a few hundred MB were mapped, against 15-20 ms in 4 KiB pages;
+loading SD-VAE (its Winograd panels, transformed at load) took 5.1-6.4 s against 1.8 s, and steady
+decodes were the same either way (2.5-2.9 s, 2026-11-29). So that request is turned off too, unless
+the user chose with NUMPY_MADVISE_HUGEPAGE.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ def retain_freed_memory(env=os.environ) -> bool:
     """Raise glibc's mmap and trim thresholds once per process; True where it was done."""
     if _done:
         return _done[0]
+    if "NUMPY_MADVISE_HUGEPAGE" not in env:
+        _no_huge_page_requests()
     ok = False
     if not user_set_malloc_options(env):
         try:
@@ -43,3 +52,12 @@ def retain_freed_memory(env=os.environ) -> bool:
             ok = False
     _done.append(ok)
     return ok
+
+
+def _no_huge_page_requests() -> None:
+    import numpy as np
+
+    core = getattr(np, "_core", None) or getattr(np, "core", None)  # NumPy 2, NumPy 1.26
+    setter = getattr(getattr(core, "multiarray", None), "_set_madvise_hugepage", None)
+    if setter is not None:  # another NumPy's internals: its default stays
+        setter(False)
