@@ -222,6 +222,26 @@ def test_backend_linears_and_gemm_convs_take_bfloat16_and_float32_is_unchanged()
 
 
 @needs_bf16
+def test_weights_are_packed_once_at_load_as_bfloat16(monkeypatch):
+    """prepare_linear and a gemm conv's prepare pack the bfloat16 panels the calls then use: the
+    calls pack nothing more, and no float32 panels are made"""
+    be = get_backend("numpy", dtype="bfloat16")
+    calls = []
+    for module, name in ((bf16, "pack_panels"), (fused, "pack_panels")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda w, real=real, tag=module.__name__: calls.append(tag) or real(w))
+    rng, seed = fresh_rng()
+    w = (rng.standard_normal((40, 24)) / 5).astype(np.float32)
+    wc = (rng.standard_normal((32, 2, 2, 24)) / 10).astype(np.float32)
+    be.prepare_linear(w)
+    be.prepare_conv(wc, stride=2)
+    assert calls == [bf16.__name__, bf16.__name__], calls
+    be.linear(rng.standard_normal((5, 24)).astype(np.float32), w)
+    be.conv2d(rng.random((1, 8, 8, 24), dtype=np.float32), wc, stride=2)
+    assert calls == [bf16.__name__, bf16.__name__], calls
+
+
+@needs_bf16
 def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
     """tiny-convnext's stages at ConvNeXt-T's widths (96-768), fresh random weights: our bfloat16
     embedding and logits against transformers in float32, beside transformers' own bfloat16 model."""

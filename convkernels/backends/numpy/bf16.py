@@ -88,6 +88,15 @@ class NumpyBf16Backend(NumpyBackend):
         """a linear's (O, I) weight as bfloat16 panels, packed once per weight buffer"""
         return self._wino_cache(w, pack_panels)
 
+    def prepare_linear(self, weight) -> None:
+        """at load, the bfloat16 panels each call would pack (the float32 ones are never used here)"""
+        self._pack_bf16(self._f(weight))
+
+    def _prepare_gemm(self, w, key):
+        """at load, a pointwise or unfolded conv's (O, k C) weight as _tiles_matmul packs it"""
+        if key.spec.groups == 1 and not key.spec.transpose:
+            self._pack_bf16(self._f(w).reshape(w.shape[0], -1))
+
     def _linear_run(self, x, weight, bias, residual, activation):
         xs, w = self._operands(x, weight)
         x2 = xs.reshape(-1, xs.shape[-1])
