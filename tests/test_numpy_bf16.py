@@ -14,6 +14,12 @@ The refusal runs on every machine: where /proc/cpuinfo lists no avx512_bf16 the 
 refuse to start, with one line that says why."""
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -27,6 +33,7 @@ BF16_EPS = 2.0 ** -8
 #: the whole ConvNeXt's error as a multiple of transformers' own bfloat16 model's, at most
 RATIO = {"embedding": 1.0, "logits": 1.5}
 ACTS = {None: lambda t: t, "gelu": F.gelu, "silu": F.silu}
+CPU_SRC = Path(__file__).resolve().parents[1] / "convkernels" / "_cpu"
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -177,6 +184,29 @@ def test_rounding_is_to_nearest_even_as_torchs_cast(k):
     np.testing.assert_array_equal(got_w, want, err_msg=f"the weight's rounding, seed {seed}")
     assert not np.array_equal(truncated(vals), want)  # ties and near-ties do tell the roundings apart
     np.testing.assert_array_equal(bf16.bf16_round(vals), want)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or platform.machine() != "x86_64", reason="needs gcc on x86-64")
+def test_the_full_tile_keeps_its_accumulators_in_registers(tmp_path):
+    """Built on any x86-64 (the instruction set is the tile's own attribute, not the build's): the 12 x
+    32 tile's step over K is 24 vdpbf16ps on zmm registers, no vector moving to or from the stack"""
+    asm = tmp_path / "gemm_bf16.s"
+    run = subprocess.run(["gcc", "-O3", "-fopenmp", "-Wno-psabi", "-I", sysconfig.get_paths()["include"], "-S",
+                          str(CPU_SRC / "gemm_bf16.c"), "-o", str(asm)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    body, inside = [], False
+    for line in asm.read_text().splitlines():
+        if line and not line[0].isspace() and line.endswith(":") and not line.startswith("."):
+            inside = line[:-1] == "tile_bf16_12"
+        elif inside:
+            body.append(line.strip())
+    dots = [i for i, ln in enumerate(body) if ln.startswith("vdpbf16ps")]
+    assert len(dots) == 24 and all("%zmm" in body[i] for i in dots), [body[i] for i in dots]
+    start = max(i for i in range(dots[0]) if body[i].startswith(".L") and body[i].endswith(":"))
+    end = next(i for i in range(dots[-1], len(body)) if body[i].startswith("j"))
+    loop = body[start:end + 1]  # the step over K: loads of A and the panel, the 24 products, the branch
+    spills = [ln for ln in loop if "%zmm" in ln and ("(%rsp)" in ln or "(%rbp)" in ln)]
+    assert not spills, spills
 
 
 @needs_bf16
