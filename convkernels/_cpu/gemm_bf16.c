@@ -23,7 +23,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* GCC 12 or later: the oldest we build and check the BF16 intrinsics and the avx512bf16 run-time
+ * check with; an older compiler builds the module without these tiles rather than fail the whole
+ * (optional) extension */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define HAVE_BF16_TILES 1
 #include <immintrin.h>
 #endif
