@@ -272,6 +272,17 @@ def test_weights_are_packed_once_at_load_as_bfloat16(monkeypatch):
 
 
 @needs_bf16
+def test_measured_choices_are_stored_apart_from_float32s(tmp_path):
+    """The same plan_cache_dir: bfloat16's stored path choices in a file of their own (its convs
+    are timed on other products), float32's file as before"""
+    f32 = get_backend("numpy", numpy_options={"plan_cache_dir": str(tmp_path)})
+    be = get_backend("numpy", dtype="bfloat16", numpy_options={"plan_cache_dir": str(tmp_path)})
+    assert be.path_store.path.parent == f32.path_store.path.parent == tmp_path
+    assert be.path_store.path != f32.path_store.path
+    assert be.choice.store is be.path_store
+
+
+@needs_bf16
 def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
     """tiny-convnext's stages at ConvNeXt-T's widths (96-768), fresh random weights: our bfloat16
     embedding and logits against transformers in float32, beside transformers' own bfloat16 model."""

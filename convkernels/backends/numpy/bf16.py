@@ -18,6 +18,7 @@ import numpy as np
 from ... import _cpu
 from . import fused
 from .backend import NumpyBackend
+from .path_store import PathStore
 
 #: columns of gemm_bf16.c's panels
 NR = 32
@@ -79,6 +80,13 @@ class NumpyBf16Backend(NumpyBackend):
             raise ValueError("numpy backend: dtype bfloat16 needs a CPU with AVX-512 BF16 (vdpbf16ps) and the "
                              "compiled kernels; this one has none (use float32)")
         super().__init__(dtype, **options)
+
+    def measure_paths(self):
+        # a conv's stored choice is keyed by its input's dtype, float32 here too: bfloat16's choices
+        # go to a file of their own, so neither dtype reads the other's timings
+        if self.path_store is not None:
+            self.path_store = PathStore(self.path_store.dir, {**self.path_store.fingerprint, "dtype": "bfloat16"})
+        return super().measure_paths()
 
     def _compute_dtype(self, dt) -> np.dtype:
         # activations stay float32 in memory (NumPy has no bfloat16 of its own)
