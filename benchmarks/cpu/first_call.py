@@ -29,6 +29,7 @@ WORKLOADS = {  # preset, input shape, call
     "sd-vae-512": ("sd-vae", (1, 4, 64, 64), "decode"),
     "convnext-b1": ("convnext-tiny", (1, 224, 224, 3), "encode"),
     "tiny-vae-512": ("tiny-vae", (1, 4, 64, 64), "decode"),  # the README's first example, in-process
+    "wan-5x128": ("wan2.1-vae", (1, 16, 2, 16, 16), "decode"),  # 5 frames of 128x128, the video path
 }
 
 
