@@ -206,6 +206,11 @@ def test_gelu_norms_depthwise_with_and_without_the_compiled_kernels(monkeypatch,
     gn = F.silu(F.group_norm(to_t(big), 5, torch.from_numpy(w.astype(np.float64)),
                              torch.from_numpy(b.astype(np.float64)), eps=1e-6))
     assert rel_l2(be.group_norm(big, 5, w, b, eps=1e-6, activation="silu"), from_t(gn)) < TOL, f"seed {seed}"
+    # RMSNorm (+ SiLU), Wan's eps: 45 channels leave a part vector; 25 K rows split over the pool
+    for eps in (1e-6, 1e-24 / 45):
+        rms = F.rms_norm(torch.from_numpy(big.astype(np.float64)), (45,), torch.from_numpy(w.astype(np.float64)), eps)
+        assert rel_l2(be.rms_norm(big, w, eps), rms.numpy()) < TOL, f"seed {seed}"
+        assert rel_l2(be.rms_norm(big, w, eps, activation="silu"), F.silu(rms).numpy()) < TOL, f"seed {seed}"
     dw = rng.standard_normal((45, 7, 7, 1)).astype(np.float32)
     ours = be.conv2d(x, dw, b, padding=3, groups=45)
     assert be.conv_choices()[-1]["path"] == ("depthwise_direct" if compiled else "depthwise_shift")

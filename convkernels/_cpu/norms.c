@@ -116,6 +116,57 @@ static void layer_norm_rows(const float *x, const float *w, const float *b, floa
     for (Py_ssize_t r = 0; r < rows; r++) ln_pixel(x + (size_t)r * c, w, b, out + (size_t)r * c, c, eps);
 }
 
+/* RMSNorm of each row's c channels, x * weight / sqrt(mean(x^2) + eps), then the activation, in one
+ * pass over the row (its sum of squares stays in registers, and the row in L1): the Wan decoders'
+ * norm + SiLU, where NumPy's four passes took 0.43 s of a 1.9 s Wan 2.1 5 x 128 x 128 decode on
+ * two cores (2026-11-29). Tasks of about 16 K floats on pool.c's threads. */
+typedef struct {
+    const float *x, *w;
+    float *out;
+    Py_ssize_t rows, c, chunk;
+    float eps;
+    int act;
+} rms_job;
+
+CLONES
+static void rms_task(void *ctx, Py_ssize_t task)
+{
+    const rms_job *j = ctx;
+    Py_ssize_t c = j->c, c_vec = c - c % ACT_VEC, r1 = (task + 1) * j->chunk < j->rows ? (task + 1) * j->chunk : j->rows;
+    for (Py_ssize_t r = task * j->chunk; r < r1; r++) {
+        const float *xr = j->x + (size_t)r * c;
+        float *o = j->out + (size_t)r * c;
+        vf8 acc = {0};
+        Py_ssize_t ch = 0;
+        for (; ch < c_vec; ch += ACT_VEC) {
+            vf8 v = vload8(xr + ch);
+            acc += v * v;
+        }
+        float ss = vsum(acc);
+        for (; ch < c; ch++) ss += xr[ch] * xr[ch];
+        vf8 scale = vsplat8((float)(1.0 / sqrt((double)ss / (double)c + (double)j->eps)));
+        for (ch = 0; ch < c; ch += ACT_VEC) {
+            Py_ssize_t n = c - ch < ACT_VEC ? c - ch : ACT_VEC;
+            vf8 v = (n == ACT_VEC ? vload8(xr + ch) : vload8_part(xr + ch, n)) * scale;
+            if (j->w) v *= n == ACT_VEC ? vload8(j->w + ch) : vload8_part(j->w + ch, n);
+            v = vact(v, j->act);
+            if (n == ACT_VEC) vstore8(o + ch, v);
+            else vstore8_part(o + ch, v, n);
+        }
+    }
+}
+
+static void rms_norm_rows(const float *x, const float *w, float *out, Py_ssize_t rows, Py_ssize_t c, float eps, int act)
+{
+    Py_ssize_t chunk = 16384 / c > 0 ? 16384 / c : 1;
+    rms_job j = {x, w, out, rows, c, chunk, eps, act};
+    Py_ssize_t tasks = (rows + chunk - 1) / chunk;
+    if ((long long)rows * c * (act ? 16 : 4) > PARALLEL_MIN_WORK)
+        ck_pool_run(rms_task, &j, tasks);
+    else
+        for (Py_ssize_t t = 0; t < tasks; t++) rms_task(&j, t);
+}
+
 /* LayerNorm(depthwise stride-1 conv(x) + bias), output size = input size: each block of output
  * rows is convolved into a buffer that stays in cache and normalised from there, so the conv's
  * output never makes the round trip through memory that a separate LayerNorm pass costs. The
@@ -341,6 +392,28 @@ PyObject *ck_layer_norm(PyObject *self, PyObject *args)
     release(bf, 4);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "layer_norm: buffer sizes do not match");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *ck_rms_norm(PyObject *self, PyObject *args)
+{
+    Py_buffer bf[3];
+    Py_ssize_t rows, c;
+    int has_w, act;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*w*pnnfi", &bf[0], &bf[1], &bf[2], &has_w, &rows, &c, &eps, &act)) return NULL;
+    int bad = rows < 0 || c < 1 || act < 0 || act > 2 || too_small(&bf[0], rows * c) || too_small(&bf[2], rows * c) ||
+              (has_w && too_small(&bf[1], c));
+    if (!bad) {
+        Py_BEGIN_ALLOW_THREADS
+        rms_norm_rows(bf[0].buf, has_w ? bf[1].buf : NULL, bf[2].buf, rows, c, eps, act);
+        Py_END_ALLOW_THREADS
+    }
+    release(bf, 3);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: buffer sizes or activation do not match");
         return NULL;
     }
     Py_RETURN_NONE;

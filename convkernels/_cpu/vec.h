@@ -189,6 +189,7 @@ PyObject *ck_depthwise_layer_norm(PyObject *self, PyObject *args);
 PyObject *ck_gemm_panel_width(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight(PyObject *self, PyObject *args);
 PyObject *ck_winograd_pack(PyObject *self, PyObject *args);
+PyObject *ck_rms_norm(PyObject *self, PyObject *args);
 PyObject *ck_gemm(PyObject *self, PyObject *args);
 /* ... and of gemm_bf16.c */
 PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args);

@@ -65,6 +65,13 @@ def rms_norm(x, weight, eps, activation):
     # direct: one pass for the sum of squares (einsum, no x*x temporary), one to scale;
     # the base class's layer_norm route does about three times the work
     x = as_compute(x)
+    if c_ready(x) and activation in fused.ACT_CODES:  # one compiled pass (norms.c)
+        x = np.ascontiguousarray(x)
+        out = np.empty_like(x)
+        w = np.zeros(1, np.float32) if weight is None else np.ascontiguousarray(as_compute(weight), np.float32)
+        c = x.shape[-1]
+        _cpu._kernels.rms_norm(x, w, out, weight is not None, x.size // c, c, eps, fused.ACT_CODES[activation])
+        return out
     ms = np.einsum("...c,...c->...", x, x)[..., None] * np.asarray(1.0 / x.shape[-1], x.dtype)
     out = x * (1.0 / np.sqrt(ms + np.asarray(eps, x.dtype)))
     if weight is not None:
