@@ -75,13 +75,16 @@ def test_the_old_behaviour_times_inside_the_request(monkeypatch):
 @pytest.mark.parametrize("preset,shape,call", [
     ("sd-vae", (1, 4, 32, 32), lambda m, x: m.decode(x, tiled=False)),
     ("convnext-tiny", (1, 224, 224, 3), lambda m, x: m.encode(x)),
+    ("wan2.1-vae", (1, 16, 2, 16, 16), lambda m, x: m.decode(x)),
 ])
 def test_the_cost_model_picks_every_conv_of_the_models(nominal_rates, preset, shape, call):
-    """Every conv of an SD-VAE 256 decode and a ConvNeXt-T encode gets a valid path from the
-    cost model where it has a choice (the path runners are stubbed: this is about the choice, not
-    the arithmetic; its depthwise convs are fused with their LayerNorm, no conv path), and
-    SD-VAE's take the paths measured fastest on a 2-core box: Winograd F(4x4) for its 3x3 convs,
-    shift_gemm for the 3-channel output conv, the pointwise gemm for 1x1."""
+    """Every conv of an SD-VAE 256 decode, a ConvNeXt-T encode and a Wan 2.1 5 x 128 x 128 decode
+    gets a valid path from the cost model where it has a choice (the path runners are stubbed: this
+    is about the choice, not the arithmetic; ConvNeXt's depthwise convs are fused with their
+    LayerNorm, no conv path), and SD-VAE's and Wan's take the paths measured fastest on a 2-core
+    box: Winograd F(4x4) for their 3x3 (and kT x 3 x 3) convs, shift_gemm for the 3-channel output
+    conv, the pointwise gemm for 1x1 (Wan's 3-D F(4x4) against F(2x2): 6.5 / 8.7 ms at 16 x 16 x 384,
+    72 / 147 ms at 5 x 128 x 128 x 96, 2026-11-29)."""
     from models import load_model
 
     be = get_backend("numpy", autotune="off", autotune_min_macs=1)
@@ -93,14 +96,17 @@ def test_the_cost_model_picks_every_conv_of_the_models(nominal_rates, preset, sh
     # ConvNeXt's convs (stem, downsamplers) have one valid path each: nothing to estimate
     assert choices and (be.choice.estimated >= 10 if preset == "sd-vae" else True)
     for c in choices:
-        spec = ConvSpec.make(2, c["stride"], [tuple(p) for p in c["padding"]], c["dilation"], c["groups"])
+        spec = ConvSpec.make(len(c["weight_shape"]) - 2, c["stride"], [tuple(p) for p in c["padding"]],
+                             c["dilation"], c["groups"])
         key = ConvKey(c["op"], tuple(c["input_shape"]), tuple(c["weight_shape"]), c["dtype"], spec, (False, False, None))
         assert c["path"] in {p.name for p in be.paths.candidates(key)}
-        k, cin, cout = tuple(c["weight_shape"][1:3]), c["input_shape"][-1], c["weight_shape"][0]
+        k, cin, cout = tuple(c["weight_shape"][1:-1]), c["input_shape"][-1], c["weight_shape"][0]
         if preset == "sd-vae" and k == (3, 3) and cin >= 128:
             assert c["path"] == ("winograd_f4x3" if cout >= 128 else "shift_gemm"), c
         if preset == "sd-vae" and k == (1, 1) and cin >= 128:
             assert c["path"] == "pointwise_gemm", c
+        if preset == "wan2.1-vae" and k[-2:] == (3, 3) and cin >= 96 and cout >= 96:
+            assert c["path"] == ("winograd_f4x3_3d" if len(k) == 3 else "winograd_f4x3"), c
 
 
 def test_machine_rates_are_measured_once(monkeypatch):

@@ -95,9 +95,30 @@ def _winograd(key: ConvKey, tile: nc.WinogradTile, r: MachineRates, item: int) -
     return _cost(q * tiles * c * o, memory + transformed / 2, transformed / 2, r)
 
 
+def _winograd_3d(key: ConvKey, tile: nc.WinogradTile, r: MachineRates, item: int) -> float:
+    """conv_winograd_3d: every padded input frame transformed once into V (planes, tiles, frames, C),
+    then per output frame one batched gemm over kT frames (a kT C-deep reduction) and its output
+    transform. The transformed weights (planes, kT C, O) are re-read per output frame and row group:
+    from memory once, from cache after that (charged all from memory, F(4x4)'s 2.25x larger
+    weights lost a 16 x 16 conv that it won by 25 %, 2-core Xeon 2026-11-29)."""
+    n, t_in, h, w, c = key.x_shape
+    t_out, ho, wo, o = key.out_shape[1:]
+    kt, (tlo, thi) = key.kernel[0], key.spec.padding[0]
+    frames = t_in + tlo + thi
+    th, tw, q = tile.tiles(ho), tile.tiles(wo), tile.planes
+    rows = max(1, min(th, nc.WINOGRAD_TILE_BYTES // max(1, q * tw * frames * c * 4)))
+    groups = n * math.ceil(th / rows)
+    tiles = n * th * tw
+    weights = q * kt * c * o * 4
+    memory = (n * t_in * h * w * c + n * t_out * ho * wo * o) * item + weights
+    transformed = 2 * q * tiles * (frames * c + t_out * o) * item
+    return _cost(q * tiles * t_out * kt * c * o, memory + transformed / 2,
+                 transformed / 2 + (groups * t_out - 1) * weights, r)
+
+
 def estimate(path: ConvPath, key: ConvKey, r: MachineRates) -> float:
-    """Seconds the path is expected to take on `key`. Paths without a model of their own (3-D
-    Winograd, sub-pixel, depthwise) are charged their static cost rule as gemm multiply-adds plus
+    """Seconds the path is expected to take on `key`. Paths without a model of their own (sub-pixel,
+    depthwise) are charged their static cost rule as gemm multiply-adds plus
     one pass over input and output: they rarely compete with a modelled path, and where they do,
     background measurement has the last word."""
     item = 8 if key.dtype == "float64" else 4
@@ -109,6 +130,8 @@ def estimate(path: ConvPath, key: ConvKey, r: MachineRates) -> float:
         return _winograd(key, nc.F2X3, r, item)
     if name == "winograd_f4x3":
         return _winograd(key, nc.F4X3, r, item)
+    if name in ("winograd_f2x3_3d", "winograd_f4x3_3d"):
+        return _winograd_3d(key, nc.F2X3 if name == "winograd_f2x3_3d" else nc.F4X3, r, item)
     if name == "shift_gemm":
         # every tap's gemm runs over the padded rows (padded width, valid rows), and its product
         # is added into a cache-sized accumulator tile
