@@ -31,6 +31,15 @@ WORKLOADS = [  # name, kind, preset, shape (ours: NHWC pixels or NCHW latents)
     ("flux2-vae decode 128x16x16 -> 256x256", "flux2", "flux2-vae", (1, 128, 16, 16)),
     ("qwen-image-vae decode 16x32x32 -> 256x256", "qwen", "qwen-image-vae", (1, 16, 32, 32)),
     ("wan2.2-vae decode 48x2x8x8 -> 5x128x128", "wan22", "wan2.2-vae", (1, 48, 2, 8, 8)),
+    # the 2026 families: the diffusers class built from our preset's config (the published one)
+    ("hunyuanvideo1.5-vae decode 32x2x8x8 -> 5x128x128", "family:AutoencoderKLHunyuanVideo15",
+     "hunyuanvideo1.5-vae", (1, 32, 2, 8, 8)),
+    ("ltx2-vae decode 128x2x4x4 -> 9x128x128", "family:AutoencoderKLLTX2Video", "ltx2-vae", (1, 128, 2, 4, 4)),
+    ("dc-ae-f32c32 decode 32x8x8 -> 256x256", "family:AutoencoderDC", "dc-ae-f32c32", (1, 32, 8, 8)),
+    ("hunyuanimage2.1-vae decode 64x8x8 -> 256x256", "family:AutoencoderKLHunyuanImage", "hunyuanimage2.1-vae",
+     (1, 64, 8, 8)),
+    ("qwen-image2.1-vae decode 64x16x16 -> 256x256", "family:AutoencoderKLQwenImage21", "qwen-image2.1-vae",
+     (1, 64, 16, 16)),
 ]
 
 OURS = """
@@ -80,6 +89,13 @@ elif kind == "wan22":
     from models.wan22_vae import PRESETS
     model = AutoencoderKLWan(**PRESETS[preset]).eval()
     x = torch.rand(*shape)
+    run = lambda: model.decode(x)
+elif kind.startswith("family:"):  # N,C,(T,)h,w as the pipeline hands vae.decode (Qwen-Image 2.1: N,C,1,h,w)
+    import diffusers
+    from models import PRESETS
+    model = getattr(diffusers, kind.split(":", 1)[1])(**PRESETS[preset].config).eval()
+    x = torch.rand(*shape)
+    x = x[:, :, None] if kind.endswith("QwenImage21") else x
     run = lambda: model.decode(x)
 elif kind == "encoder":
     import transformers
