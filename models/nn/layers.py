@@ -35,6 +35,12 @@ class Conv(Module):
     def convert(self, name, host):
         return conv_weight_to_channels_last(host) if name == "weight" else host
 
+    def prepare(self) -> None:
+        """A 3-D conv's weight as a later chunk's call reads it (4 frames of 64 x 64; stride 1, the
+        video families' causal convs, whose wrappers pad): Conv2d and Wan's conv say their own."""
+        if len(self.kernel) == 3:
+            self.backend.prepare_conv(self.weight, groups=self.groups, size=(4, 64, 64))
+
 
 class Conv2d(Conv):
     def __init__(self, cin: int, cout: int, kernel: int, stride: int = 1, padding=0, bias: bool = True,
