@@ -61,33 +61,30 @@ class PathChooser:
         if self.cache_metrics:
             PLAN_CACHE_EVENTS.labels(self.backend_name, "miss").inc()
         t0 = time.perf_counter()
-        path = self._decide(key)
+        path = self._decide(key, self.measure)
         if self.cache_metrics:
             PLAN_BUILD_SECONDS.labels(self.backend_name).observe(time.perf_counter() - t0)
         with self._lock:
             self._memo[key] = path
         return path
 
-    def _decide(self, key: ConvKey) -> ConvPath:
+    def _decide(self, key: ConvKey, measure: Callable[[ConvKey, list[ConvPath]], ConvPath] | None) -> ConvPath:
         valid = self.candidates(key)
         if not valid:
             raise ValueError(f"{self.backend_name}: no kernel path accepts {key.describe()}")
         forced = [p for p in valid if p.name == self.forced] if self.forced else []
         if forced:
             return forced[0]
-        if self.measure is not None and len(valid) > 1:
-            return self.measure(key, valid)
+        if measure is not None and len(valid) > 1:
+            return measure(key, valid)
         return min(valid, key=lambda p: p.cost(key))
 
     def estimate(self, key: ConvKey) -> ConvPath | None:
         """The path `key` would take now, without memoising it, counting it or timing anything (the
         measure hook's `estimate`, where it has one, else the cost rule); None: no path accepts it."""
-        valid = self.candidates(key)
-        forced = [p for p in valid if p.name == self.forced] if self.forced else []
-        if not valid or forced:
-            return forced[0] if forced else None
-        hook = getattr(self.measure, "estimate", None)
-        return hook(key, valid) if hook is not None and len(valid) > 1 else min(valid, key=lambda p: p.cost(key))
+        if not self.candidates(key):
+            return None
+        return self._decide(key, getattr(self.measure, "estimate", None))
 
     def rechoose(self, match: Callable[[ConvKey], bool]) -> None:
         """Decide again for the memoised keys `match` accepts (call counts stay), e.g. once a
@@ -95,7 +92,7 @@ class PathChooser:
         with self._lock:
             keys = [k for k in self._memo if match(k)]
         for key in keys:
-            path = self._decide(key)
+            path = self._decide(key, self.measure)
             with self._lock:
                 self._memo[key] = path
 

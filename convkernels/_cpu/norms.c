@@ -18,6 +18,15 @@
 /* rows of depthwise output one fused block keeps for its LayerNorm: about a core's L2 share */
 #define DW_LN_BLOCK_BYTES (128 * 1024)
 
+/* tasks 0 .. tasks - 1 of fn on pool.c's threads, or in order on this one where the work is too small */
+static void run_tasks(ck_task_fn fn, void *job, Py_ssize_t tasks, int parallel)
+{
+    if (parallel)
+        ck_pool_run(fn, job, tasks);
+    else
+        for (Py_ssize_t t = 0; t < tasks; t++) fn(job, t);
+}
+
 /* out = act(x + bias) + residual over rows of c channels; out may be x (in place). Tasks of about
  * 16 K floats on pool.c's threads. */
 typedef struct {
@@ -62,11 +71,7 @@ static void epilogue_rows(const float *x, const float *bias, const float *res, f
 {
     Py_ssize_t chunk = 16384 / c > 0 ? 16384 / c : 1;
     epilogue_job j = {x, bias, res, out, rows, c, chunk, act};
-    Py_ssize_t tasks = (rows + chunk - 1) / chunk;
-    if ((long long)rows * c * (act ? 16 : 2) > PARALLEL_MIN_WORK)
-        ck_pool_run(epilogue_task, &j, tasks);
-    else
-        for (Py_ssize_t t = 0; t < tasks; t++) epilogue_task(&j, t);
+    run_tasks(epilogue_task, &j, (rows + chunk - 1) / chunk, (long long)rows * c * (act ? 16 : 2) > PARALLEL_MIN_WORK);
 }
 
 /* LayerNorm of one pixel's c channels in float lanes, by the corrected two-pass algorithm
@@ -160,11 +165,7 @@ static void rms_norm_rows(const float *x, const float *w, float *out, Py_ssize_t
 {
     Py_ssize_t chunk = 16384 / c > 0 ? 16384 / c : 1;
     rms_job j = {x, w, out, rows, c, chunk, eps, act};
-    Py_ssize_t tasks = (rows + chunk - 1) / chunk;
-    if ((long long)rows * c * (act ? 16 : 4) > PARALLEL_MIN_WORK)
-        ck_pool_run(rms_task, &j, tasks);
-    else
-        for (Py_ssize_t t = 0; t < tasks; t++) rms_task(&j, t);
+    run_tasks(rms_task, &j, (rows + chunk - 1) / chunk, (long long)rows * c * (act ? 16 : 4) > PARALLEL_MIN_WORK);
 }
 
 /* LayerNorm(depthwise stride-1 conv(x) + bias), output size = input size: each block of output
@@ -280,14 +281,6 @@ static void gn_apply_task(void *ctx, Py_ssize_t task)
     }
 }
 
-static void gn_run(ck_task_fn fn, gn_job *j, Py_ssize_t tasks, int parallel)
-{
-    if (parallel)
-        ck_pool_run(fn, j, tasks);
-    else
-        for (Py_ssize_t t = 0; t < tasks; t++) fn(j, t);
-}
-
 /* part: GN_MAX_TASKS x 2c doubles of scratch */
 static void group_norm_image(const float *x, const float *w, const float *b, float *out, Py_ssize_t s,
                              Py_ssize_t c, Py_ssize_t groups, float eps, int act, double *sum, double *sq,
@@ -301,7 +294,7 @@ static void group_norm_image(const float *x, const float *w, const float *b, flo
     tasks = j.chunk > 0 ? (s + j.chunk - 1) / j.chunk : 0;
     memset(sum, 0, sizeof(double) * c);
     memset(sq, 0, sizeof(double) * c);
-    gn_run(gn_sum_task, &j, tasks, parallel);
+    run_tasks(gn_sum_task, &j, tasks, parallel);
     for (Py_ssize_t t = 0; t < tasks; t++)
         for (Py_ssize_t ch = 0; ch < c; ch++) {
             sum[ch] += part[(size_t)t * 2 * c + ch];
@@ -325,7 +318,7 @@ static void group_norm_image(const float *x, const float *w, const float *b, flo
             shift[ch] = (b ? b[ch] : 0.0f) - (float)m * rstd * gw;
         }
     }
-    gn_run(gn_apply_task, &j, tasks, parallel);
+    run_tasks(gn_apply_task, &j, tasks, parallel);
 }
 
 /* ---- Python faces ------------------------------------------------------------------------ */

@@ -127,10 +127,9 @@ class CausalConv3d(Conv):
     def prepare(self) -> None:
         """the weight as a later chunk's call reads it (4 frames of 64 x 64 with the cached ones), and
         the first frame's last tap"""
-        space = ((0, 0), *self.space_pad)
-        self.backend.prepare_conv(self.weight, padding=((self.time_pad, 0), *space[1:]), size=(4, 64, 64))
+        self.backend.prepare_conv(self.weight, padding=((self.time_pad, 0), *self.space_pad), size=(4, 64, 64))
         if self.kernel[0] > 1:
-            self.backend.prepare_conv(self._last_tap_weight(), padding=space, size=(1, 64, 64))
+            self.backend.prepare_conv(self._last_tap_weight(), padding=((0, 0), *self.space_pad), size=(1, 64, 64))
 
     def __call__(self, x, cache=None, residual=None):
         lo = self.time_pad

@@ -50,13 +50,11 @@ class MeasuredChoices:
         self.estimated = 0  # keys answered by the cost model
 
     def __call__(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
-        if key.macs() < self.min_macs:
-            return min(valid, key=lambda p: p.cost(key))
-        work = work_key(key)
-        name = PathStore.name(work)
-        chosen = next((p for p in valid if p.name == self.timed.get(name)), None)
+        chosen = self._known(key, valid)
         if chosen is not None:
             return chosen
+        work = work_key(key)
+        name = PathStore.name(work)
         if self.mode == "request":
             chosen = self.time_in_request(key, valid)
             self._record(name, chosen.name)
@@ -69,11 +67,15 @@ class MeasuredChoices:
 
     def estimate(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
         """What __call__ would answer, with nothing timed or queued (a weight prepared at load)."""
+        return self._known(key, valid) or cost_model.model_choice(key, valid, cost_model.measure_rates())
+
+    def _known(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath | None:
+        """The static rule's choice under min_macs, else the measured one (this process's or the
+        store's), else None."""
         if key.macs() < self.min_macs:
             return min(valid, key=lambda p: p.cost(key))
         timed = self.timed.get(PathStore.name(work_key(key)))
-        chosen = next((p for p in valid if p.name == timed), None)
-        return chosen or cost_model.model_choice(key, valid, cost_model.measure_rates())
+        return next((p for p in valid if p.name == timed), None)
 
     def _record(self, name: str, path_name: str) -> None:
         with self._lock:  # the tuner's thread and request threads both record
