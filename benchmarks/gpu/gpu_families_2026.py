@@ -206,6 +206,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows: list[dict] = []
 
+    def say(what: str) -> None:
+        """Progress as it happens: a run cut off at a machine's time limit still shows how far each row got."""
+        print(f"  [{time.time() - started:5.0f} s] {what}", flush=True)
+
     def left_s() -> float:
         return args.budget_s - (time.time() - started)
 
@@ -227,6 +231,7 @@ def main() -> None:
             vae = getattr(diffusers, row.reference)(**PRESETS[preset].config).eval()
         vae.save_pretrained(folder)  # identical weights for ours
         vae = vae.to(tdtype)
+        say(f"made and saved {row.reference}")
         r["torch_weights_gib"] = weights_gib(vae)
 
         # ---- ours ----
@@ -235,6 +240,7 @@ def main() -> None:
         t0 = time.time()
         model.decode(lat, **kw)  # plans and kernel builds; an image decoder captures its graph on the next call
         r["first_call_s"] = time.time() - t0
+        say(f"ours' first call {r['first_call_s']:.1f} s")
         kept = [None]  # the last timed call's pixels, for the comparison with PyTorch's
 
         def ours_call():
@@ -242,6 +248,7 @@ def main() -> None:
             kept[0] = model.decode(lat, **kw)
         r["ours_ms"], r["ours_reps"] = timed_ms(ours_call, csync)
         ours_out = kept.pop()
+        say(f"ours {r['ours_ms']:.0f} ms ({r['ours_reps']} calls)")
         if cuda:
             r["ours_gib"] = ours_peak_gib(lambda: model.decode(lat, **kw)) + graph_pool_gib(model)
         if row.family == "hv15":  # the causal chunked decoder streams its frame groups as Wan's does
@@ -266,6 +273,7 @@ def main() -> None:
                     else:
                         holder.append(call())
                     r["torch_first_s"] = time.perf_counter() - t0
+                    say(f"PyTorch's first call {r['torch_first_s']:.1f} s")
                     r["rel_l2"] = rel_l2(ours_out, torch_pixels(holder.pop()))
                     if left_s() > r["torch_first_s"] * args.video_torch_reps + 60:
                         r["torch_eager_ms"] = wall(call, 0, args.video_torch_reps, tsync)
@@ -273,6 +281,7 @@ def main() -> None:
                         r["torch_eager_ms"], r["torch_eager_note"] = 1e3 * r["torch_first_s"], "first call (time)"
                 else:
                     r["torch_eager_ms"], r["torch_reps"] = timed_ms(call, tsync)
+                    say(f"PyTorch eager {r['torch_eager_ms']:.0f} ms")
                     r["rel_l2"] = rel_l2(ours_out, torch_pixels(call()))
                     if cuda:
                         r["torch_gib"] = torch_peak_gib(call)

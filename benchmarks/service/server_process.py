@@ -74,37 +74,40 @@ class ServerProcess:
                 return devices
             time.sleep(0.2)
 
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far of the server's processes by role: front ends (this process and
-        the ones it spawned) and model workers (whose pids the model cards name)."""
+    def roles(self) -> dict[str, list[int]]:
+        """The server's processes by role: front ends (this server process and the ones it
+        spawned) and model workers (whose pids the model cards name); multiprocessing's resource
+        tracker is neither."""
         workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
-        pids = [self.proc.pid]
+        out: dict[str, list[int]] = {"front ends": [self.proc.pid], "model workers": []}
         try:
-            pids += [int(k) for k in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+            kids = [int(k) for k in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
         except OSError:
-            pass
-        out = {"front ends": 0.0, "model workers": 0.0}
-        for pid in pids:
+            return out
+        for pid in kids:
             try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out["model workers" if pid in workers else "front ends"].append(pid)
             except OSError:
                 continue
-            if pid != self.proc.pid and b"spawn_main" not in cmd:
-                continue  # multiprocessing's resource tracker
-            secs = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            out["model workers" if pid in workers else "front ends"] += secs
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of the server's processes by role (roles())."""
+        out = {}
+        for role, pids in self.roles().items():
+            out[role] = 0.0
+            for pid in pids:
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                out[role] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return out
 
     def frontends(self) -> int:
         """HTTP front-end processes: this server process and the front ends it spawned."""
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            return -1
-        workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
-        spawned = [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
-        return 1 + sum(int(k) not in workers for k in spawned)
+        return len(self.roles()["front ends"])
 
     def stop(self) -> None:
         self.proc.terminate()

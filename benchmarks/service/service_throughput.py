@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from PIL import Image
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # this group's scripts; the repo (benchmarks.machine)
+import pyspy_profile  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 MEDIA = {"npy": "application/x-npy", "png": "image/png", "jpeg": "image/jpeg"}
@@ -277,6 +279,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw model (a second row of the same run)")
     ap.add_argument("--log", help="server log file")
+    ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                    help="sample the model worker and one front end with py-spy for this long in each format's "
+                         "measured run; raw stacks and a per-thread summary go to $OUT (default out)")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
@@ -319,9 +324,11 @@ def main() -> None:
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
             m0, cpu0 = srv.metrics(), srv.cpu_seconds()
+            spies = _start_py_spy(srv, fmt, args.py_spy)
             res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
                                     raw=args.client == "raw")
             cpu1 = srv.cpu_seconds()
+            _finish_py_spy(spies)
             res.server_cpu = {k: (cpu1[k] - cpu0[k]) / res.seconds for k in cpu1}
             rows.append((fmt, res, m0, srv.metrics()))
     raw_after = measure_raw()
@@ -364,6 +371,36 @@ def main() -> None:
                      f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} "
                      f"| {per_request_us:.0f} | {per_message:.2f} |")
     print("\n".join(table))
+
+
+def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float) -> list[tuple]:
+    """py-spy on the first model worker and the first spawned front end, from the measured run's
+    start (the run must outlast `seconds`: the summary says how many samples it got)."""
+    if seconds <= 0:
+        return []
+    why = pyspy_profile.available()
+    if why:
+        print(f"--py-spy: {why}")
+        return []
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    roles = srv.roles()
+    chosen = {"worker": roles["model workers"][:1], "frontend": roles["front ends"][1:2] or roles["front ends"][:1]}
+    spies = []
+    for role, pids in chosen.items():
+        for pid in pids:
+            path = os.path.join(out, f"pyspy_{role}_{fmt}.txt")
+            spies.append((path, pyspy_profile.record(pid, seconds, path)))
+    return spies
+
+
+def _finish_py_spy(spies: list[tuple]) -> None:
+    for path, proc in spies:
+        _, err = proc.communicate()
+        if proc.returncode or not os.path.exists(path):
+            print(f"py-spy failed ({proc.returncode}): {err.strip()[-500:]}")
+            continue
+        print(pyspy_profile.summary(path))
 
 
 def _delta(m0: dict, m1: dict, name: str) -> float:

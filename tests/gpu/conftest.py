@@ -4,6 +4,7 @@ Python parts of the CUDA backend (plan cache, graph bookkeeping, cuBLAS plans, c
 kernels emulated on the CPU) and always run. The op suite's cuda targets are tests/test_ops*.py."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -21,6 +22,37 @@ from gpu_support import cuda_or_skip  # noqa: E402
 def cuda_available():
     cuda_or_skip()
     return True
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_given_back(request):
+    """After each test, this process hands its cached GPU memory back to the device, and on a GPU
+    machine's run ($OUT) writes the test's peak to $OUT/gpu_memory.txt.
+
+    Why: pytest-xdist runs 8 processes on one GPU. CuPy's pool and torch's caching allocator keep
+    every freed block for reuse. So each process's footprint would grow to its largest test's and
+    stay there. On one H200 on 2026-11-29, eight such footprints left no room: other processes then
+    failed to create a cuBLAS handle (cublasStatus 3) or to load a model."""
+    yield
+    cupy, torch = sys.modules.get("cupy"), sys.modules.get("torch")
+    peak = {}
+    if torch is not None and torch.cuda.is_initialized():
+        peak["torch"] = torch.cuda.max_memory_reserved()
+    if cupy is not None:
+        try:
+            peak["cupy"] = cupy.get_default_memory_pool().total_bytes()
+        except Exception:  # CuPy present but no device: nothing cached
+            cupy = None
+    gc.collect()  # models and arrays the test left in reference cycles
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if cupy is not None:
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+    if peak and _out():
+        with open(os.path.join(_out(), "gpu_memory.txt"), "a") as f:
+            f.write(" ".join(f"{k} {v / 2**30:6.2f} GiB" for k, v in peak.items()) + f" {request.node.nodeid}\n")
 
 
 def _out():
