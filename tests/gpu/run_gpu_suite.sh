@@ -126,6 +126,10 @@ if [ -n "${FAMILIES26:-}" ]; then  # the five newest VAE families vs diffusers, 
   timeout ${FAMILIES26_TIMEOUT:-600} python3 benchmarks/gpu/gpu_families_2026.py --only "$FAMILIES26" \
     ${FAMILIES26_ARGS:-} 2>&1 | tee "$OUT/gpu_families_2026.log" | grep -v -i warn | tail -n 16
 fi
+if [ -n "${KPROFILE:-}" ]; then  # where the device time goes, kernel by kernel, ours beside diffusers (KPROFILE=dcae or taesd,wan22)
+  timeout ${KPROFILE_TIMEOUT:-300} python3 benchmarks/gpu/gpu_kernel_profile.py --only "$KPROFILE" 2>&1 \
+    | tee "$OUT/kernel_profile.log" | grep -v -i warn | tail -n 60
+fi
 if [ -n "${SHARDED:-}" ]; then  # the sharded decode: one decode over 1, 2, 4 GPUs (SHARDED='--size 4096' or a Wan latent)
   timeout ${SHARDED_TIMEOUT:-300} python3 benchmarks/gpu/sharded_decode.py $SHARDED 2>&1 \
     | tee -a "$OUT/sharded_decode.log" | grep -v -i warn | tail -n 10
