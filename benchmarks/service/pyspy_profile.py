@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections import Counter, defaultdict
 
 
@@ -38,6 +39,8 @@ def record(pid: int, seconds: float, path: str, rate: int = 250) -> subprocess.P
                              "--output", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+#: the threading module's own frames (every thread's bootstrap: in all of its samples, so no news)
+_THREADING = f"({os.path.basename(threading.__file__)}:"
 _THREAD = re.compile(r"^thread \(\w+\)(?:: (.*))?$")
 
 
@@ -68,7 +71,7 @@ def summary(path: str, top: int = 12) -> str:
     for thread, n in per_thread.most_common():
         out.append(f"  thread {thread}: {n} samples, {n / total:.0%}")
         out.append("    own: " + "; ".join(f"{f} {c / n:.0%}" for f, c in own[thread].most_common(top)))
-        kept = [(f, c) for f, c in inclusive[thread].most_common(top + 4) if "(threading.py" not in f][:top]
+        kept = [(f, c) for f, c in inclusive[thread].most_common(top + 4) if _THREADING not in f][:top]
         out.append("    inclusive: " + "; ".join(f"{f} {c / n:.0%}" for f, c in kept))
     return "\n".join(out)
 
