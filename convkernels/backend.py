@@ -23,7 +23,7 @@ layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
 `attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
-[None: not fused], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
+[None: not fused], `mlp` [None: two linears], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
 stack a batch anywhere].
 """
 from __future__ import annotations
@@ -102,6 +102,11 @@ class BackendBase(TensorOps):
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' conv2d(x, w) + bias) as one fused op, or None where the
         backend does not fuse it (the caller runs conv2d, then layer_norm). Not fused here."""
+        return None
+
+    def mlp(self, x, w1, b1, w2, b2, activation, residual):
+        """Two linears as one op, or None where the backend has no better way (the caller runs
+        the two linears). None here."""
         return None
 
     def graphed(self, fn):

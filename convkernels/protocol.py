@@ -168,3 +168,9 @@ class Backend(Protocol):
         one fused op (ConvNeXt's block), or None where the backend does not fuse this case: the
         caller then runs the two ops. Default: always None."""
         ...
+
+    def mlp(self, x, w1, b1, w2, b2, activation: str | None, residual) -> Array | None:
+        """linear(linear(x, w1, b1, activation=activation), w2, b2, residual=residual) in one op
+        (a transformer or ConvNeXt MLP), or None where the backend has no better way for this
+        case: the caller then runs the two linears. Default: always None."""
+        ...

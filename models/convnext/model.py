@@ -167,6 +167,11 @@ class ConvNeXtBlock(Module):
         h = backend.depthwise_conv_layer_norm(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
         if h is None:
             h = norm(dw(x))
+        # a backend may run both products in one op (NumPy: in blocks of rows whose hidden
+        # activations stay in cache)
+        out = backend.mlp(h, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self.activation, x)
+        if out is not None:
+            return out
         h = self.fc1(h, activation=self.activation)
         return self.fc2(h, residual=x)
 

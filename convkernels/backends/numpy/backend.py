@@ -277,6 +277,18 @@ class NumpyBackend(BackendBase):
         return fused.matmul(a, wt, self._pack)
 
     # ---- other ops ------------------------------------------------------------------------
+    def mlp(self, x, w1, b1, w2, b2, activation, residual):
+        """The two products over blocks of rows (fused.mlp) where their hidden activations would
+        not stay in cache, else None (the caller runs the two linears)."""
+        x, w1 = self._operands(x, w1)
+        if not fused.mlp_applies(x.size // x.shape[-1], w1.shape[0]):
+            return None
+        w2 = self._f(w2)
+        b1, b2 = (None if b is None else self._f(b) for b in (b1, b2))
+        with self.activity:
+            out = fused.mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, self._f(residual), self._pack)
+        return None if out is None else out.reshape(*x.shape[:-1], w2.shape[0])
+
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """ConvNeXt's depthwise 'same' conv + LayerNorm as one compiled pass (fused.py), or None
         where it does not apply. Still a conv to the before_conv hook and the conv metrics."""

@@ -20,6 +20,14 @@ ACT_CODES = {None: 0, "silu": 1, "gelu": 2}
 #: 89-99 ms per encode): OpenBLAS wakes its threads per call and runs short gemms less well
 #: than the epilogue saves, so one block per call up to this size
 ROW_BLOCK_BYTES = 64 << 20
+#: mlp runs in row blocks where the hidden activations would take this much or more: ConvNeXt-T's
+#: stage-1 MLP at batch 8 (25,088 x 384 floats, 38.5 MB) wrote them past the cache and past glibc's
+#: 32 MiB mmap ceiling (faulted in on every call): its two products took 0.66-0.77 of their time
+#: run in blocks; at 19 MB (stage 2) 0.94, and below that the calls' overhead lost (2-core Xeon,
+#: 2026-11-29, benchmarks/HISTORY.md "ConvNeXt-T's products on two CPU cores")
+MLP_BLOCKS_MIN_BYTES = 24 << 20
+#: hidden activations per block (2,730 rows of 384): blocks of 384 rows lost to the calls' overhead
+MLP_BLOCK_BYTES = 4 << 20
 #: kernel widths the fused depthwise + LayerNorm has specialised rows for
 DW_LN_WIDTHS = (3, 5, 7)
 
@@ -56,10 +64,11 @@ def pack_panels(weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray
     return out
 
 
-def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None, packed=None):
+def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None, packed=None, out=None):
     """act(x2 @ weight.T + bias) + residual for x2 (rows, I), residual (..., O) holding rows x O
     or None; None where the compiled kernels do not apply. `packed`: a callable giving the
-    weight's panels (pack_panels, cached), used where this CPU has compiled tiles."""
+    weight's panels (pack_panels, cached), used where this CPU has compiled tiles. `out`: a
+    C-contiguous float32 (rows, O) to write (the compiled tiles only), else a new array."""
     if not _cpu.AVAILABLE or activation not in ACT_CODES or not _f32(x2) or weight.dtype != np.float32:
         return None
     rows, o = x2.shape[0], weight.shape[0]
@@ -73,8 +82,10 @@ def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str |
         return None
     none = np.zeros(1, np.float32)
     nr = panel_width() if packed is not None else 0
+    if out is not None and not (nr and rows):
+        return None  # `out` is for the compiled tiles; the caller runs its other way
     if nr and rows:
-        out = aligned_empty((rows, o))
+        out = aligned_empty((rows, o)) if out is None else out
         _cpu._kernels.gemm(x2, packed(weight), none if bias is None else bias, none if residual is None else residual,
                            out, rows, x2.shape[1], o, nr, bias is not None, residual is not None, ACT_CODES[activation])
         return out
@@ -89,6 +100,31 @@ def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str |
         np.matmul(x2[r0:r0 + step], wt, out=blk)
         kernels.epilogue(blk, none if bias is None else bias, none if residual is None else residual[r0:r0 + step],
                          blk, bias is not None, residual is not None, blk.shape[0], o, act)
+    return out
+
+
+def mlp_applies(rows: int, hidden: int) -> bool:
+    """Whether mlp's row blocks pay: only where the hidden activations would not stay in cache."""
+    return bool(panel_width()) and rows * hidden * 4 >= MLP_BLOCKS_MIN_BYTES
+
+
+def mlp(x2: np.ndarray, w1: np.ndarray, b1, w2: np.ndarray, b2, activation: str | None, residual: np.ndarray,
+        packed) -> np.ndarray | None:
+    """linear(act(linear(x2, w1, b1)), w2, b2) + residual, over blocks of rows whose hidden
+    activations stay in cache; None where the compiled tiles do not apply. Each row's sums run
+    in the same order as in the two whole products: the result is the same to the bit."""
+    rows, hidden = x2.shape[0], w1.shape[0]
+    if not mlp_applies(rows, hidden) or w2.ndim != 2 or w2.shape[1] != hidden or residual.size != rows * w2.shape[0]:
+        return None
+    block = max(1, MLP_BLOCK_BYTES // (4 * hidden))
+    scratch = aligned_empty((min(block, rows), hidden))
+    out = aligned_empty((rows, w2.shape[0]))
+    res = residual.reshape(rows, w2.shape[0])
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        h = linear(x2[r0:r1], w1, b1, None, activation, packed, out=scratch[:r1 - r0])
+        if h is None or linear(h, w2, b2, res[r0:r1], None, packed, out=out[r0:r1]) is None:
+            return None
     return out
 
 
