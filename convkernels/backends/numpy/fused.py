@@ -21,8 +21,8 @@ ACT_CODES = {None: 0, "silu": 1, "gelu": 2}
 #: than the epilogue saves, so one block per call up to this size
 ROW_BLOCK_BYTES = 64 << 20
 #: mlp runs in row blocks where the hidden activations would take this much or more: ConvNeXt-T's
-#: stage-1 MLP at batch 8 (25,088 x 384 floats, 38.5 MB) wrote them past the cache and past glibc's
-#: 32 MiB mmap ceiling (faulted in on every call): its two products took 0.66-0.77 of their time
+#: stage-1 MLP at batch 8 (25,088 x 384 floats, 38.5 MB) wrote them far past the cores' 2 MiB L2s and
+#: past glibc's 32 MiB mmap ceiling (faulted in on every call): its two products took 0.66-0.77 of their time
 #: run in blocks; at 19 MB (stage 2) 0.94, and below that the calls' overhead lost (2-core Xeon,
 #: 2026-11-29, benchmarks/HISTORY.md "ConvNeXt-T's products on two CPU cores")
 MLP_BLOCKS_MIN_BYTES = 24 << 20
