@@ -6,9 +6,12 @@ freed) with a fresh mmap and unmaps it on free, so every op's output of a few Mi
 the kernel must fault in and zero, one at a time, on the thread that touches them first. On the
 2-core Xeon (2026-11-29, interleaved runs, two threads) an SD-VAE 256 decode ran 1.80-1.91 s as
 glibc ships, 1.43-1.51 s with the threshold at its 32 MiB ceiling and a 1 GiB trim threshold.
-Blocks above 32 MiB are still mapped and unmapped (the process's memory stays bounded by its
-peak plus the trim threshold). A user who set glibc's malloc options (MALLOC_* or
-GLIBC_TUNABLES) keeps them: nothing is changed then.
+Blocks above that ceiling, which glibc will not raise, are taken from the heap too (M_MMAP_MAX 0):
+an SD-VAE 512x512 decode's activations of 64-128 MiB had cost 460,000 page faults (1.8 GB) a call,
+and the decode 6.5-7.3 s against 5.7 s with them reused (2026-11-29). The heap then holds the
+process's peak: once the backend's convs and linears have been idle for TRIM_IDLE_S, a thread hands
+the free pages back (malloc_trim), so memory between requests is what is in use. A user who set
+glibc's malloc options (MALLOC_* or GLIBC_TUNABLES) keeps them: nothing is changed then.
 
 NumPy asks for transparent huge pages on every large array (madvise). Where the kernel compacts
 memory to find them at fault time (`defrag` = madvise, as on the 2-core Xeon VM), a fresh 38 MB
@@ -22,13 +25,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
+import time
+import weakref
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 #: glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (mallopt refuses more)
 MMAP_THRESHOLD = 32 << 20
 #: free memory at the heap's top kept before it is returned to the OS
 TRIM_THRESHOLD = 1 << 30
+#: the backends' heavy ops idle this long: the heap's free pages go back to the OS
+TRIM_IDLE_S = 1.0
 _done: list[bool] = []
+_watched: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def user_set_malloc_options(env=os.environ) -> bool:
@@ -47,11 +56,37 @@ def retain_freed_memory(env=os.environ) -> bool:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = libc.mallopt  # glibc (and musl lacks it: AttributeError)
-            ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+            ok = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                  and bool(mallopt(M_MMAP_MAX, 0)))
+            if ok:
+                threading.Thread(target=_trim_when_idle, args=(libc.malloc_trim,), name="convkernels-trim",
+                                 daemon=True).start()
         except (OSError, AttributeError):  # not glibc: its allocator is left as it is
             ok = False
     _done.append(ok)
     return ok
+
+
+def watch(activity) -> None:
+    """A backend's Activity (background.py: its convs and linears in flight, when the last ended),
+    which the trimming thread waits on."""
+    _watched.add(activity)
+
+
+def _trim_when_idle(malloc_trim, poll_s: float = TRIM_IDLE_S / 2) -> None:
+    """Once every watched backend has run no conv or linear for TRIM_IDLE_S, and some ran since
+    the last trim: every free page of the heap back to the OS (a few ms; the next call faults in
+    what it needs once, then reuses it again)."""
+    trimmed_at = None
+    while True:
+        time.sleep(poll_s)
+        activities = list(_watched)
+        started = sum(a.started for a in activities)
+        if started == trimmed_at or any(a.busy for a in activities):
+            continue
+        if all(time.monotonic() - a.last >= TRIM_IDLE_S for a in activities):
+            malloc_trim(0)
+            trimmed_at = started
 
 
 def _no_huge_page_requests() -> None:
