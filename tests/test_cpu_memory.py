@@ -73,6 +73,7 @@ import json, time
 import numpy as np
 from convkernels import get_backend
 from convkernels.backends.numpy import memory
+memory.TRIM_IDLE_S = 1.0  # the thread reads it each round (10 s as shipped)
 be = get_backend("numpy")
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
 def held_after_free(busy_s):

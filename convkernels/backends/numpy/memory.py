@@ -9,8 +9,8 @@ glibc ships, 1.43-1.51 s with the threshold at its 32 MiB ceiling and a 1 GiB tr
 Blocks above that ceiling, which glibc will not raise, are taken from the heap too (M_MMAP_MAX 0):
 an SD-VAE 512x512 decode's activations of 64-128 MiB had cost 460,000 page faults (1.8 GB) a call,
 and the decode 6.5-7.3 s against 5.7 s with them reused (2026-11-29). The heap then holds the
-process's peak: once the backend's convs and linears have been idle for TRIM_IDLE_S, a thread hands
-the free pages back (malloc_trim), so memory between requests is what is in use. A user who set
+process's peak: once the backend's convs and linears have been idle for TRIM_IDLE_S (10 s), a thread
+hands the free pages back (malloc_trim), so memory between bursts of requests is what is in use. A user who set
 glibc's malloc options (MALLOC_* or GLIBC_TUNABLES) keeps them: nothing is changed then.
 
 NumPy asks for transparent huge pages on every large array (madvise). Where the kernel compacts
@@ -34,8 +34,10 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 MMAP_THRESHOLD = 32 << 20
 #: free memory at the heap's top kept before it is returned to the OS
 TRIM_THRESHOLD = 1 << 30
-#: the backends' heavy ops idle this long: the heap's free pages go back to the OS
-TRIM_IDLE_S = 1.0
+#: the backends' heavy ops idle this long: the heap's free pages go back to the OS. Requests closer
+#: together than this keep their pages: with 1 s, an SD-VAE 512 decode run every ~20 s (interleaved
+#: with other runtimes' runs) faulted 950 MB in again each time and took 7.1 s, against 5.4 s back to back
+TRIM_IDLE_S = 10.0
 _done: list[bool] = []
 _watched: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -73,13 +75,13 @@ def watch(activity) -> None:
     _watched.add(activity)
 
 
-def _trim_when_idle(malloc_trim, poll_s: float = TRIM_IDLE_S / 2) -> None:
+def _trim_when_idle(malloc_trim) -> None:
     """Once every watched backend has run no conv or linear for TRIM_IDLE_S, and some ran since
     the last trim: every free page of the heap back to the OS (a few ms; the next call faults in
     what it needs once, then reuses it again)."""
     trimmed_at = None
     while True:
-        time.sleep(poll_s)
+        time.sleep(TRIM_IDLE_S / 4)
         activities = list(_watched)
         started = sum(a.started for a in activities)
         if started == trimmed_at or any(a.busy for a in activities):
