@@ -9,7 +9,7 @@ glibc ships, 1.43-1.51 s with the threshold at its 32 MiB ceiling and a 1 GiB tr
 Blocks above that ceiling, which glibc will not raise, are taken from the heap too (M_MMAP_MAX 0):
 an SD-VAE 512x512 decode's activations of 64-128 MiB had cost 460,000 page faults (1.8 GB) a call,
 and the decode 6.5-7.3 s against 5.7 s with them reused (2026-11-29). The heap then holds the
-process's peak: once the backend's convs and linears have been idle for TRIM_IDLE_S (10 s), a thread
+process's peak: once the backend's convs and linears have been idle for TRIM_IDLE_S (a minute), a thread
 hands the free pages back (malloc_trim), so memory between bursts of requests is what is in use. A user who set
 glibc's malloc options (MALLOC_* or GLIBC_TUNABLES) keeps them: nothing is changed then.
 
@@ -35,9 +35,11 @@ MMAP_THRESHOLD = 32 << 20
 #: free memory at the heap's top kept before it is returned to the OS
 TRIM_THRESHOLD = 1 << 30
 #: the backends' heavy ops idle this long: the heap's free pages go back to the OS. Requests closer
-#: together than this keep their pages: with 1 s, an SD-VAE 512 decode run every ~20 s (interleaved
-#: with other runtimes' runs) faulted 950 MB in again each time and took 7.1 s, against 5.4 s back to back
-TRIM_IDLE_S = 10.0
+#: together than this keep their pages: an SD-VAE 512 decode run every ~22 s (interleaved with other
+#: runtimes' runs) took 7.1-7.2 s with 1 s and 10 s here, its 950 MB faulted in again each time,
+#: against 5.4 s back to back (2-core Xeon, 2026-11-29). What is kept is at most one call's working
+#: memory, which the backend's work_memory_budget (1 GiB) bounds for the image VAEs' tiled decodes.
+TRIM_IDLE_S = 60.0
 _done: list[bool] = []
 _watched: "weakref.WeakSet" = weakref.WeakSet()
 
