@@ -15,7 +15,7 @@ from .autotune import time_paths
 from .background import Activity
 from .blas import BlasThreads
 from .memory import retain_freed_memory
-from .memory import watch as memory_watch  # noqa: I001
+from .memory import watch as watch_memory
 from .path_choice import MeasuredChoices
 from .path_store import PathStore
 from .weight_cache import TransformedWeights
@@ -51,7 +51,7 @@ class NumpyBackend(BackendBase):
         self.activity = Activity()  # convs and linears in flight: the background tuner waits for none
         self.blas_threads = BlasThreads()
         retain_freed_memory()  # reused pages, not a fresh mmap's page faults per op (memory.py)
-        memory_watch(self.activity)  # its free pages handed back once this backend idles
+        watch_memory(self.activity)  # the heap's free pages handed back once this backend idles (memory.py)
         self._wino_cache = TransformedWeights()  # weights transformed once per buffer (weight_cache.py)
         super().__init__(dtype, timing_sample_rate)
 
