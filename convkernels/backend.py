@@ -109,6 +109,15 @@ class BackendBase(TensorOps):
         the two linears). None here."""
         return None
 
+    def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
+        """ReLU linear attention's key-value sums in one op, or None (the caller computes them
+        from slices: models/nn/linear_attention.py). None here."""
+        return None
+
+    def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float):
+        """ReLU linear attention's queries against the sums in one op, or None. None here."""
+        return None
+
     def graphed(self, fn):
         """fn(*xs) -> array or tuple of arrays, a model's forward on device arrays that depends on
         nothing but its inputs and the (fixed) weights; state carried between calls (a causal

@@ -174,3 +174,15 @@ class Backend(Protocol):
         (a transformer or ConvNeXt MLP), or None where the backend has no better way for this
         case: the caller then runs the two linears. Default: always None."""
         ...
+
+    def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float) -> Array | None:
+        """qkv (N, H, W, G * 3 * head_dim), channels-last groups of [q | k | v] -> float32
+        (N, G, d, d + 1): scale * sum over tokens of relu(k)^T [v | 1], per group; or None where
+        the backend has no better way (the caller computes them from slices,
+        models/nn/linear_attention.py). Default: always None."""
+        ...
+
+    def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float) -> Array | None:
+        """(N, H, W, G * d) in qkv's dtype: per group, relu(q) @ sums[:, :d] divided by
+        relu(q) @ sums[:, d] + eps; or None (as relu_linear_attention_sums). Default: always None."""
+        ...

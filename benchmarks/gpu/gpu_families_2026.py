@@ -32,7 +32,7 @@ A row that fails (out of memory on either side, an error) prints why and the nex
 
 Run (repo root, CUDA machine; about 6-8 minutes on one H200, mostly torch.compile and PyTorch's video decodes):
   PYTHONPATH=. python3 benchmarks/gpu/gpu_families_2026.py [--only hv15,ltx2,dcae,hyimage,qwen21]
-      [--dtype bfloat16] [--reps 3] [--no-compile] [--budget-s 480] [--tiny]
+      [--dtype bfloat16] [--reps 3] [--no-compile] [--budget-s 480] [--tiny] [--max-side 2048]
 --tiny runs every row on the family's tiny preset at small latents (a smoke test of the script);
 `--backend numpy --tiny` runs it without a GPU (ours on NumPy in float32 against PyTorch on the CPU;
 no memory columns, no torch.compile). Writes $OUT/gpu_families_2026[_tiny].json (OUT defaults to out).
@@ -174,6 +174,7 @@ def main() -> None:
     ap.add_argument("--no-torch-tiled", dest="torch_tiled", action="store_false",
                     help="no diffusers tiled decode where its whole-clip video decode runs out of memory")
     ap.add_argument("--autotune", action="store_true", help="ours with timed cuDNN plans (the service's default is off)")
+    ap.add_argument("--max-side", type=int, default=0, help="only rows whose output side is at most this (0: all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(FAMILY_KEYS):
@@ -311,7 +312,7 @@ def main() -> None:
                     r["torch_compile_ms"], _ = timed_ms(compiled, tsync)
 
     for row in ROWS:
-        if row.family not in only:
+        if row.family not in only or (args.max_side and int(row.pixels.split("x")[-1]) > args.max_side):
             continue
         shape = row.tiny_latents if args.tiny else row.latents
         r = dict(workload=f"{row.tiny_preset if args.tiny else row.preset} decode {'x'.join(map(str, shape[1:]))}"

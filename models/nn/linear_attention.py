@@ -18,6 +18,9 @@ diffusers runs its "quadratic" form when an image has no more tokens than the he
 softmax-free scores k^T q normalised over keys, then v times them. That is the same quotient
 (sum over keys and head channels in the other order), so this layer computes it one way for
 every size, and a shard never needs to know which form the whole image would take.
+
+A backend may offer both passes as ops (relu_linear_attention_sums / _apply, convkernels/protocol.py)
+that read the projections in place; the slices below are the route of every other backend.
 """
 from __future__ import annotations
 
@@ -36,6 +39,13 @@ def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
     shard = row_shard.current()
     whole = tokens if shard is None else sum(shard.token_counts(h, w))
     b = backend
+    sums = b.relu_linear_attention_sums(qkv, d, 1.0 / whole)
+    if sums is not None:  # the backend's two passes read q, k and v in place (the CUDA backend's kernels)
+        if shard is not None:
+            sums = all_sum(b, shard.comm, sums)
+        out = b.relu_linear_attention_apply(qkv, sums, d, eps / whole)
+        if out is not None:
+            return out
     stored = b.dtype_of(qkv)
     qkv = b.astype(qkv, "float32")
     x = b.transpose(b.reshape(qkv, (n, tokens, groups, 3 * d)), (0, 2, 1, 3))  # (N, G, T, 3d)

@@ -49,6 +49,8 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     bar->arrive_and_wait();
     return r;
 }
+// a warp's threads meet (its barrier; every kernel here calls it on all 32 lanes)
+static inline void __syncwarp(unsigned = 0xffffffffu) { g_warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }

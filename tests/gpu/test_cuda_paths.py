@@ -66,10 +66,42 @@ def ran_once(be, case, epilogue, path, transpose=False):
 def test_common_convs_take_cudnn(dtype):
     """The convs the hosted models are made of must not silently fall back."""
     be = cuda(dtype)
-    for case in (PLAIN_2D, DOWNSAMPLE, DEPTHWISE, POINTWISE, TENSOR_CORE, WAN_3D):
+    for case in (PLAIN_2D, DOWNSAMPLE, POINTWISE, TENSOR_CORE, WAN_3D):
         for ep in ("plain", "bias_silu_residual"):
             err, seed = ran_once(be, case, ep, "cudnn")
             assert err < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_depthwise_convs_take_the_measured_path(dtype):
+    """A depthwise key is timed on cuDNN and on depthwise_direct at its first call, autotune or not,
+    and runs the faster from then on."""
+    be = cuda(dtype, fresh=True)
+    assert not be.options.autotune
+    for ep in ("plain", "bias_silu_residual"):
+        err, seed = run_conv_case(be, DEPTHWISE, ep)
+        assert err < TOL[dtype], f"seed {seed}"
+    for key, times in be.measurements.items():
+        assert set(times) == {"cudnn", "depthwise_direct"}, times
+        assert be.conv_choices()[-1]["path"] in times
+    assert len(be.measurements) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_pointwise_convs_take_our_kernel(dtype):
+    """Grouped 1x1 convs of small groups (DC-AE's multiscale projection) run grouped_pointwise
+    without measurement; wider groups, strides and kernels keep cuDNN."""
+    be = cuda(dtype, fresh=True)
+    dc_ae = (2, 1, (33, 31), 96, 96, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 3)
+    uneven = (2, 2, (9, 13), 15, 21, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 3)
+    for case in (dc_ae, uneven):
+        for ep in ("plain", "bias_silu_residual", "bias_gelu"):
+            err, seed = ran_once(be, case, ep, "grouped_pointwise")
+            assert err < TOL[dtype], f"seed {seed}: {err}"
+    wide = (2, 1, (9, 7), 160, 160, (1, 1), (1, 1), ((0, 0), (0, 0)), (1, 1), 2)  # 80 channels a group
+    err, seed = ran_once(be, wide, "bias_gelu", "cudnn")
+    assert err < TOL[dtype], f"seed {seed}: {err}"
+    assert not be.measurements
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,6 @@
 """The CUDA backend's attention: softmax(q k^T * scale) v over (..., L, D), as cuBLAS products and
-one softmax kernel per chunk of query rows, so the score matrix stays within SCORE_BYTES.
+one softmax kernel per chunk of query rows, so the score matrix stays within SCORE_BYTES; and ReLU
+linear attention's two passes (src/linear_attention.cu), which read q, k and v in place.
 
 Per storage dtype:
 - float32: float32 throughout (TF32 only where the backend allows it).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...spec import prod
+from .kernels import BLOCK, STORAGE
 
 #: bound on one chunk of attention scores (its probabilities take as much again)
 SCORE_BYTES = 256 << 20
@@ -48,3 +50,59 @@ def attention(backend, q, k, v, scale: float):
             probs = kern.softmax_rows(arrays.contiguous(backend.blas.matmul(rows, kt)), scale)
             out[..., s:s + step, :] = backend.blas.matmul(probs, v)
     return out
+
+
+#: linear_attention.cu's bounds: tokens per tile of la_sums, the largest head dimension
+LA_TT, LA_MAXD = 32, 64
+#: tokens per block of la_apply (its 8 warps take one each in turn; the group's sums are read once)
+LA_APPLY_TOKENS = 256
+
+
+def _linear_attention_shape(backend, qkv, head_dim: int):
+    """(n, tokens, groups, d) where the kernels take qkv (N, H, W, G * 3d), else None."""
+    d = int(head_dim)
+    if qkv.ndim != 4 or not 0 < d <= LA_MAXD or qkv.shape[-1] % (3 * d) or backend.dtype_of(qkv) not in STORAGE:
+        return None
+    n, h, w, c = qkv.shape
+    groups = c // (3 * d)
+    return (n, h * w, groups, d) if n * groups <= 65535 else None
+
+
+def la_chunks(tokens: int, blocks: int, sm_count: int) -> tuple[int, int]:
+    """(tokens a chunk, chunks) of la_sums over `blocks` (n, group) pairs: whole tiles a chunk,
+    and enough chunks that the launch has two blocks for every multiprocessor where it can."""
+    tiles = -(-tokens // LA_TT)
+    chunk = -(-tiles // max(1, min(tiles, -(-2 * sm_count // blocks)))) * LA_TT
+    return chunk, -(-tokens // chunk)
+
+
+def relu_linear_attention_sums(backend, qkv, head_dim: int, scale: float):
+    """backend.relu_linear_attention_sums: la_sums over chunks of tokens, enough blocks for every
+    multiprocessor twice, then the chunks added in order (float32 (N, G, d, d + 1))."""
+    shape = _linear_attention_shape(backend, qkv, head_dim)
+    if shape is None:
+        return None
+    n, tokens, groups, d = shape
+    kern = backend.arrays.kernels(backend.dtype_of(qkv))
+    chunk, chunks = la_chunks(tokens, n * groups, kern.sm_count)
+    part = backend.cp.empty((n, groups, chunks, d, d + 1), dtype=np.float32)
+    kern.fn("la_sums")((chunks, n * groups), (BLOCK,), (backend.arrays.contiguous(qkv), part, np.int64(tokens),
+                                                       np.int32(groups), np.int32(d), np.int64(chunk),
+                                                       np.float32(scale)))
+    return part.reshape(n, groups, d, d + 1) if chunks == 1 else part.sum(axis=2)
+
+
+def relu_linear_attention_apply(backend, qkv, sums, head_dim: int, eps: float):
+    """backend.relu_linear_attention_apply: la_apply, qkv's dtype out (N, H, W, G * d)."""
+    shape = _linear_attention_shape(backend, qkv, head_dim)
+    if shape is None:
+        return None
+    cp = backend.cp
+    n, tokens, groups, d = shape
+    kern = backend.arrays.kernels(backend.dtype_of(qkv))
+    y = cp.empty((*qkv.shape[:3], groups * d), dtype=qkv.dtype)
+    sums = cp.ascontiguousarray(sums, dtype=cp.float32)
+    kern.fn("la_apply")((-(-tokens // LA_APPLY_TOKENS), n * groups), (BLOCK,), (
+        backend.arrays.contiguous(qkv), sums, y, np.int64(tokens), np.int32(groups), np.int32(d), np.float32(eps),
+        np.int64(LA_APPLY_TOKENS)))
+    return y

@@ -9,7 +9,7 @@ CuPy kernels. Its parts, one module each:
 - graphs.py: whole-forward CUDA graphs, and the capture state every part consults (its
   docstring states what may run inside a capture).
 - kernels.py (+ src/*.cu): norms, activations, casts, depthwise, softmax kernels.
-- attention.py: attention, as cuBLAS products around the softmax kernel, per dtype.
+- attention.py: attention (cuBLAS products around the softmax kernel), ReLU linear attention.
 - blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py: cuBLAS, cuBLASLt and cuDNN through
   their C APIs, the plan cache, block copies and the pinned staging of host batches.
 
@@ -30,7 +30,7 @@ from ...backend import BackendBase
 from ...paths import ConvPath
 from ...spec import prod
 from .arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
-from .attention import SCORE_BYTES, attention
+from .attention import SCORE_BYTES, attention, relu_linear_attention_apply, relu_linear_attention_sums
 from .blas import Cublas
 from .conv_paths import CudaConvPaths
 from .cudnn import CudnnConvBuilder
@@ -316,9 +316,8 @@ class CudaBackend(BackendBase):
 
     def _pad(self, x, pads, mode):
         width = ((0, 0), *pads, (0, 0))
-        if mode == "zeros":  # zero bits are 0.0 in every storage dtype, bf16 included
-            return self.cp.pad(x, width, mode="constant")
-        return self.cp.pad(x, width, mode="edge")
+        # zero bits are 0.0 in every storage dtype, bf16 included
+        return self.cp.pad(x, width, mode="constant" if mode == "zeros" else "edge")
 
     # ---- dense ops -----------------------------------------------------------------------------
     def _matmul(self, a, b):
@@ -359,11 +358,12 @@ class CudaBackend(BackendBase):
 
     def _attention(self, q, k, v, scale):
         return attention(self, q, k, v, scale)  # attention.py: chunked, per storage dtype
+    relu_linear_attention_sums = relu_linear_attention_sums  # attention.py: q, k and v read in place
+    relu_linear_attention_apply = relu_linear_attention_apply
 
     def _concat(self, xs, axis):
-        """One copy per part into the result. cp.concatenate joins more than two small arrays in
-        one kernel whose pointer table is copied from host memory: a CUDA graph would replay that
-        copy from a host buffer long gone."""
+        """One copy per part into the result. cp.concatenate joins more than two small arrays in one
+        kernel reading a pointer table from host memory, which a CUDA graph's replay would not have."""
         cp = self.cp
         axis = axis % xs[0].ndim
         shape = list(xs[0].shape)

@@ -8,7 +8,12 @@
   unfold buffer tiles. It is the correctness path: float32 whatever the storage dtype.
 - `small_kd_2d`: a 3-d conv as kD accumulated 2-d cuDNN convs over frames.
 - `depthwise_direct`: our depthwise 2-d kernel with the epilogue fused.
-The last two are chosen only by measurement (autotune). Every runner returns (out, the path that
+- `grouped_pointwise`: our kernel for a grouped 1x1 conv of small groups (GP_MAXC channels at
+  most), the epilogue fused; it takes such keys without measurement: cuDNN ran DC-AE's (96 groups
+  of 32) as one sliced GEMM per group or a direct kernel of 2 ms (one H200, 2026-11-29).
+small_kd_2d is chosen only by measurement (autotune); depthwise_direct by measurement too, which
+depthwise keys always get (cuDNN's grouped direct kernel took 2 ms for one of DC-AE's 5x5
+depthwise convs, ours a tenth of it; two contenders timed at a key's first call). Every runner returns (out, the path that
 ran). Under a CUDA graph capture (graphs.py) nothing here builds a plan or measures, and the
 workspace and plans the captured work uses are held by the graph.
 """
@@ -17,13 +22,19 @@ from __future__ import annotations
 import logging
 import statistics
 
+import numpy as np
+
 from ...paths import ConvPath
 from ...spec import ConvKey, ConvSpec
 from ...unfold import NumpyLike, conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from .arrays import storage_dtype
+from .kernels import ACT_CODES, BLOCK
 from .plan_cache import Fallback, PlanKey
 
 log = logging.getLogger("convkernels.cuda")
+
+#: grouped_pw's bounds (src/depthwise.cu): channels a group, pixels a block
+GP_MAXC, GP_TT = 64, 64
 
 
 class CudaConvPaths:
@@ -54,10 +65,18 @@ class CudaConvPaths:
         def depthwise_2d(k: ConvKey) -> bool:
             return k.op == "conv2d" and k.is_depthwise
 
+        def grouped_pointwise(k: ConvKey) -> bool:
+            s, g = k.spec, k.spec.groups
+            return (k.op == "conv2d" and not s.transpose and g > 1 and not k.is_depthwise
+                    and k.kernel == (1, 1) and s.stride == (1, 1) and s.dilation == (1, 1)
+                    and all(p == (0, 0) for p in s.padding) and k.in_channels // g <= GP_MAXC
+                    and k.out_channels // g <= GP_MAXC and g <= 65535)
+
         return [
             ConvPath("cudnn", lambda k: True, lambda k: 1.0, self.run_cudnn),
             # our own kernel; taken where autotune measures it faster than cuDNN's plan
             ConvPath("depthwise_direct", depthwise_2d, lambda k: 1.5, self.run_depthwise),
+            ConvPath("grouped_pointwise", grouped_pointwise, lambda k: 0.5, self.run_grouped_pointwise),
             # static rule: native cuDNN 3D wins on the H100 (measured); only measurement picks this
             ConvPath("small_kd_2d", small_kd, lambda k: 2.0, self.run_small_kd),
             ConvPath("gemm_fallback", lambda k: True, lambda k: 1e9, self.run_gemm),
@@ -67,7 +86,8 @@ class CudaConvPaths:
     def measure(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
         static = min(valid, key=lambda p: p.cost(key))
         contenders = [p for p in valid if p.name in ("cudnn", "small_kd_2d", "depthwise_direct")]
-        if not self.autotune or len(contenders) < 2:
+        if not (self.autotune or key.is_depthwise) or len(contenders) < 2 or static.name not in (
+                "cudnn", "small_kd_2d", "depthwise_direct"):
             return static
         # timing synchronises with the host: not inside a capture
         self.capture.require_eager(f"path choice for a new {key.op} key")
@@ -173,6 +193,17 @@ class CudaConvPaths:
                                                          tuple(p[0] for p in spec.padding), spec.dilation,
                                                          key.out_shape)
         return out, "depthwise_direct"
+
+    def run_grouped_pointwise(self, x, w, key: ConvKey, bias, residual, activation):
+        cp, i32 = self.cp, np.int32
+        g, x, w = key.spec.groups, self.arrays.contiguous(x), self.arrays.contiguous(w)
+        out = cp.empty(key.out_shape, dtype=storage_dtype(key.dtype))
+        pixels = out.size // out.shape[-1]
+        self.arrays.kernels(key.dtype).fn("grouped_pw")((-(-pixels // GP_TT), g), (BLOCK,), (
+            x, w, x if bias is None else bias, x if residual is None else self.arrays.contiguous(residual), out, np.int64(pixels), i32(g),
+            i32(key.in_channels // g), i32(key.out_channels // g), i32(bias is not None), i32(residual is not None),
+            i32(ACT_CODES[activation])))
+        return out, "grouped_pointwise"
 
     def run_small_kd(self, x, w, key: ConvKey, bias, residual, activation):
         """3D conv as kD accumulated 2D convs over frames (each partial sum fused as the next

@@ -1,7 +1,7 @@
 """The CUDA backend's non-conv kernels (CuPy RawModule, compiled once per storage dtype):
 conv epilogue (bias, activation, residual), activations, GroupNorm (+activation) in two
-passes, channels-last LayerNorm and RMS norm (+activation), row softmax, float32 casts, and 8-bit
-pixels for the host.
+passes, channels-last LayerNorm and RMS norm (+activation), row softmax, ReLU linear attention's
+two passes, float32 casts, and 8-bit pixels for the host.
 
 The CUDA C is in src/*.cu (package data, read through importlib.resources), joined in the
 order of CU_FILES into one source: common.cu first (storage types, activations, reductions,
@@ -28,7 +28,8 @@ STORAGE = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "fl
 BLOCK = 256
 DW_TW = 4  # output columns per thread of dw2d_vec (the kernel's DW_TW)
 
-CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.cu", "shuffle.cu")
+CU_FILES = ("common.cu", "elementwise.cu", "norms.cu", "depthwise.cu", "softmax.cu", "shuffle.cu",
+            "linear_attention.cu")
 
 
 def load_source() -> str:

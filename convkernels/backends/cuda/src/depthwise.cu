@@ -1,5 +1,6 @@
 // Depthwise 2-d convs, channels-last, weights pre-transposed to (KH, KW, C); dw_ln holds a row
-// in registers as ln_rows_vec does (row_stats, LN_MAXV: norms.cu).
+// in registers as ln_rows_vec does (row_stats, LN_MAXV: norms.cu). Last, grouped 1x1 convs of small
+// groups (grouped_pw).
 
 // ConvNeXt's depthwise conv (stride 1, 'same' padding) + bias with the LayerNorm over channels
 // that follows it, in one pass: one warp per output pixel holds the pixel's C channels in
@@ -167,3 +168,40 @@ extern "C" __global__ void dw2d_vec(const T* x, const T* wt, const T* bias, cons
     }
 }
 
+
+// A grouped 1x1 conv (stride 1, no padding) of at most GP_MAXC input and output channels a group,
+// channels-last: DC-AE's multiscale projection, 3 x heads groups of head_dim. cuDNN ran it as one
+// sliced GEMM per group (hundreds of launches a layer) or a direct kernel of 2 ms a layer (one
+// H200, 2026-11-29). One block per tile of GP_TT pixels (grid.x) and group (grid.y): the group's
+// weights (og, 1, 1, cg) and the tile's inputs in shared memory, float32 sums, then
+// act(sum + bias) + residual as the other conv epilogues.
+#define GP_TT 64
+#define GP_MAXC 64
+extern "C" __global__ void grouped_pw(const T* x, const T* w, const T* bias, const T* res, T* y, long long P,
+                                      int G, int cg, int og, int has_bias, int has_res, int a) {
+    __shared__ float ws[GP_MAXC * (GP_MAXC + 1)];  // [o][i], rows padded against bank conflicts
+    __shared__ float xs[GP_TT][GP_MAXC + 1];
+    const int g = blockIdx.y;
+    const long long p0 = (long long)blockIdx.x * GP_TT;
+    const long long cin = (long long)G * cg, cout = (long long)G * og;
+    for (int e = threadIdx.x; e < og * cg; e += blockDim.x) {
+        const int o = e / cg, i = e % cg;
+        ws[o * (cg + 1) + i] = ld(w[((long long)g * og + o) * cg + i]);
+    }
+    for (int e = threadIdx.x; e < GP_TT * cg; e += blockDim.x) {
+        const int p = e / cg, i = e % cg;
+        xs[p][i] = p0 + p < P ? ld(x[(p0 + p) * cin + (long long)g * cg + i]) : 0.0f;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < GP_TT * og; e += blockDim.x) {
+        const int p = e / og, o = e % og;
+        if (p0 + p >= P) continue;
+        float s = 0.0f;
+        for (int i = 0; i < cg; ++i) s = fmaf(xs[p][i], ws[o * (cg + 1) + i], s);
+        const long long at = (p0 + p) * cout + (long long)g * og + o;
+        if (has_bias) s += ld(bias[g * og + o]);
+        s = act(s, a);
+        if (has_res) s += ld(res[at]);
+        y[at] = st(s);
+    }
+}
