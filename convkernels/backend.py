@@ -109,6 +109,11 @@ class BackendBase(TensorOps):
         the two linears). None here."""
         return None
 
+    def rms_norm_affine(self, x, weight, bias, residual, eps: float):
+        """rms_norm(x, weight, eps) + bias + residual in one op, or None (the caller runs the
+        norm and the adds). None here."""
+        return None
+
     def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
         """ReLU linear attention's key-value sums in one op, or None (the caller computes them
         from slices: models/nn/linear_attention.py). None here."""

@@ -175,6 +175,12 @@ class Backend(Protocol):
         case: the caller then runs the two linears. Default: always None."""
         ...
 
+    def rms_norm_affine(self, x, weight, bias, residual, eps: float) -> Array | None:
+        """rms_norm(x, weight, eps) + bias (per channel) + residual (x's shape), either may be
+        None, in one op; or None where the backend has no better way (the caller runs the norm
+        and the adds). Default: always None."""
+        ...
+
     def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float) -> Array | None:
         """qkv (N, H, W, G * 3 * head_dim), channels-last groups of [q | k | v] -> float32
         (N, G, d, d + 1): scale * sum over tokens of relu(k)^T [v | 1], per group; or None where

@@ -42,18 +42,20 @@ extern "C" void run_layer_norm(const float* x, float* y, const float* w, const f
 }
 
 extern "C" void run_rms_norm_vec(const float* x, float* y, const float* w, long long rows, int C, float eps,
-                                 int a, long long grp, long long gstride) {
+                                 int a, long long grp, long long gstride, const float* b, const float* r,
+                                 int has_b, int has_r) {
     blockDim.x = BLOCK_THREADS;
     int per_block = BLOCK_THREADS / (C / 4);
     dim3 grid; grid.x = (unsigned)((rows + per_block - 1) / per_block);
-    launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a, grp, gstride); });
+    launch(grid, [=] { rms_rows_vec(x, y, w, rows, C, 1, eps, a, grp, gstride, b, r, has_b, has_r); });
 }
 
 extern "C" void run_rms_norm(const float* x, float* y, const float* w, long long rows, int C, float eps,
-                             int a, long long grp, long long gstride) {
+                             int a, long long grp, long long gstride, const float* b, const float* r,
+                             int has_b, int has_r) {
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)((rows + BLOCK_THREADS / 32 - 1) / (BLOCK_THREADS / 32));
-    launch(grid, [=] { rms_rows(x, y, w, rows, C, 1, eps, a, grp, gstride); });
+    launch(grid, [=] { rms_rows(x, y, w, rows, C, 1, eps, a, grp, gstride, b, r, has_b, has_r); });
 }
 
 extern "C" void run_dw_ln(const float* x, const float* wt, const float* bias, const float* nw, const float* nb,
@@ -196,7 +198,8 @@ def test_rms_norm_rows_spread_over_threads_match_torch(lib, rows, c, activation)
     p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
     eps = 1e-24 / c
     lib.run_rms_norm_vec(p(x), p(y), p(w), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(eps),
-                         ctypes.c_int(ACT_CODES[activation]), ctypes.c_longlong(rows), ctypes.c_longlong(rows))
+                         ctypes.c_int(ACT_CODES[activation]), ctypes.c_longlong(rows), ctypes.c_longlong(rows),
+                         p(w), p(w), 0, 0)
     ref = from_t(ref_activation(F.rms_norm(torch.from_numpy(x.astype(np.float64)), (c,),
                                            torch.from_numpy(w.astype(np.float64)), eps), activation))
     assert np.isfinite(y).all(), "an element was never written"
@@ -219,11 +222,34 @@ def test_rms_norm_rows_land_in_groups_of_a_larger_buffer(lib, vec, c):
     eps = 1e-24 / c
     start = out[:, 1:].ctypes.data  # the first frame's second row: the band after one halo row
     run(p(x), ctypes.c_void_p(start), p(w), ctypes.c_longlong(x.size // c), ctypes.c_int(c), ctypes.c_float(eps),
-        ctypes.c_int(ACT_CODES["silu"]), ctypes.c_longlong(rows * cols), ctypes.c_longlong(h * cols))
+        ctypes.c_int(ACT_CODES["silu"]), ctypes.c_longlong(rows * cols), ctypes.c_longlong(h * cols), p(w), p(w), 0, 0)
     ref = ref_activation(F.rms_norm(torch.from_numpy(x.astype(np.float64)), (c,),
                                     torch.from_numpy(w.astype(np.float64)), eps), "silu").numpy()
     assert rel_l2(out[:, 1:1 + rows], ref) < 1e-5, f"seed {seed}"
     assert np.isnan(out[:, 0]).all() and np.isnan(out[:, 1 + rows:]).all(), "rows outside the groups were written"
+
+
+@pytest.mark.parametrize("vec,rows,c", [(True, 37, 96), (True, 5, 4 * 256), (False, 11, 13), (False, 9, 96)])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_rms_norm_adds_bias_and_residual_in_its_pass(lib, vec, rows, c, activation):
+    """Both RMS kernels with a bias and a residual (DC-AE's norm before its block's shortcut, the
+    backend's rms_norm_affine): act(norm * w + b) + residual, against torch in float64; with
+    either left out, the other alone."""
+    rng, seed = fresh_rng()
+    x, res = (rng.standard_normal((rows, c)).astype(np.float32) for _ in range(2))
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    p = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+    run = lib.run_rms_norm_vec if vec else lib.run_rms_norm
+    t = lambda a: torch.from_numpy(a.astype(np.float64))
+    normed = F.rms_norm(t(x), (c,), t(w), 1e-5)
+    for has_b, has_r in ((1, 1), (1, 0), (0, 1)):
+        y = np.full_like(x, np.nan)
+        run(p(x), p(y), p(w), ctypes.c_longlong(rows), ctypes.c_int(c), ctypes.c_float(1e-5),
+            ctypes.c_int(ACT_CODES[activation]), ctypes.c_longlong(rows), ctypes.c_longlong(rows), p(b), p(res),
+            has_b, has_r)
+        ref = ref_activation(normed + (t(b) if has_b else 0), activation).numpy() + (res if has_r else 0)
+        assert rel_l2(y, ref) < 1e-5, f"seed {seed}: bias {has_b}, residual {has_r}"
 
 
 def test_rms_norm_vector_path_choice():

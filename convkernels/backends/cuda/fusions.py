@@ -7,6 +7,8 @@ depthwise conv -> LayerNorm -> linear + GELU -> linear + residual:
   conv and norm as one kernel (dw_ln).
 - `linear`: act(x @ W^T + bias) + residual as one cuBLASLt call, its epilogue in the gemm
   (lt_epilogues; lt_gelu_approx: cuBLASLt's tanh GELU for erf-GELU layers in float16).
+- `rms_norm_affine` (the contract's optional capability, no switch): RMS norm * weight + bias +
+  residual in one pass of the RMS kernels, where DC-AE's blocks ran the norm and two adds.
 
 Each returns None where it does not apply; the backend then runs the unfused ops.
 """
@@ -113,3 +115,14 @@ class CudaFusions:
             return lt.linear(x2, w, b, r, epilogue, allow_new=not self.capture.active)
         except LookupError as exc:
             raise CaptureMissed(str(exc)) from exc
+
+
+def rms_norm_affine(backend, x, weight, bias, residual, eps: float):
+    """backend.rms_norm_affine: one pass of the RMS kernels (src/norms.cu); None for a residual of
+    another shape than x (broadcasting is the adds' business)."""
+    dt = backend.dtype_of(x)
+    if dt not in STORAGE or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
+        return None
+    arrays, cast = backend.arrays, backend.arrays.cast
+    return arrays.kernels(dt).rms_norm(arrays.contiguous(x), cast(weight, dt), eps, None, bias=cast(bias, dt),
+                                       residual=cast(residual, dt))

@@ -214,18 +214,20 @@ class Kernels:
             shared_mem=2 * groups * 4)
         return y
 
-    def rms_norm(self, x, weight, eps, activation, out=None, groups=None):
+    def rms_norm(self, x, weight, eps, activation, out=None, groups=None, bias=None, residual=None):
         """out: where to write (part of a larger buffer): C-contiguous of x's size, or, with
         groups = (rows per group, rows from one group's start to the next's), x's rows in groups
-        that far apart from out's first element on (rows of C channels)."""
+        that far apart from out's first element on (rows of C channels). bias, residual (x's
+        layout, contiguous): act(norm * weight + bias) + residual, in the same pass."""
         c = x.shape[-1]
         rows = x.size // c
         y = self.cp.empty_like(x) if out is None else out
-        w = weight if weight is not None else x
+        w, b, r = (v if v is not None else x for v in (weight, bias, residual))
         grp, gstride = groups or (rows, rows)
         args = (x, y, w, np.int64(rows), np.int32(c), np.int32(weight is not None), np.float32(eps),
-                np.int32(ACT_CODES[activation]), np.int64(grp), np.int64(gstride))
-        if rms_vectorised(c, x.itemsize, (x.data.ptr, y.data.ptr, w.data.ptr)):
+                np.int32(ACT_CODES[activation]), np.int64(grp), np.int64(gstride), b, r, np.int32(bias is not None),
+                np.int32(residual is not None))
+        if rms_vectorised(c, x.itemsize, (x.data.ptr, y.data.ptr, w.data.ptr, b.data.ptr, r.data.ptr)):
             per_block = BLOCK // (c // (16 // x.itemsize))
             self.fn("rms_rows_vec")((-(-rows // per_block),), (BLOCK,), args, shared_mem=4 * BLOCK)
         else:

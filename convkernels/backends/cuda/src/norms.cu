@@ -122,7 +122,9 @@ extern "C" __global__ void gn_norm(const T* x, T* y, const double* acc, const T*
     }
 }
 
-// RMS norm over the last axis (Wan's norm): one warp per row, y = act(x * rsqrt(mean(x^2) + eps) * w).
+// RMS norm over the last axis (Wan's norm): one warp per row, y = act(x * rsqrt(mean(x^2) + eps) * w + b)
+// + res (b and res where has_b / has_r: DC-AE's norm with a bias before its block's residual; res
+// is read in x's row layout).
 // y's rows may lie in groups of `grp` rows every `gstride` rows (grp == gstride: contiguous): a
 // piece of a larger buffer, e.g. a band of rows of every frame of a video (a sharded conv's halo
 // rows and its own, each written where the joined input would hold it).
@@ -131,7 +133,8 @@ __device__ __forceinline__ long long out_row(long long row, long long grp, long 
 }
 
 extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows, int C, int has_w,
-                                    float eps, int a, long long grp, long long gstride) {
+                                    float eps, int a, long long grp, long long gstride, const T* b,
+                                    const T* res, int has_b, int has_r) {
     long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -143,7 +146,10 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
     for (int c = lane; c < C; c += 32) {
         float v = ld(xr[c]) * r;
         if (has_w) v *= ld(w[c]);
-        yr[c] = st(act(v, a));
+        if (has_b) v += ld(b[c]);
+        v = act(v, a);
+        if (has_r) v += ld(res[row * C + c]);
+        yr[c] = st(v);
     }
 }
 
@@ -152,7 +158,8 @@ extern "C" __global__ void rms_rows(const T* x, T* y, const T* w, long long rows
 // the row's sum goes through shared memory), x read once. Wan's C = 96 fills 12 of a warp's lanes
 // in rms_rows' layout; here every thread of a block but a few carries a vector.
 extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long rows, int C, int has_w,
-                                        float eps, int a, long long grp, long long gstride) {
+                                        float eps, int a, long long grp, long long gstride, const T* b,
+                                        const T* res, int has_b, int has_r) {
     extern __shared__ float part[];  // one partial sum of squares per thread
     int nv = C / VEC;
     int per_block = blockDim.x / nv;
@@ -185,13 +192,17 @@ extern "C" __global__ void rms_rows_vec(const T* x, T* y, const T* w, long long 
         for (int i = 0; i < nv; ++i) s += pr[i];
     }
     float r = rsqrtf(s / C + eps);
-    float wv[VEC];
+    float wv[VEC], bv[VEC], rv[VEC];
     if (has_w) load_vec(w + cv * VEC, wv);
+    if (has_b) load_vec(b + cv * VEC, bv);
+    if (has_r) load_vec(res + row * C + cv * VEC, rv);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
         float o = v[j] * r;
         if (has_w) o *= wv[j];
-        v[j] = act(o, a);
+        if (has_b) o += bv[j];
+        o = act(o, a);
+        v[j] = has_r ? o + rv[j] : o;
     }
     store_vec(y + out_row(row, grp, gstride) * C + cv * VEC, v);
 }
