@@ -422,7 +422,7 @@ def test_solo_items_run_alone():
 
 
 def test_generator_closed_after_a_running_step_when_the_stream_ends():
-    from service.worker.model_worker import GeneratorSteps, StreamClosed
+    from service.worker.stream_steps import GeneratorSteps, StreamClosed
 
     closed, release = threading.Event(), threading.Event()
 
@@ -452,7 +452,7 @@ def test_generator_closed_after_a_running_step_when_the_stream_ends():
 def test_closing_the_stream_frees_the_decoders_feature_cache():
     from convkernels import get_backend
     from models import load_model
-    from service.worker.model_worker import GeneratorSteps
+    from service.worker.stream_steps import GeneratorSteps
 
     model = load_model("w", "tiny-wan-vae", get_backend("numpy"))
     gen = model.decode_frames(latents(1, 4, 5, 3, 5))

@@ -152,6 +152,36 @@ def test_a_request_cancelled_inside_a_bulk_message_is_withdrawn_alone(server):
         holding.unlink(missing_ok=True)
 
 
+def test_every_request_is_said_started_before_it_is_answered(server):
+    """Started (the front end's queue count: a started request no longer waits) goes out from the
+    worker's delivery thread, queued ahead of the batch's own answers: under a bulk of requests
+    batched together, each rid is named in exactly one Started, and that Started arrives before
+    its Done."""
+    _, address, _ = server
+    fe = OwnFrontEnd(address)
+    try:
+        subs = [fe.submit(x) for x in images(20, seed=3)]
+        wp.send(fe.conn, wp.SubmitMany(subs))
+        started: list[int] = []
+        order: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 60
+        while sum(kind == "done" for kind, _ in order) < len(subs):
+            assert fe.conn.poll(max(0.0, deadline - time.monotonic())), "answers missing"
+            msg = wp.recv(fe.conn)
+            if isinstance(msg, wp.Started):
+                started += msg.rids
+                order += [("started", rid) for rid in msg.rids]
+            elif isinstance(msg, (wp.DoneMany, wp.Done)):
+                for done in msg.answers if isinstance(msg, wp.DoneMany) else [msg]:
+                    assert done.error is None, done
+                    order.append(("done", done.rid))
+        assert sorted(started) == sorted(s.rid for s in subs)  # each once
+        for sub in subs:
+            assert order.index(("started", sub.rid)) < order.index(("done", sub.rid)), sub.rid
+    finally:
+        fe.close()
+
+
 def encode(url: str, pixels: np.ndarray) -> np.ndarray:
     r = httpx.post(f"{url}/v1/models/{MODEL}/encode", content=npy(pixels), params={"format": "npy"},
                    headers={"content-type": "application/x-npy"}, timeout=120)

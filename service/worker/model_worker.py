@@ -11,10 +11,12 @@ HTTP front ends (service/frontend/engine.py) connect to its Unix socket; the sup
 - pays what it can per message or per model call, not per request: a front end's SubmitMany is
   read, decoded and queued at once (one wake-up of the device thread), a model call's requests
   go to the delivery thread in one hand-off and its answers to each front end in one DoneMany;
+  the delivery thread also sends each call's Started, so the device thread sends nothing;
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
 - beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
-The messages (one type each, and their encoding) are service/ipc/worker_protocol.py's; a shard
+Each front end's link (its arena, its requests) is service/worker/frontend_link.py's. The messages
+(one type each, and their encoding) are service/ipc/worker_protocol.py's; a shard
 group's leader (service/worker/shard_leader.py) connects as a front end does, with its own hello and ops.
 """
 from __future__ import annotations
@@ -28,209 +30,29 @@ import signal
 import sys
 import threading
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection, Listener
-from multiprocessing.reduction import recv_handle
-from typing import Any
+from multiprocessing.connection import Listener
 
-import numpy as np
 
-from ..hosted_model import HostedModel
 from ..ipc import shm
 from ..ipc import worker_protocol as wp
 from ..ipc.heartbeat import Beat, beat_path
-from ..ipc.shm import ArenaView, TensorRef
-from ..ipc.worker_errors import error_info
-from . import oom_recovery
-from .batcher import WorkItem
+from .frontend_link import FrontendLink
 from .model_host import ModelHost, WorkerSpec
-from .stream_steps import GeneratorSteps, StreamClosed
 
 log = logging.getLogger("convserve.worker")
 
+
+class _StartedBatch:
+    """A batch whose model call began, on the delivery queue ahead of its results."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items):
+        self.items = items
+
+
 #: how often the worker checks that the process that started it is still there
 PARENT_POLL_S = 0.5
-
-
-def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> None:
-    """A model call's rows for one request -> the blocks its front end allocated for them."""
-    parts = out if isinstance(out, dict) else {"out": out}
-    for name, ref in refs.items():
-        part = parts.get(name)
-        if part is None:
-            raise RuntimeError(f"the model gave no {name!r} output")
-        dest = view.array(ref)
-        if tuple(part.shape) != dest.shape:
-            raise RuntimeError(f"output {name!r} has shape {tuple(part.shape)}, not the {dest.shape} expected")
-        np.copyto(dest, part, casting="same_kind")
-
-
-class FrontendLink:
-    """One connected front end: its arena and its requests in this worker. Its messages are read
-    by the worker's one I/O thread (Worker._serve_links); finished requests are delivered by the
-    delivery thread (Worker._deliver), a model call's answers to this front end in one message."""
-
-    def __init__(self, host: ModelHost, conn: Connection):
-        self.host, self.conn = host, conn
-        self._send_lock = threading.Lock()
-        self.view: ArenaView | None = None
-        self.items: dict[int, Any] = {}
-        self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
-        self.closed = False
-        self.leader = False  # a shard group's leader (LeaderHello), not a front end
-
-    def send(self, msg: wp.Message) -> None:
-        if self.closed:
-            return
-        try:
-            with self._send_lock:
-                wp.send(self.conn, msg)
-        except (OSError, EOFError, ValueError):  # the front end went away: the I/O thread cleans up
-            self.closed = True
-
-    def answer(self, rid: int, error: wp.WorkerError | None, stream: int | None = None) -> None:
-        """A request's Done, sent at once (from the I/O thread: a failure before it ran, a
-        withdrawal, a stream opened)."""
-        self.send(wp.Done(rid, error, stream))
-
-    def deliver(self, item: WorkItem) -> wp.Done | None:
-        """A finished request's outputs into its blocks, and its answer (None once its front end
-        has gone: its arena is released)."""
-        _, rid, out_refs = item.tag
-        self.items.pop(rid, None)
-        exc = item.future.exception()
-        if exc is None and not self.closed:
-            try:
-                _write_outputs(self.view, out_refs, item.future.result())
-            except Exception as write_exc:
-                if self.closed:  # gone meanwhile
-                    return None
-                log.exception("writing the outputs of request %s failed", rid)
-                exc = write_exc
-        return wp.Done(rid, None if exc is None else error_info(exc))
-
-    def handshake(self) -> None:
-        """The front end's (or shard leader's) hello and its arena's descriptor (on the accepting thread)."""
-        hello = wp.recv(self.conn)
-        if not isinstance(hello, (wp.Hello, wp.LeaderHello)):
-            raise ValueError(f"expected a hello, got a {type(hello).__name__}")
-        self.leader = isinstance(hello, wp.LeaderHello)
-        self.view = ArenaView(recv_handle(self.conn), hello.arena_size)
-
-    def close(self) -> None:
-        self.closed = True
-        self._drop_all()
-        self.host.shard_member.link_closed(self)
-        self.conn.close()
-        if self.view is not None:  # its pages leave this process with it (service/ipc/shm.py's rules)
-            self.view.release()
-
-    def handle(self, msg: wp.Message) -> None:
-        match msg:
-            case wp.SubmitMany(subs):
-                self.host.tally.count(len(subs))
-                self._admit([item for item in map(self._item, subs) if item is not None])
-            case wp.Submit():
-                self.host.tally.count(1)
-                item = self._item(msg)
-                if item is not None:
-                    self._admit([item])
-            case wp.Cancel(rid):
-                item = self.items.get(rid)
-                if item is not None and self.host.batcher.cancel(item):  # withdrawn before it ran
-                    self.items.pop(rid, None)
-                    self.answer(rid, error_info(item.future.exception()))
-            case wp.StreamClose(stream):
-                entry = self.streams.pop(stream, None)
-                if entry is not None:
-                    entry[1].close()
-            case wp.Query(rid, what):
-                try:
-                    self.send(self.host.query(rid, what))
-                except Exception as exc:
-                    self.answer(rid, error_info(exc))
-            case wp.ShardStreamClose(stream) if self.leader:  # service/worker/shard_leader.py's
-                self.host.shard_member.stream_close(self, stream)
-            case wp.ShardJoin() | wp.ShardDecode() | wp.ShardStreamOpen() | wp.ShardStreamNext() if self.leader:
-                self._band(msg)
-            case _:
-                log.warning("a %s from a %s, which this worker does not take", type(msg).__name__,
-                            "shard leader" if self.leader else "front end")
-
-    def _item(self, msg: wp.Submit) -> WorkItem | None:
-        """A submit's work for the batcher; None when it is answered already (a failure: it fails
-        alone, whatever else came in its message; a stream opened)."""
-        if msg.op == "stream_open":
-            return self._stream_open(msg)
-        host, rid, options = self.host, msg.rid, msg.options
-        stream_step = msg.op == "stream_next"  # runs alone: nothing to batch with
-        try:
-            hm = host.models[msg.model]
-            if stream_step:  # a stream's step runs on its latents (what the model-call faults inspect)
-                _, steps, inputs = self._stream(options.stream)
-                call = steps.step
-            else:
-                call, inputs = host.call_for(hm, msg.op, options), self.view.array(msg.input)
-            key = (msg.model, msg.op, inputs.shape[1:], inputs.dtype.str, options)
-            return WorkItem(msg.model, key, inputs, call, solo=stream_step, tag=(self, rid, msg.outputs))
-        except Exception as exc:
-            self.answer(rid, error_info(exc))
-            return None
-
-    def _band(self, msg) -> None:
-        """A shard group leader's band (service/worker/shard_member.py): a solo item, like a stream's step."""
-        try:
-            inputs, call, out_refs = self.host.shard_member.call_for(self, msg, self.host.models, self.view)
-            self._admit([WorkItem(msg.model, (msg.model, type(msg).__name__), inputs, call, solo=True,
-                                  tag=(self, msg.rid, out_refs))])
-        except Exception as exc:
-            self.answer(msg.rid, error_info(exc))
-
-    def _admit(self, items: list[WorkItem]) -> None:
-        """Requests into the batcher together; each is answered when its model call is done
-        (the batcher's on_done, then Worker._deliver) or when it is withdrawn (Cancel)."""
-        for item in items:  # before the batcher has them: a finished item is popped from here
-            self.items[item.tag[1]] = item
-        try:
-            self.host.batcher.submit_many(items)
-        except Exception as exc:  # a stopped worker: nothing of them runs
-            for item in items:
-                self.items.pop(item.tag[1], None)
-                self.answer(item.tag[1], error_info(exc))
-
-    def _stream_open(self, msg: wp.Submit) -> None:  # answered here: no model call to queue
-        options = msg.options
-        try:
-            hm = self.host.models[msg.model]
-            latents = np.array(self.view.array(msg.input))  # the decode outlives the request's input block
-            if options.shards > 1:  # led here over the first N devices (service/worker/shard_leader.py)
-                if self.host.shard_leader is None:
-                    raise ValueError(f"{self.host.spec.device} does not lead shard groups")
-                frames = self.host.shard_leader.frames(hm, latents, options.shards, options.uint8)
-            else:
-                frames = oom_recovery.frames(hm, latents, options.tiled, options.uint8)
-            steps = GeneratorSteps(frames)
-        except Exception as exc:
-            self.answer(msg.rid, error_info(exc))
-            return
-        self.streams[msg.rid] = (hm, steps, latents)
-        self.answer(msg.rid, None, msg.rid)
-
-    def _stream(self, stream_id) -> tuple:
-        """A stream's (model, steps, latents); each step runs as a solo item (nothing to batch with)."""
-        entry = self.streams.get(stream_id)
-        if entry is None:
-            raise StreamClosed("no such stream")
-        return entry
-
-    def _drop_all(self) -> None:
-        """The front end is gone: withdraw its queued work and end its streams."""
-        batcher = self.host.batcher
-        for item in list(self.items.values()):
-            if batcher is not None:
-                batcher.cancel(item)
-        for _, steps, _ in self.streams.values():
-            steps.close()
-        self.streams.clear()
 
 
 class Worker:
@@ -255,7 +77,10 @@ class Worker:
             answers: dict[FrontendLink, list[wp.Done]] = {}
             batch = deliveries.get()
             while batch is not None:
-                for item in batch:
+                if isinstance(batch, _StartedBatch):  # queued before the batch's own delivery: sent first
+                    self._send_started(batch.items)
+                    batch = None
+                for item in batch or ():
                     link = item.tag[0]
                     done = link.deliver(item)
                     if done is not None:
@@ -276,6 +101,13 @@ class Worker:
                 link.send(desc)
 
     def _started(self, batch) -> None:
+        """A model call began (the batcher's on_start, on the device thread): each front end's
+        Started goes out from the delivery thread, behind no device work. Sent from here, one per
+        front end a batch, they took 16 % of the device thread's samples under one-image requests
+        (one H200, 2026-11-29, py-spy)."""
+        self.host.deliveries.put(_StartedBatch(batch))
+
+    def _send_started(self, batch) -> None:
         by_link: dict[FrontendLink, list[int]] = {}
         for item in batch:
             if item.tag is not None:
