@@ -44,8 +44,12 @@ _THREADING = f"({os.path.basename(threading.__file__)}:"
 _THREAD = re.compile(r"^thread \(\w+\)(?:: (.*))?$")
 
 
-def _frames(line: str) -> tuple[str, list[str], int]:
+def _frames(line: str) -> tuple[str, list[str], int] | None:
+    """(thread, frames outermost first, samples) of one collapsed stack; None for a line that is
+    not one (a frame's text may hold a line break, which splits its stack over two lines)."""
     stack, _, count = line.rstrip().rpartition(" ")
+    if not count.isdigit():
+        return None
     frames = stack.split(";")
     m = _THREAD.match(frames[0])
     thread = (m.group(1) or frames[0]) if m else "?"
@@ -60,7 +64,10 @@ def summary(path: str, top: int = 12) -> str:
         for line in f:
             if not line.strip():
                 continue
-            thread, frames, n = _frames(line)
+            parsed = _frames(line)
+            if parsed is None:
+                continue
+            thread, frames, n = parsed
             per_thread[thread] += n
             if frames:
                 own[thread][frames[-1]] += n
