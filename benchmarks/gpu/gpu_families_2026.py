@@ -33,6 +33,7 @@ A row that fails (out of memory on either side, an error) prints why and the nex
 Run (repo root, CUDA machine; about 6-8 minutes on one H200, mostly torch.compile and PyTorch's video decodes):
   PYTHONPATH=. python3 benchmarks/gpu/gpu_families_2026.py [--only hv15,ltx2,dcae,hyimage,qwen21]
       [--dtype bfloat16] [--reps 3] [--no-compile] [--budget-s 480] [--tiny] [--max-side 2048]
+      [--no-cudnn-benchmark]
 --tiny runs every row on the family's tiny preset at small latents (a smoke test of the script);
 `--backend numpy --tiny` runs it without a GPU (ours on NumPy in float32 against PyTorch on the CPU;
 no memory columns, no torch.compile). Writes $OUT/gpu_families_2026[_tiny].json (OUT defaults to out).
@@ -174,6 +175,8 @@ def main() -> None:
     ap.add_argument("--no-torch-tiled", dest="torch_tiled", action="store_false",
                     help="no diffusers tiled decode where its whole-clip video decode runs out of memory")
     ap.add_argument("--autotune", action="store_true", help="ours with timed cuDNN plans (the service's default is off)")
+    ap.add_argument("--no-cudnn-benchmark", dest="cudnn_benchmark", action="store_false",
+                    help="PyTorch with cuDNN's heuristic algorithms (no timing of every algorithm at its first call)")
     ap.add_argument("--max-side", type=int, default=0, help="only rows whose output side is at most this (0: all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -201,7 +204,9 @@ def main() -> None:
     tdtype = getattr(torch, dtype)
     csync, tsync = (cuda_sync, torch_sync) if cuda else (lambda: None, lambda: None)
     if cuda:
-        torch.backends.cudnn.benchmark = True
+        # PyTorch's fastest convs; its first call times every algorithm of each new conv shape, which
+        # at DC-AE 4096^2 had not ended after ~145 s (one H200, 2026-11-29): --no-cudnn-benchmark
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
     else:
         torch.set_num_threads(1)  # a shared 2-core box: an oversubscribed pool runs diffusers' small ops far slower
     backend_options = dict(dtype=dtype, **(dict(autotune=args.autotune) if cuda else {}))
@@ -342,7 +347,7 @@ def main() -> None:
         print(row_line(r), flush=True)
 
     env = bench_env(backend=args.backend, dtype=dtype, tiny=args.tiny, autotune=args.autotune,
-                    budget_s=args.budget_s, total_s=time.time() - started)
+                    torch_cudnn_benchmark=args.cudnn_benchmark, budget_s=args.budget_s, total_s=time.time() - started)
     out = os.environ.get("OUT", "out")
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"gpu_families_2026{'_tiny' if args.tiny else ''}.json")
