@@ -102,8 +102,8 @@ class CudaArrays:
                           for v, is_bf16 in zip((a, b), bf16))
             op = BF16_OPS.get(getattr(fn, "name", None) or getattr(fn, "__name__", ""))
             if op is not None and None not in kinds:
-                return bf16_binary(self.cp, op, kinds)(*(v if k == "bf16" else np.float32(v) for v, k in zip((a, b),
-                                                                                                     kinds)))
+                args = (v if k == "bf16" else np.float32(v) for v, k in zip((a, b), kinds))
+                return bf16_binary(self.cp, op, kinds)(*args)
             a, b = (self.f32(v) if hasattr(v, "dtype") else v for v in (a, b))
             return self.cast(fn(a, b), "bfloat16")
         return fn(a, b)

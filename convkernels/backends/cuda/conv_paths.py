@@ -13,8 +13,8 @@
   of 32) as one sliced GEMM per group or a direct kernel of 2 ms (one H200, 2026-11-29).
 small_kd_2d is chosen only by measurement (autotune); depthwise_direct by measurement too, which
 depthwise keys always get (cuDNN's grouped direct kernel took 2 ms for one of DC-AE's 5x5
-depthwise convs, ours a tenth of it; two contenders timed at a key's first call). Every runner returns (out, the path that
-ran). Under a CUDA graph capture (graphs.py) nothing here builds a plan or measures, and the
+depthwise convs, ours a tenth of it; two contenders timed at a key's first call). Every runner
+returns (out, the path that ran). Under a CUDA graph capture (graphs.py) nothing here builds a plan or measures, and the
 workspace and plans the captured work uses are held by the graph.
 """
 from __future__ import annotations
@@ -199,10 +199,11 @@ class CudaConvPaths:
         g, x, w = key.spec.groups, self.arrays.contiguous(x), self.arrays.contiguous(w)
         out = cp.empty(key.out_shape, dtype=storage_dtype(key.dtype))
         pixels = out.size // out.shape[-1]
+        b = x if bias is None else bias
+        r = x if residual is None else self.arrays.contiguous(residual)
         self.arrays.kernels(key.dtype).fn("grouped_pw")((-(-pixels // GP_TT), g), (BLOCK,), (
-            x, w, x if bias is None else bias, x if residual is None else self.arrays.contiguous(residual), out, np.int64(pixels), i32(g),
-            i32(key.in_channels // g), i32(key.out_channels // g), i32(bias is not None), i32(residual is not None),
-            i32(ACT_CODES[activation])))
+            x, w, b, r, out, np.int64(pixels), i32(g), i32(key.in_channels // g), i32(key.out_channels // g),
+            i32(bias is not None), i32(residual is not None), i32(ACT_CODES[activation])))
         return out, "grouped_pointwise"
 
     def run_small_kd(self, x, w, key: ConvKey, bias, residual, activation):
