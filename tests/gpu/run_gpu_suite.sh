@@ -2,7 +2,9 @@
 # One run on a GPU machine: print the stack, run the GPU tests and the chosen benchmarks.
 # Usage (repo root, with the cuda and test extras installed): bash tests/gpu/run_gpu_suite.sh [pytest args...]
 # Logs go to the folder $OUT names (default ./out).
-# Switches (environment): SKIP_TESTS=1, WORKERS=8 (pytest-xdist), TEST_TIMEOUT=300 (per test), SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
+# Switches (environment): SKIP_TESTS=1, PART=1/2 (one GPU: every second test file from the first on, the op
+# suite's cuda targets in the last part only; the whole suite takes more than one 600 s call on one H200),
+# WORKERS=8 (pytest-xdist), TEST_TIMEOUT=300 (per test), SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
 # shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
@@ -48,14 +50,21 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     multi_status=$?
     [ $status = 0 ] && status=$multi_status
   else
-    python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/gpu --timeout ${TEST_TIMEOUT:-300} -rfE \
+    FILES=tests/gpu
+    if [ -n "${PART:-}" ]; then  # PART=i/n: the files whose index (from 0, sorted) is i - 1 modulo n
+      FILES=$(ls tests/gpu/test_*.py | awk -v i="${PART%/*}" -v n="${PART#*/}" '(NR - 1) % n == i - 1')
+    fi
+    python3 -m pytest -q -p no:cacheprovider -p no:benchmark $FILES --timeout ${TEST_TIMEOUT:-300} -rfE \
       --durations 15 -n ${WORKERS:-8} \
       --log-file="$OUT/cuda.log" --log-file-level=INFO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 40
     status=$?
   fi
-  python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_ops.py tests/test_ops_conv.py -k cuda \
-    --timeout ${TEST_TIMEOUT:-300} -rfE -n ${WORKERS:-8} 2>&1 | tee "$OUT/pytest_ops.log" | tail -n 15
-  ops_status=$?  # the pipeline's (pipefail): pytest's
+  ops_status=0
+  if [ -z "${PART:-}" ] || [ "${PART%/*}" = "${PART#*/}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_ops.py tests/test_ops_conv.py -k cuda \
+      --timeout ${TEST_TIMEOUT:-300} -rfE -n ${WORKERS:-8} 2>&1 | tee "$OUT/pytest_ops.log" | tail -n 15
+    ops_status=$?  # the pipeline's (pipefail): pytest's
+  fi
   [ $status = 0 ] && status=$ops_status
   [ -s "$OUT/failures.txt" ] && { echo "== failures as they happened:"; grep "^====" "$OUT/failures.txt"; }
 fi
