@@ -1,7 +1,7 @@
 """The NumPy backend's fused compiled kernels (convkernels/_cpu/norms.c via backends/numpy/fused.py)
 against torch.nn.functional in float64, at odd channel counts (vector tails) and odd groups:
 the linear epilogue (bias, activation, residual in one pass), LayerNorm, ConvNeXt's depthwise
-conv + LayerNorm in one pass, GroupNorm + activation; each also through the pure-NumPy fallback
+conv + LayerNorm in one pass, GroupNorm + activation, RMS norm + bias + residual; each also through the pure-NumPy fallback
 (no compiler). And the AVX2 build of the activation and norm loops is vector code: the scalar
 clamp once kept GCC from vectorising them anywhere but in the AVX-512 clone."""
 from __future__ import annotations
@@ -148,6 +148,26 @@ def test_group_norm_split_over_threads(be, shape, groups):
     ref = F.silu(F.group_norm(to_t(x), groups, t64(w), t64(b), eps=1e-6))
     got = be.group_norm(x, groups, w, b, eps=1e-6, activation="silu")
     assert rel_l2(got, from_t(ref)) < TOL, f"{shape} seed {seed}"
+
+
+@pytest.mark.parametrize("c", [45, 64, 7])
+@pytest.mark.parametrize("parts", ["bias_residual", "bias", "residual", "neither"])
+def test_rms_norm_affine_matches_torch(be, c, parts):
+    """rms_norm_affine (DC-AE's norm before its block's shortcut): norm * weight + bias + residual
+    in the compiled pass (vector tails at odd channel counts, rows split over threads), against
+    torch in float64; without the compiled kernels it is None and the caller adds."""
+    rng, seed = fresh_rng()
+    x, res = ((rng.standard_normal((3, 67, 41, c)) * 2 + 1).astype(np.float32) for _ in range(2))
+    w, b = rng.uniform(0.5, 1.5, c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    bias, residual = (b if "bias" in parts else None), (res if "residual" in parts else None)
+    got = be.rms_norm_affine(x, w, bias, residual, 1e-5)
+    if not _cpu.AVAILABLE:
+        assert got is None
+        return
+    ref = F.rms_norm(t64(x), (c,), t64(w), 1e-5) + (t64(b) if bias is not None else 0)
+    ref = ref.numpy() + (res if residual is not None else 0)
+    assert got.dtype == np.float32 and rel_l2(got, ref) < TOL, f"seed {seed}"
+    assert be.rms_norm_affine(x, w, b, res[:, :, :1], 1e-5) is None  # a broadcast residual: the caller adds
 
 
 #: functions whose loops must be vector code in an AVX2 build (the Zen 2/3 and older Xeon path)

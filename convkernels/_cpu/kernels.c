@@ -568,7 +568,8 @@ static PyMethodDef methods[] = {
      "act 0 none, 1 silu, 2 gelu; out may be x"},
     {"layer_norm", ck_layer_norm, METH_VARARGS, "layer_norm(x, w, b, out, has_w, has_b, rows, c, eps)"},
     {"rms_norm", ck_rms_norm, METH_VARARGS,
-     "rms_norm(x, w, out, has_w, rows, c, eps, act): act(x * w / sqrt(mean(x^2) + eps)) over rows of c"},
+     "rms_norm(x, w, b, res, out, has_w, has_b, has_r, rows, c, eps, act): act(x * w / sqrt(mean(x^2) + eps) + b)"
+     " + res over rows of c"},
     {"depthwise_layer_norm", ck_depthwise_layer_norm, METH_VARARGS,
      "depthwise_layer_norm(x, taps, dw_bias, ln_w, ln_b, out, has_bias, has_w, has_b, n, h, w, c, kh, kw, eps): "
      "LayerNorm(depthwise 'same' conv + bias), kw 3, 5 or 7"},

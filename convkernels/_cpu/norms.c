@@ -121,12 +121,12 @@ static void layer_norm_rows(const float *x, const float *w, const float *b, floa
     for (Py_ssize_t r = 0; r < rows; r++) ln_pixel(x + (size_t)r * c, w, b, out + (size_t)r * c, c, eps);
 }
 
-/* RMSNorm of each row's c channels, x * weight / sqrt(mean(x^2) + eps), then the activation, in one
- * pass over the row (its sum of squares stays in registers, and the row in L1): the Wan decoders'
- * norm + SiLU, where NumPy's four passes took 0.43 s of a 1.9 s Wan 2.1 5 x 128 x 128 decode on
+/* RMSNorm of each row's c channels, x * weight / sqrt(mean(x^2) + eps), plus a bias, then the
+ * activation, plus a residual, in one pass over the row (its sum of squares stays in registers, and
+ * the row in L1): the Wan decoders' norm + SiLU, DC-AE's norm + bias + its block's residual, where NumPy's four passes took 0.43 s of a 1.9 s Wan 2.1 5 x 128 x 128 decode on
  * two cores (2026-11-29). Tasks of about 16 K floats on pool.c's threads. */
 typedef struct {
-    const float *x, *w;
+    const float *x, *w, *b, *res; /* b: a per-channel bias after the weight; res: added last (x's layout) */
     float *out;
     Py_ssize_t rows, c, chunk;
     float eps;
@@ -154,17 +154,23 @@ static void rms_task(void *ctx, Py_ssize_t task)
             Py_ssize_t n = c - ch < ACT_VEC ? c - ch : ACT_VEC;
             vf8 v = (n == ACT_VEC ? vload8(xr + ch) : vload8_part(xr + ch, n)) * scale;
             if (j->w) v *= n == ACT_VEC ? vload8(j->w + ch) : vload8_part(j->w + ch, n);
+            if (j->b) v += n == ACT_VEC ? vload8(j->b + ch) : vload8_part(j->b + ch, n);
             v = vact(v, j->act);
+            if (j->res) {
+                const float *rr = j->res + (size_t)r * c + ch;
+                v += n == ACT_VEC ? vload8(rr) : vload8_part(rr, n);
+            }
             if (n == ACT_VEC) vstore8(o + ch, v);
             else vstore8_part(o + ch, v, n);
         }
     }
 }
 
-static void rms_norm_rows(const float *x, const float *w, float *out, Py_ssize_t rows, Py_ssize_t c, float eps, int act)
+static void rms_norm_rows(const float *x, const float *w, const float *b, const float *res, float *out,
+                          Py_ssize_t rows, Py_ssize_t c, float eps, int act)
 {
     Py_ssize_t chunk = 16384 / c > 0 ? 16384 / c : 1;
-    rms_job j = {x, w, out, rows, c, chunk, eps, act};
+    rms_job j = {x, w, b, res, out, rows, c, chunk, eps, act};
     run_tasks(rms_task, &j, (rows + chunk - 1) / chunk, (long long)rows * c * (act ? 16 : 4) > PARALLEL_MIN_WORK);
 }
 
@@ -392,19 +398,22 @@ PyObject *ck_layer_norm(PyObject *self, PyObject *args)
 
 PyObject *ck_rms_norm(PyObject *self, PyObject *args)
 {
-    Py_buffer bf[3];
+    Py_buffer bf[5];
     Py_ssize_t rows, c;
-    int has_w, act;
+    int has_w, has_b, has_r, act;
     float eps;
-    if (!PyArg_ParseTuple(args, "y*y*w*pnnfi", &bf[0], &bf[1], &bf[2], &has_w, &rows, &c, &eps, &act)) return NULL;
-    int bad = rows < 0 || c < 1 || act < 0 || act > 2 || too_small(&bf[0], rows * c) || too_small(&bf[2], rows * c) ||
-              (has_w && too_small(&bf[1], c));
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*pppnnfi", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &has_w, &has_b, &has_r,
+                          &rows, &c, &eps, &act))
+        return NULL;
+    int bad = rows < 0 || c < 1 || act < 0 || act > 2 || too_small(&bf[0], rows * c) || too_small(&bf[4], rows * c) ||
+              (has_w && too_small(&bf[1], c)) || (has_b && too_small(&bf[2], c)) || (has_r && too_small(&bf[3], rows * c));
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        rms_norm_rows(bf[0].buf, has_w ? bf[1].buf : NULL, bf[2].buf, rows, c, eps, act);
+        rms_norm_rows(bf[0].buf, has_w ? bf[1].buf : NULL, has_b ? bf[2].buf : NULL, has_r ? bf[3].buf : NULL,
+                      bf[4].buf, rows, c, eps, act);
         Py_END_ALLOW_THREADS
     }
-    release(bf, 3);
+    release(bf, 5);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: buffer sizes or activation do not match");
         return NULL;

@@ -306,6 +306,7 @@ class NumpyBackend(BackendBase):
     _group_norm = staticmethod(norms.group_norm)
     _layer_norm = staticmethod(norms.layer_norm)
     _rms_norm = staticmethod(norms.rms_norm)
+    rms_norm_affine = staticmethod(norms.rms_norm_affine)
 
     def _activation(self, x, activation):
         return apply_activation(self._f(x), activation)
