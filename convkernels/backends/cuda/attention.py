@@ -76,33 +76,33 @@ def la_chunks(tokens: int, blocks: int, sm_count: int) -> tuple[int, int]:
     return chunk, -(-tokens // chunk)
 
 
-def relu_linear_attention_sums(backend, qkv, head_dim: int, scale: float):
-    """backend.relu_linear_attention_sums: la_sums over chunks of tokens, enough blocks for every
+def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
+    """CudaBackend.relu_linear_attention_sums (bound there: self is the backend): la_sums over chunks of tokens, enough blocks for every
     multiprocessor twice, then the chunks added in order (float32 (N, G, d, d + 1))."""
-    shape = _linear_attention_shape(backend, qkv, head_dim)
+    shape = _linear_attention_shape(self, qkv, head_dim)
     if shape is None:
         return None
     n, tokens, groups, d = shape
-    kern = backend.arrays.kernels(backend.dtype_of(qkv))
+    kern = self.arrays.kernels(self.dtype_of(qkv))
     chunk, chunks = la_chunks(tokens, n * groups, kern.sm_count)
-    part = backend.cp.empty((n, groups, chunks, d, d + 1), dtype=np.float32)
-    kern.fn("la_sums")((chunks, n * groups), (BLOCK,), (backend.arrays.contiguous(qkv), part, np.int64(tokens),
+    part = self.cp.empty((n, groups, chunks, d, d + 1), dtype=np.float32)
+    kern.fn("la_sums")((chunks, n * groups), (BLOCK,), (self.arrays.contiguous(qkv), part, np.int64(tokens),
                                                        np.int32(groups), np.int32(d), np.int64(chunk),
                                                        np.float32(scale)))
     return part.reshape(n, groups, d, d + 1) if chunks == 1 else part.sum(axis=2)
 
 
-def relu_linear_attention_apply(backend, qkv, sums, head_dim: int, eps: float):
-    """backend.relu_linear_attention_apply: la_apply, qkv's dtype out (N, H, W, G * d)."""
-    shape = _linear_attention_shape(backend, qkv, head_dim)
+def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float):
+    """CudaBackend.relu_linear_attention_apply (bound there): la_apply, qkv's dtype out (N, H, W, G * d)."""
+    shape = _linear_attention_shape(self, qkv, head_dim)
     if shape is None:
         return None
-    cp = backend.cp
+    cp = self.cp
     n, tokens, groups, d = shape
-    kern = backend.arrays.kernels(backend.dtype_of(qkv))
+    kern = self.arrays.kernels(self.dtype_of(qkv))
     y = cp.empty((*qkv.shape[:3], groups * d), dtype=qkv.dtype)
     sums = cp.ascontiguousarray(sums, dtype=cp.float32)
     kern.fn("la_apply")((-(-tokens // LA_APPLY_TOKENS), n * groups), (BLOCK,), (
-        backend.arrays.contiguous(qkv), sums, y, np.int64(tokens), np.int32(groups), np.int32(d), np.float32(eps),
+        self.arrays.contiguous(qkv), sums, y, np.int64(tokens), np.int32(groups), np.int32(d), np.float32(eps),
         np.int64(LA_APPLY_TOKENS)))
     return y

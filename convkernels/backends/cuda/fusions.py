@@ -117,12 +117,12 @@ class CudaFusions:
             raise CaptureMissed(str(exc)) from exc
 
 
-def rms_norm_affine(backend, x, weight, bias, residual, eps: float):
-    """backend.rms_norm_affine: one pass of the RMS kernels (src/norms.cu); None for a residual of
+def rms_norm_affine(self, x, weight, bias, residual, eps: float):
+    """CudaBackend.rms_norm_affine (bound there: self is the backend): one pass of the RMS kernels (src/norms.cu); None for a residual of
     another shape than x (broadcasting is the adds' business)."""
-    dt = backend.dtype_of(x)
+    dt = self.dtype_of(x)
     if dt not in STORAGE or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
         return None
-    arrays, cast = backend.arrays, backend.arrays.cast
+    arrays, cast = self.arrays, self.arrays.cast
     return arrays.kernels(dt).rms_norm(arrays.contiguous(x), cast(weight, dt), eps, None, bias=cast(bias, dt),
                                        residual=cast(residual, dt))

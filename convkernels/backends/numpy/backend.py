@@ -306,7 +306,9 @@ class NumpyBackend(BackendBase):
     _group_norm = staticmethod(norms.group_norm)
     _layer_norm = staticmethod(norms.layer_norm)
     _rms_norm = staticmethod(norms.rms_norm)
-    rms_norm_affine = staticmethod(norms.rms_norm_affine)
+
+    def rms_norm_affine(self, x, weight, bias, residual, eps):
+        return norms.rms_norm_affine(x, weight, bias, residual, eps)  # the compiled RMS pass, or None
 
     def _activation(self, x, activation):
         return apply_activation(self._f(x), activation)
