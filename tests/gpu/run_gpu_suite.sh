@@ -31,7 +31,8 @@ print("python", sys.version.split()[0], "cupy", cupy.__version__, "cuda runtime"
 PY
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  # tests/gpu, then the op suite's cuda targets (its numpy/mlx targets are CI's). Each failure lands in
+  # tests/gpu, then the op suite's cuda targets (its numpy/mlx targets are CI's) and the CUDA backend against the typed
+  # contract (tests/test_backend_protocol.py needs CuPy to import it). Each failure lands in
   # $OUT/failures.txt as it happens, each test's time into timings.txt (tests/gpu/conftest.py): a call
   # cut off at its limit still names them. 2026-11-26: tests/gpu did not finish within 330 s on one
   # H200 (-n 8) nor within 357 s on 2x H200 (-n 10): its tail was the full-size CPU references, since
@@ -61,7 +62,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   fi
   ops_status=0
   if [ -z "${PART:-}" ] || [ "${PART%/*}" = "${PART#*/}" ]; then
-    python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_ops.py tests/test_ops_conv.py -k cuda \
+    python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_ops.py tests/test_ops_conv.py \
+      tests/test_backend_protocol.py -k cuda \
       --timeout ${TEST_TIMEOUT:-300} -rfE -n ${WORKERS:-8} 2>&1 | tee "$OUT/pytest_ops.log" | tail -n 15
     ops_status=$?  # the pipeline's (pipefail): pytest's
   fi
