@@ -1,8 +1,8 @@
 """The NumPy backend's fused compiled kernels (convkernels/_cpu/norms.c via backends/numpy/fused.py)
 against torch.nn.functional in float64, at odd channel counts (vector tails) and odd groups:
 the linear epilogue (bias, activation, residual in one pass), LayerNorm, ConvNeXt's depthwise
-conv + LayerNorm in one pass, GroupNorm + activation, RMS norm + bias + residual; each also through the pure-NumPy fallback
-(no compiler). And the AVX2 build of the activation and norm loops is vector code: the scalar
+conv + LayerNorm in one pass, GroupNorm + activation, RMS norm + bias + residual; each also
+through the pure-NumPy fallback (no compiler). And the AVX2 build of the activation and norm loops is vector code: the scalar
 clamp once kept GCC from vectorising them anywhere but in the AVX-512 clone."""
 from __future__ import annotations
 

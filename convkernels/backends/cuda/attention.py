@@ -77,8 +77,9 @@ def la_chunks(tokens: int, blocks: int, sm_count: int) -> tuple[int, int]:
 
 
 def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
-    """CudaBackend.relu_linear_attention_sums (bound there: self is the backend): la_sums over chunks of tokens, enough blocks for every
-    multiprocessor twice, then the chunks added in order (float32 (N, G, d, d + 1))."""
+    """CudaBackend.relu_linear_attention_sums (bound there: self is the backend): la_sums over
+    chunks of tokens, enough blocks for every multiprocessor twice, then the chunks added in order
+    (float32 (N, G, d, d + 1))."""
     shape = _linear_attention_shape(self, qkv, head_dim)
     if shape is None:
         return None
@@ -93,7 +94,8 @@ def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
 
 
 def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float):
-    """CudaBackend.relu_linear_attention_apply (bound there): la_apply, qkv's dtype out (N, H, W, G * d)."""
+    """CudaBackend.relu_linear_attention_apply (bound there): la_apply, qkv's dtype out
+    (N, H, W, G * d)."""
     shape = _linear_attention_shape(self, qkv, head_dim)
     if shape is None:
         return None

@@ -14,8 +14,8 @@
 small_kd_2d is chosen only by measurement (autotune); depthwise_direct by measurement too, which
 depthwise keys always get (cuDNN's grouped direct kernel took 2 ms for one of DC-AE's 5x5
 depthwise convs, ours a tenth of it; two contenders timed at a key's first call). Every runner
-returns (out, the path that ran). Under a CUDA graph capture (graphs.py) nothing here builds a plan or measures, and the
-workspace and plans the captured work uses are held by the graph.
+returns (out, the path that ran). Under a CUDA graph capture (graphs.py) nothing here builds a
+plan or measures, and the workspace and plans the captured work uses are held by the graph.
 """
 from __future__ import annotations
 

@@ -118,8 +118,8 @@ class CudaFusions:
 
 
 def rms_norm_affine(self, x, weight, bias, residual, eps: float):
-    """CudaBackend.rms_norm_affine (bound there: self is the backend): one pass of the RMS kernels (src/norms.cu); None for a residual of
-    another shape than x (broadcasting is the adds' business)."""
+    """CudaBackend.rms_norm_affine (bound there: self is the backend): one pass of the RMS kernels
+    (src/norms.cu); None for a residual of another shape than x (broadcasting is the adds' business)."""
     dt = self.dtype_of(x)
     if dt not in STORAGE or (residual is not None and tuple(residual.shape) != tuple(x.shape)):
         return None
