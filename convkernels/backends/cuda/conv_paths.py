@@ -33,6 +33,8 @@ from .plan_cache import Fallback, PlanKey
 
 log = logging.getLogger("convkernels.cuda")
 
+#: the paths a measured choice times against each other (a key whose static choice is another keeps it)
+MEASURED = ("cudnn", "small_kd_2d", "depthwise_direct")
 #: grouped_pw's bounds (src/depthwise.cu): channels a group, pixels a block
 GP_MAXC, GP_TT = 64, 64
 
@@ -85,9 +87,8 @@ class CudaConvPaths:
 
     def measure(self, key: ConvKey, valid: list[ConvPath]) -> ConvPath:
         static = min(valid, key=lambda p: p.cost(key))
-        contenders = [p for p in valid if p.name in ("cudnn", "small_kd_2d", "depthwise_direct")]
-        if not (self.autotune or key.is_depthwise) or len(contenders) < 2 or static.name not in (
-                "cudnn", "small_kd_2d", "depthwise_direct"):
+        contenders = [p for p in valid if p.name in MEASURED]
+        if not (self.autotune or key.is_depthwise) or len(contenders) < 2 or static.name not in MEASURED:
             return static
         # timing synchronises with the host: not inside a capture
         self.capture.require_eager(f"path choice for a new {key.op} key")
