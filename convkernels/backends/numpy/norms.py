@@ -29,9 +29,12 @@ def group_norm(x, num_groups, weight, bias, eps, activation):
         return out
     n, c = x.shape[0], x.shape[-1]
     xr = x.reshape(n, -1, num_groups, c // num_groups)
-    mean = xr.mean(axis=(1, 3), keepdims=True)
+    # A group spans every position: float32 sums over tens of thousands of values are off by
+    # more than the tolerance of a float32 norm (NumPy's order over two axes is not pairwise), so
+    # both moments accumulate in float64, a few buffered chunks at a time (no float64 copy).
+    mean = xr.mean(axis=(1, 3), keepdims=True, dtype=np.float64).astype(x.dtype)
     centered = xr - mean
-    var = np.square(centered).mean(axis=(1, 3), keepdims=True)
+    var = np.square(centered).mean(axis=(1, 3), keepdims=True, dtype=np.float64).astype(x.dtype)
     out = (centered * (1.0 / np.sqrt(var + eps)).astype(x.dtype)).reshape(x.shape)
     if weight is not None:
         out *= as_compute(weight).astype(out.dtype, copy=False)
