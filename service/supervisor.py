@@ -41,7 +41,7 @@ from typing import Iterator
 
 from convkernels.registry import visible_cuda_devices
 
-from . import metrics
+from . import metrics, threads
 from .ipc import heartbeat
 from .settings import Settings, parse_devices
 from .worker.model_worker import STOP_SIGNAL, WorkerSpec
@@ -178,8 +178,8 @@ class Supervisor:
             child.args = (spec,)  # a restart reports nothing: its load failure is served as 503s
             sender.close()  # the worker's copy only: its death before reporting reads as EOF
             metrics.WORKER_UP.labels(self._device_of(child)).set(1)
-        threading.Thread(target=self._watch, name="convserve-supervisor", daemon=True).start()
-        threading.Thread(target=self._first_loads, args=(reports,), name="convserve-first-loads", daemon=True).start()
+        threads.start(self._watch, "convserve-supervisor")
+        threads.start(self._first_loads, "convserve-first-loads", (reports,))
 
     def _first_loads(self, reports: dict) -> None:
         """Each worker's first load, as it reports it (service/worker/model_host.py): one that failed

@@ -55,17 +55,17 @@ def test_the_next_batch_starts_before_the_previous_result_is_waited_for(batcher)
     gates["c"] = c_gate
     c = batcher.submit("m", "k2", np.full((1, 2), 3.0), _call(log, gates, "c"))
     gates["a"].set()
-    assert a.future.result(10).tolist() == [[10.0, 10.0]]
+    assert a.outcome.result(10).tolist() == [[10.0, 10.0]]
     deadline = time.monotonic() + 10
     while "start c" not in log and time.monotonic() < deadline:
         time.sleep(0.005)
     # ... and c (another key: a batch of its own) started before b's result was waited for
     assert log.index("start c") < log.index("wait b"), log
-    assert not b.future.done()
+    assert not b.outcome.done()
     gates["b"].set()
     c_gate.set()
-    assert b.future.result(10).tolist() == [[20.0, 20.0]]
-    assert c.future.result(10).tolist() == [[30.0, 30.0]]
+    assert b.outcome.result(10).tolist() == [[20.0, 20.0]]
+    assert c.outcome.result(10).tolist() == [[30.0, 30.0]]
     assert log.index("wait b") < log.index("wait c"), log  # results in batch order
 
 
@@ -76,8 +76,8 @@ def test_an_error_met_while_waiting_fails_that_batch_alone(batcher):
     gates["bad"].set()
     gates["good"].set()
     with pytest.raises(RuntimeError, match="device error in bad"):
-        bad.future.result(10)
-    assert good.future.result(10).tolist() == [[10.0]]
+        bad.outcome.result(10)
+    assert good.outcome.result(10).tolist() == [[10.0]]
 
 
 def test_a_lone_request_waits_for_no_other_batch(batcher):
@@ -85,7 +85,7 @@ def test_a_lone_request_waits_for_no_other_batch(batcher):
     gates["one"].set()
     t0 = time.perf_counter()
     one = batcher.submit("m", "k", np.ones((2, 1)), _call(log, gates, "one"))
-    assert one.future.result(10).tolist() == [[10.0], [10.0]]
+    assert one.outcome.result(10).tolist() == [[10.0], [10.0]]
     assert time.perf_counter() - t0 < 2.0
     assert log == ["start one", "wait one"]
 
@@ -112,11 +112,11 @@ def test_a_batch_is_stacked_where_the_backend_says_and_anywhere_when_it_says_not
         items = [WorkItem("m", "k", p, call) for p in parts]
         b.submit_many(items)  # queued together: one batch (a bucket of 4)
         for it, p in zip(items, parts):
-            np.testing.assert_array_equal(it.future.result(10), p * 2)
+            np.testing.assert_array_equal(it.outcome.result(10), p * 2)
         assert len(given) == 1 and seen[0] is given[0]
         np.testing.assert_array_equal(given[0], np.concatenate(parts))
         lone = np.ones((2, 4), np.float32)
-        assert b.submit("m", "k", lone, call).future.result(10).tolist() == (lone * 2).tolist()
+        assert b.submit("m", "k", lone, call).outcome.result(10).tolist() == (lone * 2).tolist()
         assert seen[1] is lone
     finally:
         b.stop()

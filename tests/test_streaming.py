@@ -410,8 +410,8 @@ def test_solo_items_run_alone():
             queued = b.submit("m", "k", np.zeros((1, 1)), lambda x: x + 1)
             cont = b.submit("m", "s", np.ones((1, 1)), lambda x: x * 7, solo=True)
             gate.set()
-            out = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(i.future) for i in (solo, queued, cont))),
-                                         10)
+            loop = asyncio.get_running_loop()
+            out = await asyncio.gather(*(loop.run_in_executor(None, i.outcome.result, 10) for i in (solo, queued, cont)))
             return out, started_after
         finally:
             b.stop()

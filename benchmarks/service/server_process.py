@@ -105,6 +105,33 @@ class ServerProcess:
                 out[role] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return out
 
+    def worker_thread_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the model workers' threads by kernel name (service/threads.py
+        names the service's own: worker-<device> runs the model calls, deliver, links, depth-...,
+        heartbeat); threads the service did not name (the main thread, BLAS and compute pools,
+        the CUDA driver's) are summed as "unnamed"."""
+        out: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in self.roles()["model workers"]:
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                try:
+                    name = (task / "comm").read_text().strip()
+                    try:  # nanoseconds on the CPU (stat's ticks are 10 ms: too coarse per thread)
+                        seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
+                    except (OSError, ValueError, IndexError):
+                        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                        seconds = (int(fields[11]) + int(fields[12])) / tick
+                except OSError:
+                    continue  # a thread that ended
+                name = "unnamed" if name == comm else name
+                out[name] = out.get(name, 0.0) + seconds
+        return out
+
     def frontends(self) -> int:
         """HTTP front-end processes: this server process and the front ends it spawned."""
         return len(self.roles()["front ends"])

@@ -122,6 +122,7 @@ class LoopResult:
     transport_errors: Counter = field(default_factory=Counter)
     cpu_seconds: list[float] = field(default_factory=list)  # per client process
     server_cpu: dict = field(default_factory=dict)          # cores busy per server role
+    worker_threads: dict = field(default_factory=dict)      # CPU seconds per model-worker thread
     bytes_in: int = 0
 
 
@@ -282,6 +283,9 @@ def main() -> None:
     ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                     help="sample the model worker and one front end with py-spy for this long in each format's "
                          "measured run; raw stacks and a per-thread summary go to $OUT (default out)")
+    ap.add_argument("--py-spy-gil", action="store_true",
+                    help="with --py-spy: sample only the thread holding the interpreter lock (shares of "
+                         "the Python work, not of the time threads wait)")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
@@ -323,13 +327,14 @@ def main() -> None:
             data, ctype, params = bodies(args, fmt)
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
-            m0, cpu0 = srv.metrics(), srv.cpu_seconds()
-            spies = _start_py_spy(srv, fmt, args.py_spy)
+            m0, cpu0, threads0 = srv.metrics(), srv.cpu_seconds(), srv.worker_thread_cpu()
+            spies = _start_py_spy(srv, fmt, args.py_spy, args.py_spy_gil)
             res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
                                     raw=args.client == "raw")
-            cpu1 = srv.cpu_seconds()
+            cpu1, threads1 = srv.cpu_seconds(), srv.worker_thread_cpu()
             _finish_py_spy(spies)
             res.server_cpu = {k: (cpu1[k] - cpu0[k]) / res.seconds for k in cpu1}
+            res.worker_threads = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
             rows.append((fmt, res, m0, srv.metrics()))
     raw_after = measure_raw()
     raw = (raw_before + raw_after) / 2
@@ -371,9 +376,17 @@ def main() -> None:
                      f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} "
                      f"| {per_request_us:.0f} | {per_message:.2f} |")
     print("\n".join(table))
+    # where a request's worker CPU goes: the threads other than the device thread (worker-...)
+    # are the service's own cost whatever the backend; the device thread's includes the model's
+    # host work (on the NumPy backend, its compute; its pools are "unnamed")
+    for fmt, res, _, _ in rows:
+        ok = max(len(res.latencies), 1)
+        parts = sorted(res.worker_threads.items(), key=lambda kv: -kv[1])
+        print(f"{fmt}: worker CPU per request by thread (us): "
+              + ", ".join(f"{name} {seconds / ok * 1e6:.1f}" for name, seconds in parts if seconds > 0))
 
 
-def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float) -> list[tuple]:
+def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False) -> list[tuple]:
     """py-spy on the first model worker and the first spawned front end, from the measured run's
     start (the run must outlast `seconds`: the summary says how many samples it got)."""
     if seconds <= 0:
@@ -390,7 +403,7 @@ def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float) -> list[tuple]:
     for role, pids in chosen.items():
         for pid in pids:
             path = os.path.join(out, f"pyspy_{role}_{fmt}.txt")
-            spies.append((path, pyspy_profile.record(pid, seconds, path)))
+            spies.append((path, pyspy_profile.record(pid, seconds, path, gil=gil)))
     return spies
 
 

@@ -37,6 +37,7 @@ from multiprocessing.connection import Client, Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from .. import threads
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
 from ..ipc.heartbeat import BeatReader, beat_path
@@ -94,8 +95,7 @@ class Engine:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         for link in self.links:
-            threading.Thread(target=self._keep, args=(link,), name=f"convserve-link-{link.device}",
-                             daemon=True).start()
+            threads.start(self._keep, f"convserve-link-{link.device}", (link,))
         self._check_beats()
 
     def close(self) -> None:

@@ -38,8 +38,9 @@ import logging
 import mmap
 import os
 import struct
-import threading
 import time
+
+from .. import threads
 
 log = logging.getLogger("convserve.heartbeat")
 
@@ -95,7 +96,7 @@ class Beat:
         struct.pack_into("=q", self._map, _PID_AT, os.getpid())
         self.call(0.0)  # a restarted worker starts idle, whatever its predecessor was doing
         self.beat()  # at once: a worker that restarts is not taken for its silent predecessor
-        threading.Thread(target=self._run, name="convserve-heartbeat", daemon=True).start()
+        threads.start(self._run, "convserve-heartbeat")
 
     def beat(self) -> None:
         _TIME.pack_into(self._map, 0, time.monotonic())

@@ -57,7 +57,19 @@ class TensorRef(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype(name: str) -> np.dtype:
+    """np.dtype(name), kept: a request's blocks are viewed three times in the worker, and the
+    dtype's parse was a third of each view's cost."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        dt = _DTYPES[name] = np.dtype(name)
+    return dt
 
 
 def _round_up(n: int) -> int:
@@ -89,7 +101,8 @@ class _Mapping:
             raise ValueError("the arena is released (its front end is gone)")
         if ref.offset < 0 or ref.offset + n > self.size:
             raise ValueError(f"tensor {ref} lies outside the arena ({self.size} bytes)")
-        return buf[ref.offset:ref.offset + n].view(ref.dtype).reshape(ref.shape)
+        # one constructor, not a slice, a view and a reshape: a third of the cost per request
+        return np.ndarray(ref.shape, _dtype(ref.dtype), buf, ref.offset)
 
     def close(self) -> None:
         self._buf = None

@@ -3,8 +3,8 @@ device's model calls; requests for the same model and compatible shapes are stac
 batch axis, up to `max_batch` rows, waiting at most `max_queue_delay_ms` after the oldest one
 arrived. The front ends bound what waits (admission, before the body: service/frontend/pipeline.py), so
 this queue holds whatever they admitted; queued work whose requester gave up (client gone, timeout) is
-dropped before it runs. Results go to each item's `concurrent.futures.Future`, which a thread or
-an event loop (`asyncio.wrap_future`) may wait on."""
+dropped before it runs. Results go to each item's outcome (service/worker/work_item.py), which the
+worker reads once the batch is handed over and any other thread may wait on."""
 from __future__ import annotations
 
 import logging
@@ -12,66 +12,28 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from models.nn import interrupt
 
-from .. import metrics
+from .. import metrics, threads
 from ..ipc.worker_errors import Cancelled, Closed
 from ..model_stats import BatchTimes, ModelStats, ns
+from .work_item import ModelCall, WorkItem
 
 log = logging.getLogger("convserve.batcher")
 
-#: a model call: stacked inputs (rows on axis 0) -> an array or a dict of arrays/None, rows on axis 0
-ModelCall = Callable[[np.ndarray], Any]
-
-
 #: how often at most the queue-depth gauge is written (Batcher._publish_depth)
 DEPTH_PUBLISH_S = 0.02
-
-
-@dataclass(eq=False)
-class WorkItem:
-    model: str
-    #: items batch together only when their keys are equal (model, op, row shape, options)
-    key: Hashable
-    inputs: np.ndarray
-    call: ModelCall
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-    started: bool = False
-    #: runs alone and at once: a step of a stateful generator (streaming) has nothing to batch with
-    solo: bool = False
-    #: the submitter's own reference (the worker: which front end and request it answers)
-    tag: Any = None
-
-    @property
-    def rows(self) -> int:
-        return int(self.inputs.shape[0])
-
 
 
 def _rows_of(out: Any, start: int, stop: int) -> Any:
     if isinstance(out, dict):
         return {k: (None if v is None else v[start:stop]) for k, v in out.items()}
     return out[start:stop]
-
-
-def _resolve(fut: Future, result: Any = None, exc: BaseException | None = None) -> None:
-    if fut.done():
-        return
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except Exception:  # a done-callback failed (a requester gone): never the worker's problem
-        log.exception("delivering a result failed")
 
 
 class Batcher:
@@ -103,9 +65,8 @@ class Batcher:
         self.row_seconds = 0.0
         #: the device thread: every model call runs on it
         self._depth_changed = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name=f"convserve-worker-{name}", daemon=True)
-        self.thread.start()
-        threading.Thread(target=self._publish_depth, name=f"convserve-depth-{name}", daemon=True).start()
+        self.thread = threads.start(self._loop, f"convserve-worker-{name}")
+        threads.start(self._publish_depth, f"convserve-depth-{name}")
 
     # ---- producer side ------------------------------------------------------------
     def submit(self, model: str, key: Hashable, inputs: np.ndarray, call: ModelCall, *,
@@ -128,12 +89,12 @@ class Batcher:
             for item in items:
                 self._enqueue(item)
                 wake = wake or self._rows[item.key] >= self.max_batch
-            self._depth_changed.set()
+            self._depth_moved()
             if wake:
                 self._cond.notify()
 
     def cancel(self, item: WorkItem) -> bool:
-        """Withdraw `item`: True when it had not started (it never runs, and its future gets
+        """Withdraw `item`: True when it had not started (it never runs, and its outcome gets
         Cancelled), False when its model call already runs (its result still comes). Decided
         under the queue's lock, so the answer cannot race the worker picking the item up."""
         with self._cond:
@@ -143,15 +104,15 @@ class Batcher:
             if item in self._pending:
                 self._pending.remove(item)
                 self._dequeued(item)
-                self._depth_changed.set()
-        _resolve(item.future, None, Cancelled())
+                self._depth_moved()
+        item.outcome.set(None, Cancelled())
         return True
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopped = True
             for item in self._pending:
-                _resolve(item.future, None, Closed())
+                item.outcome.set(None, Closed())
                 self._dequeued(item)
             self._pending.clear()
             self._cond.notify_all()
@@ -182,6 +143,12 @@ class Batcher:
         else:
             del self._rows[item.key]
         self._depth[item.model] -= 1
+
+    def _depth_moved(self) -> None:
+        """Wake the depth publisher (under the queue's lock). An Event's set takes its lock and
+        notifies every time; it is already set for most submits between two publications."""
+        if not self._depth_changed.is_set():
+            self._depth_changed.set()
 
     def _publish_depth(self) -> None:
         """The queue-depth gauge, at most every DEPTH_PUBLISH_S: a multiprocess gauge write costs
@@ -230,7 +197,7 @@ class Batcher:
             for it in batch:
                 it.started = True
                 self._dequeued(it)
-            self._depth_changed.set()
+            self._depth_moved()
             if len(batch) == 1:
                 self._pending.popleft()  # the oldest: the common case of a solo or lone item
             else:
@@ -323,7 +290,7 @@ class Batcher:
             metrics.ABANDONED.labels(model).inc()
             self._after_call()
             for it in batch:
-                _resolve(it.future, None, Cancelled())
+                it.outcome.set(None, Cancelled())
             self._done(batch)
             return None
         except BaseException as exc:  # noqa: BLE001 - handed to every requester of the batch
@@ -341,7 +308,7 @@ class Batcher:
             pass
         self._after_call()
         for it in batch:
-            _resolve(it.future, None, exc)
+            it.outcome.set(None, exc)
         self._done(batch)
 
     def _finish(self, started: "_Started") -> None:
@@ -369,7 +336,7 @@ class Batcher:
                                                     ns(started.stacked - started.now),
                                                     ns(called - started.stacked), ns(time.perf_counter() - split)))
         for it, part in zip(batch, parts):
-            _resolve(it.future, part)
+            it.outcome.set(part)
         self._done(batch)
 
 

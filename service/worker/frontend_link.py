@@ -6,6 +6,7 @@ the answers; any thread may `send`, one message at a time."""
 from __future__ import annotations
 
 import logging
+import select
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -18,7 +19,7 @@ from ..ipc import worker_protocol as wp
 from ..ipc.shm import ArenaView, TensorRef
 from ..ipc.worker_errors import error_info
 from . import oom_recovery
-from .batcher import WorkItem
+from .work_item import WorkItem
 from .model_host import ModelHost
 from .stream_steps import GeneratorSteps, StreamClosed
 
@@ -51,6 +52,18 @@ class FrontendLink:
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
         self.leader = False  # a shard group's leader (LeaderHello), not a front end
+        # kept for `has_more`: Connection.poll builds a selector on every call, which cost the
+        # I/O thread as much as reading the message (the worker's read loop asks after each one)
+        self._poller = None
+        if hasattr(select, "poll"):
+            self._poller = select.poll()
+            self._poller.register(conn.fileno(), select.POLLIN)
+
+    def has_more(self) -> bool:
+        """Another message (or the end of the connection) is there to read now."""
+        if self._poller is None:
+            return self.conn.poll()
+        return bool(self._poller.poll(0))
 
     def send(self, msg: wp.Message) -> None:
         if self.closed:
@@ -71,10 +84,10 @@ class FrontendLink:
         has gone: its arena is released)."""
         _, rid, out_refs = item.tag
         self.items.pop(rid, None)
-        exc = item.future.exception()
+        exc = item.outcome.exception()
         if exc is None and not self.closed:
             try:
-                _write_outputs(self.view, out_refs, item.future.result())
+                _write_outputs(self.view, out_refs, item.outcome.result())
             except Exception as write_exc:
                 if self.closed:  # gone meanwhile
                     return None
@@ -112,7 +125,7 @@ class FrontendLink:
                 item = self.items.get(rid)
                 if item is not None and self.host.batcher.cancel(item):  # withdrawn before it ran
                     self.items.pop(rid, None)
-                    self.answer(rid, error_info(item.future.exception()))
+                    self.answer(rid, error_info(item.outcome.exception()))
             case wp.StreamClose(stream):
                 entry = self.streams.pop(stream, None)
                 if entry is not None:

@@ -33,6 +33,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Listener
 
 
+from .. import threads
 from ..ipc import shm
 from ..ipc import worker_protocol as wp
 from ..ipc.heartbeat import Beat, beat_path
@@ -157,7 +158,7 @@ class Worker:
                 conn = link.conn
                 try:
                     link.handle(wp.recv(conn))
-                    while conn.poll():  # what else has arrived, in one go
+                    while link.has_more():  # what else has arrived, in one go
                         link.handle(wp.recv(conn))
                 except (EOFError, OSError) as exc:
                     self._unwatch(sel, watched, link, exc)
@@ -179,10 +180,10 @@ class Worker:
         if os.path.exists(self.spec.address):
             os.unlink(self.spec.address)
         listener = Listener(self.spec.address, family="AF_UNIX", backlog=128)
-        threading.Thread(target=self._accept, args=(listener,), name="convserve-accept", daemon=True).start()
-        threading.Thread(target=self._serve_links, name="convserve-links", daemon=True).start()
-        threading.Thread(target=self._deliver, name="convserve-deliver", daemon=True).start()
-        threading.Thread(target=self.host.load, name="convserve-loader", daemon=True).start()
+        threads.start(self._accept, "convserve-accept", (listener,))
+        threads.start(self._serve_links, "convserve-links")
+        threads.start(self._deliver, "convserve-deliver")
+        threads.start(self.host.load, "convserve-loader")
         try:
             while not self.stop.wait(PARENT_POLL_S):
                 if os.getppid() != self.spec.parent_pid:  # orphaned: the server is gone

@@ -45,6 +45,7 @@ from convkernels.host import pixels_to_uint8
 from convkernels.collectives.shard_comm import split
 from models import sharding
 
+from .. import threads
 from ..ipc import worker_protocol as wp
 from ..ipc.shm import ALIGN, Arena, TensorRef
 from ..ipc.worker_errors import ShardFailed
@@ -179,7 +180,7 @@ class _Group:
         self._rids = itertools.count(1)
         deadline = time.monotonic() + self.deadline_s
         self.followers = [_Follower(a, arena, deadline) for a in addresses]
-        threading.Thread(target=self._read, name=f"convserve-shards-{self.size}", daemon=True).start()
+        threads.start(self._read, f"convserve-shards-{self.size}")
         for f in self.followers:
             with f.cond:
                 if not f.cond.wait_for(lambda f=f: f.state in ("ready", "failed"), deadline - time.monotonic()):
