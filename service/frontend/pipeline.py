@@ -209,7 +209,7 @@ class Service:
 
     def hand_over_lease(self) -> Lease:
         """The current request's arena blocks, for a response that sends straight from them
-        (routes_v1.ArenaResponse closes the lease once sent); the request's own end no longer
+        (routes/arena_response.py closes the lease once every byte has left); the request's own end no longer
         frees them."""
         req = CURRENT.get()
         lease, req.lease = req.lease, Lease(self.arena)

@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover - httptools not installed
 from ... import metrics
 from .body_wait import EXTENSION, Arrivals
 from .http_heads import TOO_MANY_FIELDS, CountedHeadersConnection, HeadLimits, problem_response
+from .sent import EXTENSION as SENT_EXTENSION
+from .sent import Sent
 
 log = logging.getLogger("convserve.http")
 
@@ -143,8 +145,11 @@ class _HeaderDeadline(HeadLimits):
         self._cancel_header_timer()  # a request's headers were parsed: its deadline is met
 
     def _arrivals(self, cycle) -> None:
-        """The new request's view of its connection, for its body reader (service/frontend/http/body_wait.py)."""
-        cycle.scope.setdefault("extensions", {})[EXTENSION] = Arrivals(self, cycle, self._fd)
+        """The new request's view of its connection: for its body reader (service/frontend/http/body_wait.py),
+        and for a response sent from shared memory, its write buffer (service/frontend/http/sent.py)."""
+        extensions = cycle.scope.setdefault("extensions", {})
+        extensions[EXTENSION] = Arrivals(self, cycle, self._fd)
+        extensions[SENT_EXTENSION] = Sent(self._real_transport)
 
     def on_response_complete(self) -> None:
         if self._body_unread() and not self.transport.is_closing():

@@ -15,10 +15,10 @@ from ...codecs.video import encode_videos, require_av
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
 from .. import decode_request, validation
-from ..engine import Lease
 from ..http.bodies import read_body
 from ..pipeline import Service
 from .adapters import ERRORS, TENSOR_BODY, service
+from .arena_response import ArenaResponse
 from .auth import require_api_key
 from .streaming import whole_clip_response
 
@@ -75,26 +75,6 @@ async def _continue(tracking):
         await tracking.__aexit__(*sys.exc_info())
         raise
     await tracking.__aexit__(None, None, None)
-
-
-class ArenaResponse(Response):
-    """A response sent part by part, with no join, where parts may be views of the request's
-    shared-memory blocks (service/ipc/shm.py); `lease` (Service.hand_over_lease) holds those blocks
-    until the last part is out, or the client has gone."""
-
-    def __init__(self, parts: list, lease: Lease, media_type: str, headers: dict):
-        self.status_code, self.media_type, self.background = 200, media_type, None
-        self.parts, self.lease = parts, lease
-        self.init_headers({**headers, "content-length": str(sum(len(p) for p in parts))})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            for i, part in enumerate(self.parts):
-                await send({"type": "http.response.body", "body": part, "more_body": i < len(self.parts) - 1})
-        finally:
-            self.parts = []
-            self.lease.close()
 
 
 def _decode_format(hm: HostedModel, fmt: str | None) -> str:

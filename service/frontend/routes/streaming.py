@@ -41,6 +41,7 @@ from .. import decode_request
 from ..decode_request import DecodeRequest
 from ..engine import Lease
 from ..http.bodies import read_body
+from ..http.sent import HeldUntilSent, Sent, sendable, sent_of
 from ..pipeline import Service
 from .adapters import ERRORS, TENSOR_BODY, service
 from .auth import require_api_key
@@ -173,6 +174,8 @@ class FrameStreamResponse(Response):
         pump = asyncio.create_task(g.pump(buffer, start=1))
         outcome: BaseException | None = None
         sent_groups = frames = 0
+        sent = sent_of(scope)
+        held = HeldUntilSent(sent or Sent(None))  # without `sent`, parts are copies: nothing waits
         try:
             await _unless_gone(send({"type": "http.response.start", "status": 200,
                                      "headers": self.raw_headers}), gone_wait, stall_s)
@@ -181,10 +184,19 @@ class FrameStreamResponse(Response):
                 last = sent_groups == g.total - 1
                 try:
                     chunk = await svc.in_pool(self.encode, group, last)
-                finally:
-                    lease.close()  # the group's block goes back to the arena once encoded
-                await _unless_gone(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                   gone_wait, stall_s)
+                except BaseException:
+                    lease.close()
+                    raise
+                if isinstance(chunk, list):  # parts that may view the group's block: held until sent
+                    for part in chunk:
+                        await _unless_gone(send({"type": "http.response.body", "body": sendable(part, sent),
+                                                 "more_body": True}), gone_wait, stall_s)
+                        held.wrote(len(part))
+                    held.hold(lease)
+                else:  # bytes of their own: the block goes back to the arena at once
+                    lease.close()
+                    await _unless_gone(send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                                       gone_wait, stall_s)
                 sent_groups += 1
                 frames += int(group.shape[1])
                 if sent_groups == 1 and self.stream_metrics:
@@ -198,6 +210,7 @@ class FrameStreamResponse(Response):
                     raise group
             await _unless_gone(send({"type": "http.response.body", "body": self.trailer, "more_body": False}),
                                gone_wait, stall_s)
+            await _unless_gone(held.drain(), gone_wait, stall_s)
             if self.stream_metrics:
                 metrics.STREAM_FPS.labels(*labels).observe(frames / max(time.perf_counter() - self.started, 1e-9))
         except ClientGone:
@@ -219,6 +232,12 @@ class FrameStreamResponse(Response):
             try:  # the pump's queued step is dropped before the decode closes
                 await asyncio.gather(pump, watcher, gone_wait, return_exceptions=True)
             finally:
+                if not isinstance(outcome, asyncio.CancelledError):  # a cut answer: what was written
+                    try:  # still leaves before its blocks go (uvicorn's close flushes it)
+                        await asyncio.wait_for(held.drain(), stall_s)
+                    except (asyncio.TimeoutError, OSError):
+                        pass
+                held.release_all()
                 self.first[1].close()
                 while not buffer.empty():  # groups decoded and never sent
                     _, left = buffer.get_nowait()
@@ -345,12 +364,12 @@ async def whole_clip_response(svc: Service, req: DecodeRequest, *, fps: float, q
         headers["Content-Length"] = str(len(head) + math.prod(shape) * out_dt.itemsize)
         sent_head = []
 
-        def encode(grp: np.ndarray, last: bool) -> bytes:
-            data = np.ascontiguousarray(grp, dtype=out_dt).tobytes()  # the group's block goes after this
-            if sent_head:
-                return data
+        def encode(grp: np.ndarray, last: bool) -> list:
+            # parts, not bytes: float32 frames are sent from the group's block itself (a view; the
+            # response holds the block until they have left), float16 from their conversion
+            parts = [] if sent_head else [head]
             sent_head.append(True)
-            return head + data
+            return [*parts, codecs.npy_parts(np.asarray(grp, dtype=out_dt))[1]]
         media = codecs.NPY_MEDIA
     groups = FrameGroups(svc, req)
     try:
