@@ -41,7 +41,7 @@ def test_npy_bytes_are_what_np_save_writes(arr):
 
 def test_an_npy_stream_record_is_its_length_then_the_file():
     group = np.random.default_rng(3).random((1, 4, 9, 11, 3)).astype(np.float64)  # sent as float32
-    record = npy_record(group)
+    record = b"".join(npy_record(group))  # sent as its parts, one after the other
     (length,) = RECORD_HEADER.unpack(record[:RECORD_HEADER.size])
     assert length == len(record) - RECORD_HEADER.size
     assert record[RECORD_HEADER.size:] == saved(group.astype(np.float32))
