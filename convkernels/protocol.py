@@ -182,13 +182,15 @@ class Backend(Protocol):
         ...
 
     def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float) -> Array | None:
-        """qkv (N, H, W, G * 3 * head_dim), channels-last groups of [q | k | v] -> float32
-        (N, G, d, d + 1): scale * sum over tokens of relu(k)^T [v | 1], per group; or None where
-        the backend has no better way (the caller computes them from slices,
+        """qkv (N, H, W, G * 3 * head_dim), channels-last groups of [q | k | v], or a list of such
+        arrays whose channels are read as concatenated (never made) -> float32 (N, G, d, d + 1):
+        scale * sum over tokens of relu(k)^T [v | 1], per group; or None where the backend has no
+        better way (the caller concatenates and computes them from slices,
         models/nn/linear_attention.py). Default: always None."""
         ...
 
     def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float) -> Array | None:
-        """(N, H, W, G * d) in qkv's dtype: per group, relu(q) @ sums[:, :d] divided by
-        relu(q) @ sums[:, d] + eps; or None (as relu_linear_attention_sums). Default: always None."""
+        """(N, H, W, G * d) in qkv's dtype (qkv an array or a list, as relu_linear_attention_sums):
+        per group, relu(q) @ sums[:, :d] divided by relu(q) @ sums[:, d] + eps; or None (as
+        relu_linear_attention_sums). Default: always None."""
         ...

@@ -50,6 +50,19 @@ def test_matches_diffusers_linear_and_quadratic_forms(backend_name):
             assert err < 1e-5, f"{shape} quadratic={quadratic}: rel L2 {err:.2e}"
 
 
+def test_projections_in_parts_are_their_concatenation():
+    """A list of projections (DC-AE's base and multiscale ones) is read as their concatenation on
+    channels: the groups of the first, then the second's (a backend without the passes joins them)"""
+    backend = get_backend("numpy")
+    rng = np.random.default_rng(5)
+    a, b = (rng.standard_normal((1, 5, 7, g * 3 * HEAD)).astype(np.float32) for g in (2, 1))
+    ours = relu_linear_attention(backend, [a, b], HEAD)
+    np.testing.assert_array_equal(ours, relu_linear_attention(backend, np.concatenate([a, b], -1), HEAD))
+    assert rel_l2(ours, reference(np.concatenate([a, b], -1), False)) < 1e-5
+    swapped = relu_linear_attention(backend, [b, a], HEAD)  # the order is the groups' order
+    assert not np.allclose(swapped, ours)
+
+
 def _sharded(fn, x: np.ndarray, shards: int) -> np.ndarray:
     """fn on each shard's rows of x (N,H,W,C) with its RowShard current, the rows joined."""
     bounds = split_rows(x.shape[1], shards)

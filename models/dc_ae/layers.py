@@ -110,9 +110,9 @@ class LinearAttention(Module):
     def __call__(self, x):
         b = self.backend
         qkv = b.linear(x, self.qkv)
-        if self.scales:
-            qkv = b.concat([qkv] + [s(qkv) for s in self.scales], axis=-1)
-        attended = relu_linear_attention(b, qkv, self.head_dim, ATTENTION_EPS)
+        # the projections and their multiscale ones, concatenated on channels only where the
+        # backend's passes cannot read them where they lie
+        attended = relu_linear_attention(b, [qkv] + [s(qkv) for s in self.scales], self.head_dim, ATTENTION_EPS)
         return self.norm_out(b.linear(attended, self.to_out.weight), residual=x)
 
 

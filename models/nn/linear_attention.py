@@ -30,8 +30,12 @@ from . import row_shard
 def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
     """qkv (N, H, W, G * 3 * head_dim) channels-last: G groups of [q | k | v] (head_dim channels
     each, diffusers' reshape of its concatenated projections) -> (N, H, W, G * head_dim), channel
-    g * head_dim + i. On a row shard, this shard's rows of the whole image's result."""
-    n, h, w, c = qkv.shape
+    g * head_dim + i. qkv may be a list of such arrays, diffusers' concatenation on channels in
+    its parts: a backend whose passes read them where they lie never makes it. On a row shard,
+    this shard's rows of the whole image's result."""
+    parts = list(qkv) if isinstance(qkv, (list, tuple)) else [qkv]
+    n, h, w = parts[0].shape[:3]
+    c = sum(int(p.shape[-1]) for p in parts)
     d = int(head_dim)
     if c % (3 * d):
         raise ValueError(f"relu_linear_attention: {c} channels are not groups of 3 x {d}")
@@ -46,6 +50,7 @@ def relu_linear_attention(backend, qkv, head_dim: int, eps: float = 1e-15):
         out = b.relu_linear_attention_apply(qkv, sums, d, eps / whole)
         if out is not None:
             return out
+    qkv = parts[0] if len(parts) == 1 else b.concat(parts, axis=-1)
     stored = b.dtype_of(qkv)
     qkv = b.astype(qkv, "float32")
     x = b.transpose(b.reshape(qkv, (n, tokens, groups, 3 * d)), (0, 2, 1, 3))  # (N, G, T, 3d)

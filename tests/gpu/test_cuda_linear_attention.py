@@ -38,3 +38,18 @@ def test_linear_attention_kernels_match_the_generic_route(dtype, n, h, w, groups
     exact = np.asarray(relu_linear_attention(ref, held.astype(np.float32), d), np.float64)
     err = rel_l2(ours, exact)
     assert err < TOL[dtype], f"seed {seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n,h,w,first,second,d", [(2, 7, 9, 3, 3, 8), (1, 33, 31, 2, 1, 32)])
+def test_two_buffers_are_read_as_their_concatenation(dtype, n, h, w, first, second, d):
+    """DC-AE's base and multiscale projections, passed as a list: the kernels read both where they
+    lie and give what the concatenated buffer gives, to the bit"""
+    be = cuda_backend(dtype)
+    rng, _ = fresh_rng()
+    a, b = (be.asarray(rng.standard_normal((n, h, w, g * 3 * d)).astype(np.float32)) for g in (first, second))
+    assert be.relu_linear_attention_sums([a, b], d, 1.0 / (h * w)) is not None
+    ours = be.to_host(relu_linear_attention(be, [a, b], d))
+    joined = be.to_host(relu_linear_attention(be, be.concat([a, b], axis=-1), d))
+    assert ours.shape == (n, h, w, (first + second) * d)
+    np.testing.assert_array_equal(ours, joined)

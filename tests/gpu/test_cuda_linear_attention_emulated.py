@@ -3,7 +3,8 @@ linear_attention.cu, grouped_pw in depthwise.cu) on the CPU (cuda_emulation.py),
 GPU: la_sums over chunks (the wrapper's la_chunks, with a small GPU's multiprocessor count so a
 launch has several chunks), la_apply, and grouped_pw with bias, activation and residual, in the
 float32 and bfloat16 builds, against float64 references of the same inputs. Odd token counts
-(partial tiles and chunks), head dimensions past one warp, groups of unequal in and out widths.
+(partial tiles and chunks), head dimensions past one warp, the projections in one buffer or in two
+read as their concatenation, groups of unequal in and out widths.
 (tests/gpu/test_cuda_linear_attention.py runs them on a GPU.)"""
 from __future__ import annotations
 
@@ -18,17 +19,17 @@ from convkernels.backends.cuda.conv_paths import GP_TT
 from torch_reference import F, fresh_rng, torch
 
 RUNNERS = r"""
-extern "C" void run_la_sums(const T* qkv, float* part, long long tokens, int G, int d, long long chunk,
-                            int chunks, int ng, float scale) {
+extern "C" void run_la_sums(const T* qkv, const T* qkv2, float* part, long long tokens, int G, int G1, int d,
+                            long long chunk, int chunks, int ng, float scale) {
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)chunks; grid.y = (unsigned)ng;
-    launch(grid, [=] { la_sums(qkv, part, tokens, G, d, chunk, scale); });
+    launch(grid, [=] { la_sums(qkv, qkv2, part, tokens, G, G1, d, chunk, scale); });
 }
-extern "C" void run_la_apply(const T* qkv, const float* sums, T* y, long long tokens, int G, int d, float eps,
-                             long long per_block, int ng) {
+extern "C" void run_la_apply(const T* qkv, const T* qkv2, const float* sums, T* y, long long tokens, int G, int G1,
+                             int d, float eps, long long per_block, int ng) {
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)((tokens + per_block - 1) / per_block); grid.y = (unsigned)ng;
-    launch(grid, [=] { la_apply(qkv, sums, y, tokens, G, d, eps, per_block); });
+    launch(grid, [=] { la_apply(qkv, qkv2, sums, y, tokens, G, G1, d, eps, per_block); });
 }
 extern "C" void run_grouped_pw(const T* x, const T* w, const T* b, const T* r, T* y, long long P, int G, int cg,
                                int og, int has_b, int has_r, int a, int tile) {
@@ -71,25 +72,32 @@ def reference(qkv: np.ndarray, d: int, eps: float) -> np.ndarray:
     return (out[..., :d] / (out[..., d:] + eps)).reshape(n, t, -1)
 
 
-@pytest.mark.parametrize("n,tokens,groups,d,sms", [(2, 63, 3, 8, 6), (1, 301, 2, 40, 3), (1, 45, 1, 64, 2)])
-def test_linear_attention_passes_match_float64(build_of, n, tokens, groups, d, sms):
+@pytest.mark.parametrize("n,tokens,groups,d,sms,first", [(2, 63, 3, 8, 6, 3), (1, 301, 2, 40, 3, 2),
+                                                           (1, 45, 1, 64, 2, 1), (2, 63, 5, 8, 6, 2),
+                                                           (1, 101, 2, 24, 3, 1)])
+def test_linear_attention_passes_match_float64(build_of, n, tokens, groups, d, sms, first):
+    """first < groups: the projections in two buffers (groups 0..first-1 in the first, the rest in
+    the second), read as their concatenation on channels (DC-AE's base and multiscale projections)"""
     dtype, lib = build_of
     rng, seed = fresh_rng()
     buf, exact_in = stored(rng.standard_normal((n, tokens, groups * 3 * d)), dtype)
+    # the buffers the kernels read: the whole one, or its two halves each made contiguous
+    one = np.ascontiguousarray(buf[..., :first * 3 * d])
+    two = np.ascontiguousarray(buf[..., first * 3 * d:]) if first < groups else one
     eps = 1e-15
     chunk, chunks = la_chunks(tokens, n * groups, sms)
     assert chunks > 1 or tokens <= 32, (chunk, chunks)  # the chunks' sum is exercised
     part = np.zeros((n, groups, chunks, d, d + 1), np.float32)
-    lib.run_la_sums(P(buf), P(part), ctypes.c_longlong(tokens), groups, d, ctypes.c_longlong(chunk), chunks,
-                    n * groups, ctypes.c_float(1.0 / tokens))
+    lib.run_la_sums(P(one), P(two), P(part), ctypes.c_longlong(tokens), groups, first, d, ctypes.c_longlong(chunk),
+                    chunks, n * groups, ctypes.c_float(1.0 / tokens))
     sums = np.ascontiguousarray(part.sum(axis=2), np.float32)
     x = exact_in.reshape(n, tokens, groups, 3 * d)
     v1 = np.concatenate([x[..., 2 * d:], np.ones_like(x[..., :1])], -1)
     want = np.einsum("ntgi,ntgj->ngij", np.maximum(x[..., d:2 * d], 0), v1) / tokens
     np.testing.assert_allclose(sums, want, rtol=2e-5, atol=1e-6, err_msg=f"seed {seed}")
     y = np.zeros((n, tokens, groups * d), buf.dtype)
-    lib.run_la_apply(P(buf), P(sums), P(y), ctypes.c_longlong(tokens), groups, d, ctypes.c_float(eps / tokens),
-                     ctypes.c_longlong(64), n * groups)
+    lib.run_la_apply(P(one), P(two), P(sums), P(y), ctypes.c_longlong(tokens), groups, first, d,
+                     ctypes.c_float(eps / tokens), ctypes.c_longlong(64), n * groups)
     got, exact = loaded(y, dtype), reference(exact_in, d, eps)
     err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert err < (1e-6 if dtype == "float32" else 4e-3), f"seed {seed}: {err:.2e}"

@@ -58,14 +58,26 @@ LA_TT, LA_MAXD = 32, 64
 LA_APPLY_TOKENS = 256
 
 
-def _linear_attention_shape(backend, qkv, head_dim: int):
-    """(n, tokens, groups, d) where the kernels take qkv (N, H, W, G * 3d), else None."""
+def _linear_attention_parts(backend, qkv, head_dim: int):
+    """(first buffer, second buffer, groups in the first, (n, tokens, groups, d)) where the kernels
+    take qkv: an (N, H, W, G * 3d) array, or a list of one or two such arrays whose channels are
+    concatenated (models/nn/linear_attention.py); else None."""
+    parts = list(qkv) if isinstance(qkv, (list, tuple)) else [qkv]
     d = int(head_dim)
-    if qkv.ndim != 4 or not 0 < d <= LA_MAXD or qkv.shape[-1] % (3 * d) or backend.dtype_of(qkv) not in STORAGE:
+    if not 1 <= len(parts) <= 2 or not 0 < d <= LA_MAXD:
         return None
-    n, h, w, c = qkv.shape
-    groups = c // (3 * d)
-    return (n, h * w, groups, d) if n * groups <= 65535 else None
+    dtype, lead = backend.dtype_of(parts[0]), parts[0].shape[:-1]
+    for p in parts:
+        if p.ndim != 4 or p.shape[:-1] != lead or p.shape[-1] % (3 * d) or backend.dtype_of(p) != dtype:
+            return None
+    if dtype not in STORAGE:
+        return None
+    n, h, w, _ = parts[0].shape
+    first, groups = parts[0].shape[-1] // (3 * d), sum(p.shape[-1] for p in parts) // (3 * d)
+    if n * groups > 65535:
+        return None
+    contiguous = [backend.arrays.contiguous(p) for p in parts]
+    return contiguous[0], contiguous[-1], first, (n, h * w, groups, d)
 
 
 def la_chunks(tokens: int, blocks: int, sm_count: int) -> tuple[int, int]:
@@ -79,16 +91,16 @@ def la_chunks(tokens: int, blocks: int, sm_count: int) -> tuple[int, int]:
 def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
     """CudaBackend.relu_linear_attention_sums (bound there: self is the backend): la_sums over
     chunks of tokens, enough blocks for every multiprocessor twice, then the chunks added in order
-    (float32 (N, G, d, d + 1))."""
-    shape = _linear_attention_shape(self, qkv, head_dim)
-    if shape is None:
+    (float32 (N, G, d, d + 1)); qkv one array or two whose channels it reads as concatenated."""
+    found = _linear_attention_parts(self, qkv, head_dim)
+    if found is None:
         return None
-    n, tokens, groups, d = shape
-    kern = self.arrays.kernels(self.dtype_of(qkv))
+    qkv1, qkv2, first, (n, tokens, groups, d) = found
+    kern = self.arrays.kernels(self.dtype_of(qkv1))
     chunk, chunks = la_chunks(tokens, n * groups, kern.sm_count)
     part = self.cp.empty((n, groups, chunks, d, d + 1), dtype=np.float32)
-    kern.fn("la_sums")((chunks, n * groups), (BLOCK,), (self.arrays.contiguous(qkv), part, np.int64(tokens),
-                                                       np.int32(groups), np.int32(d), np.int64(chunk),
+    kern.fn("la_sums")((chunks, n * groups), (BLOCK,), (qkv1, qkv2, part, np.int64(tokens), np.int32(groups),
+                                                       np.int32(first), np.int32(d), np.int64(chunk),
                                                        np.float32(scale)))
     return part.reshape(n, groups, d, d + 1) if chunks == 1 else part.sum(axis=2)
 
@@ -96,15 +108,15 @@ def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
 def relu_linear_attention_apply(self, qkv, sums, head_dim: int, eps: float):
     """CudaBackend.relu_linear_attention_apply (bound there): la_apply, qkv's dtype out
     (N, H, W, G * d)."""
-    shape = _linear_attention_shape(self, qkv, head_dim)
-    if shape is None:
+    found = _linear_attention_parts(self, qkv, head_dim)
+    if found is None:
         return None
     cp = self.cp
-    n, tokens, groups, d = shape
-    kern = self.arrays.kernels(self.dtype_of(qkv))
-    y = cp.empty((*qkv.shape[:3], groups * d), dtype=qkv.dtype)
+    qkv1, qkv2, first, (n, tokens, groups, d) = found
+    kern = self.arrays.kernels(self.dtype_of(qkv1))
+    y = cp.empty((*qkv1.shape[:3], groups * d), dtype=qkv1.dtype)
     sums = cp.ascontiguousarray(sums, dtype=cp.float32)
     kern.fn("la_apply")((-(-tokens // LA_APPLY_TOKENS), n * groups), (BLOCK,), (
-        self.arrays.contiguous(qkv), sums, y, np.int64(tokens), np.int32(groups), np.int32(d), np.float32(eps),
+        qkv1, qkv2, sums, y, np.int64(tokens), np.int32(groups), np.int32(first), np.int32(d), np.float32(eps),
         np.int64(LA_APPLY_TOKENS)))
     return y
