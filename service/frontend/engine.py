@@ -41,6 +41,7 @@ from .. import threads
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
 from ..ipc.heartbeat import BeatReader, beat_path
+from ..ipc.readable import Readable
 from ..ipc.shm import Arena, TensorRef
 from .submission import Lease, NoWorker, Submission, WorkerFailure
 
@@ -367,9 +368,10 @@ class Engine:
                 send_handle(conn, self.arena.fd, 0)
                 first = wp.recv(conn)
                 self.loop.call_soon_threadsafe(self._connected, link, conn, first)
+                more = Readable(conn)
                 while True:
                     msgs = [wp.recv(conn)]
-                    while conn.poll():  # hand over what has arrived in one go
+                    while more():  # hand over what has arrived in one go
                         msgs.append(wp.recv(conn))
                     self.loop.call_soon_threadsafe(self._on_messages, link, msgs)
             except (EOFError, OSError, wp.ProtocolError) as exc:  # a message that breaks the protocol: reconnect

@@ -6,7 +6,6 @@ the answers; any thread may `send`, one message at a time."""
 from __future__ import annotations
 
 import logging
-import select
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -16,6 +15,7 @@ import numpy as np
 
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
+from ..ipc.readable import Readable
 from ..ipc.shm import ArenaView, TensorRef
 from ..ipc.worker_errors import error_info
 from . import oom_recovery
@@ -52,18 +52,8 @@ class FrontendLink:
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
         self.leader = False  # a shard group's leader (LeaderHello), not a front end
-        # kept for `has_more`: Connection.poll builds a selector on every call, which cost the
-        # I/O thread as much as reading the message (the worker's read loop asks after each one)
-        self._poller = None
-        if hasattr(select, "poll"):
-            self._poller = select.poll()
-            self._poller.register(conn.fileno(), select.POLLIN)
-
-    def has_more(self) -> bool:
-        """Another message (or the end of the connection) is there to read now."""
-        if self._poller is None:
-            return self.conn.poll()
-        return bool(self._poller.poll(0))
+        #: another message (or the end of the connection) is there to read now
+        self.has_more = Readable(conn)
 
     def send(self, msg: wp.Message) -> None:
         if self.closed:
