@@ -191,11 +191,13 @@ class FrameStreamResponse(Response):
                     lease.close()
                     raise
                 if isinstance(chunk, list):  # parts that may view the group's block: held until sent
-                    for part in chunk:
-                        await _unless_gone(send({"type": "http.response.body", "body": sendable(part, sent),
-                                                 "more_body": True}), gone_wait, stall_s)
-                        held.wrote(len(part))
-                    held.hold(lease)
+                    try:
+                        for part in chunk:
+                            await _unless_gone(send({"type": "http.response.body", "body": sendable(part, sent),
+                                                     "more_body": True}), gone_wait, stall_s)
+                            held.wrote(len(part))
+                    finally:  # even when the send was cut: let go once what was written has left
+                        held.hold(lease)
                 else:  # bytes of their own: the block goes back to the arena at once
                     lease.close()
                     await _unless_gone(send({"type": "http.response.body", "body": chunk, "more_body": True}),
