@@ -114,6 +114,11 @@ class BackendBase(TensorOps):
         norm and the adds). None here."""
         return None
 
+    def gated(self, x, activation: str):
+        """A gated linear unit's halves in one op, or None (the caller slices, activates and
+        multiplies). None here."""
+        return None
+
     def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float):
         """ReLU linear attention's key-value sums in one op, or None (the caller computes them
         from slices: models/nn/linear_attention.py). None here."""

@@ -181,6 +181,12 @@ class Backend(Protocol):
         and the adds). Default: always None."""
         ...
 
+    def gated(self, x, activation: str) -> Array | None:
+        """x (..., 2C) -> (..., C): x[..., :C] * activation(x[..., C:]), a gated linear unit's two
+        halves in one pass; or None where the backend has no better way (the caller slices,
+        activates and multiplies). Default: always None."""
+        ...
+
     def relu_linear_attention_sums(self, qkv, head_dim: int, scale: float) -> Array | None:
         """qkv (N, H, W, G * 3 * head_dim), channels-last groups of [q | k | v], or a list of such
         arrays whose channels are read as concatenated (never made) -> float32 (N, G, d, d + 1):

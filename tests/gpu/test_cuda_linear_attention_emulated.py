@@ -1,10 +1,12 @@
-"""The CUDA backend's ReLU linear attention kernels and its grouped 1x1 conv kernel (cuda/src/
-linear_attention.cu, grouped_pw in depthwise.cu) on the CPU (cuda_emulation.py), where there is no
+"""The CUDA backend's kernels for DC-AE: ReLU linear attention, the grouped 1x1 conv and the gate
+of a gated linear unit (cuda/src/linear_attention.cu, grouped_pw in depthwise.cu, gated in
+elementwise.cu) on the CPU (cuda_emulation.py), where there is no
 GPU: la_sums over chunks (the wrapper's la_chunks, with a small GPU's multiprocessor count so a
 launch has several chunks), la_apply, and grouped_pw with bias, activation and residual, in the
 float32 and bfloat16 builds, against float64 references of the same inputs. Odd token counts
 (partial tiles and chunks), head dimensions past one warp, the projections in one buffer or in two
-read as their concatenation, groups of unequal in and out widths.
+read as their concatenation, groups of unequal in and out widths, a gate over more elements than
+the launch has threads.
 (tests/gpu/test_cuda_linear_attention.py runs them on a GPU.)"""
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ extern "C" void run_la_apply(const T* qkv, const T* qkv2, const float* sums, T* 
     blockDim.x = BLOCK_THREADS;
     dim3 grid; grid.x = (unsigned)((tokens + per_block - 1) / per_block); grid.y = (unsigned)ng;
     launch(grid, [=] { la_apply(qkv, qkv2, sums, y, tokens, G, G1, d, eps, per_block); });
+}
+extern "C" void run_gated(const T* x, T* y, long long n, int h, int a, int blocks) {
+    blockDim.x = BLOCK_THREADS;
+    dim3 grid; grid.x = (unsigned)blocks;
+    launch(grid, [=] { gated(x, y, n, h, a); });
 }
 extern "C" void run_grouped_pw(const T* x, const T* w, const T* b, const T* r, T* y, long long P, int G, int cg,
                                int og, int has_b, int has_r, int a, int tile) {
@@ -124,3 +131,23 @@ def test_grouped_pointwise_matches_torch(build_of, pixels, groups, cg, og, epilo
     ref = (F.silu(ref) if act else ref).numpy().reshape(groups * og, pixels).T + (r if has_r else 0)
     err = np.linalg.norm(loaded(y, dtype) - ref) / np.linalg.norm(ref)
     assert err < (1e-6 if dtype == "float32" else 4e-3), f"seed {seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("rows,h,activation", [(37, 45, "silu"), (5, 300, "gelu"), (1, 7, None)])
+def test_gated_matches_torch(build_of, rows, h, activation):
+    """y = x[:, :h] * act(x[:, h:]): a grid of 2 blocks, fewer threads than elements (the
+    grid-stride loop), odd h, against torch in float64 on the stored values"""
+    from convkernels.backends.cuda.kernels import ACT_CODES
+    dtype, lib = build_of
+    rng, seed = fresh_rng()
+    xb, x = stored(rng.standard_normal((rows, 2 * h)) * 2, dtype)
+    y = np.zeros((rows, h), xb.dtype)
+    lib.run_gated(P(xb), P(y), ctypes.c_longlong(rows * h), h, ACT_CODES[activation], 2)
+    gate = torch.from_numpy(x[:, h:])
+    gate = {"silu": F.silu, "gelu": F.gelu, None: lambda t: t}[activation](gate).numpy()
+    ref = x[:, :h] * gate
+    err = np.linalg.norm(loaded(y, dtype) - ref) / np.linalg.norm(ref)
+    assert err < (1e-6 if dtype == "float32" else 4e-3), f"seed {seed}: {err:.2e}"
+    if activation is not None:  # the halves' roles are told apart (a product alone is symmetric)
+        swapped = x[:, h:] * {"silu": F.silu, "gelu": F.gelu}[activation](torch.from_numpy(x[:, :h])).numpy()
+        assert np.linalg.norm(loaded(y, dtype) - swapped) / np.linalg.norm(ref) > 0.1

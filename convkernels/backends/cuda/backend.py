@@ -34,7 +34,7 @@ from .attention import SCORE_BYTES, attention, relu_linear_attention_apply, relu
 from .blas import Cublas
 from .conv_paths import CudaConvPaths
 from .cudnn import CudnnConvBuilder
-from .fusions import CudaFusions, rms_norm_affine
+from .fusions import CudaFusions, gated, rms_norm_affine
 from .graphs import CaptureState, GraphCache, GraphedForward
 from .options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
@@ -357,9 +357,9 @@ class CudaBackend(BackendBase):
 
     def _attention(self, q, k, v, scale):
         return attention(self, q, k, v, scale)  # attention.py: chunked, per storage dtype
-    relu_linear_attention_sums = relu_linear_attention_sums  # attention.py: q, k and v read in place
-    relu_linear_attention_apply = relu_linear_attention_apply
-    rms_norm_affine = rms_norm_affine  # fusions.py: norm, bias and residual in one pass
+    # attention.py: q, k and v read in place; fusions.py: a norm's bias and residual, a gate, in one pass
+    relu_linear_attention_sums, relu_linear_attention_apply = relu_linear_attention_sums, relu_linear_attention_apply
+    rms_norm_affine, gated = rms_norm_affine, gated
 
     def _concat(self, xs, axis):
         """One copy per part into the result. cp.concatenate joins more than two small arrays in one

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from .arrays import STORAGE, dtype_name
 from .blas_lt import CublasLt, CublasLtError, lt_epilogue
 from .graphs import CaptureMissed
-from .kernels import dw_ln_applies
+from .kernels import ACT_CODES, BLOCK, dw_ln_applies, grid_blocks
 
 log = logging.getLogger("convkernels.cuda")
 
@@ -126,3 +128,20 @@ def rms_norm_affine(self, x, weight, bias, residual, eps: float):
     arrays, cast = self.arrays, self.arrays.cast
     return arrays.kernels(dt).rms_norm(arrays.contiguous(x), cast(weight, dt), eps, None, bias=cast(bias, dt),
                                        residual=cast(residual, dt))
+
+
+def gated(self, x, activation):
+    """CudaBackend.gated (bound there): x[..., :h] * act(x[..., h:]) in one pass of the `gated`
+    kernel (src/elementwise.cu), rounded once; None for an odd channel count or an activation
+    the kernels lack."""
+    dt = self.dtype_of(x)
+    if dt not in STORAGE or x.shape[-1] % 2 or activation not in ACT_CODES:
+        return None
+    x = self.arrays.contiguous(x)
+    kern = self.arrays.kernels(dt)
+    h = x.shape[-1] // 2
+    y = self.cp.empty((*x.shape[:-1], h), dtype=x.dtype)
+    n = y.size
+    kern.fn("gated")((grid_blocks(n, kern.sm_count),), (BLOCK,),
+                     (x, y, np.int64(n), np.int32(h), np.int32(ACT_CODES[activation])))
+    return y
