@@ -384,6 +384,14 @@ def main() -> None:
         parts = sorted(res.worker_threads.items(), key=lambda kv: -kv[1])
         print(f"{fmt}: worker CPU per request by thread (us): "
               + ", ".join(f"{name} {seconds / ok * 1e6:.1f}" for name, seconds in parts if seconds > 0))
+    # where a latency tail forms: the worker's queue (waiting for a batch) or elsewhere (the
+    # front end's parsing and answering, the clients, the CPU's scheduling)
+    for fmt, res, m0, m1 in rows:
+        figures = {what: [_hist_quantile(m0, m1, name, q) * 1e3 for q in (0.5, 0.99)]
+                   for what, name in (("server, body read to response ready", "convserve_request_seconds"),
+                                      ("worker queue wait", "convserve_queue_wait_seconds"))}
+        print(f"{fmt}: p50 / p99 ms from the service's histograms (coarse buckets): "
+              + "; ".join(f"{what} {a:.1f} / {b:.1f}" for what, (a, b) in figures.items()))
 
 
 def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False) -> list[tuple]:
@@ -414,6 +422,27 @@ def _finish_py_spy(spies: list[tuple]) -> None:
             print(f"py-spy failed ({proc.returncode}): {err.strip()[-500:]}")
             continue
         print(pyspy_profile.summary(path))
+
+
+def _hist_quantile(m0: dict, m1: dict, name: str, q: float) -> float:
+    """The q-quantile of a histogram's observations between two scrapes, linear within a bucket
+    (the service's latency buckets are coarse: a figure to tell where a tail forms, not a timing)."""
+    counts: dict[float, float] = {}
+    for key, v in m1.items():
+        if key[0] == f"{name}_bucket":
+            le = float(dict(key[1])["le"])
+            counts[le] = counts.get(le, 0.0) + v - m0.get(key, 0.0)
+    bounds = sorted(counts)
+    if not bounds or counts[bounds[-1]] <= 0:
+        return float("nan")
+    want, lo, below = q * counts[bounds[-1]], 0.0, 0.0
+    for le in bounds:
+        if counts[le] >= want:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (want - below) / max(counts[le] - below, 1e-12)
+        lo, below = le, counts[le]
+    return lo
 
 
 def _delta(m0: dict, m1: dict, name: str) -> float:
