@@ -227,6 +227,23 @@ def test_fragmented_mp4_plays_in_pyav(srv, clip):
     assert err < 2.5 and err < np.abs(y - y_ref[::-1]).mean() / 4, err
 
 
+def test_the_writer_takes_another_preset_and_thread_count():
+    """The settings benchmarks/service/video_encoder.py compares: ultrafast on one thread still
+    gives one playable fragment per group, its frames those written"""
+    av = pytest.importorskip("av")
+    from service.codecs.fmp4 import FragmentedMP4Writer, top_level_boxes
+
+    y, x = np.mgrid[0:48, 0:64]
+    clip = np.stack([np.stack([(x * 3 + t * 5) % 256, (y * 4) % 256, (x + y + t) % 256], -1)
+                     for t in range(9)]).astype(np.uint8)
+    writer = FragmentedMP4Writer(64, 48, 8.0, 90, preset="ultrafast", threads=1)
+    data = b"".join(writer.add_group(clip[a:b], last=b == 9) for a, b in ((0, 1), (1, 5), (5, 9)))
+    assert [k for k, _ in top_level_boxes(data)] == ["ftyp", "moov"] + ["moof", "mdat"] * 3
+    with av.open(io.BytesIO(data)) as container:
+        got = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]).astype(np.float64)
+    assert got.shape == clip.shape and np.abs(got - clip).mean() < 6
+
+
 def test_decode_of_one_clip_is_a_whole_file_sent_as_it_decodes(srv, clip):
     """/decode of one video (not the stream route) answers one .npy file of the declared length,
     equal to the stream's frames, in float32 (as the clip fixture got it), uint8 (rounded on the

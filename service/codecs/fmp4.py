@@ -43,7 +43,10 @@ class FragmentedMP4Writer:
     """add_group(frames01 (f,H,W,3) in [0,1]) -> bytes to send now. Odd sizes are padded to even
     by edge copy (yuv420p), as in video.mp4_bytes. Not thread-safe: one group at a time."""
 
-    def __init__(self, width: int, height: int, fps: float, quality: int = 90):
+    def __init__(self, width: int, height: int, fps: float, quality: int = 90, preset: str = "veryfast",
+                 threads: int = 0):
+        """preset: x264's speed preset; threads: the encoder's (0: x264's own choice, by cores).
+        benchmarks/service/video_encoder.py measures both."""
         av = self._av = load_av()
         self.width, self.height = width, height
         self.coded_width, self.coded_height = width + width % 2, height + height % 2
@@ -52,8 +55,8 @@ class FragmentedMP4Writer:
         enc = av.CodecContext.create(name, "w")
         enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
         enc.time_base, enc.framerate = 1 / self.rate, self.rate
-        enc.options = {"crf": str(crf_for_quality(quality)), "preset": "veryfast", "tune": "zerolatency",
-                       "forced-idr": "1"}
+        enc.options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
+                       "forced-idr": "1", **({"threads": str(threads)} if threads else {})}
         self._enc = enc
         self._frames = 0
         self._groups = 0
