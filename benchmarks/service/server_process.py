@@ -15,6 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU seconds from a process's or thread's /proc stat file (clock ticks)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,10 +105,9 @@ class ServerProcess:
             out[role] = 0.0
             for pid in pids:
                 try:
-                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    out[role] += _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
                 except OSError:
                     continue
-                out[role] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return out
 
     def worker_thread_cpu(self) -> dict[str, float]:
@@ -111,7 +116,6 @@ class ServerProcess:
         heartbeat); threads the service did not name (the main thread, BLAS and compute pools,
         the CUDA driver's) are summed as "unnamed"."""
         out: dict[str, float] = {}
-        tick = os.sysconf("SC_CLK_TCK")
         for pid in self.roles()["model workers"]:
             try:
                 comm = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -124,8 +128,7 @@ class ServerProcess:
                     try:  # nanoseconds on the CPU (stat's ticks are 10 ms: too coarse per thread)
                         seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
                     except (OSError, ValueError, IndexError):
-                        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                        seconds = (int(fields[11]) + int(fields[12])) / tick
+                        seconds = _stat_cpu_seconds(task / "stat")
                 except OSError:
                     continue  # a thread that ended
                 name = "unnamed" if name == comm else name

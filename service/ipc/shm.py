@@ -96,7 +96,7 @@ class _Mapping:
 
     def array(self, ref: TensorRef) -> np.ndarray:
         """The tensor at `ref`, as a view of the shared pages (writable)."""
-        buf, dt = self._buf, _DTYPES.get(ref.dtype) or _dtype(ref.dtype)
+        buf, dt = self._buf, _dtype(ref.dtype)
         n = math.prod(ref.shape) * dt.itemsize
         if buf is None:
             raise ValueError("the arena is released (its front end is gone)")
