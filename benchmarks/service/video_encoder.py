@@ -5,7 +5,7 @@ timed per frame group at a video's size, by x264 preset and thread count, on smo
 slower than it makes /decode?format=mp4 wait for the last groups' encode.
 
     python benchmarks/service/video_encoder.py [--size 480x832] [--frames 81] [--presets ultrafast,superfast,veryfast]
-                                               [--threads 0,2,4] [--reps 3]
+                                               [--threads 0,2,4] [--reps 3] [--content smooth|noise]
 
 Printed per setting: ms per 4-frame group (median over the clip's groups and --reps), frames/s,
 and the clip's bytes; the machine line says how many cores the encoder had.
@@ -37,6 +37,12 @@ def frames(n: int, h: int, w: int) -> np.ndarray:
     return out
 
 
+def noise(n: int, h: int, w: int) -> np.ndarray:
+    """Uniform random pixels: the bound for what a random-init decoder gives (the service's GPU
+    benchmarks run on random weights), the content x264 compresses worst."""
+    return np.random.default_rng(0).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+
+
 def run(clip: np.ndarray, preset: str, threads: int) -> tuple[list[float], int]:
     """Seconds per group (the first frame alone, then groups of 4, as a causal video decoder
     gives them) and the clip's bytes."""
@@ -58,11 +64,13 @@ def main() -> None:
     ap.add_argument("--presets", default="ultrafast,superfast,veryfast")
     ap.add_argument("--threads", default="0", help="comma-separated x264 thread counts (0: x264's choice)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--content", choices=("smooth", "noise"), default="smooth",
+                    help="smooth moving gradients (a decoded video's kind) or uniform noise (a random-init decoder's bound)")
     args = ap.parse_args()
     h, w = (int(v) for v in args.size.split("x"))
-    clip = frames(args.frames, h, w)
+    clip = (frames if args.content == "smooth" else noise)(args.frames, h, w)
     print(f"machine: {describe_machine()}")
-    print(f"clip {args.frames}x{h}x{w}, groups of 4 frames after the first; median over {args.reps} runs")
+    print(f"clip {args.frames}x{h}x{w} ({args.content}), groups of 4 frames after the first; median over {args.reps} runs")
     print("| preset | threads | ms per 4-frame group (median) | ms the last group | frames/s | MB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for preset in args.presets.split(","):
