@@ -44,6 +44,8 @@ import pyspy_profile  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 MEDIA = {"npy": "application/x-npy", "png": "image/png", "jpeg": "image/jpeg"}
+#: a client process busier than this share of a core is taken as the run's limit (flagged)
+CLIENT_BOUND = 0.9
 
 
 def raw_items_per_s(workload: str, backend: str, preset: str, size: int, latent: int, batch: int, reps: int) -> float:
@@ -376,6 +378,14 @@ def main() -> None:
                      f"| {res.server_cpu['front ends']:.2f}, {res.server_cpu['model workers']:.2f} "
                      f"| {per_request_us:.0f} | {per_message:.2f} |")
     print("\n".join(table))
+    # a client process near a whole core is the limit of its share of the load: such a row
+    # measures the clients, not the service (one H200 host, 2026-11-29: 6 client processes at
+    # 98-102 % gave 0.47-0.49 of raw where 8 processes at 69-87 % gave 0.72)
+    for fmt, res, _, _ in rows:
+        busiest = max(res.cpu_seconds) / res.seconds
+        if busiest >= CLIENT_BOUND:
+            print(f"{fmt}: CLIENT-BOUND: the busiest client process used {busiest:.0%} of a core; this row "
+                  f"measures the clients: run again with more --client-procs")
     # where a request's worker CPU goes: the threads other than the device thread (worker-...)
     # are the service's own cost whatever the backend; the device thread's includes the model's
     # host work (on the NumPy backend, its compute; its pools are "unnamed")

@@ -102,10 +102,10 @@ if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # the multi-proces
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
     --log "$OUT/service_sd_server.log" 2>&1 | tee -a "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
 fi
-if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
+if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then  # 8 client processes: 6 were each a whole core busy (one H200)
   timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service/service_throughput.py --workload encode --backend cuda \
     --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
-    --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
+    --client-procs ${CLIENTS:-8} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
     --log "$OUT/service_enc_server.log" 2>&1 | tee -a "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
 if [ "${WANSVC:-0}" = 1 ]; then  # the multi-process service: Wan 2.1 81x480x832 through the service vs the raw decode
