@@ -45,7 +45,9 @@ def graph_pool_gib(model) -> float:
     """The bytes a model's CUDA graphs keep in their own pool, which the CuPy pool's count misses
     (2026-11-26's first run reported 0.02 GiB for the graphed image decoders without it). 0 for a
     model that replays no graph (a chunked video decoder run eagerly, or a CPU backend)."""
-    forward = getattr(model, "_decode_device", None) or getattr(model, "_steady_step", None)
+    # an image decoder's whole forward, Qwen-Image's one-frame forward, or a video decoder's steady step
+    forward = next((f for f in (getattr(model, n, None) for n in ("_decode_device", "_frame_device", "_steady_step"))
+                    if f is not None), None)
     stats = getattr(forward, "stats", None)
     return stats()["pool_bytes"] / 2**30 if stats is not None else 0.0
 

@@ -7,7 +7,7 @@ is asked, TAESD 1024^2 at 2.7 ms where 1 ms is asked), this says where the time 
 it is changed: kernels grouped by name, total device ms, launches, and the share of the whole.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu/gpu_kernel_profile.py
-[--only taesd,wan22,dcae,shardpath] [--wan22-latent 31x44x80] [--top 18] [--autotune] (ours with timed
+[--only taesd,wan22,dcae,shardpath,hyimage,qwen21] [--wan22-latent 31x44x80] [--top 18] [--autotune] (ours with timed
 cuDNN plans, the service's CONVSERVE_CUDA_AUTOTUNE: which kernels the timing picks over cuDNN's
 heuristic choice)
 
@@ -103,6 +103,9 @@ def main() -> None:
         dc_ae(args, rng)
     if "shardpath" in only:
         shard_path(args, rng)
+    for key in ("hyimage", "qwen21"):
+        if key in only:
+            image_family(args, rng, key)
 
 
 def dc_ae(args, rng) -> None:
@@ -133,6 +136,45 @@ def dc_ae(args, rng) -> None:
     with torch.inference_mode():
         vae.decode(z)
         kernel_table(lambda: vae.decode(z), args.top, "torch eager: AutoencoderDC 32x32x32 bf16")
+
+
+def image_family(args, rng, key: str) -> None:
+    """One of the 2026 image VAEs at its target size (benchmarks/gpu/gpu_families_2026.py's row), bf16:
+    ours eager (no CUDA graphs: each kernel named), then the diffusers class from the same random
+    weights on PyTorch eager and under torch.compile (the contender ours trails: Qwen-Image 2.1 1328^2
+    at 98.0 ms against compile's 93.6, one H200, 2026-11-29)."""
+    import tempfile
+
+    import diffusers
+    import torch
+    from gpu_families_2026 import ROWS, pipeline_input
+
+    from convkernels import get_backend
+    from models import PRESETS, load_model
+
+    row = next(r for r in ROWS if r.family == key)
+    lat = rng.standard_normal(row.latents).astype(np.float32)
+    with tempfile.TemporaryDirectory() as folder:
+        with torch.device("cuda"):
+            vae = getattr(diffusers, row.reference)(**PRESETS[row.preset].config).eval()
+        vae.save_pretrained(folder)
+        model = load_model(key, row.preset, get_backend("cuda", dtype="bfloat16", autotune=args.autotune,
+                                                         cuda_options={"cuda_graphs": False}), weights=folder)
+    for _ in range(2):
+        model.decode(lat, tiled=False)
+    kernel_table(lambda: model.decode(lat, tiled=False), args.top, f"ours: {row.preset} {row.pixels} bf16, eager")
+    model = None
+    import cupy as cp
+    cp.get_default_memory_pool().free_all_blocks()
+    vae = vae.to(torch.bfloat16)
+    z = torch.from_numpy(np.ascontiguousarray(pipeline_input(row, vae, lat))).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        vae.decode(z)
+        kernel_table(lambda: vae.decode(z), args.top, f"torch eager: {row.reference} {row.pixels} bf16")
+        compiled = torch.compile(vae.decode)
+        for _ in range(2):
+            compiled(z)
+        kernel_table(lambda: compiled(z), args.top, f"torch.compile: {row.reference} {row.pixels} bf16")
 
 
 def shard_path(args, rng) -> None:

@@ -79,13 +79,13 @@ class QwenImage21VAEModel(QwenImageVAEDecoder):
 
     def decode_rgba(self, latents_nchw, tiled: bool | None = None, *, uint8: bool = False) -> np.ndarray:
         """All four channels the pipeline decodes: float32 (N, 16h, 16w, 4) in [0, 1] (uint8=True: uint8)."""
-        return super().decode(latents_nchw, tiled, uint8=uint8)
+        return self._decode_image(latents_nchw, tiled, uint8)
 
     def decode(self, latents_nchw, tiled: bool | None = None, clamp: bool = True, *,
                uint8: bool = False) -> np.ndarray:
         """RGB (N, 16h, 16w, 3) in [0, 1]: decode_rgba's first three channels. Always clamped, as
         diffusers' decode clamps (clamp=False changes nothing)."""
-        return np.ascontiguousarray(self.decode_rgba(latents_nchw, tiled, uint8=uint8)[..., :RGB])
+        return self._decode_image(latents_nchw, tiled, uint8, channels=RGB)  # alpha dropped on the device
 
     def _encoder_pixels(self, images_nhwc01) -> np.ndarray:
         """RGB or RGBA images -> the encoder's RGBA in [-1, 1]; RGB gets alpha 1 (opaque)."""

@@ -46,6 +46,9 @@ def test_qwen_image_vae_decode(tmp_path, preset, cfg, dtype, lat):
     err = rel_l2(ours, ref)
     report(f"{preset} {dtype} latents {lat}: rel L2 {err:.2e}")
     assert err < TOL[dtype], f"seed {s}: {err:.3e}"
+    # the second call records the one-frame forward as a CUDA graph, the third replays it
+    replayed = [model.decode(latents, tiled=False) for _ in range(2)][-1]
+    assert rel_l2(replayed, ref) < TOL[dtype], f"seed {s}: the recorded forward's replay"
     # vacuity guard: the reference without the pipeline's de-normalisation is clearly further away
     bare = rel_l2(ours, qwen_ref.reference_decode(vae, config, latents, denormalise=False))
     assert bare > max(3 * err, 100 * TOL["float32"]), f"seed {s}: without de-normalisation {bare:.3e}"
