@@ -7,7 +7,7 @@ is asked, TAESD 1024^2 at 2.7 ms where 1 ms is asked), this says where the time 
 it is changed: kernels grouped by name, total device ms, launches, and the share of the whole.
 
 Run (repo root, CUDA machine): PYTHONPATH=. python3 benchmarks/gpu/gpu_kernel_profile.py
-[--only taesd,wan22,dcae,shardpath,hyimage,qwen21] [--wan22-latent 31x44x80] [--top 18] [--autotune] (ours with timed
+[--only taesd,wan22,dcae,shardpath,hyimage,qwen21,ltx2,hv15] [--wan22-latent 31x44x80] [--top 18] [--autotune] (ours with timed
 cuDNN plans, the service's CONVSERVE_CUDA_AUTOTUNE: which kernels the timing picks over cuDNN's
 heuristic choice)
 
@@ -103,9 +103,9 @@ def main() -> None:
         dc_ae(args, rng)
     if "shardpath" in only:
         shard_path(args, rng)
-    for key in ("hyimage", "qwen21"):
+    for key in ("hyimage", "qwen21", "ltx2", "hv15"):
         if key in only:
-            image_family(args, rng, key)
+            family_2026(args, rng, key)
 
 
 def dc_ae(args, rng) -> None:
@@ -138,11 +138,14 @@ def dc_ae(args, rng) -> None:
         kernel_table(lambda: vae.decode(z), args.top, "torch eager: AutoencoderDC 32x32x32 bf16")
 
 
-def image_family(args, rng, key: str) -> None:
-    """One of the 2026 image VAEs at its target size (benchmarks/gpu/gpu_families_2026.py's row), bf16:
+def family_2026(args, rng, key: str) -> None:
+    """One of the 2026 VAEs at its target size (benchmarks/gpu/gpu_families_2026.py's row), bf16:
     ours eager (no CUDA graphs: each kernel named), then the diffusers class from the same random
-    weights on PyTorch eager and under torch.compile (the contender ours trails: Qwen-Image 2.1 1328^2
-    at 98.0 ms against compile's 93.6, one H200, 2026-11-29)."""
+    weights on PyTorch eager and, for an image VAE, under torch.compile (the contender an image row
+    is held to). Qwen-Image 2.1 1328^2 took 98.0 ms against compile's 93.6 (one H200, 2026-11-29)
+    with 70 ms of kernels: its host copies, since removed. A video row decodes whole (untiled, uint8,
+    as the benchmark's) and its PyTorch side runs without cuDNN's algorithm search (at 720p its
+    search had not ended after 500 s)."""
     import tempfile
 
     import diffusers
@@ -160,17 +163,21 @@ def image_family(args, rng, key: str) -> None:
         vae.save_pretrained(folder)
         model = load_model(key, row.preset, get_backend("cuda", dtype="bfloat16", autotune=args.autotune,
                                                          cuda_options={"cuda_graphs": False}), weights=folder)
-    for _ in range(2):
-        model.decode(lat, tiled=False)
-    kernel_table(lambda: model.decode(lat, tiled=False), args.top, f"ours: {row.preset} {row.pixels} bf16, eager")
+    kw = dict(tiled=False, uint8=True) if row.video else dict(tiled=False)
+    for _ in range(1 if row.video else 2):
+        model.decode(lat, **kw)
+    kernel_table(lambda: model.decode(lat, **kw), args.top, f"ours: {row.preset} {row.pixels} bf16, eager")
     model = None
     import cupy as cp
     cp.get_default_memory_pool().free_all_blocks()
     vae = vae.to(torch.bfloat16)
     z = torch.from_numpy(np.ascontiguousarray(pipeline_input(row, vae, lat))).to("cuda", torch.bfloat16)
+    torch.backends.cudnn.benchmark = not row.video
     with torch.inference_mode():
         vae.decode(z)
         kernel_table(lambda: vae.decode(z), args.top, f"torch eager: {row.reference} {row.pixels} bf16")
+        if row.video:
+            return
         compiled = torch.compile(vae.decode)
         for _ in range(2):
             compiled(z)

@@ -58,3 +58,29 @@ def test_batches_stacked_in_pinned_buffers_equal_encode(model, dtype):
             started.append(model.encode_started(where))
         for w, s in zip(wanted, started):
             assert np.array_equal(s.result()["embedding"], w)
+
+
+def test_large_host_batches_cross_exactly_in_parallel_parts(model):
+    """Host arrays of 16 MiB and more cross through ParallelUpload (several threads copy them into
+    pinned memory, part by part): byte-exact on the device, the one pinned buffer reused between
+    uploads of other contents, an odd size whose last part is short included; and ConvNeXt's encode
+    of a large float32 batch equals the same encode with the array crossing CuPy's own way."""
+    from convkernels.backends.cuda.transfer import MIN_BYTES
+
+    bk = model.backend
+    rng = np.random.default_rng(13)
+    for shape in ((41, 224, 224, 3), (5, 1031, 1033)):
+        host = rng.standard_normal(shape).astype(np.float32)
+        assert host.nbytes >= MIN_BYTES and bk.arrays.large.takes(host)
+        for x in (host, host[::-1].copy()):
+            assert np.array_equal(bk.arrays.cp.asnumpy(bk.arrays.from_host(x, "float32")), x)
+    batch = rng.random((48, 224, 224, 3), dtype=np.float32)  # 29 MB
+    assert bk.arrays.large.takes(batch)
+    parallel = model.encode(batch)["embedding"]
+    threads, bk.arrays.large.threads = bk.arrays.large.threads, 1  # takes nothing: CuPy's upload
+    try:
+        assert not bk.arrays.large.takes(batch)
+        ordinary = model.encode(batch)["embedding"]
+    finally:
+        bk.arrays.large.threads = threads
+    assert np.array_equal(parallel, ordinary) and float(np.abs(parallel).max()) > 0

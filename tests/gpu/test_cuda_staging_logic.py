@@ -1,7 +1,9 @@
 """The CPU-side rules of the CUDA backend's pinned staging (convkernels/backends/cuda/transfer.py, PinnedStaging),
 with a stand-in for CuPy whose "device" copies are host memmoves: a taken buffer has the shape
 asked for and is uploaded as it is; a buffer is handed out again only after its last upload was
-waited for; anything not taken, too large or empty is not staged. Runs everywhere; the upload on a
+waited for; anything not taken, too large or empty is not staged. And ParallelUpload (large pageable arrays
+copied into pinned memory in parts, on threads): exact, its buffer rewritten only after its last upload was
+waited for, small or strided arrays not taken. Runs everywhere; the upload on a
 real GPU is tests/gpu/test_convnext_started_gpu.py's."""
 from __future__ import annotations
 
@@ -88,3 +90,42 @@ def test_a_larger_batch_gets_a_larger_buffer_and_the_old_one_is_forgotten(stagin
 def test_too_large_or_empty_batches_are_not_staged(staging):
     assert staging.take((1 << 21, 4), np.float32) is None  # 32 MiB over the 4 MiB bound
     assert staging.take((0, 3), np.float32) is None
+
+
+# ---- ParallelUpload: large pageable arrays copied to pinned memory in parts, on threads ------------
+@pytest.fixture
+def parallel(monkeypatch):
+    from convkernels.backends.cuda import transfer
+
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda n, dtype: np.zeros(n, dtype)))
+    monkeypatch.setattr(transfer, "MIN_BYTES", 1 << 12)
+    monkeypatch.setattr(transfer, "PART_BYTES", 1 << 12)  # many parts of an odd-sized array
+    _Event.log = []
+    return transfer.ParallelUpload(_fake_cupy(), threads=3)
+
+
+def test_a_large_array_arrives_whole_and_exact(parallel):
+    host = np.random.default_rng(0).standard_normal((7, 33, 17, 3)).astype(np.float32)  # 47 KiB: 12 parts
+    assert parallel.takes(host)
+    dev = parallel.upload(host)
+    assert dev.shape == host.shape and dev.dtype == host.dtype
+    np.testing.assert_array_equal(dev.host, host)
+    other = np.arange(5 * 1031, dtype=np.float32).reshape(5, 1031)
+    np.testing.assert_array_equal(parallel.upload(other).host, other)  # the same buffer, rewritten
+
+
+def test_the_buffer_is_rewritten_only_after_its_last_upload_was_waited_for(parallel):
+    host = np.ones((4, 4096), np.float32)
+    parallel.upload(host)
+    first = _Event.log[-1][1]
+    assert not first.waited
+    parallel.upload(host)
+    assert first.waited
+
+
+def test_small_strided_or_single_threaded_arrays_are_not_taken(parallel):
+    from convkernels.backends.cuda.transfer import ParallelUpload
+
+    assert not parallel.takes(np.ones(16, np.float32))  # under MIN_BYTES
+    assert not parallel.takes(np.ones((64, 64), np.float32)[:, ::2])  # not C-contiguous
+    assert not ParallelUpload(_fake_cupy(), threads=1).takes(np.ones((64, 4096), np.float32))

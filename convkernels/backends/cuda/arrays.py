@@ -12,7 +12,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .kernels import STORAGE, Kernels
-from .transfer import PinnedStaging
+from .transfer import ParallelUpload, PinnedStaging
 
 DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                np.dtype(np.float64): "float64"}
@@ -35,6 +35,7 @@ class CudaArrays:
     def __init__(self, cp):
         self.cp = cp
         self.staging = PinnedStaging(cp)  # host batches stacked in pinned memory (host_batch)
+        self.large = ParallelUpload(cp)  # large pageable arrays, copied to pinned memory by several threads
 
     @staticmethod
     def kernels(dt: str) -> Kernels:
@@ -69,7 +70,10 @@ class CudaArrays:
         if host.dtype not in (np.float16, np.float32, np.uint8):  # float64, ml_dtypes bfloat16
             host = host.astype(np.float32)
         staged = self.staging.upload(host)  # stacked in a host_batch buffer: one DMA, no host copy
-        return self.cast(staged if staged is not None else self.cp.asarray(np.ascontiguousarray(host)), dt)
+        if staged is None:
+            host = np.ascontiguousarray(host)
+            staged = self.large.upload(host) if self.large.takes(host) else self.cp.asarray(host)
+        return self.cast(staged, dt)
 
     def widened(self, x, fresh: bool, clip=None):
         """x as contiguous float32 for the host, clipped to clip = (lo, hi) when given; fresh:
