@@ -242,3 +242,21 @@ def upsample_shapes(shape: tuple[int, ...], scale: tuple[int, ...]) -> tuple[lis
     expanded.append(shape[-1])
     target.append(shape[-1])
     return expanded, target, (shape[0], *(shape[1 + i] * scale[i] for i in range(nd)), shape[-1])
+
+
+#: TensorOps.pad's modes, and NumPy's (and CuPy's, MLX's) name of each
+PAD_MODES = ("zeros", "replicate", "reflect")
+NUMPY_PAD_MODES = {"zeros": "constant", "replicate": "edge", "reflect": "reflect"}
+
+
+def pad_each_axis(x, pads, modes, pad_fn):
+    """x (N, *spatial, C) padded as TensorOps.pad asks, through pad_fn(x, width, NumPy's mode name)
+    with NumPy's pad widths: in one call where every axis has the same mode, else one per axis."""
+    if len(set(modes)) == 1:
+        return pad_fn(x, ((0, 0), *pads, (0, 0)), NUMPY_PAD_MODES[modes[0]])
+    for axis, (width, mode) in enumerate(zip(pads, modes), start=1):
+        if width != (0, 0):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = width
+            x = pad_fn(x, tuple(widths), NUMPY_PAD_MODES[mode])
+    return x

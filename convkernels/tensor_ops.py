@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .spec import ACTIVATIONS, PaddingArg, normalize_padding
+from .spec import ACTIVATIONS, PAD_MODES, PaddingArg, normalize_padding
 
 Array = Any
 
@@ -61,7 +61,7 @@ class TensorOps(ABC):
     def _upsample_nearest(self, x, scale: tuple[int, ...]): ...
 
     @abstractmethod
-    def _pad(self, x, pads: tuple[tuple[int, int], ...], mode: str): ...
+    def _pad(self, x, pads: tuple[tuple[int, int], ...], modes: tuple[str, ...]): ...
 
     @abstractmethod
     def _matmul(self, a, b): ...
@@ -295,12 +295,20 @@ class TensorOps(ABC):
         x = self.reshape(self.transpose(x, order), (n, *(s * f for s, f in zip(space, factors)), cout))
         return self.slice(x, 1, start, x.shape[1]) if start else x
 
-    def pad(self, x, padding: PaddingArg, mode: str = "zeros"):
-        """Pad the spatial axes of (N, *spatial, C). mode: 'zeros' or 'replicate'."""
-        if mode not in ("zeros", "replicate"):
-            raise ValueError(f"pad: mode must be 'zeros' or 'replicate', got {mode!r}")
+    def pad(self, x, padding: PaddingArg, mode: str | Sequence[str] = "zeros"):
+        """Pad the spatial axes of (N, *spatial, C). mode: 'zeros', 'replicate' (the edge line
+        repeated) or 'reflect' (mirrored about the edge line, which is not repeated: the pad must
+        be narrower than its axis), or one of those per spatial axis."""
         pads = normalize_padding(padding, x.ndim - 2)
-        return self._pad(x, pads, mode)
+        modes = (mode,) * len(pads) if isinstance(mode, str) else tuple(mode)
+        if len(modes) != len(pads) or any(m not in PAD_MODES for m in modes):
+            raise ValueError(f"pad: mode must be one of {PAD_MODES}, or one per spatial axis ({len(pads)}), "
+                             f"got {mode!r}")
+        for axis, ((lo, hi), m, size) in enumerate(zip(pads, modes, x.shape[1:-1]), start=1):
+            if m == "reflect" and max(lo, hi) >= size:
+                raise ValueError(f"pad: a reflected pad must be narrower than its axis: {max(lo, hi)} lines "
+                                 f"of axis {axis}'s {size}")
+        return self._pad(x, pads, modes)
 
     # ---- dense ops --------------------------------------------------------------------------
     def matmul(self, a, b):

@@ -232,6 +232,42 @@ def test_pad(target, shape, pads, mode, torch_mode):
     np.testing.assert_array_equal(be.to_host(be.pad(x, pads, mode=mode)), from_t(F.pad(to_t(xh), flat, mode=torch_mode)))
 
 
+@pytest.mark.parametrize("shape,pads,modes", [
+    ((2, 4, 5, 6, 3), ((1, 1), (1, 1), (1, 1)), ("reflect",) * 3),
+    ((1, 3, 5, 7, 8), ((1, 1), (1, 1), (1, 1)), ("replicate", "reflect", "reflect")),  # LTX-2's convs
+    ((2, 4, 5, 6, 3), ((2, 0), (0, 2), (1, 0)), ("zeros", "reflect", "replicate")),
+    ((2, 5, 7, 16), ((2, 1), (0, 3)), ("reflect", "zeros")),
+    ((3, 9, 5), ((3, 2),), ("reflect",)),
+])
+def test_pad_reflect_and_a_mode_per_axis(target, shape, pads, modes):
+    """Each axis in its own mode equals torch's F.pad of one axis at a time in that mode."""
+    be = backend(target)
+    rng, _ = fresh_rng()
+    x, xh = put(be, rng.standard_normal(shape))
+    want = to_t(xh)
+    nd = len(pads)
+    for axis, ((lo, hi), mode) in enumerate(zip(pads, modes)):
+        flat = [0, 0] * nd
+        flat[2 * (nd - 1 - axis):2 * (nd - axis)] = [lo, hi]
+        if mode == "reflect" and nd == 1:
+            want = F.pad(want, flat, mode="reflect")
+        else:  # torch pads 2 or 3 trailing axes at once in reflect/replicate: the others' widths are 0
+            want = F.pad(want, flat, mode={"zeros": "constant", "replicate": "replicate", "reflect": "reflect"}[mode])
+    got = be.to_host(be.pad(x, pads, mode=modes if len(set(modes)) > 1 else modes[0]))
+    np.testing.assert_array_equal(got, from_t(want))
+
+
+def test_pad_refuses_a_reflection_as_wide_as_its_axis():
+    be = get_backend("numpy")
+    x = be.asarray(np.zeros((1, 3, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="narrower than its axis"):
+        be.pad(x, ((1, 1), (2, 0)), mode="reflect")
+    with pytest.raises(ValueError, match="one per spatial axis"):
+        be.pad(x, ((1, 1), (1, 1)), mode=("reflect",))
+    with pytest.raises(ValueError, match="mode must be"):
+        be.pad(x, ((1, 1), (1, 1)), mode="circular")
+
+
 # ---- dense ops ----------------------------------------------------------------------------------------
 
 def test_matmul_linear_softmax_mean_add_mul(target):

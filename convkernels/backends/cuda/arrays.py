@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .kernels import STORAGE, Kernels
+from .kernels import BLOCK, STORAGE, Kernels, shuffle_grid
 from .transfer import ParallelUpload, PinnedStaging
 
 DTYPE_NAMES = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
@@ -111,6 +111,30 @@ class CudaArrays:
             a, b = (self.f32(v) if hasattr(v, "dtype") else v for v in (a, b))
             return self.cast(fn(a, b), "bfloat16")
         return fn(a, b)
+
+    def pad3(self, x, pads, modes):
+        """TensorOps.pad of x (N, *spatial, C), 1 to 3 spatial axes, each with its own mode, in one
+        copy (shuffle.cu pad3; seen as N, T, H, W, C). Zero bits are 0.0 in every storage dtype."""
+        lead = 3 - len(pads)
+        x = self.contiguous(x)
+        x5 = x.reshape(x.shape[0], *(1,) * lead, *x.shape[1:])
+        pads, modes = ((0, 0),) * lead + tuple(pads), ("zeros",) * lead + tuple(modes)
+        n, t, h, w, c = x5.shape
+        to, ho, wo = (s + lo + hi for s, (lo, hi) in zip((t, h, w), pads))
+        if wo * c >= 2 ** 31:
+            raise ValueError(f"pad: a row of {wo} x {c} is beyond the kernel's int32 indices")
+        y = self.cp.empty((n, to, ho, wo, c), dtype=x.dtype)
+        if y.size:
+            kern = self.kernels(dtype_name(x))
+            vec = 16 // x.dtype.itemsize
+            whole = c % vec == 0 and x.data.ptr % 16 == 0
+            rows, units = n * to * ho, wo * c // vec if whole else wo * c
+            i32 = np.int32
+            code = {"zeros": 0, "replicate": 1, "reflect": 2}
+            kern.fn("pad3_vec" if whole else "pad3")(shuffle_grid(rows, units, kern.sm_count), (BLOCK,), (
+                x5, y, np.int64(rows), i32(t), i32(h), i32(w), i32(c), i32(to), i32(ho), i32(wo),
+                *(i32(lo) for lo, _ in pads), *(i32(code[m]) for m in modes)))
+        return y.reshape(y.shape[0], *y.shape[1 + lead:])
 
 
 #: CuPy's binary ufuncs (by name) that bf16_binary computes, and their C operators

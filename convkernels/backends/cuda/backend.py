@@ -313,10 +313,10 @@ class CudaBackend(BackendBase):
         y = kern.pixel_shuffle3(x.reshape(x.shape[0], 1, *x.shape[1:]), (1, *factors), repeats, 0)
         return y.reshape(y.shape[0], *y.shape[2:])
 
-    def _pad(self, x, pads, mode):
-        width = ((0, 0), *pads, (0, 0))
-        # zero bits are 0.0 in every storage dtype, bf16 included
-        return self.cp.pad(x, width, mode="constant" if mode == "zeros" else "edge")
+    def _pad(self, x, pads, modes):
+        if "reflect" in modes or len(set(modes)) > 1:  # one copy (shuffle.cu pad3), not one per axis
+            return self.arrays.pad3(x, pads, modes)
+        return self.cp.pad(x, ((0, 0), *pads, (0, 0)), mode="constant" if modes[0] == "zeros" else "edge")
 
     # ---- dense ops -----------------------------------------------------------------------------
     def _matmul(self, a, b):

@@ -26,7 +26,7 @@ import numpy as np
 from ...backend import BackendBase
 from ...host import HostReady
 from ...paths import ConvPath
-from ...spec import ConvKey, is_subpixel_upsample, upsample_conv_as_transpose, upsample_shapes
+from ...spec import ConvKey, is_subpixel_upsample, pad_each_axis, upsample_conv_as_transpose, upsample_shapes
 from . import metal
 from . import paths as mp
 
@@ -318,10 +318,8 @@ class MlxBackend(BackendBase):
         expanded, target, final = upsample_shapes(tuple(x.shape), scale)
         return mx.broadcast_to(x.reshape(expanded), target).reshape(final)
 
-    def _pad(self, x, pads, mode):
-        x = self._mx(x)
-        width = [(0, 0), *pads, (0, 0)]
-        return mx.pad(x, width, mode="constant" if mode == "zeros" else "edge")
+    def _pad(self, x, pads, modes):
+        return pad_each_axis(self._mx(x), pads, modes, _mx_pad)
 
     def _matmul(self, a, b):
         a, b = self._mx(a), self._mx(b)
@@ -368,3 +366,15 @@ class MlxBackend(BackendBase):
 # the 256-channel shapes at 1.00-1.33x. Not a consistent win, so MLX's own dispatch keeps these
 # convs (autotune=True measures per key instead).
 SMALL_KD_CPU_FACTOR = 1.1
+
+
+def _mx_pad(x, width, mode: str):
+    """mx.pad, with NumPy's 'reflect' (which mx.pad lacks) as a gather of each padded axis's lines."""
+    if mode != "reflect":
+        return mx.pad(x, [tuple(w) for w in width], mode=mode)
+    for axis, (lo, hi) in enumerate(width):
+        if lo or hi:
+            n = x.shape[axis]
+            lines = np.concatenate([np.arange(lo, 0, -1), np.arange(n), np.arange(n - 2, n - 2 - hi, -1)])
+            x = mx.take(x, mx.array(lines.astype(np.int32)), axis=axis)
+    return x

@@ -7,7 +7,7 @@ import numpy as np
 from ... import _cpu
 from ...backend import BackendBase
 from ...paths import ConvPath
-from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, prod, upsample_shapes
+from ...spec import ConvKey, ConvSpec, is_subpixel_upsample, pad_each_axis, prod, upsample_shapes
 from ...unfold import conv_transpose_col2im, conv_unfold_gemm, unfold_bytes
 from . import conv as nc, fused, norms
 from .activations import apply_activation, c_ready, gelu
@@ -318,9 +318,8 @@ class NumpyBackend(BackendBase):
         expanded, target, final = upsample_shapes(x.shape, scale)
         return np.ascontiguousarray(np.broadcast_to(x.reshape(expanded), target)).reshape(final)
 
-    def _pad(self, x, pads, mode):
-        width = ((0, 0), *pads, (0, 0))
-        return np.pad(np.asarray(x), width, mode="constant" if mode == "zeros" else "edge")
+    def _pad(self, x, pads, modes):
+        return pad_each_axis(np.asarray(x), pads, modes, lambda a, width, mode: np.pad(a, width, mode=mode))
 
     def _linear(self, x, weight, bias, residual, activation):
         with self.activity:  # ConvNeXt's MLPs: most of its time, and no conv

@@ -160,3 +160,57 @@ extern "C" __global__ void phase_interleave_shuffled_vec(const T* y, const T* x,
         }
     }
 }
+
+// TensorOps.pad over 3 spatial axes in one copy, each axis with its own mode: y (N, To, Ho, Wo, C)
+// from x (N, T, H, W, C), To = pt + T + its after-pad, and so on; output line i of an axis reads x's
+// line pad_src(i - before, n, mode): mode 0 zeros (-1: a zero), 1 replicate (the edge line), 2
+// reflect (the edge not repeated; the pad is narrower than the axis, TensorOps checks it). LTX-2's
+// 3x3x3 convs pad rows and columns by reflection and frames by replication: built in three copies,
+// they were 43 % of its 720p decode's device time (one H200, 2026-11-29). Blocks step over output
+// rows (n, t, y) in y and over a row's Wo*C elements in x, as pixel_shuffle3.
+__device__ __forceinline__ int pad_src(int i, int n, int mode) {
+    if (i >= 0 && i < n) return i;
+    if (mode == 0) return -1;
+    if (mode == 1) return i < 0 ? 0 : n - 1;
+    return i < 0 ? -i : 2 * (n - 1) - i;
+}
+
+extern "C" __global__ void pad3(const T* x, T* y, long long rows, int T_in, int H, int W, int C, int To, int Ho,
+                                int Wo, int pt, int ph, int pw, int mt, int mh, int mw) {
+    const int row_len = Wo * C;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const int Y = (int)(r % Ho);
+        const long long q = r / Ho;
+        const int t = pad_src((int)(q % To) - pt, T_in, mt), h = pad_src(Y - ph, H, mh);
+        const long long n = q / To;
+        const T* xr = x + ((n * T_in + t) * H + h) * (long long)W * C;
+        T* yr = y + r * (long long)row_len;
+        for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_len; e += gridDim.x * blockDim.x) {
+            const int X = e / C, c = e - X * C;
+            const int w = pad_src(X - pw, W, mw);
+            yr[e] = (t < 0 || h < 0 || w < 0) ? (T)0 : xr[(long long)w * C + c];
+        }
+    }
+}
+
+// pad3 in 16-byte vectors, where C is a whole number of vectors (and x aligned): a vector of a
+// line's channels is one load.
+extern "C" __global__ void pad3_vec(const T* x, T* y, long long rows, int T_in, int H, int W, int C, int To, int Ho,
+                                    int Wo, int pt, int ph, int pw, int mt, int mh, int mw) {
+    const int cv = C / VEC, row_vecs = Wo * cv;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const int Y = (int)(r % Ho);
+        const long long q = r / Ho;
+        const int t = pad_src((int)(q % To) - pt, T_in, mt), h = pad_src(Y - ph, H, mh);
+        const long long n = q / To;
+        const T* xr = x + ((n * T_in + t) * H + h) * (long long)W * C;
+        T* yr = y + r * (long long)Wo * C;
+        for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += gridDim.x * blockDim.x) {
+            const int X = e / cv, o = (e - X * cv) * VEC;
+            const int w = pad_src(X - pw, W, mw);
+            uint4 v = {0u, 0u, 0u, 0u};
+            if (t >= 0 && h >= 0 && w >= 0) v = *reinterpret_cast<const uint4*>(xr + (long long)w * C + o);
+            *reinterpret_cast<uint4*>(yr + (long long)e * VEC) = v;
+        }
+    }
+}
