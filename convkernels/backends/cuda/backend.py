@@ -314,7 +314,7 @@ class CudaBackend(BackendBase):
         return y.reshape(y.shape[0], *y.shape[2:])
 
     def _pad(self, x, pads, modes):
-        if "reflect" in modes or len(set(modes)) > 1:  # one copy (shuffle.cu pad3), not one per axis
+        if set(modes) != {"zeros"}:  # one vectorised copy (shuffle.cu pad3); cp.pad's edge is several
             return self.arrays.pad3(x, pads, modes)
         return self.cp.pad(x, ((0, 0), *pads, (0, 0)), mode="constant" if modes[0] == "zeros" else "edge")
 
