@@ -176,7 +176,8 @@ def main() -> None:
                     help="no diffusers tiled decode where its whole-clip video decode runs out of memory")
     ap.add_argument("--autotune", action="store_true", help="ours with timed cuDNN plans (the service's default is off)")
     ap.add_argument("--no-cudnn-benchmark", dest="cudnn_benchmark", action="store_false",
-                    help="PyTorch with cuDNN's heuristic algorithms (no timing of every algorithm at its first call)")
+                    help="PyTorch with cuDNN's heuristic algorithms (no timing of every algorithm at its first call); "
+                         "the video rows always run so")
     ap.add_argument("--max-side", type=int, default=0, help="only rows whose output side is at most this (0: all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -205,7 +206,9 @@ def main() -> None:
     csync, tsync = (cuda_sync, torch_sync) if cuda else (lambda: None, lambda: None)
     if cuda:
         # PyTorch's fastest convs; its first call times every algorithm of each new conv shape, which
-        # at DC-AE 4096^2 had not ended after ~145 s (one H200, 2026-11-29): --no-cudnn-benchmark
+        # at DC-AE 4096^2 had not ended after ~145 s (one H200, 2026-11-29): --no-cudnn-benchmark.
+        # The video rows never search (bench sets it per row): HunyuanVideo 1.5's 720p first call had
+        # not ended after 500 s with it
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
     else:
         torch.set_num_threads(1)  # a shared 2-core box: an oversubscribed pool runs diffusers' small ops far slower
@@ -264,6 +267,8 @@ def main() -> None:
         release_device_memory()
 
         # ---- PyTorch ----
+        if cuda:
+            torch.backends.cudnn.benchmark = args.cudnn_benchmark and not row.video
         z = torch.from_numpy(np.ascontiguousarray(pipeline_input(row, vae, lat))).to(device, tdtype)
 
         def call():

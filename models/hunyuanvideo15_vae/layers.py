@@ -66,28 +66,29 @@ class CausalConv3d(Module):
         self.k = k
         self.conv = self.add("conv", _Weights(cin, cout, k, order))
 
-    def _space_padded(self, x):
+    def _padded(self, x, frames: int):
+        """x with its rows and columns replicate-padded (on a row shard, the neighbours' halo rows
+        between), and `frames` copies of its first frame in front: one pad, one copy."""
         b, p = self.backend, self.k // 2
-        if not p:
+        if not p and not frames:
             return x
         top = bottom = p
         shard = row_shard.current()
-        if shard is not None:
+        if shard is not None and p:
             (above, below), (top, bottom) = halo_rows(b, shard.comm, x, p, axis=2)
             if above is not None or below is not None:
                 x = b.concat([r for r in (above, x, below) if r is not None], axis=2)
-        return b.pad(x, ((0, 0), (top, bottom), (p, p)), mode="replicate")
+        return b.pad(x, ((frames, 0), (top, bottom), (p, p)), mode="replicate")
 
     def __call__(self, x, state: FeatureCache, weight=None, bias=None, residual=None):
         """One chunk (N, t, H, W, C) -> (N, t, H, W, cout); weight/bias replace the conv's own
         (the upsampler's first frame)."""
         b, lo = self.backend, self.k - 1
-        x = self._space_padded(x)
+        prev = state.peek() if lo else None
+        # the clip's first frame is replicated in front (diffusers pads so), in the same pad as space
+        x = self._padded(x, lo if lo and prev is None else 0)
         if lo:
-            prev = state.peek()
-            if prev is None:  # the clip's first frame, replicated in front (diffusers pads so)
-                x = b.pad(x, ((lo, 0), (0, 0), (0, 0)), mode="replicate")
-            else:
+            if prev is not None:
                 state.release()
                 x = b.concat([prev, x], axis=1)
                 del prev
