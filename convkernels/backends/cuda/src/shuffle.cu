@@ -175,20 +175,25 @@ __device__ __forceinline__ int pad_src(int i, int n, int mode) {
     return i < 0 ? -i : 2 * (n - 1) - i;
 }
 
+// Output row r = (n, t, Y) of pad3: x's row it reads, or null where the row is a zero pad.
+__device__ __forceinline__ const T* pad_row(const T* x, long long r, int T_in, int H, int W, int C, int To, int Ho,
+                                            int pt, int ph, int mt, int mh) {
+    const int Y = (int)(r % Ho);
+    const long long q = r / Ho;
+    const int t = pad_src((int)(q % To) - pt, T_in, mt), h = pad_src(Y - ph, H, mh);
+    return (t < 0 || h < 0) ? nullptr : x + ((q / To * T_in + t) * H + h) * (long long)W * C;
+}
+
 extern "C" __global__ void pad3(const T* x, T* y, long long rows, int T_in, int H, int W, int C, int To, int Ho,
                                 int Wo, int pt, int ph, int pw, int mt, int mh, int mw) {
     const int row_len = Wo * C;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        const int Y = (int)(r % Ho);
-        const long long q = r / Ho;
-        const int t = pad_src((int)(q % To) - pt, T_in, mt), h = pad_src(Y - ph, H, mh);
-        const long long n = q / To;
-        const T* xr = x + ((n * T_in + t) * H + h) * (long long)W * C;
+        const T* xr = pad_row(x, r, T_in, H, W, C, To, Ho, pt, ph, mt, mh);
         T* yr = y + r * (long long)row_len;
         for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_len; e += gridDim.x * blockDim.x) {
             const int X = e / C, c = e - X * C;
             const int w = pad_src(X - pw, W, mw);
-            yr[e] = (t < 0 || h < 0 || w < 0) ? (T)0 : xr[(long long)w * C + c];
+            yr[e] = (xr == nullptr || w < 0) ? (T)0 : xr[(long long)w * C + c];
         }
     }
 }
@@ -199,17 +204,13 @@ extern "C" __global__ void pad3_vec(const T* x, T* y, long long rows, int T_in, 
                                     int Wo, int pt, int ph, int pw, int mt, int mh, int mw) {
     const int cv = C / VEC, row_vecs = Wo * cv;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        const int Y = (int)(r % Ho);
-        const long long q = r / Ho;
-        const int t = pad_src((int)(q % To) - pt, T_in, mt), h = pad_src(Y - ph, H, mh);
-        const long long n = q / To;
-        const T* xr = x + ((n * T_in + t) * H + h) * (long long)W * C;
+        const T* xr = pad_row(x, r, T_in, H, W, C, To, Ho, pt, ph, mt, mh);
         T* yr = y + r * (long long)Wo * C;
         for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < row_vecs; e += gridDim.x * blockDim.x) {
             const int X = e / cv, o = (e - X * cv) * VEC;
             const int w = pad_src(X - pw, W, mw);
             uint4 v = {0u, 0u, 0u, 0u};
-            if (t >= 0 && h >= 0 && w >= 0) v = *reinterpret_cast<const uint4*>(xr + (long long)w * C + o);
+            if (xr != nullptr && w >= 0) v = *reinterpret_cast<const uint4*>(xr + (long long)w * C + o);
             *reinterpret_cast<uint4*>(yr + (long long)e * VEC) = v;
         }
     }
