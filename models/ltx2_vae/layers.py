@@ -59,7 +59,8 @@ class CausalConv(Module):
         shard = row_shard.current()
         if shard is not None:
             (above, below), _ = halo_rows(b, shard.comm, x, 1, axis=2)
-            x = b.concat([r for r in (above, x, below) if r is not None], axis=2)
+            if above is not None or below is not None:
+                x = b.concat([r for r in (above, x, below) if r is not None], axis=2)
         t = ((2, 0) if causal else (1, 1))
         rows = (int(above is None), int(below is None))  # a neighbour's halo row stands in on its side
         if self.reflect:

@@ -30,8 +30,8 @@ import numpy as np
 from convkernels import Backend
 
 from ..contract import IMAGE_DECODER, PIXEL_RANGE, SINGLE_FRAME_LATENTS, card_fields
+from ..nn import interrupt, row_shard
 from ..nn.module import random_state_dict
-from ..nn import row_shard
 from ..nn.tiling import tiled_map
 from ..nn.weights import ModelConfigError
 from ..wan_vae.checkpoint import normalize_keys
@@ -169,6 +169,7 @@ class QwenImageVAEDecoder(WanVAEDecoder):
             out = WanVAEDecoder.decode(self, lat, tiled, uint8=uint8)[:, 0]
             return out if channels is None else np.ascontiguousarray(out[..., :channels])
         b = self.backend
+        interrupt.check()  # its requesters gone: not started (as the video decode checks before each group)
         out = self._frame_device(b.asarray(z[:, 0:1]))
         if channels is not None and channels < out.shape[-1]:
             out = b.slice(out, -1, 0, channels)

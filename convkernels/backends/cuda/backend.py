@@ -316,7 +316,7 @@ class CudaBackend(BackendBase):
     def _pad(self, x, pads, modes):
         if set(modes) != {"zeros"}:  # one vectorised copy (shuffle.cu pad3); cp.pad's edge is several
             return self.arrays.pad3(x, pads, modes)
-        return self.cp.pad(x, ((0, 0), *pads, (0, 0)), mode="constant" if modes[0] == "zeros" else "edge")
+        return self.cp.pad(x, ((0, 0), *pads, (0, 0)), mode="constant")
 
     # ---- dense ops -----------------------------------------------------------------------------
     def _matmul(self, a, b):
