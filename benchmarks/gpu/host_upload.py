@@ -23,28 +23,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE))]
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # this group's scripts; the repo
 from benchmarks.machine import describe_machine  # noqa: E402
+from gpu_models import wall  # noqa: E402  (median ms of reps calls after warm-ups, synchronised)
 
 
 def timed(fn, reps: int, sync) -> float:
-    fn()
-    sync()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(out)
+    return wall(fn, 1, reps, sync)
 
 
 def main() -> None:

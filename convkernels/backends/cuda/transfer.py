@@ -202,16 +202,15 @@ class ParallelUpload:
         parts = max(self.threads, -(-n // PART_BYTES))
         bounds = [n * i // parts // 64 * 64 for i in range(parts)] + [n]
 
-        def copy(i: int) -> int:
-            np.copyto(buffer[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]])
-            return i
+        def copy(a: int, b: int) -> None:
+            np.copyto(buffer[a:b], src[a:b])
 
         dev = cp.empty(host.shape, dtype=host.dtype)
         stream = cp.cuda.get_current_stream()
         rt = cp.cuda.runtime
-        for future in [self._pool.submit(copy, i) for i in range(parts)]:
-            i = future.result()  # in part order: later parts are being copied meanwhile
-            a, b = bounds[i], bounds[i + 1]
+        spans = list(zip(bounds[:-1], bounds[1:]))
+        for (a, b), future in zip(spans, [self._pool.submit(copy, a, b) for a, b in spans]):
+            future.result()  # in part order: later parts are being copied meanwhile
             if b > a:
                 rt.memcpyAsync(dev.data.ptr + a, buffer.ctypes.data + a, b - a, rt.memcpyHostToDevice, stream.ptr)
         self._uploaded = cp.cuda.Event(disable_timing=True, block=True)
