@@ -166,7 +166,8 @@ class Settings(BaseSettings):
     #: off the event loop
     codec_threads: int = Field(2, ge=1)
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
-    #: on GPUs half the host's cores, at most 16 (they parse bodies and encode images)
+    #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
+    #: encode images: what limits small requests)
     workers: int = Field(0, ge=0)
     #: the GPUs that get a model worker each: "all" (every visible one) or ordinals "0,2"
     devices: str = "all"

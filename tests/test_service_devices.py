@@ -215,3 +215,17 @@ def test_two_front_ends_share_one_model_worker(tmp_path):
         assert metric_sum(scrape(srv.url), "convserve_requests_total", model="tiny-vae", status="200") >= 12
     finally:
         assert srv.stop(timeout=30) == 0, srv.log()
+
+
+def test_auto_front_ends_leave_a_core_per_gpu_worker_and_one_more(monkeypatch):
+    """WORKERS=0 with GPUs: the usable cores less one per model worker and one, within 2..32; one
+    front end where the CPU computes; an explicit count wins."""
+    from service import supervisor
+    from service.settings import Settings
+
+    gpus = [supervisor.Device(f"cuda:{i}", str(i)) for i in range(4)]
+    for cores, devices, expected in [(16, gpus[:1], 14), (64, gpus, 32), (32, gpus[:2], 29), (2, gpus[:1], 2)]:
+        monkeypatch.setattr(supervisor, "available_cpus", lambda cores=cores: cores)
+        assert supervisor.frontends_for(Settings(workers=0), devices) == expected, (cores, len(devices))
+    assert supervisor.frontends_for(Settings(workers=0), [supervisor.Device("cpu", None)]) == 1
+    assert supervisor.frontends_for(Settings(workers=3), gpus) == 3

@@ -62,7 +62,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
                                               "float16|bfloat16|float32 on mlx and cuda [CONVSERVE_DTYPE; default "
                                               "float32 on numpy and mlx, float16 on cuda]"),
           workers: Optional[int] = typer.Option(None, help="HTTP front-end processes; 0 = auto: 1 on CPU "
-                                                "backends, half the cores (<= 16) with GPUs [CONVSERVE_WORKERS; "
+                                                "backends, all cores but one per GPU and one (<= 32) with GPUs [CONVSERVE_WORKERS; "
                                                 "default 0]"),
           devices: Optional[str] = typer.Option(None, help="GPUs that get a model worker each: all, or 0,1 "
                                                 "[CONVSERVE_DEVICES; default all]"),
