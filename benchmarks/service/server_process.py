@@ -15,10 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _stat_cpu_seconds(stat: Path) -> float:
-    """User + system CPU seconds from a process's or thread's /proc stat file (clock ticks)."""
+def _stat_cpu_seconds(stat: Path, system_only: bool = False) -> float:
+    """User + system CPU seconds (system_only: the kernel's part alone) from a process's or
+    thread's /proc stat file (clock ticks)."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[12]) + (0 if system_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -114,7 +115,9 @@ class ServerProcess:
         """CPU seconds so far of the model workers' threads by kernel name (service/threads.py
         names the service's own: worker-<device> runs the model calls, deliver, links, depth-...,
         heartbeat); threads the service did not name (the main thread, BLAS and compute pools,
-        the CUDA driver's) are summed as "unnamed"."""
+        the CUDA driver's) are summed as "unnamed". "<name> system" is the part of it spent in the
+        kernel (system calls, page faults, the interpreter lock's futex waits; 10 ms ticks): what
+        a thread costs beyond its Python and native code."""
         out: dict[str, float] = {}
         for pid in self.roles()["model workers"]:
             try:
@@ -129,10 +132,12 @@ class ServerProcess:
                         seconds = int((task / "schedstat").read_text().split()[0]) / 1e9
                     except (OSError, ValueError, IndexError):
                         seconds = _stat_cpu_seconds(task / "stat")
+                    system = _stat_cpu_seconds(task / "stat", system_only=True)
                 except OSError:
                     continue  # a thread that ended
                 name = "unnamed" if name == comm else name
                 out[name] = out.get(name, 0.0) + seconds
+                out[f"{name} system"] = out.get(f"{name} system", 0.0) + system
         return out
 
     def frontends(self) -> int:

@@ -392,9 +392,11 @@ def main() -> None:
     # host work (on the NumPy backend, its compute; its pools are "unnamed")
     for fmt, res, _, _ in rows:
         ok = max(len(res.latencies), 1)
-        parts = sorted(res.worker_threads.items(), key=lambda kv: -kv[1])
-        print(f"{fmt}: worker CPU per request by thread (us): "
-              + ", ".join(f"{name} {seconds / ok * 1e6:.1f}" for name, seconds in parts if seconds > 0))
+        threads = res.worker_threads
+        parts = sorted(((k, v) for k, v in threads.items() if not k.endswith(" system")), key=lambda kv: -kv[1])
+        print(f"{fmt}: worker CPU per request by thread, us (of it in the kernel): "
+              + ", ".join(f"{name} {seconds / ok * 1e6:.1f} ({threads.get(name + ' system', 0.0) / ok * 1e6:.0f})"
+                          for name, seconds in parts if seconds > 0))
     # where a latency tail forms: the worker's queue (waiting for a batch) or elsewhere (the
     # front end's parsing and answering, the clients, the CPU's scheduling)
     for fmt, res, m0, m1 in rows:
