@@ -31,14 +31,18 @@ def available() -> str | None:
     return None if executable() else "py-spy is not installed (pip install py-spy)"
 
 
-def record(pid: int, seconds: float, path: str, rate: int = 250, gil: bool = False) -> subprocess.Popen:
+def record(pid: int, seconds: float, path: str, rate: int = 250, gil: bool = False,
+           native: bool = False) -> subprocess.Popen:
     """gil: sample only the thread holding the interpreter lock. Without it, py-spy counts a
     thread blocked on the lock, a queue or a sleep as active; with it, the shares are of the
     interpreter's busy time: where a worker's Python cost per request goes."""
     # --nonblocking: the process is never paused to read its stacks (a paused worker would
-    # serve fewer requests and the benchmark would measure the profiler)
+    # serve fewer requests and the benchmark would measure the profiler). native: C frames too
+    # (NumPy's copies, the CUDA driver: where a thread's CPU goes outside the interpreter lock);
+    # py-spy must pause the process for those, so that run serves fewer requests.
     return subprocess.Popen([executable(), "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                             "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking",
+                             "--rate", str(rate), "--format", "raw", "--threads",
+                             *(["--native"] if native else ["--nonblocking"]),
                              *(["--gil"] if gil else []), "--output", path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

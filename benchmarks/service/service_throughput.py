@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--py-spy-gil", action="store_true",
                     help="with --py-spy: sample only the thread holding the interpreter lock (shares of "
                          "the Python work, not of the time threads wait)")
+    ap.add_argument("--py-spy-native", action="store_true",
+                    help="with --py-spy: C frames too (NumPy, the CUDA driver); py-spy pauses the process "
+                         "to read them, so that run's throughput is not the service's")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
@@ -330,7 +333,7 @@ def main() -> None:
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
             m0, cpu0, threads0 = srv.metrics(), srv.cpu_seconds(), srv.worker_thread_cpu()
-            spies = _start_py_spy(srv, fmt, args.py_spy, args.py_spy_gil)
+            spies = _start_py_spy(srv, fmt, args.py_spy, args.py_spy_gil, args.py_spy_native)
             res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
                                     raw=args.client == "raw")
             cpu1, threads1 = srv.cpu_seconds(), srv.worker_thread_cpu()
@@ -407,7 +410,8 @@ def main() -> None:
               + "; ".join(f"{what} {a:.1f} / {b:.1f}" for what, (a, b) in figures.items()))
 
 
-def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False) -> list[tuple]:
+def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False,
+                  native: bool = False) -> list[tuple]:
     """py-spy on the first model worker and the first spawned front end, from the measured run's
     start (the run must outlast `seconds`: the summary says how many samples it got)."""
     if seconds <= 0:
@@ -424,7 +428,7 @@ def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = Fals
     for role, pids in chosen.items():
         for pid in pids:
             path = os.path.join(out, f"pyspy_{role}_{fmt}.txt")
-            spies.append((path, pyspy_profile.record(pid, seconds, path, gil=gil)))
+            spies.append((path, pyspy_profile.record(pid, seconds, path, gil=gil, native=native)))
     return spies
 
 
