@@ -537,3 +537,18 @@ def test_out_of_memory_in_every_tile_cuts_the_stream_and_the_server_keeps_servin
     assert httpx.get(f"{oom.url}/readyz").status_code == 200
     r, chunks, _ = stream(oom.stream_url, latents(1, 4, 2, 2, 3), format="npy")  # what fits still streams
     assert r.status_code == 200 and read_records(b"".join(c for _, c in chunks))[1]
+
+
+def test_frames_convert_to_yuv420p_side_by_side_in_order_as_the_encoder_would():
+    """The MP4 writers' frames, converted on a few threads: each one the bits PyAV's own
+    conversion gives it (what the encoder did with RGB frames), in the clip's order"""
+    av = pytest.importorskip("av")
+    from service.codecs.video import yuv420p_frames
+
+    rng = np.random.default_rng(fresh_seed())
+    clip = rng.integers(0, 256, (7, 34, 46, 3), dtype=np.uint8)
+    got = yuv420p_frames(av, clip[:, ::-1])  # a strided view, as a padded group may be
+    assert [f.format.name for f in got] == ["yuv420p"] * 7
+    for frame, ours in zip(clip[:, ::-1], got):
+        own = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24").reformat(format="yuv420p")
+        assert np.array_equal(ours.to_ndarray(), own.to_ndarray())

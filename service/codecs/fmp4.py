@@ -17,7 +17,7 @@ from fractions import Fraction
 import numpy as np
 
 from .images import to_uint8
-from .video import crf_for_quality, load_av
+from .video import crf_for_quality, load_av, yuv420p_frames
 
 #: top-level boxes kept from the first group's muxer output, then from every later one
 _FIRST_KEEP = {"ftyp", "moov", "moof", "mdat"}
@@ -68,8 +68,7 @@ class FragmentedMP4Writer:
         if ph or pw:
             rgb = np.pad(rgb, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
         packets = []
-        for i, frame in enumerate(rgb):
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+        for i, vf in enumerate(yuv420p_frames(av, rgb)):
             vf.pts = self._frames
             self._frames += 1
             if i == 0:  # each fragment starts with an IDR: decodable on its own
