@@ -165,6 +165,11 @@ class Settings(BaseSettings):
     #: threads (per front-end process) that encode PNG/JPEG/WebP/MP4 and decode uploaded images
     #: off the event loop
     codec_threads: int = Field(2, ge=1)
+    #: x264's speed preset for MP4 answers (streamed and whole): the encoder must keep pace
+    #: with the decode. veryfast: 16 ms a 4-frame 480x832 group of smooth frames on a 16-core
+    #: host, 40-44 ms on noise-like frames (a random-init decoder's), where ultrafast takes 21 ms
+    #: for 42 % more bytes (benchmarks/service/video_encoder.py, 2026-11-30)
+    mp4_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium"] = "veryfast"
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
     #: encode images: what limits small requests)

@@ -552,3 +552,24 @@ def test_frames_convert_to_yuv420p_side_by_side_in_order_as_the_encoder_would():
     for frame, ours in zip(clip[:, ::-1], got):
         own = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24").reformat(format="yuv420p")
         assert np.array_equal(ours.to_ndarray(), own.to_ndarray())
+
+
+def test_the_mp4_preset_setting_reaches_the_encoder():
+    """MP4_PRESET is a closed choice, and the whole-file writer encodes with it (ultrafast's
+    stream is another stream than veryfast's, and still plays)"""
+    pytest.importorskip("av")
+    from pydantic import ValidationError
+
+    from service.codecs.video import encode_videos, read_mp4_frames
+    from service.settings import Settings
+
+    with pytest.raises(ValidationError):
+        Settings(mp4_preset="placebo-ish")
+    assert Settings().mp4_preset == "veryfast"
+    y, x = np.mgrid[0:48, 0:64]
+    clip = np.stack([np.stack([(x * 3 + t * 5) % 256, (y * 4) % 256, (x + y + t) % 256], -1)
+                     for t in range(5)]).astype(np.float32)[None] / 255
+    fast, media = encode_videos(clip, 8.0, 90, "ultrafast")
+    default, _ = encode_videos(clip, 8.0, 90)
+    assert media == "video/mp4" and fast != default
+    assert read_mp4_frames(fast).shape == read_mp4_frames(default).shape == (5, 48, 64, 3)

@@ -182,6 +182,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--raw", action="store_true", help="also time the raw model's decode (a child process)")
     ap.add_argument("--shards", type=int, default=1, help="split each decode by rows over this many GPUs")
+    ap.add_argument("--mp4-preset", default="veryfast", help="the started server's MP4_PRESET (x264's speed preset)")
     args = ap.parse_args()
 
     srv = None
@@ -190,7 +191,7 @@ def main():
     if url is None:
         extra = dict(devices=",".join(map(str, range(args.shards))), shard_groups=1) if sharded else {}
         srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600,
-                            **extra)
+                            mp4_preset=args.mp4_preset, **extra)
         url = srv.url
     if sharded:
         wait_for_every_device(url, args.model)
@@ -200,7 +201,8 @@ def main():
         print(f"machine: {describe_machine()}")
         print(f"server: {card['name']} = {card['preset']} ({card.get('weights')}), backend {card['backend']} "
               f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved"
-              + (f"; every decode split over {args.shards} GPUs" if sharded else ""))
+              + (f"; every decode split over {args.shards} GPUs" if sharded else "")
+              + ("" if args.url else f"; MP4_PRESET {args.mp4_preset}"))
         print(f"{'latents TxHxW':>13s} {'frames':>14s} {'full clip s':>11s} {'npy 1st s':>9s} {'npy end s':>9s} "
               f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
         rng = np.random.default_rng(0)

@@ -331,7 +331,7 @@ async def decode_stream(name: str, request: Request,
             if n != 1:
                 raise Problem(422, "batch-not-streamable",
                               f"a streamed MP4 holds one video, got {n}; ask for format=npy or send one")
-            writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality)
+            writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality, preset=svc.settings.mp4_preset)
             encode, media, trailer = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA, b""
         else:
             encode, media, trailer = (lambda grp, last: npy_record(grp)), NPY_STREAM_MEDIA, END_RECORD
@@ -361,7 +361,7 @@ async def whole_clip_response(svc: Service, req: DecodeRequest, *, fps: float, q
     shape = req.out_shape
     headers = {"X-Output-Shape": ",".join(map(str, shape))}
     if req.format == "mp4":
-        writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality)
+        writer = FragmentedMP4Writer(shape[3], shape[2], fps, quality, preset=svc.settings.mp4_preset)
         encode, media = (lambda grp, last: writer.add_group(grp[0], last)), MP4_MEDIA
     else:
         out_dt = np.dtype(req.dtype)
