@@ -573,3 +573,67 @@ def test_the_mp4_preset_setting_reaches_the_encoder():
     default, _ = encode_videos(clip, 8.0, 90)
     assert media == "video/mp4" and fast != default
     assert read_mp4_frames(fast).shape == read_mp4_frames(default).shape == (5, 48, 64, 3)
+
+
+def test_the_pump_asks_steps_ahead_in_order_and_lets_go_of_every_group_it_never_handed_over():
+    """FrameGroups.pump keeps STEPS_AHEAD decode steps asked: groups reach the buffer in the order
+    asked whatever order their answers come in, and a pump cancelled with steps asked and answered
+    (the client gone) closes each of their leases; none is closed twice"""
+    from service.frontend.routes import streaming
+
+    class Lease:
+        def __init__(self):
+            self.closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    async def scenario():
+        groups = streaming.FrameGroups.__new__(streaming.FrameGroups)
+        groups.total, groups.asked = 7, 1
+        leases, in_flight, most = [], [0], [0]
+        answers = {}
+
+        async def next_group(disconnected=None):
+            k, groups.asked = groups.asked, groups.asked + 1
+            lease = Lease()
+            leases.append(lease)
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                await asyncio.sleep(0.01 * ((k * 5) % 3))  # answers out of order
+                answers[k] = True
+                return k, lease
+            except BaseException:
+                lease.close()
+                raise
+            finally:
+                in_flight[0] -= 1
+
+        groups.next = next_group
+        buffer = asyncio.Queue(maxsize=1)
+        pump = asyncio.create_task(groups.pump(buffer, start=1))
+        order = []
+        for _ in range(6):
+            k, lease = await buffer.get()
+            order.append(k)
+            lease.close()
+        await pump
+        assert order == [1, 2, 3, 4, 5, 6] and most[0] == streaming.STEPS_AHEAD
+        assert all(lease.closed == 1 for lease in leases)
+
+        # the client goes: two groups taken, the buffer full, steps asked behind it
+        groups.total, groups.asked = 40, 1
+        leases.clear()
+        buffer = asyncio.Queue(maxsize=1)
+        pump = asyncio.create_task(groups.pump(buffer, start=1))
+        for _ in range(2):
+            (await buffer.get())[1].close()
+        await asyncio.sleep(0.05)  # the buffer full again, the steps behind it answered
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        while not buffer.empty():  # the sender's own clean-up (FrameStreamResponse)
+            buffer.get_nowait()[1].close()
+        assert len(leases) >= 3 and all(lease.closed == 1 for lease in leases), [x.closed for x in leases]
+
+    asyncio.run(scenario())
