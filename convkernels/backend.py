@@ -24,7 +24,7 @@ layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
 `attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
 [None: not fused], `mlp` [None: two linears], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
-stack a batch anywhere].
+stack a batch anywhere], `pin_host_region` and `gather_rows` [None: not offered].
 """
 from __future__ import annotations
 
@@ -97,6 +97,17 @@ class BackendBase(TensorOps):
     def host_batch(self, shape, dtype) -> np.ndarray | None:
         """Where a caller stacking a batch of host inputs should put it, for asarray to upload it
         cheapest; None (the default): anywhere, ordinary host memory is as good."""
+        return None
+
+    def pin_host_region(self, address: int, nbytes: int):
+        """Host memory that callers will gather batches from (gather_rows), pinned where it lies;
+        a handle whose release() unpins it, or None (the default: not offered)."""
+        return None
+
+    def gather_rows(self, parts: list[np.ndarray], regions: list) -> Any:
+        """The host parts joined along axis 0 as a device array, each read where it lies in its
+        pinned region (pin_host_region); None (the default, or a part outside its region): the
+        caller stacks them and uploads the stack."""
         return None
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):

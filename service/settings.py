@@ -211,6 +211,11 @@ class Settings(BaseSettings):
     #: CUDA backend: time the first cuDNN plans of each new conv key instead of taking the
     #: heuristic's first one (the winner persists in plan_cache_dir)
     cuda_autotune: bool = False
+    #: GPU workers pin the lowest this many bytes of each front end's arena in place
+    #: (cudaHostRegister) and gather a batch of uint8 pixels on the device from its requests' own
+    #: blocks, with no host copy (0: off, batches are stacked in pinned buffers first); memory
+    #: pinned = this x front ends, per GPU worker
+    cuda_pinned_arena_bytes: int = Field(64 << 20, ge=0)
     #: CUDA backend with autotune on (CONVSERVE_CUDA_AUTOTUNE): cuDNN plans timed per conv key,
     #: the heuristic's first ones; bounds a new shape's first call
     cuda_autotune_plans: int = Field(4, ge=1)

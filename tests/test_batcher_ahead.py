@@ -120,3 +120,47 @@ def test_a_batch_is_stacked_where_the_backend_says_and_anywhere_when_it_says_not
         assert seen[1] is lone
     finally:
         b.stop()
+
+
+def test_a_call_that_takes_device_input_gets_the_gathered_batch_else_the_stacked_one():
+    """gather (the worker's: a batch joined on the device from its requests' own blocks) serves
+    only calls marked device_input; where it answers None, and for every other call, the batch is
+    stacked on the host as before; with faults armed (before_call) it is never asked."""
+    asked, seen = [], []
+
+    def gather(batch):
+        asked.append(len(batch))
+        if len(batch) == 4:
+            return None
+        return np.concatenate([it.inputs for it in batch]) + 100  # told apart by its values
+
+    def device_call(x):
+        seen.append(x)
+        return np.zeros((len(x), 1))
+
+    device_call.device_input = True
+
+    def host_call(x):
+        seen.append(x)
+        return np.zeros((len(x), 1))
+
+    for before_call, expect_gather in ((None, True), (lambda inputs: None, False)):
+        asked.clear()
+        seen.clear()
+        b = Batcher(max_batch=8, max_queue_delay_ms=50, gather=gather, before_call=before_call)
+        try:
+            for call, rows in ((device_call, 2), (device_call, 4), (host_call, 2)):
+                items = [WorkItem("m", (call.__name__, rows), np.full((1, 4), i, np.float32), call)
+                         for i in range(rows)]
+                b.submit_many(items)
+                for it in items:
+                    it.outcome.result(10)
+        finally:
+            b.stop()
+        if expect_gather:
+            assert asked == [2, 4]  # the host call's batch never asked
+            assert seen[0].tolist() == [[100.0] * 4, [101.0] * 4]
+        else:
+            assert asked == [] and seen[0].tolist() == [[0.0] * 4, [1.0] * 4]
+        assert seen[1].tolist() == [[float(i)] * 4 for i in range(4)]  # gather said None: stacked
+        assert seen[2].tolist() == [[0.0] * 4, [1.0] * 4]

@@ -576,10 +576,10 @@ def test_the_mp4_preset_setting_reaches_the_encoder():
 
 
 def test_the_pump_asks_steps_ahead_in_order_and_lets_go_of_every_group_it_never_handed_over():
-    """FrameGroups.pump keeps STEPS_AHEAD decode steps asked: groups reach the buffer in the order
+    """frame_groups.FrameGroups.pump keeps STEPS_AHEAD decode steps asked: groups reach the buffer in the order
     asked whatever order their answers come in, and a pump cancelled with steps asked and answered
     (the client gone) closes each of their leases; none is closed twice"""
-    from service.frontend.routes import streaming
+    from service.frontend import frame_groups
 
     class Lease:
         def __init__(self):
@@ -589,7 +589,7 @@ def test_the_pump_asks_steps_ahead_in_order_and_lets_go_of_every_group_it_never_
             self.closed += 1
 
     async def scenario():
-        groups = streaming.FrameGroups.__new__(streaming.FrameGroups)
+        groups = frame_groups.FrameGroups.__new__(frame_groups.FrameGroups)
         groups.total, groups.asked = 7, 1
         leases, in_flight, most = [], [0], [0]
         answers = {}
@@ -619,7 +619,7 @@ def test_the_pump_asks_steps_ahead_in_order_and_lets_go_of_every_group_it_never_
             order.append(k)
             lease.close()
         await pump
-        assert order == [1, 2, 3, 4, 5, 6] and most[0] == streaming.STEPS_AHEAD
+        assert order == [1, 2, 3, 4, 5, 6] and most[0] == frame_groups.STEPS_AHEAD
         assert all(lease.closed == 1 for lease in leases)
 
         # the client goes: two groups taken, the buffer full, steps asked behind it

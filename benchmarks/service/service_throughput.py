@@ -291,6 +291,8 @@ def main() -> None:
     ap.add_argument("--py-spy-native", action="store_true",
                     help="with --py-spy: C frames too (NumPy, the CUDA driver); py-spy pauses the process "
                          "to read them, so that run's throughput is not the service's")
+    ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="another setting of the server (CONVSERVE_KEY), repeatable: e.g. cuda_pinned_arena_bytes=0")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
@@ -323,6 +325,9 @@ def main() -> None:
         settings["bulk_submit"] = "false"
     if args.no_run_ahead:
         settings["run_ahead"] = "false"
+    for pair in args.setting:  # any other CONVSERVE_ setting of the server, e.g. cuda_pinned_arena_bytes=0
+        key, _, value = pair.partition("=")
+        settings[key.strip().lower()] = value.strip()
     url_path = f"/v1/models/m/{args.workload}"
     rows = []
     with ServerProcess(log_path=args.log, **settings) as srv:

@@ -281,10 +281,20 @@ class ConvNeXtEncoder:
         copied out of the forward's buffers before the next forward is queued, so a replayed
         graph can reuse them at once."""
         bk = self.backend
-        x = self._host_input(pixels_nhwc01)
-        forward = self._encode_device_uint8 if x.dtype == np.uint8 else self._encode_device
-        pooled, logits = forward(bk.asarray(x))
+        if isinstance(pixels_nhwc01, np.ndarray):
+            x = self._host_input(pixels_nhwc01)
+            forward = self._encode_device_uint8 if x.dtype == np.uint8 else self._encode_device
+            x = bk.asarray(x)
+        else:  # a device array: uint8 pixels gathered there by the service (takes_device_pixels)
+            forward, x = self._encode_device_uint8, bk.astype(pixels_nhwc01, bk.dtype)
+        pooled, logits = forward(x)
         return StartedEncode(bk, bk.to_host_async(pooled), None if logits is None else bk.to_host_async(logits))
+
+    @property
+    def takes_device_pixels(self) -> bool:
+        """encode_started also takes uint8 N,H,W,C pixels already on the device (checked by their
+        sender: the service's front ends): where the stem folds the normalisation into its weights."""
+        return bool(self.tree.stem.fold_input)
 
     def card(self) -> dict:
         cfg = self.config

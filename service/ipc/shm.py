@@ -16,6 +16,8 @@ Rules the rest keeps:
 - Only the front end allocates and frees; the worker only reads inputs and writes outputs.
 - A block is freed only after the worker has answered for it (result, failure, or its death),
   never while a submitted request may still write into it (service/frontend/engine.py's Lease).
+- A worker may pin the low pages of a mapping in place for its GPU's DMAs; it unpins them before
+  it releases the mapping (service/worker/frontend_link.py), so no pinned page outlives its mapping.
 - A worker's mapping of a front end's arena lives as long as that front end's link: the worker
   `release()`s it when the link ends (the front end stopped or died), and it is unmapped then, or,
   while arrays still view it (a running batch's inputs), at the first `sweep()` after they are
@@ -93,6 +95,11 @@ class _Mapping:
         self.fd, self.size = fd, size
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._buf = np.frombuffer(self.map, dtype=np.uint8)
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process (0 once released)."""
+        return 0 if self._buf is None else self._buf.ctypes.data
 
     def array(self, ref: TensorRef) -> np.ndarray:
         """The tensor at `ref`, as a view of the shared pages (writable)."""

@@ -43,7 +43,8 @@ class Batcher:
                  on_start: Callable[[list[WorkItem]], None] | None = None,
                  on_busy: Callable[[float], None] | None = None,
                  on_done: Callable[[list[WorkItem]], None] | None = None,
-                 host_batch: Callable[[tuple, Any], np.ndarray | None] | None = None):
+                 host_batch: Callable[[tuple, Any], np.ndarray | None] | None = None,
+                 gather: Callable[[list[WorkItem]], Any] | None = None):
         """before_call(inputs) runs before every model call, and what it raises is the call's error
         (the seam of the injected model-call faults, service/worker/fault_injection.py). on_start(batch):
         told which items a model call is about to run (the worker tells their front ends).
@@ -51,8 +52,11 @@ class Batcher:
         ends (0.0): the worker's heartbeat record carries it (service/ipc/heartbeat.py).
         on_done(batch): on the device thread, once every item of a model call is resolved (a
         result or the call's error): one hand-off per batch where a future's callback is one per item.
-        host_batch(shape, dtype): where to stack a batch's inputs (the backend's host_batch), or None."""
+        host_batch(shape, dtype): where to stack a batch's inputs (the backend's host_batch), or None.
+        gather(batch): the batch's inputs joined on the device straight from where they lie, or None
+        (the worker's, for calls marked `device_input`: see _inputs)."""
         self.host_batch, self.on_done, self.on_start, self.stats = host_batch, on_done, on_start, stats
+        self.gather = gather
         self.on_busy = on_busy or (lambda started: None)
         self.max_batch, self.delay_s, self.name = max_batch, max_queue_delay_ms / 1000.0, name
         self.after_batch, self.before_call = after_batch, before_call
@@ -260,6 +264,16 @@ class Batcher:
             return first if len(batch) == 1 else np.concatenate([it.inputs for it in batch], axis=0)
         return np.concatenate([it.inputs for it in batch], axis=0, out=where)
 
+    def _inputs(self, batch: list[WorkItem]) -> Any:
+        """The call's stacked inputs: gathered on the device where the call takes a device array
+        (`device_input`) and the gather can (no host copy), else stacked on the host. Never
+        gathered while faults are injected: they inspect the inputs' values on the host."""
+        if self.gather is not None and self.before_call is None and getattr(batch[0].call, "device_input", False):
+            gathered = self.gather(batch)
+            if gathered is not None:
+                return gathered
+        return self._stacked(batch)
+
     def _start(self, batch: list[WorkItem]) -> "_Started | None":
         """Stack the batch and make its model call. None: the call ended it already (its error,
         or stopped with its requesters gone), every item resolved and handed off."""
@@ -272,7 +286,7 @@ class Batcher:
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
         metrics.observe_many(metrics.QUEUE_WAIT_SECONDS.labels(model), waits)
-        inputs = self._stacked(batch)
+        inputs = self._inputs(batch)
         stacked = time.perf_counter()
         rows = int(inputs.shape[0])
         metrics.BATCH_SIZE.labels(model).observe(rows)

@@ -54,6 +54,26 @@ class FrontendLink:
         self.leader = False  # a shard group's leader (LeaderHello), not a front end
         #: another message (or the end of the connection) is there to read now
         self.has_more = Readable(conn)
+        #: the arena's low pages pinned for the GPU (pinned_region), made and dropped under the lock
+        self._region = None
+        self._region_tried = False
+        self._region_lock = threading.Lock()
+
+    def pinned_region(self, backend, nbytes: int):
+        """The arena's lowest `nbytes` pinned in place for the backend's DMAs (its gather_rows), made
+        on first use (by the device thread); None where the backend does not offer it, pinning
+        failed, or the link has ended. Unpinned by close(), before the mapping goes."""
+        if self._region_tried:
+            return self._region
+        with self._region_lock:
+            if not self._region_tried and not self.closed and self.view is not None:
+                self._region_tried = True
+                try:
+                    self._region = backend.pin_host_region(self.view.address, min(nbytes, self.view.size))
+                except Exception as exc:  # the ordinary stacking serves this link's batches
+                    log.warning("pinning a front end's arena failed (%s: %s); its batches are stacked on the "
+                                "host", exc.__class__.__name__, exc)
+            return self._region
 
     def send(self, msg: wp.Message) -> None:
         if self.closed:
@@ -98,6 +118,11 @@ class FrontendLink:
         self._drop_all()
         self.host.shard_member.link_closed(self)
         self.conn.close()
+        with self._region_lock:  # unpinned (its last DMAs waited for) before the mapping may go
+            self._region_tried = True
+            region, self._region = self._region, None
+        if region is not None:
+            region.release()
         if self.view is not None:  # its pages leave this process with it (service/ipc/shm.py's rules)
             self.view.release()
 

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .. import metrics
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
@@ -121,6 +123,7 @@ class ModelHost:
                                    after_batch=self.backend.flush_timings, stats=self.stats,
                                    name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
                                    on_done=self.deliveries.put, host_batch=self.backend.host_batch,
+                                   gather=self._gather if s.cuda_pinned_arena_bytes else None,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread
@@ -157,6 +160,16 @@ class ModelHost:
             row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0,
             shard_offered=shard_offered())
 
+    def _gather(self, batch) -> Any:
+        """A batch of uint8 pixels joined on the device from its requests' blocks in their front
+        ends' arenas, each arena's low pages pinned in place (FrontendLink.pinned_region); None
+        where that cannot be (the batcher stacks it on the host then). On the device thread."""
+        if batch[0].inputs.dtype != np.uint8:
+            return None
+        regions = [it.tag[0].pinned_region(self.backend, self.settings.cuda_pinned_arena_bytes)
+                   if it.tag is not None else None for it in batch]
+        return self.backend.gather_rows([it.inputs for it in batch], regions)
+
     def call_for(self, hm: HostedModel, op: str, options: wp.Options):
         """The model call an op names (the ops a front end may ask for; a shard leader's are
         ShardMember.call_for's)."""
@@ -173,7 +186,10 @@ class ModelHost:
             # the device runs ahead: the batcher stacks and starts the next batch while this one's
             # embeddings are on their way back (batcher.Later)
             started = hm.model.encode_started
-            return lambda x: Later(started(x))
+            call = lambda x: Later(started(x))  # noqa: E731 - it carries an attribute
+            # uint8 pixels may arrive gathered on the device (ModelHost._gather)
+            call.device_input = bool(getattr(hm.model, "takes_device_pixels", False))
+            return call
         if op in ("encode", "vae_encode"):
             return hm.model.encode
         raise ValueError(f"unknown op {op!r}")

@@ -84,3 +84,34 @@ def test_large_host_batches_cross_exactly_in_parallel_parts(model):
     finally:
         bk.arrays.large.threads = threads
     assert np.array_equal(parallel, ordinary) and float(np.abs(parallel).max()) > 0
+
+
+def test_batches_gathered_from_a_pinned_shared_arena_equal_encode(model):
+    """The service's path for uint8 one-image requests: each image in its own block of a front
+    end's shared-memory arena (a real memfd mapping), the arena's low pages pinned in place, the
+    batch gathered on the device (gather_rows) and encoded from there; equal to encode of the
+    same images stacked on the host. A block above the pinned pages is not gathered (None), and
+    after release nothing is."""
+    from service.ipc.shm import Arena
+
+    bk = model.backend
+    assert model.takes_device_pixels
+    rng = np.random.default_rng(13)
+    arena = Arena(16 << 20)
+    region = bk.pin_host_region(arena.address, 8 << 20)
+    try:
+        batches = []
+        for n in (5, 3, 8):
+            refs = [arena.put(rng.integers(0, 256, (1, 224, 224, 3), dtype=np.uint8)) for _ in range(n)]
+            batches.append([arena.array(r) for r in refs])
+        wanted = [model.encode(np.concatenate(parts))["embedding"] for parts in batches]
+        for _ in range(2):
+            started = [model.encode_started(bk.gather_rows(parts, [region] * len(parts))) for parts in batches]
+            for w, s in zip(wanted, started):
+                assert np.array_equal(s.result()["embedding"], w)
+        high = arena.array(arena.put(np.zeros((1, 2048, 2048, 3), np.uint8)))  # 12 MiB: past the pinned 8
+        assert bk.gather_rows([batches[0][0], high], [region, region]) is None
+    finally:
+        region.release()
+    assert bk.gather_rows(batches[0], [region] * 5) is None
+    arena.close()

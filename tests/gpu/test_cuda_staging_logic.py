@@ -129,3 +129,56 @@ def test_small_strided_or_single_threaded_arrays_are_not_taken(parallel):
     assert not parallel.takes(np.ones(16, np.float32))  # under MIN_BYTES
     assert not parallel.takes(np.ones((64, 64), np.float32)[:, ::2])  # not C-contiguous
     assert not ParallelUpload(_fake_cupy(), threads=1).takes(np.ones((64, 4096), np.float32))
+
+
+# ---- PinnedRegion and gather_rows: a batch gathered from memory pinned where it lies -----------
+
+def _pinning_cupy(registered: list):
+    cp = _fake_cupy()
+    cp.cuda.runtime.hostRegister = lambda ptr, n, flags: registered.append(("pin", ptr, n))
+    cp.cuda.runtime.hostUnregister = lambda ptr: registered.append(("unpin", ptr))
+    return cp
+
+
+def test_rows_are_gathered_exactly_from_their_regions_in_batch_order():
+    from convkernels.backends.cuda.transfer import PinnedRegion, gather_rows
+
+    _Event.log = []
+    pins: list = []
+    cp = _pinning_cupy(pins)
+    rng = np.random.default_rng()
+    arenas = [rng.integers(0, 256, 4096 * 3, dtype=np.uint8) for _ in range(2)]
+    regions = [PinnedRegion(cp, a.ctypes.data, 4096 * 2) for a in arenas]  # the low two pages of each
+    assert pins == [("pin", a.ctypes.data, 8192) for a in arenas]
+    parts = [arenas[1][100:100 + 3 * 5 * 7].reshape(1, 5, 7, 3), arenas[0][0:2 * 105].reshape(2, 5, 7, 3),
+             arenas[1][4096:4096 + 105].reshape(1, 5, 7, 3)]
+    dev = gather_rows(cp, parts, [regions[1], regions[0], regions[1]])
+    np.testing.assert_array_equal(dev.host, np.concatenate(parts))
+    done = _Event.log[-1][1]
+    assert all(r.uploaded is done for r in regions)  # each region's last DMAs: this event
+
+    # a block above the pinned pages, a strided part, a part without a region: not gathered
+    above = arenas[0][8192 - 50:8192 - 50 + 105].reshape(1, 5, 7, 3)  # crosses the pinned end
+    assert gather_rows(cp, [parts[0], above], [regions[1], regions[0]]) is None
+    assert gather_rows(cp, [parts[1][:, ::2]], [regions[0]]) is None
+    assert gather_rows(cp, [parts[0]], [None]) is None
+    assert gather_rows(cp, [], []) is None
+
+
+def test_a_released_region_waits_for_its_last_dmas_then_unpins_and_gathers_nothing_more():
+    from convkernels.backends.cuda.transfer import PinnedRegion, gather_rows
+
+    _Event.log = []
+    pins: list = []
+    cp = _pinning_cupy(pins)
+    arena = np.zeros(8192, np.uint8)
+    region = PinnedRegion(cp, arena.ctypes.data, 8192)
+    part = arena[:64].reshape(1, 64)
+    assert gather_rows(cp, [part], [region]) is not None
+    last = region.uploaded
+    region.release()
+    assert last.waited and pins[-1] == ("unpin", arena.ctypes.data)
+    assert _Event.log.index(("wait", last)) < len(_Event.log)
+    assert gather_rows(cp, [part], [region]) is None  # gone: the caller stacks it on the host
+    region.release()  # twice: nothing more
+    assert [p[0] for p in pins] == ["pin", "unpin"]

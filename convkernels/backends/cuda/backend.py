@@ -38,7 +38,7 @@ from .fusions import CudaFusions, gated, rms_norm_affine
 from .graphs import CaptureState, GraphCache, GraphedForward
 from .options import DEFAULT_UNFOLD_LIMIT, CudaOptions
 from .plan_cache import DEFAULT_CAPACITY, PlanCache, PlanStore
-from .transfer import copy_into, start_to_host
+from .transfer import PinnedRegion, copy_into, gather_rows, start_to_host
 from .upsample import upsample_conv2d
 
 MAX_PENDING_TIMINGS = 8192
@@ -76,6 +76,10 @@ class CudaBackend(BackendBase):
         self._graph_lock = threading.RLock()
         self.capture = CaptureState()
         self.arrays = CudaArrays(cp)
+        # host batches stacked in pinned buffers, or gathered from memory pinned in place (transfer.py)
+        self.host_batch = lambda shape, dtype: self.arrays.staging.take(tuple(shape), dtype)
+        self.pin_host_region = lambda address, nbytes: PinnedRegion(cp, address, nbytes)
+        self.gather_rows = lambda parts, regions: gather_rows(cp, parts, regions)
         self.weights = DerivedWeights(self.capture)
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (blas.py)
         self.blas = Cublas(cp, allow_tf32=options.allow_tf32)
@@ -91,8 +95,7 @@ class CudaBackend(BackendBase):
         self.fusions = CudaFusions(cp, self.arrays, self.capture, options, self.convs.depthwise_weights,
                                    self.conv2d, self._count_conv)
         self._copy_stream = None  # device -> host copies of to_host_async
-        self._pending: list = []
-        self._event_pool: list = []
+        self._pending, self._event_pool = [], []  # timing events queued, and free for reuse
         self._timing_lock = threading.Lock()
         super().__init__(options.dtype, options.timing_sample_rate)
         if options.force_fallback:
@@ -113,9 +116,6 @@ class CudaBackend(BackendBase):
         if host.dtype.kind != "f" and str(host.dtype) != "bfloat16" and host.dtype != np.uint8:
             raise ValueError(f"cuda backend: expected a floating or uint8 array, got dtype {host.dtype}")
         return self.arrays.from_host(host, dt)
-
-    def host_batch(self, shape, dtype):  # pinned: asarray uploads it with no host copy (transfer.py)
-        return self.arrays.staging.take(tuple(shape), dtype)
 
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, np.ndarray):
