@@ -238,8 +238,9 @@ class ParallelUpload:
 # batch; one H200, 2026-11-30, py-spy --native), about 30 us of CPU a request.
 #
 # Rules:
-# - A region is pinned when its front end's link is made and unpinned (`release`) when the link
-#   ends, before the arena's mapping may go (service/worker/frontend_link.py does both).
+# - A region is pinned for the first batch gathered from its front end's arena and unpinned
+#   (`release`) when that front end's link ends, before the arena's mapping may go
+#   (service/worker/frontend_link.py does both, under the link's lock).
 # - gather_rows (a model's device thread) holds every region it reads from locked while it queues
 #   the DMAs and records the event after them; `release` takes the lock, marks the region gone,
 #   waits for its last DMAs' event, then unpins. So no DMA is queued from, or still reading, pages
