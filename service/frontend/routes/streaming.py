@@ -9,10 +9,11 @@ answer problem+json like /decode does. Later steps are `continuation` items: the
 admitted once, so a full queue or a drain does not cut it. Steps are `solo` (a generator's next
 step has nothing to batch with) and queue behind other work, so a long clip shares the device.
 
-Back-pressure: a bounded buffer (BUFFER_GROUPS) sits between the decode steps and the socket.
-When the reader is slow, uvicorn's send waits for the socket to drain, the buffer fills and no
-further step is submitted: decoding pauses and memory stays flat. A client that disconnects
-(or stops reading for request_timeout_s) ends the stream: the pending step is dropped, and the
+Back-pressure: a bounded buffer (BUFFER_GROUPS) sits between the decode steps and the socket,
+and at most STEPS_AHEAD steps are asked of the worker beyond it (frame_groups.py). When the
+reader is slow, uvicorn's send waits for the socket to drain, the buffer fills and no further step
+is submitted: decoding pauses and memory stays flat. A client that disconnects (or stops reading
+for request_timeout_s) ends the stream: the steps asked are dropped (their blocks let go), and the
 decode generator is closed at the next frame boundary, which frees its causal feature cache.
 
 Out of memory mid-stream (oom_recovery.frames): the decode resumes in tiles (then smaller
