@@ -7,7 +7,7 @@
 # WORKERS=8 (pytest-xdist), TEST_TIMEOUT=300 (per test), SKIP_BENCH=1 (gpu_ops), MODELS=sd,convnext,wan (gpu_models),
 # COMPILE=1 (gpu_models with torch.compile),
 # STREAM=1 (Wan streaming), BREAKDOWN=1 (stage times of one graphed forward), FIRSTCALL=1 (profile of a new
-# shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode; SERVICE_ARGS
+# shape's first call), SERVICE=1|sd|enc (service vs raw: SD-VAE decode in every format, ConvNeXt encode one image a request, raw-socket clients unless ENC_CLIENT=httpx; SERVICE_ARGS
 # e.g. '--workers 6 --devices 0,1'), COLD=1 (cold vs warm start),
 # WANSVC=1 (Wan through the service vs raw), MULTI='0;0,1;0,1,2,3' (SD-VAE decode over 1, 2, 4 GPUs),
 # AB=1 (ConvNeXt fusion switches on/off, benchmarks/gpu/convnext_fusion_ab.py), FIRSTCHUNK=1 (where a streamed
@@ -102,10 +102,12 @@ if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = sd ]; then  # the multi-proces
     --client-procs ${CLIENTS:-6} ${SERVICE_ARGS:-} --requests ${SD_REQUESTS:-1536} --reps 3 \
     --log "$OUT/service_sd_server.log" 2>&1 | tee -a "$OUT/service_sd.log" | grep -v -i warn | tail -n 9
 fi
-if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then  # 8 client processes: 6 were each a whole core busy (one H200)
+if [ "${SERVICE:-0}" = 1 ] || [ "${SERVICE:-0}" = enc ]; then
+  # raw-socket clients (ENC_CLIENT=httpx for the real client): 8 httpx processes took 5-7 of the H200 host's
+  # 16 cores and held the raw model itself to 5-6k img/s; 4 raw ones take under one core (2026-11-30)
   timeout ${SERVICE_TIMEOUT:-200} python3 benchmarks/service/service_throughput.py --workload encode --backend cuda \
     --preset convnext-tiny --size 224 --format ${ENC_FORMATS:-jpeg,npy} --batch 32 --concurrency 256 \
-    --client-procs ${CLIENTS:-8} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
+    --client ${ENC_CLIENT:-raw} --client-procs ${CLIENTS:-4} ${SERVICE_ARGS:-} --requests ${ENC_REQUESTS:-16384} --reps 3 \
     --log "$OUT/service_enc_server.log" 2>&1 | tee -a "$OUT/service_enc.log" | grep -v -i warn | tail -n 7
 fi
 if [ "${WANSVC:-0}" = 1 ]; then  # the multi-process service: Wan 2.1 81x480x832 through the service vs the raw decode
