@@ -1,7 +1,5 @@
-"""A streamed video decode's frame groups, seen from the front end: the decode lives in the model
-worker that opened it (its causal decoder's state); each frame group is one step asked of that
-worker through Service.run, written into a block of this front end's arena that is let go once the
-group has been sent (its own lease). service/frontend/routes/streaming.py sends them."""
+"""A streamed video decode's frame groups on the front end's side (FrameGroups); the route that
+sends them is service/frontend/routes/streaming.py."""
 from __future__ import annotations
 
 import asyncio

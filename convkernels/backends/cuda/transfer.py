@@ -9,6 +9,8 @@ also a plain memcpy node in a CUDA graph.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 
@@ -250,8 +252,6 @@ class ParallelUpload:
 
 class PinnedRegion:
     def __init__(self, cp, address: int, nbytes: int):
-        import threading
-
         cp.cuda.runtime.hostRegister(address, nbytes, 0)
         self.cp, self.address, self.end = cp, address, address + nbytes
         self.lock = threading.Lock()
