@@ -111,6 +111,13 @@ TIME_TO_FIRST_FRAME = Histogram("convserve_time_to_first_frame_seconds", "Stream
 STREAM_STAGE_SECONDS = Histogram("convserve_stream_first_frame_stage_seconds",
                                  "Streaming: the time to the first frame, by stage", ["model", "backend", "stage"],
                                  registry=REGISTRY, buckets=_LATENCY_BUCKETS)
+#: each frame group after the first of a streamed or whole-clip video answer, by stage: `wait`, the
+#: sender waited for the group to come back decoded (the decode is behind); `encode`, the group
+#: encoded (MP4) or framed (.npy); `send`, handed to the socket (the reader is behind). Their sums
+#: per format say which of the three a clip's time went to (benchmarks/service/streaming.py)
+STREAM_GROUP_SECONDS = Histogram("convserve_stream_group_stage_seconds",
+                                 "Video answers: each frame group's time by stage", ["model", "backend", "format", "stage"],
+                                 registry=REGISTRY, buckets=_LATENCY_BUCKETS)
 STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames per second per request",
                        ["model", "backend"], registry=REGISTRY,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240))

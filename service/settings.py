@@ -170,6 +170,17 @@ class Settings(BaseSettings):
     #: host, 40-44 ms on noise-like frames (a random-init decoder's), where ultrafast takes 21 ms
     #: for 42 % more bytes (benchmarks/service/video_encoder.py, 2026-11-30)
     mp4_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium"] = "veryfast"
+    #: x264's threads per MP4 encoder (0: x264's own count, by the cores). Fewer leave cores to the
+    #: model worker's device thread while a clip is encoded beside its decode
+    mp4_threads: int = Field(0, ge=0, le=64)
+    #: x264 contexts per MP4 answer, taking its frame groups in turn, that many encoded at once
+    #: (each group starts with an IDR frame). One context set the pace of a Wan 2.1 480x832 clip
+    #: on noise-like frames: 35 ms a group at veryfast against the decode's 37.5
+    mp4_encoders: int = Field(2, ge=1, le=8)
+    #: how much lower the front ends run than the model workers (a nice increment, 0-19): under a
+    #: full host, the device thread that feeds the GPU gets a core before bodies and codecs do.
+    #: The model workers keep the server's own priority
+    frontend_nice: int = Field(0, ge=0, le=19)
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
     #: encode images: what limits small requests)

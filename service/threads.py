@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 import threading
 from typing import Callable
@@ -52,3 +53,23 @@ def start(target: Callable, name: str, args: tuple = (), daemon: bool = True) ->
     thread = threading.Thread(target=run, name=name, daemon=daemon)
     thread.start()
     return thread
+
+
+def lower_priority(increment: int) -> None:
+    """This thread, and every thread it starts from now on, `increment` nice steps lower.
+
+    Why a thread and not the process: on Linux a nice value belongs to a thread and a new thread
+    takes its creator's. Front end 0 runs in the supervisor's process, whose watcher thread
+    (started before this) restarts model workers: they keep the server's own priority. Elsewhere,
+    or if the thread's value cannot be set, the process is lowered (os.nice). Lowering needs no
+    privilege; nothing here raises a priority."""
+    if increment <= 0:
+        return
+    if sys.platform.startswith("linux"):
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+            return
+        except OSError:
+            pass
+    os.nice(increment)

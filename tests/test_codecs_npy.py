@@ -13,7 +13,7 @@ import pytest
 
 from service import codecs
 from service.problems import Problem
-from service.frontend.routes.streaming import RECORD_HEADER, npy_record
+from service.frontend.group_encoders import RECORD_HEADER, npy_record
 
 
 def saved(arr) -> bytes:

@@ -195,12 +195,27 @@ def test_readyz_is_false_while_the_only_worker_is_down(server_factory, tmp_path)
     wait_for(lambda: httpx.get(f"{srv.url}/readyz").status_code == 200, what="ready again")
 
 
+def nice_of(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
 def test_two_front_ends_share_one_model_worker(tmp_path):
-    srv = start_server(tmp_path, models="tiny-vae,tiny-convnext", cli_args=("--workers", "2"))
+    """... and FRONTEND_NICE lowers both front ends (front end 0 is the supervisor process's main
+    thread), never the model worker nor the supervisor's thread that starts workers again."""
+    srv = start_server(tmp_path, models="tiny-vae,tiny-convnext", cli_args=("--workers", "2"),
+                       env_extra={"CONVSERVE_FRONTEND_NICE": "3"})
     try:
         spawned = [k for k in children(srv.proc.pid) if b"spawn_main" in cmdline(k)]
         # one model worker (the CPU) and one more front end (the resource tracker is no spawn)
         assert len(spawned) == 2, [cmdline(k) for k in children(srv.proc.pid)]
+        worker = httpx.get(f"{srv.url}/v1/models/tiny-vae").json()["devices"][0]["pid"]
+        (frontend,) = set(spawned) - {worker}
+        base = nice_of(os.getpid())
+        watcher = [int(t.name) for t in Path(f"/proc/{srv.proc.pid}/task").iterdir()
+                   if (t / "comm").read_text().strip() == "supervisor"]
+        assert len(watcher) == 1
+        assert (nice_of(srv.proc.pid), nice_of(frontend)) == (base + 3, base + 3)
+        assert (nice_of(worker), nice_of(watcher[0])) == (base, base)
         snap = scrape(srv.url)
         for model in ("tiny-vae", "tiny-convnext"):  # loaded once, by the one device's worker
             assert metric_sum(snap, "convserve_model_loads_total", model=model) == 1

@@ -190,6 +190,12 @@ def test_npy_stream_first_frame_early_and_exact(srv, clip):
               - metric(s0, stage, model=MODEL, backend="numpy", stage=st) for st in ("body", "open", "first_group", "send")}
     assert all(v >= 0 for v in stages.values()) and stages["first_group"] > 0, stages
     assert abs(sum(stages.values()) - ttff) < 1e-6, (stages, ttff)
+    # each group's own stages: every group encoded and sent, each after the first waited for
+    group_count = "convserve_stream_group_stage_seconds_count"
+    counts = {st: metric(s1, group_count, model=MODEL, backend="numpy", format="npy", stage=st)
+              - metric(s0, group_count, model=MODEL, backend="numpy", format="npy", stage=st)
+              for st in ("wait", "encode", "send")}
+    assert counts == {"wait": 8, "encode": 9, "send": 9}, counts
     assert metric(s1, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) - \
         metric(s0, "convserve_requests_total", model=MODEL, endpoint="decode_stream", status=200) == 1
 

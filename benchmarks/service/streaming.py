@@ -139,6 +139,53 @@ def server_stages(url: str, model: str) -> dict[str, float]:
     return sums
 
 
+def group_stages(url: str, model: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(format, stage) -> (sum, count) of convserve_stream_group_stage_seconds for the model."""
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("convserve_stream_group_stage_seconds_") and f'model="{model}"' in line:
+            key = tuple(line.split(f'{label}="', 1)[1].split('"', 1)[0] for label in ("format", "stage"))
+            total, count = out.get(key, (0.0, 0.0))
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith("convserve_stream_group_stage_seconds_sum"):
+                total += value
+            elif line.startswith("convserve_stream_group_stage_seconds_count"):
+                count += value
+            out[key] = (total, count)
+    return out
+
+
+class GroupStages:
+    """Each route's frame groups, stage by stage (wait for the decode, encode, send), from the
+    server's own series: scraped around each call, so routes that share a format stay apart."""
+
+    def __init__(self, url: str, model: str):
+        self.url, self.model = url, model
+        self.per_route: dict[str, dict[str, list[float]]] = {}
+        self.calls: dict[str, int] = {}
+
+    def call(self, route: str, fn, *args, **kwargs):
+        before = group_stages(self.url, self.model)
+        result = fn(*args, **kwargs)
+        after = group_stages(self.url, self.model)
+        acc = self.per_route.setdefault(route, {})
+        self.calls[route] = self.calls.get(route, 0) + 1
+        for key, (total, count) in after.items():
+            t0, c0 = before.get(key, (0.0, 0.0))
+            if count > c0:
+                sums = acc.setdefault(key[1], [0.0, 0.0])
+                sums[0] += total - t0
+                sums[1] += count - c0
+        return result
+
+    def lines(self) -> list[str]:
+        """Per route: each stage's mean per group, and its sum per call."""
+        return [f"    {route}: " + ", ".join(
+            f"{stage} {1e3 * total / max(count, 1):.1f} ms a group ({1e3 * total / self.calls[route]:.0f} a call)"
+            for stage, (total, count) in sorted(stages.items()))
+            for route, stages in self.per_route.items()]
+
+
 def server_ttff(url: str, model: str) -> tuple[float, float]:
     """(sum, count) of convserve_time_to_first_frame_seconds for the model."""
     total = count = 0.0
@@ -183,6 +230,8 @@ def main():
     ap.add_argument("--raw", action="store_true", help="also time the raw model's decode (a child process)")
     ap.add_argument("--shards", type=int, default=1, help="split each decode by rows over this many GPUs")
     ap.add_argument("--mp4-preset", default="veryfast", help="the started server's MP4_PRESET (x264's speed preset)")
+    ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="another setting of the started server (CONVSERVE_KEY), repeatable: e.g. mp4_threads=4")
     args = ap.parse_args()
 
     srv = None
@@ -190,6 +239,9 @@ def main():
     sharded = {"shards": args.shards} if args.shards > 1 else {}
     if url is None:
         extra = dict(devices=",".join(map(str, range(args.shards))), shard_groups=1) if sharded else {}
+        for pair in args.setting:
+            key, _, value = pair.partition("=")
+            extra[key.strip().lower()] = value.strip()
         srv = ServerProcess(models=args.models, backend=args.backend, max_frames=100000, request_timeout_s=3600,
                             mp4_preset=args.mp4_preset, **extra)
         url = srv.url
@@ -202,12 +254,14 @@ def main():
         print(f"server: {card['name']} = {card['preset']} ({card.get('weights')}), backend {card['backend']} "
               f"{card['dtype']}; client on localhost; median of {args.reps} after a warm-up, interleaved"
               + (f"; every decode split over {args.shards} GPUs" if sharded else "")
-              + ("" if args.url else f"; MP4_PRESET {args.mp4_preset}"))
+              + ("" if args.url else f"; MP4_PRESET {args.mp4_preset}")
+              + "".join(f"; {pair}" for pair in args.setting))
         print(f"{'latents TxHxW':>13s} {'frames':>14s} {'full clip s':>11s} {'npy 1st s':>9s} {'npy end s':>9s} "
               f"{'mp4 1st s':>9s} {'mp4 end s':>9s} {'full/1st':>8s} {'npy end/full':>12s} {'server ttff s':>13s}")
         rng = np.random.default_rng(0)
         base = f"{url}/v1/models/{args.model}"
         raw_rows = []
+        stages = GroupStages(url, args.model)
         for shape in args.shapes:
             t, h, w = (int(v) for v in shape.split("x"))
             lat = rng.standard_normal((1, c, t, h, w)).astype(np.float32)
@@ -219,8 +273,9 @@ def main():
                 mp4, u8 = [], []
                 timed_decode(f"{base}/decode", body, "mp4")
                 for _ in range(args.reps):
-                    mp4.append(timed_decode(f"{base}/decode", body, "mp4", **sharded))
-                    u8.append(timed_decode(f"{base}/decode", body, "npy", dtype="uint8", **sharded))
+                    mp4.append(stages.call("mp4", timed_decode, f"{base}/decode", body, "mp4", **sharded))
+                    u8.append(stages.call("npy uint8", timed_decode, f"{base}/decode", body, "npy", dtype="uint8",
+                                          **sharded))
             # warm-up: path choice for these shapes; the second call records the steady chunks' graphs
             for _ in range(2):
                 timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
@@ -228,11 +283,11 @@ def main():
             cpu = {"npy": [], "npy streamed": [], "mp4 streamed": []}  # the client's CPU seconds per call
             s0, st0 = server_ttff(url, args.model), server_stages(url, args.model)
             for _ in range(args.reps):
-                wall, c = timed_decode(f"{base}/decode", body, **sharded)
+                wall, c = stages.call("npy", timed_decode, f"{base}/decode", body, **sharded)
                 full.append(wall), cpu["npy"].append(c)
-                a, b, _, c = timed_stream(f"{base}/decode/stream", body, "npy", **sharded)
+                a, b, _, c = stages.call("npy streamed", timed_stream, f"{base}/decode/stream", body, "npy", **sharded)
                 npy1.append(a), npyend.append(b), cpu["npy streamed"].append(c)
-                a, b, _, c = timed_stream(f"{base}/decode/stream", body, "mp4", **sharded)
+                a, b, _, c = stages.call("mp4 streamed", timed_stream, f"{base}/decode/stream", body, "mp4", **sharded)
                 mp41.append(a), mp4end.append(b), cpu["mp4 streamed"].append(c)
             s1, st1 = server_ttff(url, args.model), server_stages(url, args.model)
             med = statistics.median
@@ -249,6 +304,9 @@ def main():
                 mp4, u8 = [w for w, _ in mp4], [w for w, _ in u8]
             print("    the client's CPU per call (median s, one process): " + ", ".join(
                 f"{route} {med(c):.3f}" for route, c in cpu.items()), flush=True)
+            print("    the server's frame groups after the first, mean by stage (wait: for the decode; the "
+                  "number of groups observed):", *stages.lines(), sep="\n", flush=True)
+            stages.per_route.clear(), stages.calls.clear()
             if args.raw:
                 raw_rows.append((shape, frames, raw, {"npy": med(full), "npy uint8": med(u8), "mp4": med(mp4),
                                                       "npy streamed": med(npyend),

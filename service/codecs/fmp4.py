@@ -7,12 +7,15 @@ flush it, so each group is muxed by its own short-lived muxer (movflags
 frag_keyframe+empty_moov+default_base_moof, plus frag_discont so the fragment's decode time is
 the frames' own timestamp, and fragment_index so sequence numbers run on). The first group's
 output also carries the init segment (ftyp + moov); later groups keep only moof + mdat.
-The encoder is one libx264 context for the whole clip (tune=zerolatency: one packet out per
-frame in, no B-frames), with SPS/PPS in-band on each IDR so every group's muxer sees them."""
+The encoder is one libx264 context for the whole clip, or several that take the groups in turn
+(tune=zerolatency: one packet out per frame in, no B-frames), with SPS/PPS in-band on each IDR so
+every group's muxer sees them."""
 from __future__ import annotations
 
 import io
+import threading
 from fractions import Fraction
+from typing import Callable
 
 import numpy as np
 
@@ -41,57 +44,89 @@ def top_level_boxes(data: bytes) -> list[tuple[str, bytes]]:
 
 class FragmentedMP4Writer:
     """add_group(frames01 (f,H,W,3) in [0,1]) -> bytes to send now. Odd sizes are padded to even
-    by edge copy (yuv420p), as in video.mp4_bytes. Not thread-safe: one group at a time."""
+    by edge copy (yuv420p), as in video.mp4_bytes.
+
+    With encoders=K, group i is encoded by x264 context i mod K, so K groups can be encoded side by
+    side: each group starts with an IDR frame and depends on no other. Why: on a random-init
+    decoder's noise-like frames veryfast took 35 ms a 4-frame 480x832 group on a 16-core host,
+    about the Wan 2.1 decode's 37.5, so one context set the clip's pace. group_job() fixes a
+    group's place (index, timestamps, context) and must be called in group order; the job it
+    returns may run on any thread, at the same time as the jobs of other contexts. One context's
+    jobs must run in group order, one at a time: a caller keeps at most K jobs running and starts
+    them in group order (a job out of its context's order raises)."""
 
     def __init__(self, width: int, height: int, fps: float, quality: int = 90, preset: str = "veryfast",
-                 threads: int = 0):
-        """preset: x264's speed preset; threads: the encoder's (0: x264's own choice, by cores).
-        benchmarks/service/video_encoder.py measures both."""
+                 threads: int = 0, encoders: int = 1):
+        """preset: x264's speed preset; threads: each encoder's (0: x264's own choice, by cores);
+        encoders: x264 contexts taking the groups in turn. benchmarks/service/video_encoder.py
+        measures preset and threads."""
         av = self._av = load_av()
         self.width, self.height = width, height
         self.coded_width, self.coded_height = width + width % 2, height + height % 2
         self.rate = Fraction(fps).limit_denominator(1001)
         name = "libx264" if "libx264" in av.codecs_available else "h264"
-        enc = av.CodecContext.create(name, "w")
-        enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
-        enc.time_base, enc.framerate = 1 / self.rate, self.rate
-        enc.options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
-                       "forced-idr": "1", **({"threads": str(threads)} if threads else {})}
-        self._enc = enc
-        self._frames = 0
-        self._groups = 0
+        options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
+                   "forced-idr": "1", **({"threads": str(threads)} if threads else {})}
+        self._contexts = []
+        for _ in range(max(1, encoders)):
+            enc = av.CodecContext.create(name, "w")
+            enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
+            enc.time_base, enc.framerate = 1 / self.rate, self.rate
+            enc.options = dict(options)
+            self._contexts.append([enc, threading.Lock(), len(self._contexts)])  # [.., the next index]
+        self.encoders = len(self._contexts)
+        self._frames = 0  # frames placed so far: the next group's first timestamp
+        self._groups = 0  # groups placed so far
 
     def add_group(self, frames01: np.ndarray, last: bool = False) -> bytes:
+        """The next group, encoded here and now."""
+        return self.group_job(frames01, last)()
+
+    def group_job(self, frames01: np.ndarray, last: bool = False) -> Callable[[], bytes]:
+        """The next group's place now (call in group order); its encode and mux when the job runs."""
+        index, first_pts = self._groups, self._frames
+        self._groups += 1
+        self._frames += int(frames01.shape[0])
+        return lambda: self._encode(self._contexts[index % self.encoders], index, first_pts, frames01, last)
+
+    def _encode(self, context, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
         av = self._av
         rgb = to_uint8(frames01)
         ph, pw = self.coded_height - self.height, self.coded_width - self.width
         if ph or pw:
             rgb = np.pad(rgb, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
+        enc, lock, _ = context
         packets = []
-        for i, vf in enumerate(yuv420p_frames(av, rgb)):
-            vf.pts = self._frames
-            self._frames += 1
-            if i == 0:  # each fragment starts with an IDR: decodable on its own
-                vf.pict_type = av.video.frame.PictureType.I
-            packets += self._enc.encode(vf)
-        if last:
-            packets += self._enc.encode(None)
-        return self._fragment(packets)
+        with lock:
+            if context[2] != index:
+                raise RuntimeError(f"frame group {index} reached its encoder before group {context[2]}")
+            context[2] += self.encoders
+            for i, vf in enumerate(yuv420p_frames(av, rgb)):
+                vf.pts = first_pts + i
+                if i == 0:  # each fragment starts with an IDR: decodable on its own
+                    vf.pict_type = av.video.frame.PictureType.I
+                packets += enc.encode(vf)
+            if last:
+                packets += enc.encode(None)
+        if not last and len(packets) != len(rgb):
+            # zerolatency gives each frame's packet at once; a context that held one back would
+            # leave it out of this group's fragment (and another context ahead of it in time)
+            raise RuntimeError(f"x264 gave {len(packets)} packets for a group of {len(rgb)} frames")
+        return self._fragment(index, packets)
 
-    def _fragment(self, packets) -> bytes:
+    def _fragment(self, index: int, packets) -> bytes:
         if not packets:
             return b""
         av = self._av
         buf = io.BytesIO()
         options = {"movflags": "frag_keyframe+empty_moov+default_base_moof+frag_discont+skip_trailer",
-                   "fragment_index": str(self._groups + 1), "avoid_negative_ts": "disabled"}
+                   "fragment_index": str(index + 1), "avoid_negative_ts": "disabled"}
         with av.open(buf, mode="w", format="mp4", options=options) as mux:
             stream = mux.add_mux_stream("h264", rate=self.rate, width=self.coded_width,
                                         height=self.coded_height)
-            stream.time_base = self._enc.time_base
+            stream.time_base = self._contexts[0][0].time_base
             for packet in packets:
                 packet.stream = stream
                 mux.mux(packet)
-        keep = _FIRST_KEEP if self._groups == 0 else _LATER_KEEP
-        self._groups += 1
+        keep = _FIRST_KEEP if index == 0 else _LATER_KEEP
         return b"".join(box for kind, box in top_level_boxes(buf.getvalue()) if kind in keep)

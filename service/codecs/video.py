@@ -64,8 +64,9 @@ def yuv420p_frames(av, rgb: np.ndarray) -> list:
     return list(_yuv_pool.map(lambda frame: _yuv420p(av, frame), frames))
 
 
-def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20, preset: str = "veryfast") -> bytes:
-    """F,H,W,3 in [0,1] -> H.264 MP4 (yuv420p, so odd sizes are padded to even by edge copy)."""
+def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20, preset: str = "veryfast", threads: int = 0) -> bytes:
+    """F,H,W,3 in [0,1] -> H.264 MP4 (yuv420p, so odd sizes are padded to even by edge copy);
+    threads: x264's (0: its own count)."""
     av = load_av()
     rgb = to_uint8(frames01)
     f, h, w, _ = rgb.shape
@@ -80,7 +81,7 @@ def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20, preset: str = "ve
             stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "h264",
                                           rate=int(round(fps)))
             stream.width, stream.height, stream.pix_fmt = pw, ph, "yuv420p"
-            stream.options = {"crf": str(crf), "preset": preset}
+            stream.options = {"crf": str(crf), "preset": preset, **({"threads": str(threads)} if threads else {})}
             for frame in yuv420p_frames(av, rgb):
                 for packet in stream.encode(frame):
                     container.mux(packet)
@@ -97,13 +98,15 @@ def crf_for_quality(quality: int) -> int:
     return int(round(51 - 51 * (max(1, min(100, quality)) / 100.0)))
 
 
-def encode_videos(videos01: np.ndarray, fps: float, quality: int, preset: str = "veryfast") -> tuple[bytes, str]:
+def encode_videos(videos01: np.ndarray, fps: float, quality: int, preset: str = "veryfast",
+                  threads: int = 0) -> tuple[bytes, str]:
     """N,F,H,W,3 -> one MP4, or a zip of video_000.mp4, ... ; quality 1..100 maps to x264 CRF 51..0;
-    preset: x264's (the MP4_PRESET setting)."""
+    preset and threads: x264's (the MP4_PRESET and MP4_THREADS settings)."""
     crf = crf_for_quality(quality)
     if videos01.shape[0] == 1:
-        return mp4_bytes(videos01[0], fps, crf, preset), "video/mp4"
-    return zip_bytes([(f"video_{i:03d}.mp4", mp4_bytes(v, fps, crf, preset)) for i, v in enumerate(videos01)]), ZIP_MEDIA
+        return mp4_bytes(videos01[0], fps, crf, preset, threads), "video/mp4"
+    return zip_bytes([(f"video_{i:03d}.mp4", mp4_bytes(v, fps, crf, preset, threads))
+                      for i, v in enumerate(videos01)]), ZIP_MEDIA
 
 
 def read_mp4_frames(data: bytes) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A streamed video decode's frame groups on the front end's side (FrameGroups); the route that
-sends them is service/frontend/routes/streaming.py."""
+sends them is service/frontend/routes/frame_stream_response.py."""
 from __future__ import annotations
 
 import asyncio

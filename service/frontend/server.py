@@ -14,6 +14,7 @@ from typing import Callable
 import uvicorn
 
 from ..settings import Settings
+from ..threads import lower_priority
 from .pipeline import Service
 
 log = logging.getLogger("convserve")
@@ -64,6 +65,7 @@ class DrainingServer(uvicorn.Server):
 def run_frontend(settings: Settings, endpoints: list[tuple[str, str]], sockets: list[socket.socket],
                  *, on_drain: Callable[[], None] | None = None, parent_pid: int | None = None) -> None:
     """One HTTP front end on the shared listening socket(s), until it has drained."""
+    lower_priority(settings.frontend_nice)  # this thread and those it starts: the front end's work
     from .app import create_app
     from .http.http_protocol import http_protocol_class
 

@@ -279,7 +279,8 @@ async def remote_decode(
         reply = float_reply_dtype(dtype)
 
         if output_type == "mp4":
-            data, media = await svc.in_pool(encode_videos, out01, fps, quality, svc.settings.mp4_preset)
+            data, media = await svc.in_pool(encode_videos, out01, fps, quality, svc.settings.mp4_preset,
+                                            svc.settings.mp4_threads)
             return Response(data, media_type=media)
         if image_file_fmt:
             data = await svc.in_pool(lambda: codecs.image_bytes(to_uint8_round(out01[0]), image_file_fmt, quality))

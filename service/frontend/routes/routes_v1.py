@@ -148,7 +148,8 @@ async def decode(name: str, request: Request,
             # sent from the shared-memory block itself; it goes back once the response is out
             return ArenaResponse([head, data], svc.hand_over_lease(), codecs.NPY_MEDIA, headers)
         if hm.is_video:
-            data, media = await svc.in_pool(encode_videos, out, fps, quality, svc.settings.mp4_preset)
+            data, media = await svc.in_pool(encode_videos, out, fps, quality, svc.settings.mp4_preset,
+                                            svc.settings.mp4_threads)
         else:
             data, media = await svc.in_pool(codecs.encode_images, out, fmt, quality)
     return Response(data, media_type=media, headers=headers)

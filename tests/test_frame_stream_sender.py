@@ -1,0 +1,204 @@
+"""The sender of video answers (service/frontend/routes/frame_stream_response.py) with several
+encoder jobs at once, and the MP4 writer's encoders taking groups in turn (service/codecs/fmp4.py):
+
+- groups leave in group order whatever order their jobs end in, never more jobs run than the
+  encoder allows, and every group's block is let go exactly once;
+- a client gone mid-answer lets each running job's block go only after that job has ended;
+- a clip encoded by 2 or 3 x264 contexts side by side, in any order their locks allow, is byte for
+  byte the clip the same writer gives one group at a time, plays, and holds every frame in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from service.frontend.routes.frame_stream_response import FrameStreamResponse
+
+
+class Lease:
+    def __init__(self, k: int, log: list):
+        self.k, self.log, self.closed = k, log, 0
+
+    def close(self):
+        self.closed += 1
+        self.log.append(("closed", self.k))
+
+
+class SlowEncoder:
+    """Jobs that take longer for earlier groups (so later ones end first), recording overlap."""
+    media_type, trailer = "application/x-test", b"END"
+
+    def __init__(self, parallel: int, log: list, hold: threading.Event | None = None):
+        self.parallel, self.log, self.hold = parallel, log, hold
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def job(self, group, last):
+        k = int(group[0, 0])
+        self.log.append(("started", k))
+
+        def run():
+            self.log.append(("running", k))  # in the pool's thread: the job has begun
+            with self.lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                if self.hold is not None and k > 0:
+                    self.hold.wait(5)
+                time.sleep(0.03 if k % 2 == 0 else 0.005)
+                self.log.append(("ended", k))
+                return f"<{k}>".encode()
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return run
+
+
+class Groups:
+    """FrameGroups' part the sender uses: `total` groups, group k a (1, k) array, each its own lease."""
+
+    def __init__(self, total: int, log: list, pool):
+        self.total, self.log, self.decoded = total, log, 0
+        self.svc = SimpleNamespace(backend_name="numpy", codec_pool=pool,
+                                   settings=SimpleNamespace(request_timeout_s=10.0))
+        self.hm = SimpleNamespace(name="sender-test")
+        self.leases = []
+        self.closed = False
+
+    def group(self, k: int):
+        lease = Lease(k, self.log)
+        self.leases.append(lease)
+        return np.full((1, 1), k), lease
+
+    async def pump(self, buffer: asyncio.Queue, start: int) -> None:
+        for k in range(start, self.total):
+            await asyncio.sleep(0.001)
+            self.decoded += 1
+            await buffer.put(self.group(k))
+
+    def close(self):
+        self.closed = True
+
+
+class Tracking:
+    def __init__(self):
+        self.exited = None
+
+    async def __aexit__(self, *exc):
+        self.exited = exc
+
+
+async def answer(groups: Groups, encoder, *, disconnect_after: int | None = None):
+    """The response run as uvicorn would; the body parts sent, and the tracking it ended."""
+    tracking = Tracking()
+    response = FrameStreamResponse(groups, groups.group(0), encoder, headers={}, tracking=tracking,
+                                   started=time.perf_counter(), stream_metrics=False)
+    body, gone = [], asyncio.Event()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            body.append(message["body"])
+            if disconnect_after is not None and len(body) == disconnect_after:
+                gone.set()
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    await response({"type": "http"}, receive, send)
+    return body, tracking
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3])
+def test_groups_leave_in_order_with_jobs_side_by_side(parallel):
+    log: list = []
+    with ThreadPoolExecutor(4) as pool:
+        groups = Groups(9, log, pool)
+        encoder = SlowEncoder(parallel, log)
+        body, tracking = asyncio.run(answer(groups, encoder))
+    assert body == [f"<{k}>".encode() for k in range(9)] + [b"END"]
+    assert encoder.most == parallel, encoder.most  # as many as allowed, never more
+    assert [lease.closed for lease in groups.leases] == [1] * 9
+    assert tracking.exited == (None, None, None) and groups.closed
+    if parallel > 1:  # a later, faster job ended before an earlier one: the order is the sender's
+        ended = [k for what, k in log if what == "ended"]
+        assert ended != sorted(ended), ended
+
+
+def test_a_client_gone_lets_running_jobs_blocks_go_only_after_they_end():
+    log: list = []
+    hold = threading.Event()  # the jobs after the first wait for it in their threads
+    with ThreadPoolExecutor(4) as pool:
+        groups = Groups(9, log, pool)
+        encoder = SlowEncoder(3, log, hold)
+        body, tracking = asyncio.run(answer(groups, encoder, disconnect_after=1))
+        # jobs begun in their threads and not ended keep their blocks: the threads may still read them
+        # (a job still queued in the pool is withdrawn, and its block goes back at once)
+        running = [lease.k for lease in groups.leases if ("running", lease.k) in log and ("ended", lease.k) not in log]
+        given = [lease.k for lease in groups.leases if lease.closed == 0]
+        assert running and given == running, (running, given, log)
+        hold.set()
+        deadline = time.monotonic() + 5
+        while any(lease.closed == 0 for lease in groups.leases) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert body == [b"<0>"]
+    for k in running:  # each block went back after its job ended
+        assert log.index(("ended", k)) < log.index(("closed", k)), log
+    assert all(lease.closed == 1 for lease in groups.leases), [x.closed for x in groups.leases]
+    assert tracking.exited[0] is not None and groups.closed
+
+
+def clip(frames: int, h: int = 48, w: int = 64) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([np.stack([(x * 3 + t * 29) % 256, (y * 4 + 13 * t) % 256, (x + y + 41 * t) % 256], -1)
+                     for t in range(frames)]).astype(np.float32) / 255
+
+
+@pytest.mark.parametrize("encoders", [2, 3])
+def test_encoders_in_turn_give_the_same_clip_side_by_side_as_one_at_a_time(encoders):
+    av = pytest.importorskip("av")
+    from service.codecs.fmp4 import FragmentedMP4Writer, top_level_boxes
+
+    frames = clip(1 + 4 * 6)
+    spans = [(0, 1)] + [(1 + 4 * i, 5 + 4 * i) for i in range(6)]
+
+    def writer():
+        return FragmentedMP4Writer(64, 48, 8.0, 90, preset="ultrafast", threads=1, encoders=encoders)
+
+    one_by_one = writer()
+    expected = [one_by_one.add_group(frames[a:b], last=b == len(frames)) for a, b in spans]
+    side_by_side = writer()
+    jobs = [side_by_side.group_job(frames[a:b], last=b == len(frames)) for a, b in spans]  # places fixed in order
+    contexts = list(range(encoders))
+    random.Random(encoders).shuffle(contexts)
+    got = [None] * len(jobs)
+
+    def run_context(c):  # each context's groups in order, the contexts side by side
+        for i in range(c, len(jobs), encoders):
+            time.sleep(0.002 * random.random())
+            got[i] = jobs[i]()
+
+    with ThreadPoolExecutor(encoders) as pool:
+        list(pool.map(run_context, contexts))
+    assert got == expected
+    misordered = writer()
+    jobs = [misordered.group_job(frames[a:b]) for a, b in spans[:1 + encoders]]
+    with pytest.raises(RuntimeError, match="reached its encoder before"):
+        jobs[encoders]()  # group K on context 0 before group 0
+    data = b"".join(got)
+    assert [k for k, _ in top_level_boxes(data)] == ["ftyp", "moov"] + ["moof", "mdat"] * len(spans)
+    with av.open(io.BytesIO(data)) as container:
+        decoded = list(container.decode(video=0))
+    assert [f.pts for f in decoded] == sorted(f.pts for f in decoded) and len(decoded) == len(frames)
+    rgb = np.stack([f.to_ndarray(format="rgb24") for f in decoded]).astype(np.float64)
+    assert np.abs(rgb - frames * 255).mean() < 6
+    # each frame is its own: a clip shifted by one frame is far off
+    assert np.abs(rgb[1:] - frames[:-1] * 255).mean() > 3 * np.abs(rgb - frames * 255).mean()
