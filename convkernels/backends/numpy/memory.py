@@ -29,11 +29,18 @@ import threading
 import time
 import weakref
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4
 #: glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (mallopt refuses more)
 MMAP_THRESHOLD = 32 << 20
 #: free memory at the heap's top kept before it is returned to the OS
 TRIM_THRESHOLD = 1 << 30
+#: free memory a thread's own arena keeps at the top of its heaps. Why: a thread other than the main
+#: one (a model worker's device thread) allocates from an arena of 64 MiB heaps, and glibc unmaps a
+#: wholly free heap unless the one below keeps more than M_TOP_PAD free, whatever M_TRIM_THRESHOLD
+#: says. An op's output that did not fit beside long-lived blocks took a fresh heap and gave it back
+#: each op: a streamed Wan decode on a model worker's thread took 0.5-1.2 M page faults and twice
+#: its time a request (2-core EPYC, 2026-11-30). At the heap's size no heap is given back
+TOP_PAD = 64 << 20
 #: the backends' heavy ops idle this long: the heap's free pages go back to the OS. Requests closer
 #: together than this keep their pages: an SD-VAE 512 decode run every ~22 s (interleaved with other
 #: runtimes' runs) took 7.1-7.2 s with 1 s and 10 s here, its 950 MB faulted in again each time,
@@ -61,7 +68,7 @@ def retain_freed_memory(env=os.environ) -> bool:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = libc.mallopt  # glibc (and musl lacks it: AttributeError)
             ok = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-                  and bool(mallopt(M_MMAP_MAX, 0)))
+                  and bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TOP_PAD, TOP_PAD)))
             if ok:
                 threading.Thread(target=_trim_when_idle, args=(libc.malloc_trim,), name="convkernels-trim",
                                  daemon=True).start()
