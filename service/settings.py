@@ -173,7 +173,8 @@ class Settings(BaseSettings):
     #: x264's threads per MP4 encoder context (0: x264's own count, by the cores). With two contexts
     #: of 4 threads, Wan 2.1 81x480x832 from a random-init decoder left the 16-core H200 host's
     #: cores to the decode: /decode?format=mp4 and the stream at 0.86 and 0.91 of the raw decode,
-    #: against 0.79 and 0.85 with one context of x264's own count (same call, 2026-11-30)
+    #: against 0.79 and 0.85 with one context of x264's own count in the same call, and 0.80 / 0.84
+    #: against 0.78 / 0.77 in another (2026-11-30)
     mp4_threads: int = Field(4, ge=0, le=64)
     #: x264 contexts per MP4 answer, taking its frame groups in turn, that many encoded at once
     #: (each group starts with an IDR frame). One context of 4 threads took 49 ms a 4-frame group of
@@ -182,9 +183,10 @@ class Settings(BaseSettings):
     #: how much lower the front ends run than the model workers (a nice increment, 0-19): under a
     #: full host, the device thread that feeds the GPU gets a core before bodies and codecs do.
     #: The model workers keep the server's own priority. Off by default: at 10, ConvNeXt-T one image
-    #: a request on one H200 had p99 at 2.9x p50 against 4.2-4.3x in two interleaved pairs, with
-    #: throughput within run-to-run noise, and Wan's video routes did not move (2026-11-30). Leave it at
-    #: 0 on a CPU backend, whose worker takes every core: the front ends would starve
+    #: a request on one H200 had p99 at 2.9x p50 against 4.2-4.3x in two interleaved pairs, but 3.7x
+    #: against 3.5x in a third, throughput within run-to-run noise; Wan's video routes did not move
+    #: (2026-11-30). Leave it at 0 on a CPU backend, whose worker takes every core: the front ends
+    #: would starve
     frontend_nice: int = Field(0, ge=0, le=19)
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
