@@ -4,6 +4,7 @@ encoder jobs at once, and the MP4 writer's encoders taking groups in turn (servi
 - groups leave in group order whatever order their jobs end in, never more jobs run than the
   encoder allows, and every group's block is let go exactly once;
 - a client gone mid-answer lets each running job's block go only after that job has ended;
+- a job that fails, or a decode step that fails, cuts the answer after the groups before it;
 - a clip encoded by 2 or 3 x264 contexts side by side, in any order their locks allow, is byte for
   byte the clip the same writer gives one group at a time, plays, and holds every frame in order.
 """
@@ -82,7 +83,12 @@ class Groups:
         for k in range(start, self.total):
             await asyncio.sleep(0.001)
             self.decoded += 1
-            await buffer.put(self.group(k))
+            group = self.group(k)
+            try:
+                await buffer.put(group)
+            except asyncio.CancelledError:  # as FrameGroups.pump: a group never handed over goes back
+                group[1].close()
+                raise
 
     def close(self):
         self.closed = True
@@ -154,6 +160,59 @@ def test_a_client_gone_lets_running_jobs_blocks_go_only_after_they_end():
         assert log.index(("ended", k)) < log.index(("closed", k)), log
     assert all(lease.closed == 1 for lease in groups.leases), [x.closed for x in groups.leases]
     assert tracking.exited[0] is not None and groups.closed
+
+
+class FailingEncoder(SlowEncoder):
+    """Group `bad`'s job raises, as an encoder would on data it cannot take."""
+
+    def __init__(self, parallel: int, log: list, bad: int):
+        super().__init__(parallel, log)
+        self.bad = bad
+
+    def job(self, group, last):
+        run = super().job(group, last)
+        if int(group[0, 0]) != self.bad:
+            return run
+
+        def fail():
+            run()
+            raise ValueError("the encoder choked")
+        return fail
+
+
+class FailingGroups(Groups):
+    """The decode fails at group `bad` (a Problem from the worker, handed on by the pump)."""
+
+    def __init__(self, total, log, pool, bad: int):
+        super().__init__(total, log, pool)
+        self.bad = bad
+
+    async def pump(self, buffer, start):
+        from service.problems import Problem
+
+        for k in range(start, self.total):
+            await asyncio.sleep(0.001)
+            if k == self.bad:
+                await buffer.put((Problem(503, "device-out-of-memory", "the decode failed"), None))
+                return
+            await buffer.put(self.group(k))
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_failed_job_or_decode_cuts_the_answer_and_every_block_goes_back_once(parallel):
+    scenarios = [  # (the groups, the encoder, the groups sent before the cut)
+        (lambda log, pool: Groups(9, log, pool), lambda log: FailingEncoder(parallel, log, 4), 4),
+        (lambda log, pool: FailingGroups(9, log, pool, 5), lambda log: SlowEncoder(parallel, log), 5)]
+    for make_groups, encoder_for, before in scenarios:
+        log: list = []
+        with ThreadPoolExecutor(4) as pool:
+            groups = make_groups(log, pool)
+            body, tracking = asyncio.run(answer(groups, encoder_for(log)))
+        sent = [part for part in body if part]
+        assert b"END" not in body and sent == [f"<{k}>".encode() for k in range(len(sent))], body  # in order, then cut
+        assert len(sent) == before, body  # every group before the one that failed
+        assert [lease.closed for lease in groups.leases] == [1] * len(groups.leases)
+        assert tracking.exited[0] is not None and groups.closed
 
 
 def clip(frames: int, h: int = 48, w: int = 64) -> np.ndarray:

@@ -11,7 +11,8 @@ Rules:
 - A job's block goes back only once the job has ended: a job given up (the client went, a later
   group failed, the server stops) lets its block go from the job's own end, never while its
   thread may still read it.
-- Jobs are made in group order on the event loop and sent in that order."""
+- Jobs are made in group order on the event loop and sent in that order. A failed decode step
+  cuts the answer after the groups before it have been sent."""
 from __future__ import annotations
 
 import asyncio
@@ -121,6 +122,7 @@ class FrameStreamResponse(Response):
         running: deque[_Running] = deque()  # jobs started, in group order
         getter: asyncio.Task | None = None  # the next group from the buffer
         idle = 0.0  # seconds with no job running, waiting for the next group: the decode is behind
+        failure: BaseException | None = None  # a later step's, raised once the groups before it are sent
         try:
             await _unless_gone(send({"type": "http.response.start", "status": 200,
                                      "headers": self.raw_headers}), gone_wait, stall_s)
@@ -135,7 +137,9 @@ class FrameStreamResponse(Response):
                         lease.close()
                         raise
                     started_groups += 1
-                if at_hand is None and getter is None and started_groups < g.total:
+                if failure is not None and not running:
+                    raise failure
+                if failure is None and at_hand is None and getter is None and started_groups < g.total:
                     getter = asyncio.ensure_future(buffer.get())
                 waiting = {gone_wait} | ({getter} if getter else set()) | ({running[0].result} if running else set())
                 wait_start = time.perf_counter()
@@ -146,11 +150,11 @@ class FrameStreamResponse(Response):
                     raise ClientGone()
                 if getter is not None and getter in done:  # a group decoded: its job starts first
                     at_hand, getter = getter.result(), None
-                    stage_seconds["wait"].observe(idle)
-                    idle = 0.0
-                    if isinstance(at_hand[0], BaseException):
+                    if isinstance(at_hand[0], BaseException):  # the decode failed: no group comes after
                         failure, at_hand = at_hand[0], None
-                        raise failure
+                    else:
+                        stage_seconds["wait"].observe(idle)
+                        idle = 0.0
                     continue
                 head = running.popleft()
                 try:
