@@ -115,6 +115,15 @@ def frontends_for(settings: Settings, devices: list[Device]) -> int:
     return max(2, min(32, available_cpus() - len(devices) - 1))
 
 
+def frontend_priority_warning(settings: Settings, devices: list[Device]) -> str | None:
+    """FRONTEND_NICE where the CPU computes: the model worker takes every core there, and front
+    ends below it answer (health checks too) only in its gaps."""
+    if settings.frontend_nice and devices[0].cuda_visible is None:
+        return (f"FRONTEND_NICE={settings.frontend_nice} on a CPU backend: the front ends run below the model "
+                "worker, which takes every core, and may answer late under load (health checks too); 0 is the default")
+    return None
+
+
 class _Child:
     """One kept-running child process: how to start it and its restart pause."""
 
@@ -357,6 +366,8 @@ def serve(settings: Settings, sock: socket.socket, environment: dict[str, str] |
         try:
             sup.start_workers()
             count = frontends_for(settings, sup.devices)
+            if (warning := frontend_priority_warning(settings, sup.devices)) is not None:
+                logging.getLogger("convserve").warning(warning)
             if not settings.memory_budget_bytes:  # auto: the front ends share it
                 settings = settings.model_copy(update={"memory_budget_bytes": auto_budget_bytes(count)})
             for i in range(1, count):

@@ -216,6 +216,7 @@ def test_two_front_ends_share_one_model_worker(tmp_path):
         assert len(watcher) == 1
         assert (nice_of(srv.proc.pid), nice_of(frontend)) == (base + 3, base + 3)
         assert (nice_of(worker), nice_of(watcher[0])) == (base, base)
+        assert "FRONTEND_NICE=3 on a CPU backend" in srv.log()  # the CPU backend's worker takes every core
         snap = scrape(srv.url)
         for model in ("tiny-vae", "tiny-convnext"):  # loaded once, by the one device's worker
             assert metric_sum(snap, "convserve_model_loads_total", model=model) == 1
@@ -230,6 +231,16 @@ def test_two_front_ends_share_one_model_worker(tmp_path):
         assert metric_sum(scrape(srv.url), "convserve_requests_total", model="tiny-vae", status="200") >= 12
     finally:
         assert srv.stop(timeout=30) == 0, srv.log()
+
+
+def test_a_lower_front_end_priority_on_a_cpu_backend_is_warned_of():
+    from service import supervisor
+    from service.settings import Settings
+
+    cpu, gpu = [supervisor.Device("cpu", None)], [supervisor.Device("cuda:0", "0")]
+    assert "FRONTEND_NICE=5 on a CPU backend" in supervisor.frontend_priority_warning(Settings(frontend_nice=5), cpu)
+    assert supervisor.frontend_priority_warning(Settings(frontend_nice=5), gpu) is None
+    assert supervisor.frontend_priority_warning(Settings(), cpu) is None
 
 
 def test_auto_front_ends_leave_a_core_per_gpu_worker_and_one_more(monkeypatch):
