@@ -22,6 +22,15 @@ def _stat_cpu_seconds(stat: Path, system_only: bool = False) -> float:
     return (int(fields[12]) + (0 if system_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
 
 
+def scrape(url: str) -> dict[tuple, float]:
+    """/metrics of the server at `url` as {(sample name, sorted label items): value}."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,11 +69,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[tuple, float]:
         """/metrics as {(sample name, sorted label items): value}."""
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape(self.url)
 
     def batch_stats(self, model: str) -> tuple[float, float]:
         """(batches run, rows run) for one model so far."""

@@ -42,7 +42,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]  # this group's scripts; the repo (benchmarks.machine)
 from benchmarks.machine import describe_machine  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, scrape  # noqa: E402
 
 NPY = {"content-type": "application/x-npy"}
 
@@ -170,30 +170,30 @@ def first_sharded_call(url: str, body: bytes, shards: int, timeout: float = 300)
         time.sleep(float(r.headers.get("Retry-After", "1")))
 
 
+def model_sums(snap: dict[tuple, float], name: str, model: str, by: tuple[str, ...]) -> dict[tuple, float]:
+    """The model's samples called `name` in a scrape, summed over every label but those in `by`
+    (keyed by their values, in that order)."""
+    out: dict[tuple, float] = {}
+    for (sample, labels), value in snap.items():
+        labels = dict(labels)
+        if sample == name and labels.get("model") == model:
+            key = tuple(labels.get(label, "") for label in by)
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def server_stages(url: str, model: str) -> dict[str, float]:
     """Sum per stage of convserve_stream_first_frame_stage_seconds for the model."""
-    sums: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("convserve_stream_first_frame_stage_seconds_sum") and f'model="{model}"' in line:
-            stage = line.split('stage="', 1)[1].split('"', 1)[0]
-            sums[stage] = sums.get(stage, 0.0) + float(line.rsplit(" ", 1)[1])
-    return sums
+    sums = model_sums(scrape(url), "convserve_stream_first_frame_stage_seconds_sum", model, ("stage",))
+    return {stage: total for (stage,), total in sums.items()}
 
 
 def group_stages(url: str, model: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(format, stage) -> (sum, count) of convserve_stream_group_stage_seconds for the model."""
-    out: dict[tuple[str, str], tuple[float, float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("convserve_stream_group_stage_seconds_") and f'model="{model}"' in line:
-            key = tuple(line.split(f'{label}="', 1)[1].split('"', 1)[0] for label in ("format", "stage"))
-            total, count = out.get(key, (0.0, 0.0))
-            value = float(line.rsplit(" ", 1)[1])
-            if line.startswith("convserve_stream_group_stage_seconds_sum"):
-                total += value
-            elif line.startswith("convserve_stream_group_stage_seconds_count"):
-                count += value
-            out[key] = (total, count)
-    return out
+    snap, by = scrape(url), ("format", "stage")
+    sums = model_sums(snap, "convserve_stream_group_stage_seconds_sum", model, by)
+    counts = model_sums(snap, "convserve_stream_group_stage_seconds_count", model, by)
+    return {key: (total, counts.get(key, 0.0)) for key, total in sums.items()}
 
 
 class GroupStages:
@@ -229,15 +229,9 @@ class GroupStages:
 
 def server_ttff(url: str, model: str) -> tuple[float, float]:
     """(sum, count) of convserve_time_to_first_frame_seconds for the model."""
-    total = count = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("convserve_time_to_first_frame_seconds_") and f'model="{model}"' in line:
-            value = float(line.rsplit(" ", 1)[1])
-            if line.startswith("convserve_time_to_first_frame_seconds_sum"):
-                total += value
-            elif line.startswith("convserve_time_to_first_frame_seconds_count"):
-                count += value
-    return total, count
+    snap = scrape(url)
+    total = model_sums(snap, "convserve_time_to_first_frame_seconds_sum", model, ()).get((), 0.0)
+    return total, model_sums(snap, "convserve_time_to_first_frame_seconds_count", model, ()).get((), 0.0)
 
 
 def raw_decode_s(preset: str, backend: str, latents: np.ndarray, reps: int) -> float:

@@ -42,6 +42,14 @@ def top_level_boxes(data: bytes) -> list[tuple[str, bytes]]:
     return out
 
 
+class _Encoder:
+    """One x264 context, its lock, and the index of the group it must encode next."""
+    __slots__ = ("codec", "lock", "next_index")
+
+    def __init__(self, codec, first_index: int):
+        self.codec, self.lock, self.next_index = codec, threading.Lock(), first_index
+
+
 class FragmentedMP4Writer:
     """add_group(frames01 (f,H,W,3) in [0,1]) -> bytes to send now. Odd sizes are padded to even
     by edge copy (yuv420p), as in video.mp4_bytes.
@@ -73,7 +81,7 @@ class FragmentedMP4Writer:
             enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
             enc.time_base, enc.framerate = 1 / self.rate, self.rate
             enc.options = dict(options)
-            self._contexts.append([enc, threading.Lock(), len(self._contexts)])  # [.., the next index]
+            self._contexts.append(_Encoder(enc, len(self._contexts)))
         self.encoders = len(self._contexts)
         self._frames = 0  # frames placed so far: the next group's first timestamp
         self._groups = 0  # groups placed so far
@@ -89,18 +97,18 @@ class FragmentedMP4Writer:
         self._frames += int(frames01.shape[0])
         return lambda: self._encode(self._contexts[index % self.encoders], index, first_pts, frames01, last)
 
-    def _encode(self, context, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
+    def _encode(self, context: _Encoder, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
         av = self._av
         rgb = to_uint8(frames01)
         ph, pw = self.coded_height - self.height, self.coded_width - self.width
         if ph or pw:
             rgb = np.pad(rgb, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
-        enc, lock, _ = context
+        enc = context.codec
         packets = []
-        with lock:
-            if context[2] != index:
-                raise RuntimeError(f"frame group {index} reached its encoder before group {context[2]}")
-            context[2] += self.encoders
+        with context.lock:
+            if context.next_index != index:
+                raise RuntimeError(f"frame group {index} reached its encoder before group {context.next_index}")
+            context.next_index += self.encoders
             for i, vf in enumerate(yuv420p_frames(av, rgb)):
                 vf.pts = first_pts + i
                 if i == 0:  # each fragment starts with an IDR: decodable on its own
@@ -124,7 +132,7 @@ class FragmentedMP4Writer:
         with av.open(buf, mode="w", format="mp4", options=options) as mux:
             stream = mux.add_mux_stream("h264", rate=self.rate, width=self.coded_width,
                                         height=self.coded_height)
-            stream.time_base = self._contexts[0][0].time_base
+            stream.time_base = self._contexts[0].codec.time_base
             for packet in packets:
                 packet.stream = stream
                 mux.mux(packet)
