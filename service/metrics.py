@@ -122,6 +122,16 @@ STREAM_FPS = Histogram("convserve_stream_frames_per_second", "Streaming: frames 
                        ["model", "backend"], registry=REGISTRY,
                        buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 240))
 
+#: each pause of Python's cyclic garbage collector in a front end or model worker, by generation
+#: (service/gc_pauses.py: a full collection stops every thread of its process)
+GC_PAUSE_SECONDS = Histogram("convserve_gc_pause_seconds",
+                             "Pauses of Python's garbage collector in the service's processes (frontend, worker), by generation",
+                             ["process", "generation"], registry=REGISTRY,
+                             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
+
+GC_FROZEN_OBJECTS = Gauge("convserve_gc_frozen_objects",
+                          "Objects a front end or model worker froze out of garbage collection once it could serve",
+                          ["process"], registry=REGISTRY, multiprocess_mode="max")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -188,6 +188,10 @@ class Settings(BaseSettings):
     #: (2026-11-30). Leave it at 0 on a CPU backend, whose worker takes every core: the front ends
     #: would starve
     frontend_nice: int = Field(0, ge=0, le=19)
+    #: freeze what a front end or model worker holds once it can serve out of Python's later
+    #: garbage collections (service/gc_pauses.py): a full collection otherwise walks every start-up
+    #: object with the process's threads held still; false keeps the collector as Python ships it
+    gc_freeze: bool = True
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
     #: encode images: what limits small requests)

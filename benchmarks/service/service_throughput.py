@@ -413,6 +413,17 @@ def main() -> None:
                                       ("worker queue wait", "convserve_queue_wait_seconds"))}
         print(f"{fmt}: p50 / p99 ms from the service's histograms (coarse buckets): "
               + "; ".join(f"{what} {a:.1f} / {b:.1f}" for what, (a, b) in figures.items()))
+        # the garbage collector's pauses in the server's processes during the run (each stops its
+        # process's threads: service/gc_pauses.py); a full collection (generation 2) over ~10 ms
+        # in a front end or worker is a latency tail of its own
+        pauses = []
+        for process in ("frontend", "worker"):
+            for gen in ("0", "1", "2"):
+                where = {"process": process, "generation": gen}
+                count, total = (_delta(m0, m1, f"convserve_gc_pause_seconds_{part}", **where) for part in ("count", "sum"))
+                slow = count - _delta(m0, m1, "convserve_gc_pause_seconds_bucket", le="0.01", **where)
+                pauses.append(f"{process} {gen}: {count:.0f}, {total * 1e3:.1f} ms, {slow:.0f} over 10 ms")
+        print(f"{fmt}: garbage-collector pauses (process generation: count, sum, over 10 ms): " + "; ".join(pauses))
 
 
 def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False,
@@ -467,8 +478,10 @@ def _hist_quantile(m0: dict, m1: dict, name: str, q: float) -> float:
     return lo
 
 
-def _delta(m0: dict, m1: dict, name: str) -> float:
-    return sum(v - m0.get(k, 0.0) for k, v in m1.items() if k[0] == name)
+def _delta(m0: dict, m1: dict, name: str, **labels: str) -> float:
+    """A series' growth between two scrapes, summed over the samples whose labels include `labels`."""
+    return sum(v - m0.get(k, 0.0) for k, v in m1.items()
+               if k[0] == name and labels.items() <= dict(k[1]).items())
 
 
 if __name__ == "__main__":

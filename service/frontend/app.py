@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from .. import metrics, problems
+from .. import gc_pauses, metrics, problems
 from ..settings import Settings
 from .http.http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
@@ -43,6 +43,8 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
         svc.start()
         if accept_once_ready:
             await svc.until_settled()
+        gc_pauses.watch("frontend")
+        gc_pauses.freeze_startup_heap("frontend", settings.gc_freeze)  # the app is built: its objects are for good
         try:
             yield
         finally:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import metrics
+from .. import gc_pauses, metrics
 from ..hosted_model import HostedModel
 from ..ipc import worker_protocol as wp
 from ..ipc.batch_sizes import batch_sizes
@@ -127,6 +127,8 @@ class ModelHost:
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread
+            # the models are loaded and warmed: their objects (and the modules') are for good
+            gc_pauses.freeze_startup_heap("worker", s.gc_freeze)
             self.ready = True
             log.info("%s ready: %s", self.spec.device, ", ".join(self.models))
         except Exception as exc:  # the worker stays up (live, not ready) and says why

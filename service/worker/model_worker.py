@@ -33,7 +33,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Listener
 
 
-from .. import threads
+from .. import gc_pauses, threads
 from ..ipc import shm
 from ..ipc import worker_protocol as wp
 from ..ipc.heartbeat import Beat, beat_path
@@ -214,6 +214,7 @@ def main(spec: WorkerSpec) -> None:
     # the device thread and the I/O thread share the interpreter lock: a short switch interval
     # keeps the device thread from waiting up to 5 ms to launch the next batch
     sys.setswitchinterval(0.001)
+    gc_pauses.watch("worker")  # the start-up heap is frozen once the models are loaded (ModelHost.load)
     worker = Worker(spec)
     # `kill -USR1 <worker pid>` writes every thread's stack to the log: where a stuck device thread waits
     faulthandler.register(signal.SIGUSR1, all_threads=True)
