@@ -291,6 +291,14 @@ class Supervisor:
             metrics.WORKER_UP.labels(self._device_of(child)).set(1)
 
     # ---- stopping --------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """The server drains (front end 0 got the first SIGTERM or Ctrl-C): the other front ends are
+        told to drain too. From now on a child that exits has been told to, not died: nothing is
+        restarted. (Set first: 11 of 13 idle front ends once exited before front end 0 had ended
+        its own drain and were started again, each logged as a death.)"""
+        self._stopping.set()
+        self.signal_frontends()
+
     def signal_frontends(self, sig: int = signal.SIGTERM) -> None:
         for child in self.frontends:
             if child.proc is not None and child.proc.is_alive():
@@ -376,7 +384,7 @@ def serve(settings: Settings, sock: socket.socket, environment: dict[str, str] |
             logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",
                                                 settings.host, settings.port, count,
                                                 ", ".join(d.label for d in sup.devices))
-            run_frontend(settings, sup.endpoints, [sock], on_drain=sup.signal_frontends)
+            run_frontend(settings, sup.endpoints, [sock], on_drain=sup.drain)
         except KeyboardInterrupt:
             if sup.fatal is None:
                 raise

@@ -85,3 +85,34 @@ def test_sigterm_to_the_whole_process_group_still_drains(server_factory, tmp_pat
     assert r.status_code == 200, r.text[:300]
     assert srv.proc.wait(30) == 0
     assert "died" not in srv.log(), srv.log()
+
+
+def _idle_front_end() -> None:
+    """A stand-in front end: idles until told to drain (SIGTERM), then exits 0 at once, as an idle
+    front end does."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    time.sleep(120)
+
+
+def test_front_ends_told_to_drain_are_not_restarted():
+    """An idle front end ends its drain before front end 0 does: the supervisor must not take
+    its exit for a death and start it again."""
+    from service import threads
+    from service.settings import Settings
+    from service.supervisor import Supervisor
+
+    sup = Supervisor(Settings(backend="numpy"))
+    try:
+        for i in (1, 2):
+            sup.add_frontend(f"convserve-frontend-{i}", _idle_front_end, ())
+        threads.start(sup._watch, "convserve-supervisor")
+        time.sleep(1.0)  # both started and watched
+        sup.drain()
+        for child in sup.frontends:
+            child.proc.join(30)
+            assert child.proc.exitcode == 0
+        time.sleep(3.5)  # past the pause a young child's restart waits (2 s), the watcher's turn come again
+        assert [child.restarts for child in sup.frontends] == [0, 0]
+        assert all(not child.proc.is_alive() for child in sup.frontends)
+    finally:
+        sup.stop(grace_s=1.0)
