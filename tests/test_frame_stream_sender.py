@@ -261,3 +261,25 @@ def test_encoders_in_turn_give_the_same_clip_side_by_side_as_one_at_a_time(encod
     assert np.abs(rgb - frames * 255).mean() < 6
     # each frame is its own: a clip shifted by one frame is far off
     assert np.abs(rgb[1:] - frames[:-1] * 255).mean() > 3 * np.abs(rgb - frames * 255).mean()
+
+
+def test_the_last_group_is_encoded_with_every_contexts_threads():
+    """The last group's encode overlaps no decode: it goes to a context of its own with the
+    threads of all K contexts (opened ahead, while the second group is encoded); one context
+    alone, or x264's own thread count, keeps the groups' contexts as they are."""
+    pytest.importorskip("av")
+    from service.codecs.fmp4 import FragmentedMP4Writer
+
+    frames = clip(1 + 4 * 3)
+    spans = [(0, 1), (1, 5), (5, 9), (9, 13)]
+    writer = FragmentedMP4Writer(64, 48, 8.0, 90, preset="ultrafast", threads=2, encoders=3)
+    tail = writer._tail
+    assert tail is not None and tail.codec.options["threads"] == "6"
+    assert all(c.codec.options["threads"] == "2" for c in writer._contexts)
+    for i, (a, b) in enumerate(spans):
+        writer.add_group(frames[a:b], last=b == len(frames))
+        assert tail.codec.is_open == (i >= 1)
+    assert tail.next_index == len(spans) - 1 + writer.encoders  # it took the last group, and only it
+    assert [c.next_index for c in writer._contexts] == [3, 4, 5]  # groups 0, 1, 2 on contexts 0, 1, 2
+    assert FragmentedMP4Writer(64, 48, 8.0, threads=2, encoders=1)._tail is None
+    assert FragmentedMP4Writer(64, 48, 8.0, threads=0, encoders=2)._tail is None

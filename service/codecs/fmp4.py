@@ -74,15 +74,24 @@ class FragmentedMP4Writer:
         self.rate = Fraction(fps).limit_denominator(1001)
         name = "libx264" if "libx264" in av.codecs_available else "h264"
         options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
-                   "forced-idr": "1", **({"threads": str(threads)} if threads else {})}
-        self._contexts = []
-        for _ in range(max(1, encoders)):
+                   "forced-idr": "1"}
+
+        def context(threads: int) -> _Encoder:
             enc = av.CodecContext.create(name, "w")
             enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
             enc.time_base, enc.framerate = 1 / self.rate, self.rate
-            enc.options = dict(options)
-            self._contexts.append(_Encoder(enc, len(self._contexts)))
+            enc.options = {**options, **({"threads": str(threads)} if threads else {})}
+            return _Encoder(enc, 0)
+
+        self._contexts = [context(threads) for _ in range(max(1, encoders))]
+        for i, ctx in enumerate(self._contexts):
+            ctx.next_index = i
         self.encoders = len(self._contexts)
+        # The last group's encode is the one part of an answer that overlaps no decode: the
+        # client waits for all of it. With several contexts it gets one of its own with all of
+        # their threads (x264's zerolatency threads are slices of each frame: more of them make a
+        # frame's encode shorter), since the others have (nearly) nothing left to do by then.
+        self._tail = context(threads * self.encoders) if self.encoders > 1 and threads else None
         self._frames = 0  # frames placed so far: the next group's first timestamp
         self._groups = 0  # groups placed so far
 
@@ -95,7 +104,11 @@ class FragmentedMP4Writer:
         index, first_pts = self._groups, self._frames
         self._groups += 1
         self._frames += int(frames01.shape[0])
-        return lambda: self._encode(self._contexts[index % self.encoders], index, first_pts, frames01, last)
+        context = self._contexts[index % self.encoders]
+        if last and self._tail is not None:
+            context = self._tail
+            context.next_index = index
+        return lambda: self._encode(context, index, first_pts, frames01, last)
 
     def _encode(self, context: _Encoder, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
         av = self._av
@@ -116,6 +129,10 @@ class FragmentedMP4Writer:
                 packets += enc.encode(vf)
             if last:
                 packets += enc.encode(None)
+        if index == 1 and self._tail is not None:  # opened ahead, off the last group's time (2-6 ms)
+            with self._tail.lock:
+                if not self._tail.codec.is_open:
+                    self._tail.codec.open()
         if not last and len(packets) != len(rgb):
             # zerolatency gives each frame's packet at once; a context that held one back would
             # leave it out of this group's fragment (and another context ahead of it in time)
