@@ -6,23 +6,13 @@ import gc
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from live_server import npy
+from live_server import metric, npy, scrape
 from service import gc_pauses, metrics
 
 
-def _samples(url: str) -> dict[tuple, float]:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def _pause_count(samples: dict, process: str, generation: str) -> float:
-    return samples.get(("convserve_gc_pause_seconds_count",
-                        (("generation", generation), ("process", process))), 0.0)
+    return metric(samples, "convserve_gc_pause_seconds_count", process=process, generation=generation)
 
 
 def test_a_served_front_end_and_worker_froze_their_start_up_heaps(live_server):
@@ -30,7 +20,7 @@ def test_a_served_front_end_and_worker_froze_their_start_up_heaps(live_server):
     r = httpx.post(f"{live_server.url}/v1/models/tiny-vae/decode", content=npy(lat),
                    headers={"content-type": "application/x-npy"}, timeout=60)
     assert r.status_code == 200
-    samples = _samples(live_server.url)
+    samples = scrape(live_server.url)
     frozen = {dict(k[1])["process"]: v for k, v in samples.items() if k[0] == "convserve_gc_frozen_objects"}
     # FastAPI, pydantic and the routes are tens of thousands of objects; a worker's modules and
     # models as many: a freeze that missed its moment (or never ran) leaves far fewer or none
@@ -40,7 +30,7 @@ def test_a_served_front_end_and_worker_froze_their_start_up_heaps(live_server):
 
 def test_gc_freeze_false_keeps_the_collector_as_shipped(server_factory):
     srv = server_factory(models="tiny-vae", gc_freeze="false")
-    samples = _samples(srv.url)
+    samples = scrape(srv.url)
     frozen = {dict(k[1])["process"]: v for k, v in samples.items() if k[0] == "convserve_gc_frozen_objects"}
     assert frozen == {"frontend": 0.0, "worker": 0.0}
 
