@@ -13,7 +13,11 @@ The rules:
 2. Every collection's pause is observed in `convserve_gc_pause_seconds{process,generation}`, so a tail
    that comes back shows its cause on /metrics.
 3. Nothing here turns the collector off: cycles requests make are still collected.
-4. `GC_FREEZE=false` keeps the collector as Python ships it (for comparison).
+4. What was alive at the freeze and is later dropped inside a reference cycle is never collected.
+   So nothing large may rely on the collector: the service frees its big resources itself (an
+   evicted CUDA graph releases its pool, a closed stream drops its generator), and what leaks is
+   bounded by what start-up made.
+5. `GC_FREEZE=false` keeps the collector as Python ships it (for comparison).
 """
 from __future__ import annotations
 
