@@ -22,6 +22,7 @@ The rules:
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections import deque
 
@@ -38,6 +39,8 @@ _pauses: deque[tuple[int, float]] = deque(maxlen=100_000)
 _process = ["frontend"]
 #: the freeze's own collection is start-up, not a pause a request meets: not observed
 _freezing = [False]
+#: one publication at a time: a publish_pauses() call returns with every pause gathered before it written
+_publish_lock = threading.Lock()
 
 
 def _observe(phase: str, info: dict) -> None:
@@ -56,12 +59,13 @@ def _publish() -> None:
 
 def publish_pauses() -> None:
     """The pauses gathered so far into `convserve_gc_pause_seconds`, one write per bucket touched."""
-    by_generation: dict[int, list[float]] = {}
-    while _pauses:
-        generation, seconds = _pauses.popleft()
-        by_generation.setdefault(generation, []).append(seconds)
-    for generation, pauses in by_generation.items():
-        metrics.observe_many(metrics.GC_PAUSE_SECONDS.labels(_process[0], str(generation)), pauses)
+    with _publish_lock:
+        by_generation: dict[int, list[float]] = {}
+        while _pauses:
+            generation, seconds = _pauses.popleft()
+            by_generation.setdefault(generation, []).append(seconds)
+        for generation, pauses in by_generation.items():
+            metrics.observe_many(metrics.GC_PAUSE_SECONDS.labels(_process[0], str(generation)), pauses)
 
 
 def watch(process: str) -> None:

@@ -37,29 +37,34 @@ def test_gc_freeze_false_keeps_the_collector_as_shipped(server_factory):
 
 def test_each_collection_is_observed_by_generation_and_the_freezes_own_is_not():
     gc_pauses.watch("frontend")
-    gc_pauses.publish_pauses()
-    before = {gen: _pause_count(_local(), "frontend", gen) for gen in ("0", "2")}
-    gc.collect(0)
-    gc.collect(2)
-    gc.collect(2)
-    gc_pauses.publish_pauses()
-    after = {gen: _pause_count(_local(), "frontend", gen) for gen in ("0", "2")}
-    assert after["2"] - before["2"] >= 2  # other threads' allocations may add collections, never remove
-    assert after["0"] - before["0"] >= 1
+    was_enabled = gc.isenabled()
+    gc.disable()  # no collection but the test's own meanwhile (another thread's allocation could start one)
     try:
+        gc_pauses.publish_pauses()
+        before = {gen: _pause_count(_local(), "frontend", gen) for gen in ("0", "2")}
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+        gc_pauses.publish_pauses()
+        after = {gen: _pause_count(_local(), "frontend", gen) for gen in ("0", "2")}
+        assert after["2"] - before["2"] == 2
+        assert after["0"] - before["0"] == 1
         frozen = gc_pauses.freeze_startup_heap("frontend")
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects may die after the freeze (other threads drop theirs): never more than frozen
+        assert 0 < gc.get_freeze_count() <= frozen
         gc_pauses.publish_pauses()
         # its own full collection is start-up work: not counted as a pause
         assert _pause_count(_local(), "frontend", "2") == after["2"]
     finally:
         gc.unfreeze()  # this test process's objects go back under the collector
+        if was_enabled:
+            gc.enable()
 
 
 def test_freeze_disabled_freezes_nothing():
     before = gc.get_freeze_count()
     assert gc_pauses.freeze_startup_heap("worker", enabled=False) == 0
-    assert gc.get_freeze_count() == before
+    assert gc.get_freeze_count() <= before  # nothing frozen (what was may only have died since)
 
 
 def _local() -> dict[tuple, float]:
