@@ -76,22 +76,20 @@ class FragmentedMP4Writer:
         options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
                    "forced-idr": "1"}
 
-        def context(threads: int) -> _Encoder:
+        def context(threads: int, first_index: int) -> _Encoder:
             enc = av.CodecContext.create(name, "w")
             enc.width, enc.height, enc.pix_fmt = self.coded_width, self.coded_height, "yuv420p"
             enc.time_base, enc.framerate = 1 / self.rate, self.rate
             enc.options = {**options, **({"threads": str(threads)} if threads else {})}
-            return _Encoder(enc, 0)
+            return _Encoder(enc, first_index)
 
-        self._contexts = [context(threads) for _ in range(max(1, encoders))]
-        for i, ctx in enumerate(self._contexts):
-            ctx.next_index = i
+        self._contexts = [context(threads, i) for i in range(max(1, encoders))]
         self.encoders = len(self._contexts)
         # The last group's encode is the one part of an answer that overlaps no decode: the
         # client waits for all of it. With several contexts it gets one of its own with all of
         # their threads (x264's zerolatency threads are slices of each frame: more of them make a
         # frame's encode shorter), since the others have (nearly) nothing left to do by then.
-        self._tail = context(threads * self.encoders) if self.encoders > 1 and threads else None
+        self._tail = context(threads * self.encoders, 0) if self.encoders > 1 and threads else None
         self._frames = 0  # frames placed so far: the next group's first timestamp
         self._groups = 0  # groups placed so far
 
