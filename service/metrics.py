@@ -75,6 +75,10 @@ DEVICE_BATCHES = Counter("convserve_device_batches_total", "Model calls run, per
 WORKER_SUBMIT_MESSAGES = Counter("convserve_worker_submit_messages_total",
                                  "Submit and SubmitMany messages model workers read from the front ends",
                                  ["device"], registry=REGISTRY)
+IMAGE_DECODES = Counter("convserve_image_decodes_total",
+                        "Encode requests' image files decoded, by where: frontend (PIL in an HTTP front end), "
+                        "device (the GPU's JPEG engines, in the model worker), worker-host (PIL in the model worker)",
+                        ["model", "where"], registry=REGISTRY)
 WORKER_SUBMITS = Counter("convserve_worker_submits_total",
                          "Requests those messages carried (over the messages: the requests a message carries on average)",
                          ["device"], registry=REGISTRY)

@@ -424,6 +424,11 @@ def main() -> None:
                 slow = count - _delta(m0, m1, "convserve_gc_pause_seconds_bucket", le="0.01", **where)
                 pauses.append(f"{process} {gen}: {count:.0f}, {total * 1e3:.1f} ms, {slow:.0f} over 10 ms")
         print(f"{fmt}: garbage-collector pauses (process generation: count, sum, over 10 ms): " + "; ".join(pauses))
+        # where image files were decoded (JPEG_DECODE: a front end's PIL, or the model worker)
+        decodes = {where: _delta(m0, m1, "convserve_image_decodes_total", where=where)
+                   for where in ("frontend", "device", "worker-host")}
+        if any(decodes.values()):
+            print(f"{fmt}: image files decoded by where: " + ", ".join(f"{k} {v:.0f}" for k, v in decodes.items()))
 
 
 def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False,

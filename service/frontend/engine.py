@@ -181,6 +181,12 @@ class Engine:
         ties = [link for link in live if link.rows == least]
         return ties[next(self._turn) % len(ties)]
 
+    def jpeg_link(self, model: str) -> Link | None:
+        """The worker an encode's JPEG file goes to undecoded (its Status lists the model in jpeg_models),
+        picked as submit picks; None: the front end decodes it (or no worker is up, as submit will say)."""
+        link = self._pick(model) if any(link.serves(model) for link in self.links) else None
+        return link if link is not None and model in link.desc.jpeg_models else None
+
     def _send(self, link: Link, sub: Submission | None, msg: wp.Message) -> None:
         if sub is not None:
             link.pending[sub.rid] = sub

@@ -370,3 +370,14 @@ class Service:
         sub = await self.run(hm, "encode", NO_OPTIONS, px, hm.encoder_outputs(px.shape[0]), disconnected)
         out = sub.arrays()
         return {"embedding": out["embedding"], "logits": out.get("logits")}
+
+    async def encode_jpeg(self, hm: HostedModel, body: bytes, link, *,
+                          disconnected: DisconnectCheck | None = None) -> dict[str, Any]:
+        """A JPEG file of the model's input size (service/codecs/jpeg_header.py passed it) -> what
+        encode returns, the file decoded by `link`'s worker (Engine.jpeg_link): op encode_jpeg."""
+        size = int(hm.model.input_size)
+        self.check_work(hm, size * size, f"encoding {size}x{size} pixels")
+        data = np.frombuffer(body, np.uint8)[None]
+        sub = await self.run(hm, "encode_jpeg", NO_OPTIONS, data, hm.encoder_outputs(1), disconnected, link=link)
+        out = sub.arrays()
+        return {"embedding": out["embedding"], "logits": out.get("logits")}

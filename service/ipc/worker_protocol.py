@@ -17,8 +17,10 @@ Front end -> worker:
   Hello                          then the arena's descriptor; answered by a Status
   Submit(rid, model, op, options, input, outputs)
       op: decode | encode | vae_encode (batched; decode's options.shards=N: a shard group's,
-      led by the worker, service/worker/shard_leader.py); stream_open (a streamed decode of input's
-      latents; answers its stream id); stream_next (options.stream: its next frame group)
+      led by the worker, service/worker/shard_leader.py); encode_jpeg (encode, input a JPEG
+      file's bytes, 1 x n uint8, decoded by the worker: only to a worker whose Status lists the
+      model in jpeg_models); stream_open (a streamed decode of input's latents; answers its
+      stream id); stream_next (options.stream: its next frame group)
   SubmitMany(subs)               the Submits a front end's event loop had ready for this worker
       in one turn, in one message: read, decoded and queued together (one frame, one wake-up of
       the device thread), each still answered on its own (a bad one fails alone)
@@ -178,6 +180,9 @@ class Status(_Msg):
     #: the families whose decode splits over devices (models.sharding.OFFERED): what a front end's
     #: refusal of a sharded decode names, without the front end importing any model code
     shard_offered: str = ""
+    #: the models whose encode takes JPEG files (op encode_jpeg): decoded in the worker
+    #: (service/worker/jpeg_bodies.py), on the GPU's JPEG engines where it has them
+    jpeg_models: list[str] = []
 
     def down(self) -> Status:
         """As a front end shows its worker while the link is lost."""

@@ -267,7 +267,10 @@ class Batcher:
     def _inputs(self, batch: list[WorkItem]) -> Any:
         """The call's stacked inputs: gathered on the device where the call takes a device array
         (`device_input`) and the gather can (no host copy), else stacked on the host. Never
-        gathered while faults are injected: they inspect the inputs' values on the host."""
+        gathered while faults are injected: they inspect the inputs' values on the host. A batch
+        of JPEG files (its call's `jpeg_size`) is always gathered: only the gather decodes them."""
+        if self.gather is not None and getattr(batch[0].call, "jpeg_size", None) is not None:
+            return self.gather(batch)
         if self.gather is not None and self.before_call is None and getattr(batch[0].call, "device_input", False):
             gathered = self.gather(batch)
             if gathered is not None:
@@ -286,7 +289,11 @@ class Batcher:
         now = time.perf_counter()
         waits = [now - it.enqueued for it in batch]
         metrics.observe_many(metrics.QUEUE_WAIT_SECONDS.labels(model), waits)
-        inputs = self._inputs(batch)
+        try:
+            inputs = self._inputs(batch)
+        except BaseException as exc:  # noqa: BLE001 - a gather's failure (a decode, device memory) is the batch's
+            self._failed(batch, sum(it.rows for it in batch), exc)
+            return None
         stacked = time.perf_counter()
         rows = int(inputs.shape[0])
         metrics.BATCH_SIZE.labels(model).observe(rows)

@@ -172,7 +172,12 @@ class FrontendLink:
                 call = steps.step
             else:
                 call, inputs = host.call_for(hm, msg.op, options), self.view.array(msg.input)
-            key = (msg.model, msg.op, inputs.shape[1:], inputs.dtype.str, options)
+            row_shape = inputs.shape[1:]
+            if msg.op == "encode_jpeg":  # one file a request, of any length: they batch together
+                if inputs.dtype != np.uint8 or inputs.ndim != 2 or inputs.shape[0] != 1:
+                    raise ValueError(f"encode_jpeg takes one file's bytes, 1 x n uint8; got {inputs.dtype} {inputs.shape}")
+                row_shape = ()
+            key = (msg.model, msg.op, row_shape, inputs.dtype.str, options)
             return WorkItem(msg.model, key, inputs, call, solo=stream_step, tag=(self, rid, msg.outputs))
         except Exception as exc:
             self.answer(rid, error_info(exc))

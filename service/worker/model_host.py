@@ -21,6 +21,7 @@ from ..model_stats import ModelStats
 from ..settings import Settings
 from . import fault_injection, oom_recovery
 from .batcher import Batcher, Later
+from .jpeg_bodies import JpegBodies
 from .loading import load_entry, shard_offered, view_of, warm_up
 from .shard_leader import DEADLINE_S, ShardLeader, comm_class
 from .shard_member import ShardMember
@@ -91,6 +92,9 @@ class ModelHost:
         #: sharded decodes: led here on the first device's worker, followed on the others
         self.shard_leader: ShardLeader | None = None
         self.shard_member = ShardMember(fault_injection.shard_fault())
+        #: the decoder of encode requests' JPEG files, where this worker decodes them (JPEG_DECODE)
+        self.jpeg: JpegBodies | None = None
+        self.jpeg_models: list[str] = []
 
     def load(self) -> None:
         try:
@@ -117,13 +121,14 @@ class ModelHost:
                     log.warning("optional model %s not served: %s", entry.name, self.failed[entry.name])
                     continue
                 self.models[entry.name] = hm
+            self._take_jpeg_bodies()
             # The front ends bound what waits (admission happens there, before the body): the
             # worker's own queue holds what they admitted, however many they are.
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    after_batch=self.backend.flush_timings, stats=self.stats,
                                    name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
                                    on_done=self.deliveries.put, host_batch=self.backend.host_batch,
-                                   gather=self._gather if s.cuda_pinned_arena_bytes else None,
+                                   gather=self._gather,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread
@@ -140,6 +145,22 @@ class ModelHost:
         finally:
             self.on_change()
             self._report()
+
+    def _take_jpeg_bodies(self) -> None:
+        """Which models' encodes take JPEG files here (op encode_jpeg): image encoders, and on the
+        GPU's JPEG engines only those whose run-ahead call takes device pixels (call_for)."""
+        self.jpeg = JpegBodies.for_backend(self.backend, self.settings.jpeg_decode, self.spec.device)
+        if self.jpeg is None:
+            return
+        for name, hm in self.models.items():
+            if getattr(hm.model, "input_size", None) is None or not hasattr(hm.model, "encode"):
+                continue
+            try:
+                call = self.call_for(hm, "encode_jpeg", wp.Options())
+            except ValueError:
+                continue
+            if self.jpeg.hardware is None or getattr(call, "device_input", False):
+                self.jpeg_models.append(name)
 
     def _report(self) -> None:
         """The first start's load outcome to the supervisor (WorkerSpec.report), once."""
@@ -160,13 +181,21 @@ class ModelHost:
             models={name: wp.ModelStatus(hm.entry, view_of(hm.model), hm.load_seconds, hm.warmup_seconds,
                                          dict(hm.extra)) for name, hm in self.models.items()},
             row_seconds=self.batcher.row_seconds if self.batcher is not None else 0.0,
-            shard_offered=shard_offered())
+            shard_offered=shard_offered(), jpeg_models=list(self.jpeg_models))
 
     def _gather(self, batch) -> Any:
         """A batch of uint8 pixels joined on the device from its requests' blocks in their front
         ends' arenas, each arena's low pages pinned in place (FrontendLink.pinned_region); None
-        where that cannot be (the batcher stacks it on the host then). On the device thread."""
-        if batch[0].inputs.dtype != np.uint8:
+        where that cannot be (the batcher stacks it on the host then). A batch of JPEG files
+        (call_for's encode_jpeg) is decoded (JpegBodies), its bad files failed alone. On the
+        device thread."""
+        size = getattr(batch[0].call, "jpeg_size", None)
+        if size is not None:
+            pixels, failures = self.jpeg.decode(batch[0].model, [it.inputs[0] for it in batch], size)
+            for i, why in failures.items():
+                batch[i].outcome.set(None, why)
+            return pixels
+        if batch[0].inputs.dtype != np.uint8 or not self.settings.cuda_pinned_arena_bytes:
             return None
         regions = [it.tag[0].pinned_region(self.backend, self.settings.cuda_pinned_arena_bytes)
                    if it.tag is not None else None for it in batch]
@@ -194,6 +223,18 @@ class ModelHost:
             return call
         if op in ("encode", "vae_encode"):
             return hm.model.encode
+        if op == "encode_jpeg":
+            if self.jpeg is None or getattr(hm.model, "input_size", None) is None:
+                raise ValueError(f"{self.spec.device} does not decode JPEG files for {hm.name}")
+            base = self.call_for(hm, "encode", options)
+
+            def call(x):  # x: the batch's pixels, decoded from its files by _gather
+                return base(x)
+            call.jpeg_size = int(hm.model.input_size)
+            call.device_input = bool(getattr(base, "device_input", False))
+            if self.jpeg.hardware is not None and not call.device_input:  # its pixels would be on the device
+                raise ValueError(f"{hm.name}'s encode here takes no device pixels: it takes no JPEG files")
+            return call
         raise ValueError(f"unknown op {op!r}")
 
     def query(self, rid: int, what: str) -> wp.KernelsAnswer | wp.StatsAnswer:

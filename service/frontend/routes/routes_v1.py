@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from ... import codecs
+from ... import codecs, metrics
+from ...codecs.jpeg_header import device_decodable_size
 from ...codecs.video import encode_videos, require_av
 from ...hosted_model import HostedModel
 from ...problems import PROBLEM_SCHEMA, Problem
@@ -155,8 +156,22 @@ async def decode(name: str, request: Request,
     return Response(data, media_type=media, headers=headers)
 
 
-async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size: int) -> np.ndarray:
+def _jpeg_worker(svc: Service, request: Request, body: bytes, hm: HostedModel):
+    """The model worker that decodes this body itself, or None: the front end decodes it. Only a
+    JPEG a worker's decoder reads as PIL does, at the model's input size (jpeg_header's rules),
+    and only to a worker that takes them (JPEG_DECODE, service/worker/jpeg_bodies.py)."""
+    mt = codecs.media_type(request.headers.get("content-type"))
+    if not (mt.startswith("image/") or mt in codecs.GENERIC_MEDIA):
+        return None
+    size = int(hm.model.input_size)
+    if device_decodable_size(body) != (size, size):
+        return None
+    return svc.engine.jpeg_link(hm.name)
+
+
+async def _encode_inputs(svc: Service, request: Request, body: bytes, hm: HostedModel) -> np.ndarray:
     """Images (or pixel arrays) from the body -> N,S,S,3 at the model's size (codecs.model_pixels)."""
+    input_size = int(hm.model.input_size)
     mt = codecs.media_type(request.headers.get("content-type"))
     max_px, max_n, max_ar = svc.settings.max_pixels, svc.settings.max_batch, svc.settings.max_aspect_ratio
     if mt in codecs.GENERIC_MEDIA:  # no real Content-Type (none, octet-stream, curl's default): by content
@@ -183,6 +198,7 @@ async def _encode_inputs(svc: Service, request: Request, body: bytes, input_size
         raise Problem(415, "unsupported-media-type",
                       f"Content-Type {mt!r} not accepted; send an image ({codecs.IMAGE_MEDIA_TEXT}), several "
                       f"as multipart/form-data, or pixels as {codecs.TENSOR_MEDIA_TEXT}")
+    metrics.IMAGE_DECODES.labels(hm.name, "frontend").inc(len(images))
     return await svc.offload(sum(im.nbytes for im in images), codecs.model_pixels, images, input_size)
 
 
@@ -204,8 +220,12 @@ async def encode(name: str, request: Request,
     svc = service(request)
     async with svc.admit(name, "encode") as hm:
         body = await read_body(request, svc.settings.max_body_bytes)
-        pixels = await _encode_inputs(svc, request, body, int(hm.model.input_size))
-        out = await svc.encode(hm, pixels, disconnected=request.is_disconnected)
+        link = _jpeg_worker(svc, request, body, hm)
+        if link is not None:
+            out = await svc.encode_jpeg(hm, body, link, disconnected=request.is_disconnected)
+        else:
+            pixels = await _encode_inputs(svc, request, body, hm)
+            out = await svc.encode(hm, pixels, disconnected=request.is_disconnected)
         emb = np.asarray(out["embedding"], dtype=np.float32)
         if top_k_ is not None and out.get("logits") is None:
             raise Problem(422, "no-classifier-head", f"{name} has no classifier head; top_k is unavailable")

@@ -1,0 +1,117 @@
+"""JPEG files decoded on the GPU's hardware JPEG engines (service/worker/jpeg_bodies.py): the pixels PIL
+gives, a file the engines refuse decoded by PIL instead, a corrupt one failed alone; and through a
+real server on the CUDA backend, one-image JPEG encodes decoded on the device with the embedding of
+the same pixels sent as .npy. Skipped without a CUDA GPU, CuPy and nvImageCodec
+(`nvidia-nvimgcodec-cu13`), or on a GPU without JPEG engines."""
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpu_support import cuda_or_skip
+
+pytestmark = pytest.mark.gpu
+
+
+def _photo(seed: int, size: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size] / size
+    base = np.stack([np.sin(6 * x + seed), np.cos(5 * y - seed), np.sin(4 * (x + y))], axis=-1)
+    return np.clip(127.5 + 100 * base + rng.normal(0, 12, (size, size, 3)), 0, 255).astype(np.uint8)
+
+
+def _jpeg(img: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+def _pil(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def _report(line: str) -> None:
+    print(line)
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "jpeg_bodies.txt"), "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.fixture(scope="module")
+def hardware():
+    cuda_or_skip()
+    pytest.importorskip("nvidia.nvimgcodec")
+    import cupy as cp
+
+    from service.worker.jpeg_bodies import HardwareDecoder
+    try:
+        dec = HardwareDecoder(cp, 0)
+        dec.probe()
+    except RuntimeError as exc:
+        pytest.skip(f"no hardware JPEG decode here: {exc}")
+    return dec
+
+
+def test_the_engines_give_pils_pixels(hardware):
+    from service.worker.jpeg_bodies import JpegBodies
+
+    cp = hardware.cp
+    bodies = JpegBodies(hardware, "cuda:0")
+    files = [_jpeg(_photo(i, 224), quality=70 + 5 * (i % 6), subsampling=i % 3) for i in range(12)]
+    px, failures = bodies.decode("m", [np.frombuffer(f, np.uint8) for f in files], 224)
+    cp.cuda.get_current_stream().synchronize()
+    assert not failures and px.shape == (12, 224, 224, 3) and px.dtype == np.uint8
+    got = cp.asnumpy(px)
+    diffs = [int(np.abs(got[i].astype(np.int16) - _pil(f).astype(np.int16)).max()) for i, f in enumerate(files)]
+    means = [float(np.abs(got[i].astype(np.int16) - _pil(f).astype(np.int16)).mean()) for i, f in enumerate(files)]
+    _report(f"hardware JPEG decode vs PIL, 12 files 224x224 (4:2:0, 4:4:4, 4:2:2; q70-95): max abs diff {diffs}, "
+            f"mean {max(means):.4f}")
+    assert max(diffs) <= hardware.PROBE_MAX_DIFF
+
+
+def test_a_file_the_engines_refuse_goes_to_pil_and_a_corrupt_one_fails_alone(hardware):
+    from service.worker.jpeg_bodies import JpegBodies
+
+    cp = hardware.cp
+    good = _jpeg(_photo(1, 96), quality=90)
+    progressive = _jpeg(_photo(2, 96), quality=90, progressive=True)  # the engines take baseline only
+    corrupt = good[:good.index(b"\xff\xda") + 30]
+    files = [good, progressive, corrupt, good]
+    px, failures = JpegBodies(hardware, "cuda:0").decode("m", [np.frombuffer(f, np.uint8) for f in files], 96)
+    got = cp.asnumpy(px)
+    assert set(failures) == {2} and "corrupt" in str(failures[2])
+    assert not got[2].any()
+    for i in (0, 1, 3):
+        assert np.abs(got[i].astype(np.int16) - _pil(files[i]).astype(np.int16)).max() <= hardware.PROBE_MAX_DIFF
+
+
+def test_one_image_jpeg_encodes_are_decoded_on_the_device_through_the_service(hardware, tmp_path_factory):
+    import httpx
+
+    from live_server import from_npy, metric, npy, scrape, start_server
+
+    server = start_server(tmp_path_factory.mktemp("servers"), ready_timeout=150, backend="cuda",
+                          models="tiny-convnext", max_queue_delay_ms=5)
+    try:
+        url = server.url + "/v1/models/tiny-convnext/encode"
+        files = [_jpeg(_photo(10 + i, 64), quality=90) for i in range(16)]
+        for f in files:
+            r = httpx.post(url, content=f, params={"format": "npy"}, headers={"content-type": "image/jpeg"}, timeout=60)
+            assert r.status_code == 200, r.text
+            ref = httpx.post(url, content=npy(_pil(f)[None]), params={"format": "npy"},
+                             headers={"content-type": "application/x-npy"}, timeout=60)
+            a, b = from_npy(r.content), from_npy(ref.content)
+            # the same pixels (the engines' within PROBE_MAX_DIFF of PIL's) through one model in its dtype
+            assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)
+        snap = scrape(server.url)
+        on_device = metric(snap, "convserve_image_decodes_total", model="tiny-convnext", where="device")
+        in_front = metric(snap, "convserve_image_decodes_total", model="tiny-convnext", where="frontend")
+        _report(f"service: {len(files)} JPEG encodes, {on_device:g} decoded on the device, {in_front:g} in a front end")
+        assert on_device == len(files) and in_front == 0
+    finally:
+        server.stop()
