@@ -10,6 +10,7 @@ send pass, and everything else takes the front end's own decode (service/codecs/
   baseline only), nor greyscale or CMYK ones, nor components named R, G, B (libjpeg then skips
   the colour transform);
 - no Adobe APP14 segment: it may say the components are RGB, not YCbCr;
+- ending with the end-of-image marker: a file cut short is PIL's to refuse;
 - exactly the model's input size: those need no resize, and their pixels feed the uint8 path as
   they are (a body of any other size is resized on the front end's CPU anyway).
 EXIF orientation is ignored on both sides, as PIL's decode here ignores it.
@@ -30,8 +31,8 @@ _HEADER_LIMIT = 1 << 20
 def device_decodable_size(data: bytes | memoryview) -> tuple[int, int] | None:
     """(height, width) of a JPEG the model worker may decode (the rules above), else None."""
     n = min(len(data), _HEADER_LIMIT)
-    if n < 4 or data[0] != 0xFF or data[1] != _SOI:
-        return None
+    if n < 4 or data[0] != 0xFF or data[1] != _SOI or data[-2] != 0xFF or data[-1] != _EOI:
+        return None  # not a JPEG, or one cut short (the engines decode what there is; PIL refuses it)
     i, adobe, size = 2, False, None
     while i + 4 <= n:
         if data[i] != 0xFF:

@@ -267,9 +267,9 @@ class Batcher:
     def _inputs(self, batch: list[WorkItem]) -> Any:
         """The call's stacked inputs: gathered on the device where the call takes a device array
         (`device_input`) and the gather can (no host copy), else stacked on the host. Never
-        gathered while faults are injected: they inspect the inputs' values on the host. A batch
-        of JPEG files (its call's `jpeg_size`) is always gathered: only the gather decodes them."""
-        if self.gather is not None and getattr(batch[0].call, "jpeg_size", None) is not None:
+        gathered while faults are injected: they inspect the inputs' values on the host. Inputs on
+        the device already (JPEG files decoded there) are always joined by the gather."""
+        if self.gather is not None and not isinstance(batch[0].inputs, np.ndarray):
             return self.gather(batch)
         if self.gather is not None and self.before_call is None and getattr(batch[0].call, "device_input", False):
             gathered = self.gather(batch)

@@ -197,6 +197,10 @@ class FrontendLink:
         (the batcher's on_done, then Worker._deliver) or when it is withdrawn (Cancel)."""
         for item in items:  # before the batcher has them: a finished item is popped from here
             self.items[item.tag[1]] = item
+        files = [item for item in items if hasattr(item.call, "jpeg_size")]
+        if files:  # JPEG files: decoded first, on the decode stage's thread (service/worker/jpeg_stage.py)
+            self.host.jpeg_stage.submit(files)
+            items = [item for item in items if not hasattr(item.call, "jpeg_size")]
         try:
             self.host.batcher.submit_many(items)
         except Exception as exc:  # a stopped worker: nothing of them runs

@@ -12,16 +12,22 @@ Rules:
   it) is decoded by PIL on this host, as the front end would have; one neither can decode, or
   whose pixels are not S x S x 3, fails alone with invalid-input (a 422): its row is zeros and
   the rest of the batch runs.
-- The device's decode runs on the device thread's current stream, ordered before the model call
-  that reads its pixels. nvImageCodec's images are copied into the batch's array on that stream
-  and kept until an event recorded after the copy has passed.
+- The device's decode runs on a stream of the decoding thread's own (service/worker/jpeg_stage.py's
+  thread): the decoded images are copied into one array there and an event recorded after it
+  (`ready`); the device thread's stream waits for that event before it reads the rows (`join`).
+- Device memory is not let go while a stream may still read it: nvImageCodec's images are held
+  until the event after their copy has passed, and decoded rows until an event recorded after
+  the device thread's join has passed (CuPy's pool would otherwise hand their blocks to the next
+  decode on the decoding stream while the device's stream still reads them).
 - Where the worker decodes with no hardware decoder (JPEG_DECODE=worker), PIL decodes on this
   host: the model call gets host pixels, as from the front end's arena.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import threading
 from collections import deque
 
 import numpy as np
@@ -63,7 +69,9 @@ class HardwareDecoder:
         self.decoder = nvimgcodec.Decoder(device_id=device_id,
                                           backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB)
-        self._held: deque = deque()  # (event, images) until the copy out of them has run
+        self.device_id = device_id
+        self._held: deque = deque()  # (event, arrays) until the work that reads them has run
+        self._held_lock = threading.Lock()  # the decoding thread and the device thread both hold
 
     def probe(self) -> None:
         """Decode a known JPEG; raises where the engines are absent or their pixels are not PIL's."""
@@ -82,13 +90,15 @@ class HardwareDecoder:
         stream = self.cp.cuda.get_current_stream()
         return list(self.decoder.decode(streams, params=self.params, cuda_stream=stream.ptr))
 
-    def hold(self, images: list) -> None:
-        """Keep `images` until the work queued so far on the current stream has run."""
-        while self._held and self._held[0][0].done:
-            self._held.popleft()
+    def hold(self, arrays: list):
+        """Keep `arrays` until the work queued so far on the current stream has run; that point's event."""
         event = self.cp.cuda.Event(disable_timing=True)
         event.record(self.cp.cuda.get_current_stream())
-        self._held.append((event, images))
+        with self._held_lock:
+            while self._held and self._held[0][0].done:
+                self._held.popleft()
+            self._held.append((event, arrays))
+        return event
 
 
 class JpegBodies:
@@ -116,9 +126,31 @@ class JpegBodies:
         log.info("%s: JPEG bodies decoded here, %s", device, "on the GPU's JPEG engines" if hardware else "by PIL")
         return cls(hardware, device)
 
-    def decode(self, model: str, bodies: list[np.ndarray], size: int) -> tuple[object, dict[int, BadBody]]:
+    @contextlib.contextmanager
+    def on_own_stream(self):
+        """The calling thread's device work (decodes, their copies) on a stream of its own."""
+        if self.hardware is None:
+            yield
+            return
+        cp = self.hardware.cp
+        with cp.cuda.Device(self.hardware.device_id), cp.cuda.Stream(non_blocking=True):
+            yield
+
+    def join(self, rows: list, events: list):
+        """Decoded device rows (1,S,S,3 each) -> one N,S,S,3 array on the current stream, after
+        their decodes' events; the rows held until the join has run (the rules above)."""
+        cp = self.hardware.cp
+        stream = cp.cuda.get_current_stream()
+        for event in {id(e): e for e in events if e is not None}.values():
+            stream.wait_event(event)
+        out = cp.concatenate(rows)  # a copy even of one row: the model may read it after the hold has passed
+        self.hardware.hold(rows)
+        return out
+
+    def decode(self, model: str, bodies: list[np.ndarray], size: int) -> tuple[object, dict[int, BadBody], object]:
         """Bodies (1-D uint8 each) -> (N,size,size,3 uint8 pixels: on the device with a hardware
-        decoder, else on the host; the failed bodies' rows zero, {index: why})."""
+        decoder, else on the host; the failed bodies' rows zero, {index: why}, and the event the
+        device pixels are ready at: None for host pixels)."""
         images: list = [None] * len(bodies)
         if self.hardware is not None:
             try:
@@ -150,11 +182,11 @@ class JpegBodies:
             out = np.zeros((len(bodies), size, size, 3), np.uint8)
             for i, px in host.items():
                 out[i] = px
-            return out, failures
+            return out, failures, None
         cp = self.hardware.cp
         rows = [cp.asarray(image) if image is not None else
                 cp.asarray(host[i]) if i in host else cp.zeros((size, size, 3), np.uint8)
                 for i, image in enumerate(images)]
         out = cp.stack(rows)  # one copy kernel for the batch (its images stay held until it ran)
-        self.hardware.hold([im for im in images if im is not None])
-        return out, failures
+        ready = self.hardware.hold([im for im in images if im is not None])
+        return out, failures, ready

@@ -22,6 +22,7 @@ from ..settings import Settings
 from . import fault_injection, oom_recovery
 from .batcher import Batcher, Later
 from .jpeg_bodies import JpegBodies
+from .jpeg_stage import JpegStage
 from .loading import load_entry, shard_offered, view_of, warm_up
 from .shard_leader import DEADLINE_S, ShardLeader, comm_class
 from .shard_member import ShardMember
@@ -95,6 +96,7 @@ class ModelHost:
         #: the decoder of encode requests' JPEG files, where this worker decodes them (JPEG_DECODE)
         self.jpeg: JpegBodies | None = None
         self.jpeg_models: list[str] = []
+        self.jpeg_stage: JpegStage | None = None  # its thread, where jpeg_models has any
 
     def load(self) -> None:
         try:
@@ -132,6 +134,9 @@ class ModelHost:
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))
             self.device_thread = self.batcher.thread
+            if self.jpeg_models:
+                self.jpeg_stage = JpegStage(self.jpeg, self.batcher.submit_many, self.deliveries.put, s.max_batch,
+                                            self.spec.device)
             # the models are loaded and warmed: their objects (and the modules') are for good
             gc_pauses.freeze_startup_heap("worker", s.gc_freeze)
             self.ready = True
@@ -156,11 +161,10 @@ class ModelHost:
             if getattr(hm.model, "input_size", None) is None or not hasattr(hm.model, "encode"):
                 continue
             try:
-                call = self.call_for(hm, "encode_jpeg", wp.Options())
+                self.call_for(hm, "encode_jpeg", wp.Options())
             except ValueError:
                 continue
-            if self.jpeg.hardware is None or getattr(call, "device_input", False):
-                self.jpeg_models.append(name)
+            self.jpeg_models.append(name)
 
     def _report(self) -> None:
         """The first start's load outcome to the supervisor (WorkerSpec.report), once."""
@@ -186,15 +190,10 @@ class ModelHost:
     def _gather(self, batch) -> Any:
         """A batch of uint8 pixels joined on the device from its requests' blocks in their front
         ends' arenas, each arena's low pages pinned in place (FrontendLink.pinned_region); None
-        where that cannot be (the batcher stacks it on the host then). A batch of JPEG files
-        (call_for's encode_jpeg) is decoded (JpegBodies), its bad files failed alone. On the
-        device thread."""
-        size = getattr(batch[0].call, "jpeg_size", None)
-        if size is not None:
-            pixels, failures = self.jpeg.decode(batch[0].model, [it.inputs[0] for it in batch], size)
-            for i, why in failures.items():
-                batch[i].outcome.set(None, why)
-            return pixels
+        where that cannot be (the batcher stacks it on the host then). Rows of JPEG files decoded
+        on the device are joined there. On the device thread."""
+        if not isinstance(batch[0].inputs, np.ndarray):  # rows decoded on the device (service/worker/jpeg_stage.py)
+            return self.jpeg.join([it.inputs for it in batch], [it.ready for it in batch])
         if batch[0].inputs.dtype != np.uint8 or not self.settings.cuda_pinned_arena_bytes:
             return None
         regions = [it.tag[0].pinned_region(self.backend, self.settings.cuda_pinned_arena_bytes)
@@ -228,12 +227,12 @@ class ModelHost:
                 raise ValueError(f"{self.spec.device} does not decode JPEG files for {hm.name}")
             base = self.call_for(hm, "encode", options)
 
-            def call(x):  # x: the batch's pixels, decoded from its files by _gather
-                return base(x)
-            call.jpeg_size = int(hm.model.input_size)
-            call.device_input = bool(getattr(base, "device_input", False))
-            if self.jpeg.hardware is not None and not call.device_input:  # its pixels would be on the device
+            if self.jpeg.hardware is not None and not getattr(base, "device_input", False):
                 raise ValueError(f"{hm.name}'s encode here takes no device pixels: it takes no JPEG files")
+
+            def call(x):  # never called: the decode stage hands each request on with `decoded`
+                raise RuntimeError("a JPEG file reached a model call undecoded")
+            call.jpeg_size, call.decoded = int(hm.model.input_size), base
             return call
         raise ValueError(f"unknown op {op!r}")
 

@@ -191,6 +191,8 @@ class Worker:
                     break
         finally:
             listener.close()
+            if self.host.jpeg_stage is not None:  # its queued files are not decoded: the process ends
+                self.host.jpeg_stage.stop()
             if self.host.batcher is not None:
                 self.host.batcher.stop()
 

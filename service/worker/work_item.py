@@ -93,6 +93,8 @@ class WorkItem:
     solo: bool = False
     #: the submitter's own reference (the worker: which front end and request it answers)
     tag: Any = None
+    #: inputs made on another thread's device stream: the event the call's stream waits for first
+    ready: Any = None
 
     @property
     def rows(self) -> int:
