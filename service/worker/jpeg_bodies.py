@@ -12,9 +12,12 @@ Rules:
   it) is decoded by PIL on this host, as the front end would have; one neither can decode, or
   whose pixels are not S x S x 3, fails alone with invalid-input (a 422): its row is zeros and
   the rest of the batch runs.
+- The engines decode straight into the rows of one array (nvImageCodec images wrapping them)
+  where this nvImageCodec can (the probe finds out), else into images of their own, copied.
+  They get only files whose header says the model's size: a row holds nothing bigger.
 - The device's decode runs on a stream of the decoding thread's own (service/worker/jpeg_stage.py's
-  thread): the decoded images are copied into one array there and an event recorded after it
-  (`ready`); the device thread's stream waits for that event before it reads the rows (`join`).
+  thread), and an event is recorded after it (`ready`); the device thread's stream waits for that
+  event before it reads the rows (`join`).
 - Device memory is not let go while a stream may still read it: nvImageCodec's images are held
   until the event after their copy has passed, and decoded rows until an event recorded after
   the device thread's join has passed (CuPy's pool would otherwise hand their blocks to the next
@@ -34,6 +37,7 @@ import numpy as np
 
 from .. import metrics
 from ..codecs.images import open_image
+from ..codecs.jpeg_header import device_decodable_size
 from ..problems import Problem
 
 log = logging.getLogger("convserve.worker")
@@ -70,25 +74,51 @@ class HardwareDecoder:
                                           backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)])
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB)
         self.device_id = device_id
+        self.direct = True  # decode_into decodes into the rows themselves (the probe decides)
         self._held: deque = deque()  # (event, arrays) until the work that reads them has run
         self._held_lock = threading.Lock()  # the decoding thread and the device thread both hold
 
     def probe(self) -> None:
-        """Decode a known JPEG; raises where the engines are absent or their pixels are not PIL's."""
+        """Decode a known JPEG, straight into an array's rows where this nvImageCodec can (`direct`),
+        else into images of its own; raises where the engines are absent or their pixels are not PIL's."""
         data, ref = _probe_jpeg()
-        out = self.decode([np.frombuffer(data, np.uint8)])[0]
-        if out is None:
-            raise RuntimeError("the hardware JPEG decoder gave no image (no JPEG engines on this GPU?)")
-        got = self.cp.asnumpy(self.cp.asarray(out))
-        diff = int(np.abs(got.astype(np.int16) - ref.astype(np.int16)).max()) if got.shape == ref.shape else None
-        if diff is None or diff > self.PROBE_MAX_DIFF:
-            raise RuntimeError(f"the hardware JPEG decoder's pixels are not PIL's (shape {got.shape}, max diff {diff})")
+        body = np.frombuffer(data, np.uint8)
+        cp, why = self.cp, None
+        for self.direct in (True, False):
+            try:
+                out = cp.zeros((1, *ref.shape), np.uint8)
+                if not self.decode_into([body], [out[0]])[0]:
+                    why = "the hardware JPEG decoder gave no image (no JPEG engines on this GPU?)"
+                    continue
+                diff = int(np.abs(cp.asnumpy(out[0]).astype(np.int16) - ref.astype(np.int16)).max())
+            except Exception as exc:  # this nvImageCodec cannot decode into a buffer of ours
+                why = f"{exc.__class__.__name__}: {exc}"
+                continue
+            if diff <= self.PROBE_MAX_DIFF:
+                return
+            why = f"the hardware JPEG decoder's pixels are not PIL's (max diff {diff})"
+        raise RuntimeError(why)
 
-    def decode(self, bodies: list[np.ndarray]) -> list:
-        """Each body's decoded image (an nvImageCodec Image, a CUDA array) or None."""
-        streams = [self.nvimgcodec.CodeStream(b) for b in bodies]
-        stream = self.cp.cuda.get_current_stream()
-        return list(self.decoder.decode(streams, params=self.params, cuda_stream=stream.ptr))
+    def decode_into(self, bodies: list[np.ndarray], rows: list) -> list[bool]:
+        """Decode each body into its row (a device array of its decoded shape, on the current
+        stream); whether each was decoded. Direct: nvImageCodec decodes into the rows themselves
+        (images wrapping them): no allocation and no copy an image, and fewer calls that let go of
+        the interpreter lock, each of which may wait up to the switch interval to get it back.
+        Else into images of its own, copied into the rows."""
+        nvimgcodec, stream = self.nvimgcodec, self.cp.cuda.get_current_stream()
+        streams = [nvimgcodec.CodeStream(b) for b in bodies]
+        if self.direct:
+            wrapped = [nvimgcodec.as_image(row, stream.ptr) for row in rows]
+            got = self.decoder.decode(streams, images=wrapped, params=self.params, cuda_stream=stream.ptr)
+            return [image is not None for image in got]
+        got = self.decoder.decode(streams, params=self.params, cuda_stream=stream.ptr)
+        ok = []
+        for row, image in zip(rows, got):
+            ok.append(image is not None and tuple(image.shape) == tuple(row.shape))
+            if ok[-1]:
+                row[...] = self.cp.asarray(image)
+        self.hold([image for image in got if image is not None])
+        return ok
 
     def hold(self, arrays: list):
         """Keep `arrays` until the work queued so far on the current stream has run; that point's event."""
@@ -151,42 +181,41 @@ class JpegBodies:
         """Bodies (1-D uint8 each) -> (N,size,size,3 uint8 pixels: on the device with a hardware
         decoder, else on the host; the failed bodies' rows zero, {index: why}, and the event the
         device pixels are ready at: None for host pixels)."""
-        images: list = [None] * len(bodies)
-        if self.hardware is not None:
+        hw = self.hardware
+        out = np.zeros((len(bodies), size, size, 3), np.uint8) if hw is None else hw.cp.empty(
+            (len(bodies), size, size, 3), np.uint8)
+        # the engines get only files whose header says size x size (the rows are that shape);
+        # any other, and any they cannot decode, PIL decodes here
+        fits = [i for i, b in enumerate(bodies) if hw is not None and device_decodable_size(b) == (size, size)]
+        decoded: set[int] = set()
+        if fits:
             try:
-                images = self.hardware.decode(bodies)
+                ok = hw.decode_into([bodies[i] for i in fits], [out[i] for i in fits])
+                decoded = {i for i, good in zip(fits, ok) if good}
             except Exception as exc:  # the whole call refused: every body goes to PIL
                 log.warning("%s: the hardware JPEG decoder failed a batch of %d (%s: %s)", self.device,
-                            len(bodies), exc.__class__.__name__, exc)
+                            len(fits), exc.__class__.__name__, exc)
         failures: dict[int, BadBody] = {}
-        host: dict[int, np.ndarray] = {}
-        for i, (body, image) in enumerate(zip(bodies, images)):
-            if image is not None and tuple(image.shape) == (size, size, 3):
+        on_host = 0
+        for i, body in enumerate(bodies):
+            if i in decoded:
                 continue
-            images[i] = None
             try:
                 px = open_image(body.tobytes(), size * size)
-            except Problem as exc:
-                failures[i] = BadBody(exc.detail)
+                if px.shape != (size, size, 3):
+                    raise BadBody(f"the image is {px.shape[1]}x{px.shape[0]}; this model takes {size}x{size}")
+            except (Problem, BadBody) as exc:
+                failures[i] = exc if isinstance(exc, BadBody) else BadBody(exc.detail)
+                if hw is not None:
+                    out[i].fill(0)
                 continue
-            if px.shape != (size, size, 3):
-                failures[i] = BadBody(f"the JPEG is {px.shape[1]}x{px.shape[0]}; this model takes {size}x{size}")
-                continue
-            host[i] = px
-        on_device = len(bodies) - len(host) - len(failures)
-        if on_device:
-            metrics.IMAGE_DECODES.labels(model, "device").inc(on_device)
-        if host:
-            metrics.IMAGE_DECODES.labels(model, "worker-host").inc(len(host))
-        if self.hardware is None:
-            out = np.zeros((len(bodies), size, size, 3), np.uint8)
-            for i, px in host.items():
+            on_host += 1
+            if hw is None:
                 out[i] = px
-            return out, failures, None
-        cp = self.hardware.cp
-        rows = [cp.asarray(image) if image is not None else
-                cp.asarray(host[i]) if i in host else cp.zeros((size, size, 3), np.uint8)
-                for i, image in enumerate(images)]
-        out = cp.stack(rows)  # one copy kernel for the batch (its images stay held until it ran)
-        ready = self.hardware.hold([im for im in images if im is not None])
-        return out, failures, ready
+            else:
+                out[i].set(px)
+        if decoded:
+            metrics.IMAGE_DECODES.labels(model, "device").inc(len(decoded))
+        if on_host:
+            metrics.IMAGE_DECODES.labels(model, "worker-host").inc(on_host)
+        return out, failures, (hw.hold([out]) if hw is not None else None)
