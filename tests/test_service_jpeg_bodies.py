@@ -39,6 +39,8 @@ def jpeg(img: np.ndarray | Image.Image, **kw) -> bytes:
 def test_baseline_ycbcr_jpegs_give_their_size_and_every_other_file_none():
     img = Image.fromarray(photo(0, 48, 80))
     assert device_decodable_size(jpeg(img, quality=90)) == (48, 80)            # 4:2:0, PIL's default
+    # as the worker holds it: a uint8 array in its front end's arena (items NumPy integers, whose shifts wrap)
+    assert device_decodable_size(np.frombuffer(jpeg(img, quality=90), np.uint8)) == (48, 80)
     assert device_decodable_size(jpeg(img, quality=90, subsampling=0)) == (48, 80)  # 4:4:4
     assert device_decodable_size(jpeg(img, quality=90, subsampling=1)) == (48, 80)  # 4:2:2
     assert device_decodable_size(jpeg(img, progressive=True)) is None          # the engines take baseline only

@@ -28,8 +28,10 @@ _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 _HEADER_LIMIT = 1 << 20
 
 
-def device_decodable_size(data: bytes | memoryview) -> tuple[int, int] | None:
-    """(height, width) of a JPEG the model worker may decode (the rules above), else None."""
+def device_decodable_size(data) -> tuple[int, int] | None:
+    """(height, width) of a JPEG the model worker may decode (the rules above), else None. `data`:
+    the file's bytes, or any buffer of them (a uint8 array: read as bytes, its items Python ints)."""
+    data = memoryview(data).cast("B")
     n = min(len(data), _HEADER_LIMIT)
     if n < 4 or data[0] != 0xFF or data[1] != _SOI or data[-2] != 0xFF or data[-1] != _EOI:
         return None  # not a JPEG, or one cut short (the engines decode what there is; PIL refuses it)

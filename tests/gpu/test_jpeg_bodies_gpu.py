@@ -35,6 +35,11 @@ def _pil(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
 
 
+def _decoded(where: str) -> float:
+    from service import metrics
+    return metrics.IMAGE_DECODES.labels("m", where)._value.get()
+
+
 def _report(line: str) -> None:
     print(line)
     out = os.environ.get("OUT")
@@ -64,9 +69,11 @@ def test_the_engines_give_pils_pixels(hardware):
     cp = hardware.cp
     bodies = JpegBodies(hardware, "cuda:0")
     files = [_jpeg(_photo(i, 224), quality=70 + 5 * (i % 6), subsampling=i % 3) for i in range(12)]
+    before = _decoded("device")
     px, failures, _ = bodies.decode("m", [np.frombuffer(f, np.uint8) for f in files], 224)
     cp.cuda.get_current_stream().synchronize()
     assert not failures and px.shape == (12, 224, 224, 3) and px.dtype == np.uint8
+    assert _decoded("device") - before == 12  # by the engines, not PIL's fallback
     got = cp.asnumpy(px)
     diffs = [int(np.abs(got[i].astype(np.int16) - _pil(f).astype(np.int16)).max()) for i, f in enumerate(files)]
     means = [float(np.abs(got[i].astype(np.int16) - _pil(f).astype(np.int16)).mean()) for i, f in enumerate(files)]
@@ -87,9 +94,11 @@ def test_a_file_the_engines_refuse_goes_to_pil_and_a_corrupt_one_fails_alone(har
     corrupt = bytearray(progressive)
     corrupt[corrupt.index(b"\xff\xda") + 5] = 9  # its scan names a component the frame lacks: PIL refuses it
     files = [good, progressive, bytes(corrupt), good]
+    before = {where: _decoded(where) for where in ("device", "worker-host")}
     px, failures, _ = JpegBodies(hardware, "cuda:0").decode("m", [np.frombuffer(f, np.uint8) for f in files], 96)
     got = cp.asnumpy(px)
     assert set(failures) == {2} and "corrupt" in str(failures[2])
+    assert _decoded("device") - before["device"] == 2 and _decoded("worker-host") - before["worker-host"] == 1
     assert not got[2].any()
     for i in (0, 1, 3):
         assert np.abs(got[i].astype(np.int16) - _pil(files[i]).astype(np.int16)).max() <= hardware.PROBE_MAX_DIFF
