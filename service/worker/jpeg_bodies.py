@@ -137,14 +137,6 @@ class JpegBodies:
     def __init__(self, hardware: HardwareDecoder | None, device: str):
         self.hardware, self.device = hardware, device
 
-    def twin(self) -> JpegBodies:
-        """Another decoder of the same kind, for another thread (a hardware decoder serves one caller)."""
-        if self.hardware is None:
-            return JpegBodies(None, self.device)
-        hw = HardwareDecoder(self.hardware.cp, self.hardware.device_id)
-        hw.direct = self.hardware.direct
-        return JpegBodies(hw, self.device)
-
     @classmethod
     def for_backend(cls, backend, setting: str, device: str) -> JpegBodies | None:
         """The worker's decoder for JPEG_DECODE=`setting`: auto decodes here only with a hardware

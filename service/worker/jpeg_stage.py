@@ -9,8 +9,7 @@ per-image work were the device thread's.
 
 Rules:
 - A front end's encode_jpeg requests come here first (FrontendLink._admit), are decoded together
-  with whatever else has come meanwhile (up to a batch; with the GPU's engines, on either of two
-  threads, so that one's decode overlaps the other's wait), and then go to the batcher as ordinary
+  with whatever else has come meanwhile (up to a batch), and then go to the batcher as ordinary
   uint8 encode requests whose inputs are their decoded rows: they batch with uint8 .npy requests
   on the host path, and with each other on the device path.
 - A request whose file fails to decode is answered from here (the delivery thread), alone.
@@ -35,30 +34,22 @@ log = logging.getLogger("convserve.worker")
 class JpegStage:
     """The decode thread in front of the batcher (the rules above)."""
 
-    #: decode threads where the GPU's engines decode, each with a decoder and stream of its own:
-    #: a decode call waits for the engines, and a second thread's call overlaps that wait
-    HARDWARE_THREADS = 2
-
     def __init__(self, bodies: JpegBodies, submit: Callable[[list[WorkItem]], None],
                  deliver: Callable[[list[WorkItem]], None], max_batch: int, name: str):
-        self.submit_decoded, self.deliver, self.max_batch = submit, deliver, max_batch
+        self.bodies, self.submit_decoded, self.deliver, self.max_batch = bodies, submit, deliver, max_batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # PIL's decode holds the interpreter lock: one thread of it is all a process can use
-        decoders = [bodies] + [bodies.twin() for _ in range(self.HARDWARE_THREADS - 1)] if bodies.hardware else [bodies]
-        self.threads = [threads.start(self._loop, f"convserve-jpeg-{name}-{k}", (dec,))
-                        for k, dec in enumerate(decoders)]
+        self.thread = threads.start(self._loop, f"convserve-jpeg-{name}")
 
     def submit(self, items: list[WorkItem]) -> None:
         self._queue.put(items)
 
     def stop(self) -> None:
-        self._queue.put(None)  # each thread that takes it puts it back for the next
+        self._queue.put(None)
 
     def _take(self) -> list[WorkItem] | None:
         """What has come: at least one item, then whatever else is queued, up to max_batch."""
         first = self._queue.get()
         if first is None:
-            self._queue.put(None)
             return None
         items = list(first)
         while len(items) < self.max_batch:
@@ -72,8 +63,8 @@ class JpegStage:
             items.extend(more)
         return items
 
-    def _loop(self, bodies: JpegBodies) -> None:
-        with bodies.on_own_stream():
+    def _loop(self) -> None:
+        with self.bodies.on_own_stream():
             while True:
                 items = self._take()
                 if items is None:
@@ -84,17 +75,17 @@ class JpegStage:
                         by_model[item.model].append(item)
                 for group in by_model.values():
                     try:
-                        self._decode(bodies, group)
+                        self._decode(group)
                     except Exception as exc:  # noqa: BLE001 - the group's requests get it, the thread goes on
                         log.exception("decoding a group of %d JPEG files failed", len(group))
                         for item in group:
                             item.outcome.set(None, exc)
                         self.deliver(group)
 
-    def _decode(self, bodies: JpegBodies, group: list[WorkItem]) -> None:
+    def _decode(self, group: list[WorkItem]) -> None:
         call = group[0].call
         size = call.jpeg_size
-        pixels, failures, ready = bodies.decode(group[0].model, [it.inputs[0] for it in group], size)
+        pixels, failures, ready = self.bodies.decode(group[0].model, [it.inputs[0] for it in group], size)
         decoded, failed = [], []
         for i, item in enumerate(group):
             if i in failures:
