@@ -192,12 +192,15 @@ class Settings(BaseSettings):
     #: garbage collections (service/gc_pauses.py): a full collection otherwise walks every start-up
     #: object with the process's threads held still; false keeps the collector as Python ships it
     gc_freeze: bool = True
-    #: where an encode request's JPEG file is decoded (service/worker/jpeg_bodies.py): auto = in
-    #: the model worker on the GPU's hardware JPEG engines where it has them (nvImageCodec), else
-    #: in the front end; frontend = always the front end's PIL; worker = always the model worker
-    #: (PIL there without the engines). Only baseline YCbCr JPEGs of exactly the model's input
-    #: size go to the worker (service/codecs/jpeg_header.py); every other image, the front end
-    jpeg_decode: Literal["auto", "frontend", "worker"] = "auto"
+    #: where an encode request's JPEG file is decoded (service/worker/jpeg_bodies.py): frontend =
+    #: the front end's PIL; auto = the model worker, on the GPU's hardware JPEG engines where it
+    #: has them (nvImageCodec, the cuda-jpeg extra), else the front end; worker = always the model
+    #: worker (PIL there without the engines). Only baseline YCbCr JPEGs of exactly the model's
+    #: input size go to a worker (service/codecs/jpeg_header.py). frontend by default: on one H200
+    #: (16-core host, ConvNeXt-T one 224x224 JPEG a request) the engines in the worker gave
+    #: 0.57-0.72 of the raw model against the front ends' 0.78 and 0.86 in the same call, with
+    #: ~6 fewer host cores busy: the worker's one interpreter is the limit (benchmarks/HISTORY.md)
+    jpeg_decode: Literal["frontend", "auto", "worker"] = "frontend"
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
     #: encode images: what limits small requests)

@@ -5,7 +5,9 @@ uint8 path takes, on the device where the GPU's hardware JPEG engines can decode
 Why: a front end's PIL decode of a 224x224 JPEG costs it 336-638 us of CPU, more than the rest of
 a one-image request; NVIDIA's hardware JPEG engines (nvImageCodec's HW_GPU_ONLY backend) decoded
 a batch of 32 on one H200 with 48 us of host CPU an image, PIL's pixels exactly
-(benchmarks/service/gpu_jpeg.py --decode).
+(benchmarks/service/gpu_jpeg.py --decode). In the service the front ends still decode by default
+(JPEG_DECODE=frontend): with one image a request the worker's one interpreter, not the host's
+cores, became the limit (service/settings.py has the figures).
 
 Rules:
 - Each body is judged on its own. One the device's decoder cannot decode (it returns nothing for

@@ -111,7 +111,7 @@ def test_one_image_jpeg_encodes_are_decoded_on_the_device_through_the_service(ha
     from live_server import from_npy, metric, npy, scrape, start_server
 
     server = start_server(tmp_path_factory.mktemp("servers"), ready_timeout=150, backend="cuda",
-                          models="tiny-convnext", max_queue_delay_ms=5)
+                          models="tiny-convnext", max_queue_delay_ms=5, jpeg_decode="auto")
     try:
         url = server.url + "/v1/models/tiny-convnext/encode"
         files = [_jpeg(_photo(10 + i, 64), quality=90) for i in range(48)]
