@@ -164,3 +164,21 @@ def test_a_call_that_takes_device_input_gets_the_gathered_batch_else_the_stacked
             assert asked == [] and seen[0].tolist() == [[0.0] * 4, [1.0] * 4]
         assert seen[1].tolist() == [[float(i)] * 4 for i in range(4)]  # gather said None: stacked
         assert seen[2].tolist() == [[0.0] * 4, [1.0] * 4]
+
+
+def test_an_item_cancelled_before_it_reaches_the_queue_never_runs_and_the_queue_goes_on(batcher):
+    """A JPEG file withdrawn while on its decode thread (service/worker/jpeg_stage.py) reaches the
+    batcher cancelled: left at the queue's head it would have stalled every later request."""
+    ran = []
+
+    def call(x):
+        ran.append(int(x[0, 0]))
+        return x
+
+    early = WorkItem("m", "k", np.full((1, 1), 1.0), call)
+    assert batcher.cancel(early)  # withdrawn before the batcher had it: answered Cancelled at once
+    later = WorkItem("m", "k", np.full((1, 1), 2.0), call)
+    batcher.submit_many([early, later])
+    assert later.outcome.result(timeout=10)[0, 0] == 2.0
+    assert ran == [2]
+    assert type(early.outcome.exception(timeout=1)).__name__ == "Cancelled"

@@ -85,12 +85,16 @@ class Batcher:
         """Queue `items` together: one take of the queue's lock, and the device thread woken only
         when it has something new to do (it waited on an empty queue, or a batch is now full: it
         would otherwise wake for every item to find its batching window still open). Closed when
-        stopped."""
+        stopped. An item withdrawn before it came (a JPEG file cancelled on its decode thread,
+        service/worker/jpeg_stage.py) is left out: answered already, and a cancelled item at the
+        queue's head would stall it."""
         with self._cond:
             if self._stopped:
                 raise Closed()
             wake = not self._pending
             for item in items:
+                if item.cancelled:  # cancel() set it under this lock: it never runs
+                    continue
                 self._enqueue(item)
                 wake = wake or self._rows[item.key] >= self.max_batch
             self._depth_moved()

@@ -226,7 +226,6 @@ class ModelHost:
             if self.jpeg is None or getattr(hm.model, "input_size", None) is None:
                 raise ValueError(f"{self.spec.device} does not decode JPEG files for {hm.name}")
             base = self.call_for(hm, "encode", options)
-
             if self.jpeg.hardware is not None and not getattr(base, "device_input", False):
                 raise ValueError(f"{hm.name}'s encode here takes no device pixels: it takes no JPEG files")
 
