@@ -86,7 +86,8 @@ class HardwareDecoder:
         data, ref = _probe_jpeg()
         body = np.frombuffer(data, np.uint8)
         cp, why = self.cp, None
-        for self.direct in (True, False):
+        for direct in (True, False):
+            self.direct = direct
             try:
                 out = cp.zeros((1, *ref.shape), np.uint8)
                 if not self.decode_into([body], [out[0]])[0]:

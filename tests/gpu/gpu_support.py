@@ -17,14 +17,14 @@ def cuda_backend(dtype: str, **options):
     return get_backend("cuda", dtype=dtype, **options)
 
 
-def report_parity(line: str) -> None:
-    """Errors of passing runs too: appended to $OUT/model_parity.txt when $OUT names an output folder."""
+def report_parity(line: str, file: str = "model_parity.txt") -> None:
+    """Errors (and other figures) of passing runs too: appended to $OUT/`file` when $OUT names an output folder."""
     import os
 
     print(line)
     out = os.environ.get("OUT")
     if out and os.path.isdir(out):
-        with open(os.path.join(out, "model_parity.txt"), "a") as f:
+        with open(os.path.join(out, file), "a") as f:
             f.write(line + "\n")
 
 

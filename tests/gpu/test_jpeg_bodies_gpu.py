@@ -6,14 +6,13 @@ the same pixels sent as .npy. Skipped without a CUDA GPU, CuPy and nvImageCodec
 from __future__ import annotations
 
 import io
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from gpu_support import cuda_or_skip
+from gpu_support import cuda_or_skip, report_parity
 
 pytestmark = pytest.mark.gpu
 
@@ -41,11 +40,7 @@ def _decoded(where: str) -> float:
 
 
 def _report(line: str) -> None:
-    print(line)
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "jpeg_bodies.txt"), "a") as f:
-            f.write(line + "\n")
+    report_parity(line, "jpeg_bodies.txt")
 
 
 @pytest.fixture(scope="module")
