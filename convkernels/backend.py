@@ -110,6 +110,12 @@ class BackendBase(TensorOps):
         caller stacks them and uploads the stack."""
         return None
 
+    def jpeg_decoder(self):
+        """A decoder of JPEG files on the device's own engines (the CUDA backend's codecs/jpeg.py:
+        new_rows, decode_into, set_row, ready, join, to_host, own_stream); None (the default): not
+        offered. It may raise where the device or its library cannot decode."""
+        return None
+
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
         """LayerNorm(depthwise 'same' conv2d(x, w) + bias) as one fused op, or None where the
         backend does not fuse it (the caller runs conv2d, then layer_norm). Not fused here."""

@@ -161,3 +161,53 @@ def test_a_cpu_worker_leaves_jpeg_files_to_the_front_ends_by_default(live_server
     after = _decodes(url)
     assert after["frontend"] - before["frontend"] == 1
     assert after["worker-host"] == before["worker-host"] and after["device"] == before["device"]
+
+
+# ---- the worker's choices around a device decoder, on a NumPy stand-in for the GPU's engines ------
+class EnginesOnNumpy:
+    """The CUDA backend's jpeg_decoder() contract (convkernels/backends/cuda/codecs/jpeg.py) on host
+    arrays: decodes what the engines take (baseline files, by PIL) and refuses the rest, as they do."""
+    direct = True
+
+    def new_rows(self, n, height, width):
+        return np.full((n, height, width, 3), 77, np.uint8)  # not zeros: a failed row must be cleared
+
+    def decode_into(self, bodies, out, rows):
+        ok = []
+        for body, r in zip(bodies, rows):
+            ok.append(device_decodable_size(body) is not None)
+            if ok[-1]:
+                out[r] = np.asarray(Image.open(io.BytesIO(body.tobytes())).convert("RGB"))
+        return ok
+
+    def set_row(self, out, row, pixels):
+        out[row] = 0 if pixels is None else pixels
+
+    def ready(self, out):
+        return "ready"
+
+    def to_host(self, x):
+        return np.asarray(x)
+
+
+def test_with_a_device_decoder_each_file_goes_where_it_can_and_a_bad_one_fails_alone():
+    from service import metrics
+    from service.worker.jpeg_bodies import JpegBodies, probe_decoder
+
+    engines = EnginesOnNumpy()
+    probe_decoder(engines)
+    good = jpeg(photo(60), quality=90)
+    progressive = jpeg(photo(61), progressive=True)  # refused by the engines: PIL decodes it here
+    corrupt = corrupt_scan(jpeg(photo(62), progressive=True))  # refused by both: fails alone
+    other_size = jpeg(photo(63, SIZE - 4, SIZE))  # never sent to the engines (its header says so)
+    files = [good, progressive, corrupt, good, other_size]
+    count = {where: metrics.IMAGE_DECODES.labels("m", where) for where in ("device", "worker-host")}
+    before = {where: c._value.get() for where, c in count.items()}
+    px, failures, ready = JpegBodies(engines, "cpu").decode("m", [np.frombuffer(f, np.uint8) for f in files], SIZE)
+    assert set(failures) == {2, 4} and ready == "ready"
+    assert "corrupt" in str(failures[2]) and f"{SIZE}x{SIZE}" in str(failures[4])
+    assert not px[2].any() and not px[4].any()
+    for i in (0, 1, 3):
+        assert np.array_equal(px[i], np.asarray(Image.open(io.BytesIO(files[i])).convert("RGB")))
+    assert count["device"]._value.get() - before["device"] == 2
+    assert count["worker-host"]._value.get() - before["worker-host"] == 1

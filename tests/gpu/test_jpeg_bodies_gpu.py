@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from gpu_support import cuda_or_skip, report_parity
+from service.worker.jpeg_bodies import PROBE_MAX_DIFF
 
 pytestmark = pytest.mark.gpu
 
@@ -47,12 +48,12 @@ def _report(line: str) -> None:
 def hardware():
     cuda_or_skip()
     pytest.importorskip("nvidia.nvimgcodec")
-    import cupy as cp
+    from gpu_support import cuda_backend
 
-    from service.worker.jpeg_bodies import HardwareDecoder
+    from service.worker.jpeg_bodies import probe_decoder
     try:
-        dec = HardwareDecoder(cp, 0)
-        dec.probe()
+        dec = cuda_backend("float16").jpeg_decoder()  # the backend's own decoder, as a worker takes it
+        probe_decoder(dec)
     except RuntimeError as exc:
         pytest.skip(f"no hardware JPEG decode here: {exc}")
     return dec
@@ -74,7 +75,7 @@ def test_the_engines_give_pils_pixels(hardware):
     means = [float(np.abs(got[i].astype(np.int16) - _pil(f).astype(np.int16)).mean()) for i, f in enumerate(files)]
     _report(f"hardware JPEG decode vs PIL, 12 files 224x224 (4:2:0, 4:4:4, 4:2:2; q70-95): max abs diff {diffs}, "
             f"mean {max(means):.4f}")
-    assert max(diffs) <= hardware.PROBE_MAX_DIFF
+    assert max(diffs) <= PROBE_MAX_DIFF
 
 
 def test_a_file_the_engines_refuse_goes_to_pil_and_a_corrupt_one_fails_alone(hardware):
@@ -84,8 +85,8 @@ def test_a_file_the_engines_refuse_goes_to_pil_and_a_corrupt_one_fails_alone(har
     good = _jpeg(_photo(1, 96), quality=90)
     progressive = _jpeg(_photo(2, 96), quality=90, progressive=True)
     # the engines take baseline only (why the header check keeps progressive files from them)
-    row = cp.zeros((96, 96, 3), np.uint8)
-    assert hardware.decode_into([np.frombuffer(progressive, np.uint8)], [row]) == [False]
+    rows = hardware.new_rows(1, 96, 96)
+    assert hardware.decode_into([np.frombuffer(progressive, np.uint8)], rows, [0]) == [False]
     corrupt = bytearray(progressive)
     corrupt[corrupt.index(b"\xff\xda") + 5] = 9  # its scan names a component the frame lacks: PIL refuses it
     files = [good, progressive, bytes(corrupt), good]
@@ -96,7 +97,7 @@ def test_a_file_the_engines_refuse_goes_to_pil_and_a_corrupt_one_fails_alone(har
     assert _decoded("device") - before["device"] == 2 and _decoded("worker-host") - before["worker-host"] == 1
     assert not got[2].any()
     for i in (0, 1, 3):
-        assert np.abs(got[i].astype(np.int16) - _pil(files[i]).astype(np.int16)).max() <= hardware.PROBE_MAX_DIFF
+        assert np.abs(got[i].astype(np.int16) - _pil(files[i]).astype(np.int16)).max() <= PROBE_MAX_DIFF
     _report(f"decoded into the batch's own rows (nvImageCodec images wrapping them): {hardware.direct}")
 
 

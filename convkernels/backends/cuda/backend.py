@@ -10,13 +10,13 @@ CuPy kernels. Its parts, one module each:
   docstring states what may run inside a capture).
 - kernels.py (+ src/*.cu): norms, activations, casts, depthwise, softmax kernels.
 - attention.py: attention (cuBLAS products around the softmax kernel), ReLU linear attention.
-- blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py: cuBLAS, cuBLASLt and cuDNN through
-  their C APIs, the plan cache, block copies and the pinned staging of host batches.
+- blas.py, blas_lt.py, cudnn.py, plan_cache.py, transfer.py, codecs/jpeg.py: cuBLAS, cuBLASLt and cuDNN
+  through their C APIs, the plan cache, block copies, the pinned staging of host batches, JPEG decode.
 
-Host <-> device copies happen only in asarray / to_host / to_host_async. Sampled convs get a pair
-of CUDA events; flush_timings() reads them after the batch (no synchronisation per conv). Matmuls (linear, attention, gemm_fallback's products) go through
-cuBLAS's C API on the backend's own handle, never CuPy's cuBLAS: that is what lets `graphed`
-forwards be captured as CUDA graphs.
+Host <-> device copies happen only in asarray / to_host / to_host_async. Sampled convs get a pair of CUDA
+events; flush_timings() reads them after the batch (no synchronisation per conv). Matmuls (linear, attention,
+gemm_fallback's products) go through cuBLAS's C API on the backend's own handle, never CuPy's cuBLAS: that
+is what lets `graphed` forwards be captured as CUDA graphs.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from ...spec import prod
 from .arrays import STORAGE, CudaArrays, DerivedWeights, dtype_name
 from .attention import SCORE_BYTES, attention, relu_linear_attention_apply, relu_linear_attention_sums
 from .blas import Cublas
+from .codecs.jpeg import HardwareJpeg
 from .conv_paths import CudaConvPaths
 from .cudnn import CudnnConvBuilder
 from .fusions import CudaFusions, gated, rms_norm_affine
@@ -63,8 +64,7 @@ class CudaBackend(BackendBase):
         self.device = cp.cuda.Device(self.device_id)
         self.device.use()
         props = cp.cuda.runtime.getDeviceProperties(self.device_id)
-        name = props["name"]
-        self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         # a quarter of the card per model call: at 1 GiB (the CPU default) the service decoded
         # SD-VAE 512 in nine 256-px tiles on an 80 GB H100 (72 ms a request instead of 7)
         self.work_memory_budget = int(props["totalGlobalMem"]) // 4
@@ -80,22 +80,22 @@ class CudaBackend(BackendBase):
         self.host_batch = lambda shape, dtype: self.arrays.staging.take(tuple(shape), dtype)
         self.pin_host_region = lambda address, nbytes: PinnedRegion(cp, address, nbytes)
         self.gather_rows = lambda parts, regions: gather_rows(cp, parts, regions)
+        self.jpeg_decoder = lambda: HardwareJpeg(cp, self.device_id)  # raises without nvImageCodec
         self.weights = DerivedWeights(self.capture)
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (blas.py)
         self.blas = Cublas(cp, allow_tf32=options.allow_tf32)
         self.handle = cudnn.create_handle()
         builder = CudnnConvBuilder(cudnn, self.handle, allow_tf32=options.allow_tf32, autotune=options.autotune,
                                    autotune_max_plans=options.autotune_max_plans)
-        store = PlanStore(options.plan_cache_dir, self.gpu_name, self.cudnn_version) if options.plan_cache_dir \
-            else None
-        capacity = options.plan_cache_capacity or DEFAULT_CAPACITY
-        self.plan_cache = PlanCache(capacity, self.name, store=store, serializer=builder)
+        store = PlanStore(options.plan_cache_dir, self.gpu_name, self.cudnn_version) if options.plan_cache_dir else None
+        self.plan_cache = PlanCache(options.plan_cache_capacity or DEFAULT_CAPACITY, self.name, store=store,
+                                    serializer=builder)
         self.convs = CudaConvPaths(cp, self.arrays, self.capture, self.weights, builder, self.plan_cache, self.blas,
                                    self.device_id, self.unfold_limit_bytes, options.autotune)
         self.fusions = CudaFusions(cp, self.arrays, self.capture, options, self.convs.depthwise_weights,
                                    self.conv2d, self._count_conv)
-        self._copy_stream = None  # device -> host copies of to_host_async
-        self._pending, self._event_pool = [], []  # timing events queued, and free for reuse
+        # device -> host copies of to_host_async; timing events queued, and free for reuse
+        self._copy_stream, self._pending, self._event_pool = None, [], []
         self._timing_lock = threading.Lock()
         super().__init__(options.dtype, options.timing_sample_rate)
         if options.force_fallback:
