@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
-import importlib.util
 import re
 from pathlib import Path
 
@@ -19,13 +18,16 @@ from convkernels.backends.cuda.kernels import DTYPE_CODES, SOURCE
 
 
 def _nvrtc_path() -> Path | None:
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(root).glob("*/lib/libnvrtc.so*")) + sorted(Path(root).glob("*/bin/nvrtc64*.dll"))
-        found = [p for p in found if "builtins" not in p.name and ".alt." not in p.name]
-        if found:
-            return found[0]
-    return None
+    # from the wheel's own file list, not the `nvidia` package's folders: another NVIDIA wheel
+    # (nvImageCodec's, for instance) ships nvidia/__init__.py with pkgutil's extend_path, and
+    # then import machinery sees only that wheel's folder until the package is imported
+    try:
+        dist = importlib.metadata.distribution("nvidia-cuda-nvrtc")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = sorted(Path(dist.locate_file(f)) for f in dist.files or []
+                   if re.fullmatch(r"libnvrtc\.so[.\d]*|nvrtc64.*\.dll", f.name))
+    return found[0] if found else None
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def nvrtc():
             importlib.metadata.distribution("nvidia-cuda-nvrtc")
         except importlib.metadata.PackageNotFoundError:
             pytest.skip("NVRTC is not installed (the nvidia-cuda-nvrtc wheel of the test extra)")
-        pytest.fail("nvidia-cuda-nvrtc is installed, but no libnvrtc under its nvidia/*/lib: has its layout changed?")
+        pytest.fail("nvidia-cuda-nvrtc is installed, but no libnvrtc among its files: has its layout changed?")
     # NVRTC opens its builtins library by name: loaded first, from the wheel's folder, it is found
     for builtins in sorted(path.parent.glob("*nvrtc-builtins*")):
         if ".alt." not in builtins.name:
