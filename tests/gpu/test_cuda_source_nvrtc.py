@@ -19,8 +19,8 @@ from convkernels.backends.cuda.kernels import DTYPE_CODES, SOURCE
 
 def _nvrtc_path() -> Path | None:
     # from the wheel's own file list, not the `nvidia` package's folders: another NVIDIA wheel
-    # (nvImageCodec's, for instance) ships nvidia/__init__.py with pkgutil's extend_path, and
-    # then import machinery sees only that wheel's folder until the package is imported
+    # (nvImageCodec's) makes `nvidia` a package of its own whose path pkgutil extends only on
+    # import, and until then the search sees that wheel's folder alone
     try:
         dist = importlib.metadata.distribution("nvidia-cuda-nvrtc")
     except importlib.metadata.PackageNotFoundError:
