@@ -278,6 +278,22 @@ def main():
             record(f"convnext-tiny 224 n{n} fp16, on device", ours_dev, ours_dev_e, peer, comp,
                    tflop=CONVNEXT_T_224_TFLOP * n,
                    extra=dict(note="device pixels in, device outputs; the peers' rows are the same calls"))
+            # like for like with ours' first row: the peer also starts from the host's float32 NHWC
+            # array (pageable, as ours gets it) and ends with its output on the host
+            def up(a):
+                return torch.from_numpy(a).to("cuda").permute(0, 3, 1, 2).to(torch.half).contiguous(
+                    memory_format=torch.channels_last)
+            with torch.inference_mode():
+                peer_h = wall(lambda: call(up(px)).float().cpu(), 2, args.reps, tsync)
+                pinned = torch.from_numpy(px).pin_memory().numpy()
+                peer_pinned = wall(lambda: call(up(pinned)).float().cpu(), 2, args.reps, tsync)
+                comp_h = (wall(lambda: call_c(up(px)).float().cpu(), 2, args.reps, tsync)
+                          if call_c is not None and shape_i < args.compile_limit else None)
+            record(f"convnext-tiny 224 n{n} fp16, host pixels both", ours, ours_e, peer_h, comp_h,
+                   tflop=CONVNEXT_T_224_TFLOP * n,
+                   extra=dict(note="host float32 pixels in, host outputs, on both sides",
+                              peer_pinned_source_ms=peer_pinned))
+            print(f"  torch eager from a pinned copy of the pixels: {peer_pinned:.2f} ms", flush=True)
         details["convnext"] = dict(plan_cache=be.plan_cache_stats())
         del peer_model, call_c
         torch.cuda.empty_cache()
