@@ -1,10 +1,9 @@
 """A front end's view of the model workers (one per device, service/worker/model_worker.py): the links
 to them, which one runs a request, and the arena blocks a request's tensors travel in.
 
-Each link is a Unix-socket connection to one worker, kept by a thread of its own: it connects
-(again, after a worker restarts), hands over the arena's descriptor, then reads the worker's
-messages and passes them to the event loop. Everything else runs on the event loop: submitting,
-settling, the links' bookkeeping.
+Each link is a Unix-socket connection to one worker, kept by a thread of its own: it connects (again,
+after a worker restarts), hands over the arena's descriptor, then reads the worker's messages and
+passes them to the event loop. The event loop does the rest: submitting, settling, bookkeeping.
 
 Dispatch: a request goes to the ready worker serving its model with the fewest rows outstanding
 from this front end (ties in turn); the worker batches what every front end sends it.
@@ -281,17 +280,14 @@ class Engine:
     def _on_messages(self, link: Link, msgs: list[wp.Message]) -> None:
         for msg in msgs:
             match msg:
-                case wp.DoneMany(answers):  # a batch's answers to this front end
+                case wp.DoneMany(answers, started):  # a batch's answers to this front end
+                    self._started(link, started)  # first: a rid may be named in both
                     for done in answers:
                         self._done(link, done.rid, done.error, done.stream)
                 case wp.Done(rid, error, stream):
                     self._done(link, rid, error, stream)
                 case wp.Started(rids):
-                    for rid in rids:
-                        sub = link.pending.get(rid)
-                        if sub is not None and not sub.started:
-                            sub.started = True
-                            self.waiting -= 1
+                    self._started(link, rids)
                 case wp.Status():
                     self._on_status(link, msg)
                 case wp.KernelsAnswer(rid, doc):
@@ -300,6 +296,11 @@ class Engine:
                     self._done(link, rid, None, records)
                 case _:
                     log.warning("worker %s sent a %s, which no front end expects", link.device, type(msg).__name__)
+
+    def _started(self, link: Link, rids: list[int]) -> None:
+        for sub in filter(None, map(link.pending.get, rids)):  # their calls began: no longer waiting
+            if not sub.started:
+                sub.started, self.waiting = True, self.waiting - 1
 
     def _done(self, link: Link, rid: int, error: wp.WorkerError | None, payload) -> None:
         sub = link.pending.get(rid)

@@ -33,7 +33,8 @@ Worker -> front end (or leader):
   Started(rids)                          a model call began with these requests (one per model
                                          call and front end)
   Done(rid, error, stream)               error: a WorkerError (service/ipc/worker_errors.py's kinds)
-  DoneMany(answers)                      a batch's answers to one front end, in one message
+  DoneMany(answers, started)             a batch's answers to one front end, in one message, and
+                                         the rids of calls begun meanwhile (a Started's, read first)
   KernelsAnswer(rid, doc)   StatsAnswer(rid, records)   a Query's answer
 """
 from __future__ import annotations
@@ -208,6 +209,9 @@ class Done(_Msg):
 
 class DoneMany(_Msg):
     answers: list[Done]
+    #: requests whose model call began, said here instead of in a Started of their own (one
+    #: message per front end a drain of the worker's delivery queue); read before the answers
+    started: list[int] = []
 
 
 class KernelsAnswer(_Msg):

@@ -10,8 +10,9 @@ HTTP front ends (service/frontend/engine.py) connect to its Unix socket; the sup
   result into the output block its front end allocated, then answers `Done`;
 - pays what it can per message or per model call, not per request: a front end's SubmitMany is
   read, decoded and queued at once (one wake-up of the device thread), a model call's requests
-  go to the delivery thread in one hand-off and its answers to each front end in one DoneMany;
-  the delivery thread also sends each call's Started, so the device thread sends nothing;
+  go to the delivery thread in one hand-off and its answers to each front end in one DoneMany,
+  which also names the requests whose calls began meanwhile (else a Started alone): the device
+  thread sends nothing;
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
 - beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
@@ -70,16 +71,23 @@ class Worker:
 
     def _deliver(self) -> None:
         """The delivery thread: finished model calls' outputs into their front ends' blocks and
-        one answer message per front end for all that finished together, off the device thread (a
-        batch of float32 images is megabytes to copy; the device runs the next batch meanwhile).
-        The device thread hands over a whole batch at once (the batcher's on_done)."""
+        one message per front end for everything a drain of the queue found: the answers of the
+        calls that finished (DoneMany), and the requests whose calls began (its `started`, or a
+        Started alone where nothing finished). A send is a syscall and a wake-up of the front
+        end: with run-ahead, one call's start and the previous call's end meet in most drains.
+        Copies happen here, off the device thread (a batch of float32 images is megabytes to
+        copy; the device runs the next batch meanwhile). The device thread hands over a whole
+        batch at once (the batcher's on_done)."""
         deliveries = self.host.deliveries
         while True:
             answers: dict[FrontendLink, list[wp.Done]] = {}
+            started: dict[FrontendLink, list[int]] = {}
             batch = deliveries.get()
             while batch is not None:
-                if isinstance(batch, _StartedBatch):  # queued before the batch's own delivery: sent first
-                    self._send_started(batch.items)
+                if isinstance(batch, _StartedBatch):  # queued before the batch's own delivery
+                    for item in batch.items:
+                        if item.tag is not None:
+                            started.setdefault(item.tag[0], []).append(item.tag[1])
                     batch = None
                 for item in batch or ():
                     link = item.tag[0]
@@ -90,8 +98,11 @@ class Worker:
                     batch = deliveries.get_nowait()
                 except queue.Empty:
                     batch = None
+            for link, rids in started.items():
+                if link not in answers:
+                    link.send(wp.Started(rids))
             for link, dones in answers.items():
-                link.send(wp.DoneMany(dones))
+                link.send(wp.DoneMany(dones, started.get(link, [])))
 
     def _broadcast(self) -> None:
         with self._links_lock:  # the state read and sent as one step against a link joining (_accept)
@@ -107,14 +118,6 @@ class Worker:
         front end a batch, they took 16 % of the device thread's samples under one-image requests
         (one H200, 2026-11-29, py-spy)."""
         self.host.deliveries.put(_StartedBatch(batch))
-
-    def _send_started(self, batch) -> None:
-        by_link: dict[FrontendLink, list[int]] = {}
-        for item in batch:
-            if item.tag is not None:
-                by_link.setdefault(item.tag[0], []).append(item.tag[1])
-        for link, rids in by_link.items():
-            link.send(wp.Started(rids))
 
     def _accept(self, listener: Listener) -> None:
         while not self.stop.is_set():
@@ -141,12 +144,15 @@ class Worker:
         sel = selectors.DefaultSelector()  # kept: registering every link on each wait cost ~5 %
         sel.register(self._wake_r, selectors.EVENT_READ, None)
         watched: set[FrontendLink] = set()
+        joined = True  # links join only in _accept, which then wakes this wait: looked for only then
         while not self.stop.is_set():
-            with self._links_lock:
-                links = [link for link in self.links if not link.closed]
-            for link in set(links) - watched:
-                sel.register(link.conn, selectors.EVENT_READ, link)
-                watched.add(link)
+            if joined:
+                with self._links_lock:
+                    links = [link for link in self.links if not link.closed]
+                for link in set(links) - watched:
+                    sel.register(link.conn, selectors.EVENT_READ, link)
+                    watched.add(link)
+                joined = False
             shm.sweep()  # released arenas that a batch still viewed, once it is done
             ready = sel.select(PARENT_POLL_S)
             self.host.tally.publish(force=not ready)  # now and then, and when idle
@@ -154,6 +160,7 @@ class Worker:
                 link = key.data
                 if link is None:
                     self._wake_r.recv_bytes()
+                    joined = True
                     continue
                 conn = link.conn
                 try:
