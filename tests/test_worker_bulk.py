@@ -182,6 +182,36 @@ def test_every_request_is_said_started_before_it_is_answered(server):
         fe.close()
 
 
+
+def test_a_front_end_counts_a_request_started_once_from_either_message():
+    """The front end's side (service/frontend/engine.py): a rid said started in a DoneMany's
+    `started` leaves the queue count like one in a Started, once, also when the same DoneMany
+    answers it; a rid it no longer holds, or says twice, changes nothing."""
+    import asyncio
+
+    from service.frontend.engine import Engine
+    from service.frontend.submission import Submission
+
+    async def run():
+        arena = Arena(1 << 20)
+        engine = Engine([("cpu", "/nonexistent")], arena)
+        link = engine.links[0]
+        subs = [Submission(arena, link, rid, 1, [], {}) for rid in (1, 2, 3, 4)]
+        link.pending = {sub.rid: sub for sub in subs}
+        link.rows = engine.waiting = len(subs)
+        engine._on_messages(link, [wp.DoneMany([], [1, 99])])
+        assert (engine.waiting, [s.started for s in subs]) == (3, [True, False, False, False])
+        engine._on_messages(link, [wp.Started([1, 2])])
+        assert (engine.waiting, [s.started for s in subs]) == (2, [True, True, False, False])
+        engine._on_messages(link, [wp.DoneMany([wp.Done(3)], [3]), wp.DoneMany([wp.Done(1), wp.Done(4)])])
+        assert engine.waiting == 0 and subs[2].started and not subs[3].started  # 4 answered unstarted: counted out once
+        assert set(link.pending) == {2} and all(s.future.done() for s in (subs[0], subs[2], subs[3]))
+        engine._on_messages(link, [wp.DoneMany([wp.Done(2)], [2])])
+        assert engine.waiting == 0 and not link.pending
+        arena.close()
+
+    asyncio.run(run())
+
 def encode(url: str, pixels: np.ndarray) -> np.ndarray:
     r = httpx.post(f"{url}/v1/models/{MODEL}/encode", content=npy(pixels), params={"format": "npy"},
                    headers={"content-type": "application/x-npy"}, timeout=120)

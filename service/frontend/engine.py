@@ -281,7 +281,7 @@ class Engine:
         for msg in msgs:
             match msg:
                 case wp.DoneMany(answers, started):  # a batch's answers to this front end
-                    self._started(link, started)  # first: a rid may be named in both
+                    self._started(link, started)  # the calls begun meanwhile
                     for done in answers:
                         self._done(link, done.rid, done.error, done.stream)
                 case wp.Done(rid, error, stream):

@@ -34,7 +34,7 @@ Worker -> front end (or leader):
                                          call and front end)
   Done(rid, error, stream)               error: a WorkerError (service/ipc/worker_errors.py's kinds)
   DoneMany(answers, started)             a batch's answers to one front end, in one message, and
-                                         the rids of calls begun meanwhile (a Started's, read first)
+                                         the rids of calls begun meanwhile (what a Started says)
   KernelsAnswer(rid, doc)   StatsAnswer(rid, records)   a Query's answer
 """
 from __future__ import annotations
@@ -210,7 +210,7 @@ class Done(_Msg):
 class DoneMany(_Msg):
     answers: list[Done]
     #: requests whose model call began, said here instead of in a Started of their own (one
-    #: message per front end a drain of the worker's delivery queue); read before the answers
+    #: message per front end a drain of the worker's delivery queue)
     started: list[int] = []
 
 
