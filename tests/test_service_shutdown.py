@@ -87,14 +87,15 @@ def test_sigterm_to_the_whole_process_group_still_drains(server_factory, tmp_pat
     assert "died" not in srv.log(), srv.log()
 
 
-def _idle_front_end() -> None:
+def _idle_front_end(ready: str) -> None:
     """A stand-in front end: idles until told to drain (SIGTERM), then exits 0 at once, as an idle
-    front end does."""
+    front end does. `ready` appears once its handler is in place."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    open(ready, "w").close()
     time.sleep(120)
 
 
-def test_front_ends_told_to_drain_are_not_restarted():
+def test_front_ends_told_to_drain_are_not_restarted(tmp_path):
     """An idle front end ends its drain before front end 0 does: the supervisor must not take
     its exit for a death and start it again."""
     from service import threads
@@ -103,10 +104,17 @@ def test_front_ends_told_to_drain_are_not_restarted():
 
     sup = Supervisor(Settings(backend="numpy"))
     try:
-        for i in (1, 2):
-            sup.add_frontend(f"convserve-frontend-{i}", _idle_front_end, ())
+        ready = [tmp_path / f"ready-{i}" for i in (1, 2)]
+        for i, path in zip((1, 2), ready):
+            sup.add_frontend(f"convserve-frontend-{i}", _idle_front_end, (str(path),))
         threads.start(sup._watch, "convserve-supervisor")
-        time.sleep(1.0)  # both started and watched
+        # both started (their handlers in place: a spawned child's start took over a second
+        # beside another test process on two cores) and watched
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in ready):
+            assert time.monotonic() < deadline, "the stand-in front ends never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the watcher's turn has come since
         sup.drain()
         for child in sup.frontends:
             child.proc.join(30)
