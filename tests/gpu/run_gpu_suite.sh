@@ -37,6 +37,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # cut off at its limit still names them. 2026-11-26: tests/gpu did not finish within 330 s on one
   # H200 (-n 8) nor within 357 s on 2x H200 (-n 10): its tail was the full-size CPU references, since
   # moved to the GPU; the cuda op targets take 74 s on one H100.
+  # --dist load (not pyproject's loadfile): each test to the next free worker; a large file's many
+  # parametrized full-size cases would otherwise queue on one worker, and the suite is near a call's limit.
   # On a machine of several GPUs the one-GPU files spread over all of them (CONVSERVE_TEST_GPU_SPREAD,
   # tests/conftest.py), then the files that need two GPUs run on their own.
   NG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
@@ -44,9 +46,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ "$NG" -gt 1 ]; then
     ONE=$(ls tests/gpu/test_*.py | grep -v -e sharded_decode_gpus -e service_shards_gpu -e service_multi_gpu)
     CONVSERVE_TEST_GPU_SPREAD=$NG python3 -m pytest -q -p no:cacheprovider -p no:benchmark $ONE \
-      --timeout ${TEST_TIMEOUT:-300} -rfE --durations 15 -n ${WORKERS:-$((4 * NG))} "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 30
+      --timeout ${TEST_TIMEOUT:-300} -rfE --durations 15 -n ${WORKERS:-$((4 * NG))} --dist load "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 30
     status=$?
-    python3 -m pytest -q -p no:cacheprovider -p no:benchmark $MULTI_FILES --timeout ${TEST_TIMEOUT:-300} -rfE -n 3 \
+    python3 -m pytest -q -p no:cacheprovider -p no:benchmark $MULTI_FILES --timeout ${TEST_TIMEOUT:-300} -rfE -n 3 --dist load \
       2>&1 | tee "$OUT/pytest_multi.log" | tail -n 12
     multi_status=$?
     [ $status = 0 ] && status=$multi_status
@@ -56,7 +58,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       FILES=$(ls tests/gpu/test_*.py | awk -v i="${PART%/*}" -v n="${PART#*/}" '(NR - 1) % n == i - 1')
     fi
     python3 -m pytest -q -p no:cacheprovider -p no:benchmark $FILES --timeout ${TEST_TIMEOUT:-300} -rfE \
-      --durations 15 -n ${WORKERS:-8} \
+      --durations 15 -n ${WORKERS:-8} --dist load \
       --log-file="$OUT/cuda.log" --log-file-level=INFO "$@" 2>&1 | tee "$OUT/pytest.log" | tail -n 40
     status=$?
   fi
@@ -64,7 +66,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   if [ -z "${PART:-}" ] || [ "${PART%/*}" = "${PART#*/}" ]; then
     python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_ops.py tests/test_ops_conv.py \
       tests/test_backend_protocol.py -k cuda \
-      --timeout ${TEST_TIMEOUT:-300} -rfE -n ${WORKERS:-8} 2>&1 | tee "$OUT/pytest_ops.log" | tail -n 15
+      --timeout ${TEST_TIMEOUT:-300} -rfE -n ${WORKERS:-8} --dist load 2>&1 | tee "$OUT/pytest_ops.log" | tail -n 15
     ops_status=$?  # the pipeline's (pipefail): pytest's
   fi
   [ $status = 0 ] && status=$ops_status
