@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import glob
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -147,9 +148,37 @@ def exposition() -> bytes:
         from prometheus_client import multiprocess
 
         merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged)
+        _SizedFilesCollector(merged)
         return generate_latest(merged) + _declared_only({fam.name for fam in merged.collect()})
     return generate_latest(REGISTRY) + generate_latest(KERNEL_REGISTRY)
+
+
+def _sized_files(path: str) -> list[str]:
+    """The value files of the multiprocess directory that have their header. A process's first
+    value of a kind creates its file empty and sizes it a moment later (prometheus_client's
+    MmapedDict); read in between, the file has no header and the whole scrape would fail with a
+    500. Such a file holds no value yet, so leaving it out of one scrape loses nothing."""
+    files = []
+    for name in glob.glob(os.path.join(path, "*.db")):
+        try:
+            if os.path.getsize(name) >= 8:
+                files.append(name)
+        except FileNotFoundError:  # a live gauge's file, removed as its process exited
+            pass
+    return files
+
+
+class _SizedFilesCollector:
+    """prometheus_client's multiprocess collector over `_sized_files` only."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._path = os.environ[MULTIPROC_ENV]
+        registry.register(self)
+
+    def collect(self):
+        from prometheus_client import multiprocess
+
+        return multiprocess.MultiProcessCollector.merge(_sized_files(self._path), accumulate=True)
 
 
 def _declared_only(present: set[str]) -> bytes:

@@ -7,6 +7,7 @@ timeout and httpx's 5 s pool expiry are served (the keep-alive setting reaches t
 both HTTP/1.1 parsers (CONVSERVE_HTTP=h11 and httptools)."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,3 +107,23 @@ def test_two_workers_share_one_metrics_view_and_stop_cleanly(tmp_path, http):
     # a front end told to drain is not a death: the supervisor restarted none of them
     assert "died" not in srv.log(), srv.log()
     assert not metrics_dir.exists(), "the metrics directory outlived the server"
+
+
+def test_a_scrape_while_a_process_creates_its_value_file_answers(tmp_path):
+    """A process's first value of a kind creates its file empty and sizes it a moment later; a
+    scrape in between used to fail whole (a 500 right after a several-front-end start). Here the
+    empty file stands still, as if the scrape came in that moment, in a process of its own
+    because the multiprocess mode is chosen when prometheus_client is imported."""
+    import subprocess
+    import sys
+
+    (tmp_path / "counter_99999.db").write_bytes(b"")
+    code = ("from service import metrics\n"
+            "metrics.REQUESTS.labels('m', 'decode', '200').inc()\n"
+            "print(metrics.exposition().decode())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert 'convserve_requests_total{endpoint="decode",model="m",status="200"} 1.0' in out.stdout
+    assert "# TYPE convserve_queue_wait_seconds histogram" in out.stdout  # declared, no value yet
