@@ -145,8 +145,6 @@ def exposition() -> bytes:
     """Prometheus text of the service registry followed by the kernel registry; under several
     workers, of every worker's values summed."""
     if os.environ.get(MULTIPROC_ENV):
-        from prometheus_client import multiprocess
-
         merged = CollectorRegistry()
         _SizedFilesCollector(merged)
         return generate_latest(merged) + _declared_only({fam.name for fam in merged.collect()})
