@@ -31,6 +31,21 @@ def scrape(url: str) -> dict[tuple, float]:
     return out
 
 
+def _established_inodes(port: int) -> set[str]:
+    """Socket inodes of the established TCP connections whose local port is `port`."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 01: ESTABLISHED
+                inodes.add(f[9])
+    return inodes
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -143,6 +158,21 @@ class ServerProcess:
                 name = "unnamed" if name == comm else name
                 out[name] = out.get(name, 0.0) + seconds
                 out[f"{name} system"] = out.get(f"{name} system", 0.0) + system
+        return out
+
+    def frontend_spread(self) -> list[tuple[int, float]]:
+        """Each front end's (established client connections, CPU seconds so far). Clients that
+        keep their connections keep the front end they first reached: an uneven share is one
+        cause of a latency tail that no single process's figures show."""
+        established = _established_inodes(self.port)
+        out = []
+        for pid in self.roles()["front ends"]:
+            try:
+                links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+                cpu = _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+            except OSError:
+                continue
+            out.append((sum(1 for link in links if link.startswith("socket:[") and link[8:-1] in established), cpu))
         return out
 
     def frontends(self) -> int:

@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -126,6 +127,32 @@ class LoopResult:
     server_cpu: dict = field(default_factory=dict)          # cores busy per server role
     worker_threads: dict = field(default_factory=dict)      # CPU seconds per model-worker thread
     bytes_in: int = 0
+    frontend_spread: list = field(default_factory=list)     # (connections, cores) per front end
+
+
+class _Sampler(threading.Thread):
+    """`fn()` every `every_s` on a thread of its own until stop(): `spread`, the sample whose
+    connections add up to the most (the client processes take a second or more to connect all of
+    theirs, and close them as they finish); [] if none could be read."""
+
+    def __init__(self, fn, every_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.fn, self.every_s, self.spread = fn, every_s, []
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every_s):
+            try:
+                sample = self.fn()
+            except Exception:  # noqa: BLE001 - a figure of the report, never the run's failure
+                continue
+            if sum(c for c, _ in sample) > sum(c for c, _ in self.spread):
+                self.spread = sample
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
 
 
 def closed_loop(url: str, data: list[bytes], ctype: str, params: dict, concurrency: int, start=None) -> LoopResult:
@@ -338,11 +365,17 @@ def main() -> None:
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
                         args.concurrency)  # warm-up: every front end and batch size
             m0, cpu0, threads0 = srv.metrics(), srv.cpu_seconds(), srv.worker_thread_cpu()
+            spread0 = srv.frontend_spread()
+            mid = _Sampler(srv.frontend_spread)
             spies = _start_py_spy(srv, fmt, args.py_spy, args.py_spy_gil, args.py_spy_native)
             res = closed_loop_procs(srv.url + url_path, data, ctype, params, args.concurrency, args.client_procs,
                                     raw=args.client == "raw")
-            cpu1, threads1 = srv.cpu_seconds(), srv.worker_thread_cpu()
+            cpu1, threads1, spread1 = srv.cpu_seconds(), srv.worker_thread_cpu(), srv.frontend_spread()
             _finish_py_spy(spies)
+            mid.stop()
+            # connections when most were open, CPU over the whole run
+            res.frontend_spread = [(conns, (cpu - cpu_before) / res.seconds)
+                                   for (conns, _), (_, cpu), (_, cpu_before) in zip(mid.spread, spread1, spread0)]
             res.server_cpu = {k: (cpu1[k] - cpu0[k]) / res.seconds for k in cpu1}
             res.worker_threads = {k: v - threads0.get(k, 0.0) for k, v in threads1.items()}
             rows.append((fmt, res, m0, srv.metrics()))
@@ -424,6 +457,14 @@ def main() -> None:
                 slow = count - _delta(m0, m1, "convserve_gc_pause_seconds_bucket", le="0.01", **where)
                 pauses.append(f"{process} {gen}: {count:.0f}, {total * 1e3:.1f} ms, {slow:.0f} over 10 ms")
         print(f"{fmt}: garbage-collector pauses (process generation: count, sum, over 10 ms): " + "; ".join(pauses))
+        # how evenly the front ends shared the clients' connections and the work
+        spread = res.frontend_spread
+        if spread:
+            conns = [c for c, _ in spread]
+            cores = sorted(c for _, c in spread)
+            print(f"{fmt}: front ends' client connections min / median / max {min(conns)} / "
+                  f"{statistics.median(conns):g} / {max(conns)}; CPU cores {cores[0]:.2f} / "
+                  f"{statistics.median(cores):.2f} / {cores[-1]:.2f}")
         # where image files were decoded (JPEG_DECODE: a front end's PIL, or the model worker)
         decodes = {where: _delta(m0, m1, "convserve_image_decodes_total", where=where)
                    for where in ("frontend", "device", "worker-host")}
