@@ -1,9 +1,9 @@
 """The model worker's own Python a request, timed alone: what each of its threads does for one
 one-image request when nothing else runs beside it. Set against the same threads' CPU a request
-under load (`service_throughput.py` prints it by thread), it tells how much of the worker's cost is
+under load (`benchmarks/service/service_throughput.py` prints it by thread), it tells how much of the worker's cost is
 its Python and how much is running that Python beside other threads and processes.
 
-    python benchmarks/service/worker_python_alone.py [--requests-per-message 5] [--messages 3000]
+    python benchmarks/analysis/worker_python_alone.py [--requests-per-message 5] [--messages 3000]
 
 - links: a SubmitMany's decode and FrontendLink.handle (each Submit checked, its input block viewed,
   its work item made and queued), the queue a stand-in that keeps the items;
