@@ -201,6 +201,11 @@ class Settings(BaseSettings):
     #: 0.57-0.72 of the raw model against the front ends' 0.78 and 0.86 in the same call, with
     #: ~6 fewer host cores busy: the worker's one interpreter is the limit (benchmarks/HISTORY.md)
     jpeg_decode: Literal["frontend", "auto", "worker"] = "frontend"
+    #: how the front ends listen (service/listen_sockets.py): own = each on a socket of its own in one
+    #: SO_REUSEPORT group (Linux: the kernel spreads new connections over them evenly; elsewhere as
+    #: shared); shared = all on one socket, each new connection to whichever idle front end takes it
+    #: first, which left the busiest of 14 front ends a whole core's work and the median half of one
+    frontend_sockets: Literal["own", "shared"] = "own"
     #: HTTP front-end processes (--workers); 0 = auto: one on CPU backends (the cores compute),
     #: on GPUs every usable core but one per GPU and one more, at most 32 (they parse bodies and
     #: encode images: what limits small requests)

@@ -3,7 +3,7 @@ HTTP front ends (service/frontend/app.py) in front of them, all started here and
 (`serve`; the CLI, service/cli/main.py, checks the settings, the models and the port, then calls it).
 
     main process        supervisor + HTTP front end 0 (uvicorn), the one signals go to
-    front ends 1..F-1   more uvicorn servers on the same listening socket (--workers F)
+    front ends 1..F-1   more uvicorn servers on the port, each on its own socket (service/listen_sockets.py)
     model workers       one per GPU (CONVSERVE_DEVICES), or one for the CPU / Apple GPU
 
 Front ends and workers meet through Unix sockets in a private run directory (0700), and tensors
@@ -41,7 +41,7 @@ from typing import Iterator
 
 from convkernels.registry import visible_cuda_devices
 
-from . import metrics, threads
+from . import listen_sockets, metrics, threads
 from .ipc import heartbeat
 from .settings import Settings, parse_devices
 from .worker.model_worker import STOP_SIGNAL, WorkerSpec
@@ -127,8 +127,8 @@ def frontend_priority_warning(settings: Settings, devices: list[Device]) -> str 
 class _Child:
     """One kept-running child process: how to start it and its restart pause."""
 
-    def __init__(self, name: str, target, args: tuple):
-        self.name, self.target, self.args = name, target, args
+    def __init__(self, name: str, target, args: tuple, fresh_args=None):  # fresh_args: made at each start
+        self.name, self.target, self.args, self.fresh_args = name, target, args, fresh_args
         self.proc: multiprocessing.Process | None = None
         self.started = 0.0
         self.pause = 1.0
@@ -141,8 +141,11 @@ class _Child:
     def start(self, ctx) -> None:
         self.started = time.monotonic()  # before it starts: its first beat is later than this
         self.killed_for = None
-        self.proc = ctx.Process(target=self.target, args=self.args, name=self.name, daemon=False)
+        args = self.fresh_args() if self.fresh_args else self.args
+        self.proc = ctx.Process(target=self.target, args=args, name=self.name, daemon=False)
         self.proc.start()
+        if self.fresh_args:  # the child has its own copies now (listen_sockets.OwnSocketArgs)
+            self.fresh_args.started(args)
 
 
 def exit_text(code: int | None) -> str:
@@ -215,8 +218,8 @@ class Supervisor:
                     self.on_fatal()
                     return
 
-    def add_frontend(self, name: str, target, args: tuple) -> None:
-        child = _Child(name, target, args)
+    def add_frontend(self, name: str, target, args: tuple, fresh_args=None) -> None:
+        child = _Child(name, target, args, fresh_args)
         self.frontends.append(child)
         child.start(self.ctx)
 
@@ -334,8 +337,7 @@ class StartupFailed(Exception):
 
 @contextmanager
 def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in this process's environment while the block runs (children started meanwhile
-    inherit them), the old ones back after."""
+    """`values` in the environment while the block runs (children started meanwhile inherit them)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -378,9 +380,11 @@ def serve(settings: Settings, sock: socket.socket, environment: dict[str, str] |
                 logging.getLogger("convserve").warning(warning)
             if not settings.memory_budget_bytes:  # auto: the front ends share it
                 settings = settings.model_copy(update={"memory_budget_bytes": auto_budget_bytes(count)})
+            own = listen_sockets.in_group(sock)  # each front end a socket of its own (the module's rules)
+            make = lambda socks, s=settings, pid=os.getpid(): (s, sup.endpoints, socks, pid)  # noqa: E731
             for i in range(1, count):
-                sup.add_frontend(f"convserve-frontend-{i}", frontend_main,
-                                 (settings, sup.endpoints, [sock], os.getpid()))
+                sup.add_frontend(f"convserve-frontend-{i}", frontend_main, make([sock]),
+                                 listen_sockets.OwnSocketArgs(sock, make) if own else None)
             logging.getLogger("convserve").info("serving on http://%s:%d: %d front end(s), model workers on %s",
                                                 settings.host, settings.port, count,
                                                 ", ".join(d.label for d in sup.devices))

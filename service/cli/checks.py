@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from .. import listen_sockets
+
 
 def fail(message: str, code: int = 2):
     """A start-up or usage error as one line on stderr and a non-zero exit, not a traceback."""
@@ -53,23 +55,20 @@ def check_backend(name: str) -> None:
         fail("backend 'mlx': mlx is not installed (the mlx extra: pip install -e '.[mlx]')")
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound as uvicorn binds one (whose own bind prints a bare
-    `[Errno 98] Address already in use` and exits 1): a port in use, a privileged port or an
-    address that is not this machine's is one line naming the flag to change."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def listen_socket(host: str, port: int, own: bool = False) -> socket.socket:
+    """The server's (first) listening socket, bound as uvicorn binds one (whose own bind prints a
+    bare `[Errno 98] Address already in use` and exits 1): a port in use, a privileged port or an
+    address that is not this machine's is one line naming the flag to change. own: the further
+    front ends get sockets of their own beside it (service/listen_sockets.py)."""
     try:
-        sock.bind((host, port))
+        sock = listen_sockets.bind_first(host, port, group=own and listen_sockets.spreads())
     except OSError as exc:
-        sock.close()
         if exc.errno == errno.EADDRINUSE:
             fail(f"port {port} on {host} is in use (another server?): choose another with --port or CONVSERVE_PORT")
         if exc.errno == errno.EACCES:
             fail(f"port {port} on {host} needs privileges to listen on: choose one above 1024 with --port or "
                  "CONVSERVE_PORT")
         fail(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host / CONVSERVE_HOST, --port / CONVSERVE_PORT)")
-    sock.set_inheritable(True)  # the further front ends (processes) accept on it too
     return sock
 
 

@@ -115,7 +115,7 @@ def serve(host: Optional[str] = typer.Option(None, help="bind address [CONVSERVE
         # HF_HUB_OFFLINE from the environment they inherit (with the metrics directory above, the
         # only values that reach them that way; their settings travel as the Settings object).
         offline = {"HF_HUB_OFFLINE": "1"} if fetch_hub_weights(entries, hashes=False) else {}
-        sock = listen_socket(settings.host, settings.port)
+        sock = listen_socket(settings.host, settings.port, own=settings.frontend_sockets == "own")
         from ..supervisor import StartupFailed
         from ..supervisor import serve as run_server
         try:
