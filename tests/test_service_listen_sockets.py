@@ -67,6 +67,14 @@ def _wait_for(what, check, timeout: float = 60.0):
     return value
 
 
+def _second_server_is_refused(port: int) -> None:
+    """`convserve serve` on `port` ends with the one-line "in use" error (it never joins the group)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    second = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--models", "tiny-vae"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "is in use" in second.stderr, second.stderr
+
+
 def test_each_front_end_listens_on_its_own_socket_and_the_connections_spread(tmp_path):
     srv = start_server(tmp_path, models="tiny-vae", cli_args=("--workers", str(FRONT_ENDS)))
     held = []
@@ -110,11 +118,7 @@ def test_a_second_server_on_the_port_is_refused_and_shared_keeps_one_socket(tmp_
         by_fe = _wait_for("front ends listening", lambda: (lambda m: m if len(m) == 2 else None)(
             _listening_by_front_end(srv)))
         assert len(set().union(*by_fe.values())) == 1, by_fe  # one socket, in both processes
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
-        second = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(srv.port), "--models", "tiny-vae"], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert second.returncode == 2 and "is in use" in second.stderr, second.stderr
+        _second_server_is_refused(srv.port)
     finally:
         assert srv.stop(timeout=30) == 0, srv.log()
 
@@ -122,11 +126,7 @@ def test_a_second_server_on_the_port_is_refused_and_shared_keeps_one_socket(tmp_
 def test_a_second_server_cannot_join_a_servers_group(tmp_path):
     srv = start_server(tmp_path, models="tiny-vae", cli_args=("--workers", "2"))
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
-        second = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(srv.port), "--models", "tiny-vae"], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert second.returncode == 2 and "is in use" in second.stderr, second.stderr
+        _second_server_is_refused(srv.port)
     finally:
         assert srv.stop(timeout=30) == 0, srv.log()
 
