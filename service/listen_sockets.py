@@ -71,21 +71,21 @@ def in_group(sock: socket.socket) -> bool:
 
 class OwnSocketArgs:
     """A further front end's process arguments made afresh at each start, with a socket of its own
-    in `first`'s group (the rules above); `started(args)` drops this process's copy once the front
-    end has its own."""
+    in `first`'s group (the rules above); `started()` drops this process's copy of it once the
+    front end has its own."""
 
     def __init__(self, first: socket.socket, make):
         self.first, self.make = first, make  # make(sockets) -> the process's arguments
+        self._sock = first  # the socket the last arguments carry
 
     def __call__(self) -> tuple:
         try:
-            return self.make([bind_sibling(self.first)])
+            self._sock = bind_sibling(self.first)
         except OSError as exc:  # out of descriptors, say: this start shares the first socket instead
             log.warning("a front end's own listening socket could not be bound (%s); it shares front end 0's", exc)
-            return self.make([self.first])
+            self._sock = self.first
+        return self.make([self._sock])
 
-    def started(self, args: tuple) -> None:
-        for arg in args:
-            for sock in arg if isinstance(arg, list) else ():
-                if isinstance(sock, socket.socket) and sock is not self.first:
-                    sock.close()
+    def started(self) -> None:
+        if self._sock is not self.first:
+            self._sock.close()

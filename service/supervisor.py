@@ -145,7 +145,7 @@ class _Child:
         self.proc = ctx.Process(target=self.target, args=args, name=self.name, daemon=False)
         self.proc.start()
         if self.fresh_args:  # the child has its own copies now (listen_sockets.OwnSocketArgs)
-            self.fresh_args.started(args)
+            self.fresh_args.started()
 
 
 def exit_text(code: int | None) -> str:

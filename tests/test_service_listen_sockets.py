@@ -144,7 +144,7 @@ def test_a_front_ends_own_socket_joins_the_first_ones_group_and_falls_back_to_it
         args = own()
         (sock,) = args[1]
         assert sock is not first and sock.getsockname() == first.getsockname() and sock.get_inheritable()
-        own.started(args)
+        own.started()
         assert sock.fileno() == -1 and first.fileno() != -1
 
         def no_descriptors(_):
@@ -153,7 +153,7 @@ def test_a_front_ends_own_socket_joins_the_first_ones_group_and_falls_back_to_it
         monkeypatch.setattr(listen_sockets, "bind_sibling", no_descriptors)
         args = own()
         assert args[1] == [first]
-        own.started(args)
+        own.started()
         assert first.fileno() != -1
         with listen_sockets.bind_first("127.0.0.1", 0, group=False) as plain:
             assert not listen_sockets.in_group(plain)
