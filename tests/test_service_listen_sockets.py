@@ -46,17 +46,15 @@ def _socket_inodes(pid: int) -> set[str]:
     return out
 
 
-def _front_ends(srv) -> list[int]:
-    """Front end 0 (the server process) and the further ones: spawned children that listen."""
+def _listening_by_front_end(srv) -> dict[int, set[str]]:
+    """Front end 0 (the server process) and the further ones (spawned children that listen): the
+    listening sockets each holds, all read against one reading of the port's listening sockets
+    (a front end that starts listening between two readings would have none in the second)."""
     kids = [int(c) for task in Path(f"/proc/{srv.proc.pid}/task").iterdir()  # a restart is its watch thread's child
             for c in (task / "children").read_text().split()]
     listening = _tcp_inodes(srv.port, "0A")
-    return [srv.proc.pid] + [k for k in kids if _socket_inodes(k) & listening]
-
-
-def _listening_by_front_end(srv) -> dict[int, set[str]]:
-    listening = _tcp_inodes(srv.port, "0A")
-    return {pid: _socket_inodes(pid) & listening for pid in _front_ends(srv)}
+    held = {pid: _socket_inodes(pid) & listening for pid in [srv.proc.pid, *kids]}
+    return {pid: inodes for pid, inodes in held.items() if inodes or pid == srv.proc.pid}
 
 
 def _wait_for(what, check, timeout: float = 60.0):
