@@ -22,6 +22,16 @@ def _stat_cpu_seconds(stat: Path, system_only: bool = False) -> float:
     return (int(fields[12]) + (0 if system_only else int(fields[11]))) / os.sysconf("SC_CLK_TCK")
 
 
+def _context_switches(status: Path) -> tuple[int, int]:
+    """A thread's (voluntary, involuntary) context switches so far (/proc .../status)."""
+    got = {}
+    for line in status.read_text().splitlines():
+        if "ctxt_switches:" in line:
+            key, _, value = line.partition(":")
+            got[key] = int(value)
+    return got.get("voluntary_ctxt_switches", 0), got.get("nonvoluntary_ctxt_switches", 0)
+
+
 def scrape(url: str) -> dict[tuple, float]:
     """/metrics of the server at `url` as {(sample name, sorted label items): value}."""
     out = {}
@@ -107,8 +117,14 @@ class ServerProcess:
         tracker is neither."""
         workers = {d["pid"] for d in httpx.get(f"{self.url}/v1/models", timeout=30).json().get("devices", [])}
         out: dict[str, list[int]] = {"front ends": [self.proc.pid], "model workers": []}
+        # every thread's children: the supervisor's watch thread starts a restarted front end
+        kids = []
         try:
-            kids = [int(k) for k in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                try:
+                    kids += [int(k) for k in (task / "children").read_text().split()]
+                except OSError:
+                    continue  # a thread that ended
         except OSError:
             return out
         for pid in kids:
@@ -118,6 +134,19 @@ class ServerProcess:
             except OSError:
                 continue
         return out
+
+    def pin_workers(self, cpus: set[int]) -> None:
+        """Every thread of the model workers on `cpus`, every thread of the front ends on the
+        host's other CPUs (threads started later inherit it): an experiment on how much of a
+        worker's CPU a request is its sharing cores and caches with the front ends."""
+        rest = os.sched_getaffinity(0) - cpus
+        for role, pids in self.roles().items():
+            for pid in pids:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    try:
+                        os.sched_setaffinity(int(task.name), cpus if role == "model workers" else rest)
+                    except OSError:
+                        continue  # a thread that ended
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of the server's processes by role (roles())."""
@@ -137,7 +166,9 @@ class ServerProcess:
         heartbeat); threads the service did not name (the main thread, BLAS and compute pools,
         the CUDA driver's) are summed as "unnamed". "<name> system" is the part of it spent in the
         kernel (system calls, page faults, the interpreter lock's futex waits; 10 ms ticks): what
-        a thread costs beyond its Python and native code."""
+        a thread costs beyond its Python and native code. "<name> switches": the times it left its
+        core to wait (a lock, a queue, a socket, the interpreter lock); "<name> preempted": the
+        times it was taken off it. Each is a hand-off whose cost is not in its code."""
         out: dict[str, float] = {}
         for pid in self.roles()["model workers"]:
             try:
@@ -153,11 +184,14 @@ class ServerProcess:
                     except (OSError, ValueError, IndexError):
                         seconds = _stat_cpu_seconds(task / "stat")
                     system = _stat_cpu_seconds(task / "stat", system_only=True)
+                    switches = _context_switches(task / "status")
                 except OSError:
                     continue  # a thread that ended
                 name = "unnamed" if name == comm else name
                 out[name] = out.get(name, 0.0) + seconds
                 out[f"{name} system"] = out.get(f"{name} system", 0.0) + system
+                out[f"{name} switches"] = out.get(f"{name} switches", 0.0) + switches[0]
+                out[f"{name} preempted"] = out.get(f"{name} preempted", 0.0) + switches[1]
         return out
 
     def frontend_spread(self) -> list[tuple[int, float]]:

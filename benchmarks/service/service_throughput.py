@@ -320,6 +320,9 @@ def main() -> None:
                          "to read them, so that run's throughput is not the service's")
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting of the server (CONVSERVE_KEY), repeatable: e.g. cuda_pinned_arena_bytes=0")
+    ap.add_argument("--worker-cpus", default="", metavar="LIST",
+                    help="pin the model workers' threads to these CPUs (e.g. 0-3 or 0,2) and the front ends' to "
+                         "the others, from the start of the measured runs")
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.preset = args.preset or ("tiny-convnext" if args.workload == "encode" else "tiny-vae")
@@ -360,6 +363,9 @@ def main() -> None:
     with ServerProcess(log_path=args.log, **settings) as srv:
         srv.wait_all_devices("m")
         frontends = srv.frontends()
+        if args.worker_cpus:
+            srv.pin_workers(_cpu_list(args.worker_cpus))
+            print(f"model workers pinned to CPUs {args.worker_cpus}, front ends to the others")
         for fmt in formats:
             data, ctype, params = bodies(args, fmt)
             closed_loop(srv.url + url_path, data[: max(args.concurrency, args.batch) * 2], ctype, params,
@@ -434,9 +440,11 @@ def main() -> None:
     for fmt, res, _, _ in rows:
         ok = max(len(res.latencies), 1)
         threads = res.worker_threads
-        parts = sorted(((k, v) for k, v in threads.items() if not k.endswith(" system")), key=lambda kv: -kv[1])
-        print(f"{fmt}: worker CPU per request by thread, us (of it in the kernel): "
-              + ", ".join(f"{name} {seconds / ok * 1e6:.1f} ({threads.get(name + ' system', 0.0) / ok * 1e6:.0f})"
+        parts = sorted(((k, v) for k, v in threads.items() if not k.endswith((" system", " switches", " preempted"))),
+                       key=lambda kv: -kv[1])
+        print(f"{fmt}: worker CPU per request by thread, us (of it in the kernel; waits / preemptions a request): "
+              + ", ".join(f"{name} {seconds / ok * 1e6:.1f} ({threads.get(name + ' system', 0.0) / ok * 1e6:.0f}; "
+                          f"{threads.get(name + ' switches', 0.0) / ok:.2f} / {threads.get(name + ' preempted', 0.0) / ok:.2f})"
                           for name, seconds in parts if seconds > 0))
     # where a latency tail forms: the worker's queue (waiting for a batch) or elsewhere (the
     # front end's parsing and answering, the clients, the CPU's scheduling)
@@ -470,6 +478,15 @@ def main() -> None:
                    for where in ("frontend", "device", "worker-host")}
         if any(decodes.values()):
             print(f"{fmt}: image files decoded by where: " + ", ".join(f"{k} {v:.0f}" for k, v in decodes.items()))
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,6' -> {0, 1, 2, 3, 6}"""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _start_py_spy(srv: ServerProcess, fmt: str, seconds: float, gil: bool = False,
