@@ -115,3 +115,30 @@ def test_batches_gathered_from_a_pinned_shared_arena_equal_encode(model):
         region.release()
     assert bk.gather_rows(batches[0], [region] * 5) is None
     arena.close()
+
+
+def test_gather_rows_joins_parts_of_any_size_and_alignment_exactly(model):
+    """gather_rows on parts of one row and of several, odd row sizes, and parts that start at an
+    odd byte: the joined rows equal the parts stacked on the host."""
+    from convkernels.backends.cuda.transfer import gather_rows
+    from service.ipc.shm import Arena
+
+    bk = model.backend
+    cp = bk.cp
+    rng = np.random.default_rng(17)
+    arena = Arena(16 << 20)
+    region = bk.pin_host_region(arena.address, 8 << 20)
+    try:
+        for shape, rows in (((33, 35, 3), (1, 3, 1, 2, 1)), ((224, 224, 3), (1,) * 9), ((5, 7), (2, 1, 4))):
+            parts = [arena.array(arena.put(rng.integers(0, 256, (n, *shape), dtype=np.uint8))) for n in rows]
+            got = gather_rows(cp, parts, [region] * len(parts))
+            assert np.array_equal(cp.asnumpy(got), np.concatenate(parts)), (shape, rows)
+        # parts at odd addresses (views one byte into their blocks)
+        blocks = [arena.array(arena.put(rng.integers(0, 256, (1, 101), dtype=np.uint8))) for _ in range(4)]
+        odd = [b[:, 1:] for b in blocks]
+        assert all(p.ctypes.data % 16 for p in odd)
+        got = gather_rows(cp, odd, [region] * len(odd))
+        assert np.array_equal(cp.asnumpy(got), np.concatenate(odd))
+    finally:
+        region.release()
+    arena.close()
