@@ -222,6 +222,10 @@ class Settings(BaseSettings):
     #: this one's results are on their way back (service/worker/batcher.py `Later`); off: each
     #: batch is waited for before the next is started (to measure what it saves)
     run_ahead: bool = True
+    #: a model call whose outputs come to at most this many bytes (ConvNeXt-T's embeddings: 3 KB a
+    #: request) is answered by the model worker's device thread itself, not handed to its delivery
+    #: thread (service/worker/model_worker.py `_done`); 0: every call goes to the delivery thread
+    deliver_inline_bytes: int = Field(1 << 20, ge=0)
     #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
     #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
     #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)

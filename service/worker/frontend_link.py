@@ -1,8 +1,8 @@
 """The model worker's end of one front end's connection (service/worker/model_worker.py owns the
 links): the front end's arena, mapped once from the descriptor its hello passes, and its requests
 in this worker. The worker's one I/O thread hands each message to `handle`; the delivery thread
-writes each finished request's rows into the blocks the front end allocated (`deliver`) and sends
-the answers; any thread may `send`, one message at a time."""
+(or the device thread, for small outputs) writes each finished request's rows into the blocks the
+front end allocated (`deliver`) and sends the answers; any thread may `send`, one message at a time."""
 from __future__ import annotations
 
 import logging
@@ -42,7 +42,8 @@ def _write_outputs(view: ArenaView, refs: dict[str, TensorRef], out: Any) -> Non
 class FrontendLink:
     """One connected front end: its arena and its requests in this worker. Its messages are read
     by the worker's one I/O thread (Worker._serve_links); finished requests are delivered by the
-    delivery thread (Worker._deliver), a model call's answers to this front end in one message."""
+    delivery thread (Worker._deliver) or the device thread (Worker._done), a model call's answers
+    to this front end in one message."""
 
     def __init__(self, host: ModelHost, conn: Connection):
         self.host, self.conn = host, conn

@@ -85,6 +85,8 @@ class ModelHost:
         self.stats = ModelStats()
         self.on_change = lambda: None
         self.on_start = lambda batch: None
+        #: a model call's resolved items (the worker answers them; this default queues them for delivery)
+        self.on_done = lambda batch: self.deliveries.put(batch)
         self.on_busy = lambda started: None  # the worker's heartbeat record (service/ipc/heartbeat.py)
         self.device_thread: threading.Thread | None = None
         #: finished model calls' items, from the device thread to the delivery thread (Worker._deliver)
@@ -129,7 +131,7 @@ class ModelHost:
             self.batcher = Batcher(max_batch=s.max_batch, max_queue_delay_ms=s.max_queue_delay_ms,
                                    after_batch=self.backend.flush_timings, stats=self.stats,
                                    name=self.spec.device, on_start=self.on_start, on_busy=self.on_busy,
-                                   on_done=self.deliveries.put, host_batch=self.backend.host_batch,
+                                   on_done=self.on_done, host_batch=self.backend.host_batch,
                                    gather=self._gather,
                                    # after warm-up: injected faults never stop a start
                                    before_call=fault_injection.arm_if_configured(self.backend))

@@ -11,8 +11,8 @@ HTTP front ends (service/frontend/engine.py) connect to its Unix socket; the sup
 - pays what it can per message or per model call, not per request: a front end's SubmitMany is
   read, decoded and queued at once (one wake-up of the device thread), a model call's requests
   go to the delivery thread in one hand-off and its answers to each front end in one DoneMany,
-  which also names the requests whose calls began meanwhile (else a Started alone): the device
-  thread sends nothing;
+  which also names the requests whose calls began meanwhile (else a Started alone); a call with
+  small outputs on a device that runs ahead is answered by the device thread itself (`_done`);
 - keeps the stateful part of streamed decodes (the causal decoder's generator) between steps;
 - beats (service/ipc/heartbeat.py): front ends and the supervisor tell it hung from busy by that.
 
@@ -66,43 +66,81 @@ class Worker:
         self.stop = threading.Event()
         self.host.on_change = self._broadcast
         self.host.on_start = self._started
+        self.host.on_done = self._done
+        #: the device thread's own: the begun batches whose Started rides with their answers (_done)
+        self._begun: list[_StartedBatch] = []
+        self._inline_bytes = spec.settings.deliver_inline_bytes
         # a new link wakes the I/O thread's wait with a byte here
         self._wake_r, self._wake_w = Pipe(duplex=False)
 
     def _deliver(self) -> None:
-        """The delivery thread: finished model calls' outputs into their front ends' blocks and
-        one message per front end for everything a drain of the queue found: the answers of the
-        calls that finished (DoneMany), and the requests whose calls began (its `started`, or a
-        Started alone where nothing finished). A send is a syscall and a wake-up of the front
-        end: with run-ahead, one call's start and the previous call's end meet in most drains.
-        Copies happen here, off the device thread (a batch of float32 images is megabytes to
-        copy; the device runs the next batch meanwhile). The device thread hands over a whole
-        batch at once (the batcher's on_done)."""
+        """The delivery thread: what the device thread hands over (_done, _started), answered as
+        soon as it is there; a drain of the queue answers all it found at once (_answer)."""
         deliveries = self.host.deliveries
         while True:
-            answers: dict[FrontendLink, list[wp.Done]] = {}
-            started: dict[FrontendLink, list[int]] = {}
-            batch = deliveries.get()
-            while batch is not None:
-                if isinstance(batch, _StartedBatch):  # queued before the batch's own delivery
-                    for item in batch.items:
-                        if item.tag is not None:
-                            started.setdefault(item.tag[0], []).append(item.tag[1])
-                    batch = None
-                for item in batch or ():
-                    link = item.tag[0]
-                    done = link.deliver(item)
-                    if done is not None:
-                        answers.setdefault(link, []).append(done)
+            entries = [deliveries.get()]
+            while True:
                 try:
-                    batch = deliveries.get_nowait()
+                    entries.append(deliveries.get_nowait())
                 except queue.Empty:
-                    batch = None
-            for link, rids in started.items():
-                if link not in answers:
-                    link.send(wp.Started(rids))
-            for link, dones in answers.items():
-                link.send(wp.DoneMany(dones, started.get(link, [])))
+                    break
+            self._answer(entries)
+
+    def _answer(self, entries: list) -> None:
+        """Finished model calls' outputs into their front ends' blocks, and one message per front
+        end for all of `entries`: the answers of the calls that finished (DoneMany), and the
+        requests whose calls began (its `started`, or a Started alone where nothing finished). A
+        send is a syscall and a wake-up of the front end: with run-ahead, one call's start and the
+        previous call's end meet in most drains. `entries`: batches of finished items and
+        _StartedBatch-es, a batch's begun one ahead of its answers."""
+        answers: dict[FrontendLink, list[wp.Done]] = {}
+        started: dict[FrontendLink, list[int]] = {}
+        for entry in entries:
+            if isinstance(entry, _StartedBatch):
+                for item in entry.items:
+                    if item.tag is not None:
+                        started.setdefault(item.tag[0], []).append(item.tag[1])
+                continue
+            for item in entry:
+                link = item.tag[0]
+                done = link.deliver(item)
+                if done is not None:
+                    answers.setdefault(link, []).append(done)
+        for link, rids in started.items():
+            if link not in answers:
+                link.send(wp.Started(rids))
+        for link, dones in answers.items():
+            link.send(wp.DoneMany(dones, started.get(link, [])))
+
+    def _inline(self, batch) -> bool:
+        """A batched model call whose outputs are small (DELIVER_INLINE_BYTES), on a device that
+        runs ahead: its answers are written and sent by the device thread itself, its Started with
+        them. Only where the device runs ahead: there the call's answers follow its start by one
+        short call (an encoder's); on a CPU a call takes the whole call's time, and its requests
+        would count as waiting (the front end's queue admission) until they are answered."""
+        first = batch[0]
+        if not self._inline_bytes or first.solo or first.tag is None or not first.tag[2]:
+            return False
+        host = self.host
+        if not (host.settings.run_ahead and getattr(host.backend, "runs_ahead", False)):
+            return False
+        return sum(ref.nbytes for ref in first.tag[2].values()) * len(batch) <= self._inline_bytes
+
+    def _done(self, batch) -> None:
+        """A model call's items, all resolved (the batcher's on_done, on the device thread).
+
+        Large outputs (decoded images, frame groups) are copied by the delivery thread while the
+        device runs the next batch. Small ones (an embedding a request) are answered here, with
+        the Started of the calls begun since: handing them over cost more than the work (one H200,
+        ConvNeXt-T one image a request, 2026-11-30: the delivery thread took 22-28 us of CPU a
+        request for 2.5-3.6 us of its Python timed alone, benchmarks/analysis/worker_python_alone.py;
+        its hand-offs and wake-ups, not its code). Started and Done of one request leave in that
+        order either way: its batch's Started is held back only when its answers go from here too."""
+        if self._inline(batch):
+            begun, self._begun = self._begun, []
+            self._answer([*begun, batch])
+        else:
+            self.host.deliveries.put(batch)
 
     def _broadcast(self) -> None:
         with self._links_lock:  # the state read and sent as one step against a link joining (_accept)
@@ -114,10 +152,14 @@ class Worker:
 
     def _started(self, batch) -> None:
         """A model call began (the batcher's on_start, on the device thread): each front end's
-        Started goes out from the delivery thread, behind no device work. Sent from here, one per
-        front end a batch, they took 16 % of the device thread's samples under one-image requests
-        (one H200, 2026-11-29, py-spy)."""
-        self.host.deliveries.put(_StartedBatch(batch))
+        Started goes out from the delivery thread, behind no device work (sent from here, one per
+        front end a batch, they took 16 % of the device thread's samples under one-image requests;
+        one H200, 2026-11-29, py-spy), or with the next answers this thread sends itself (_done),
+        where this call's answers go that way too."""
+        if self._inline(batch):
+            self._begun.append(_StartedBatch(batch))
+        else:
+            self.host.deliveries.put(_StartedBatch(batch))
 
     def _accept(self, listener: Listener) -> None:
         while not self.stop.is_set():

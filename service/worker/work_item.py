@@ -4,8 +4,9 @@ outcome.
 The rules of an outcome (`ItemResult`):
 - it is set once: by the device thread when the item's model call ends (its rows, or the
   batch's error), or by a withdrawal (Cancelled, Closed); a second setting is ignored;
-- the worker reads it on the delivery thread after the device thread has handed the whole batch
-  over (the batcher's on_done), so in the service nobody waits on it;
+- the worker reads it once the whole batch is resolved (the batcher's on_done): on the delivery
+  thread it was handed to, or on the device thread itself (small outputs), so in the service
+  nobody waits on it;
 - a caller that does wait (tests, an in-process user of the batcher) gets an event made on
   demand.
 
