@@ -69,7 +69,6 @@ class Worker:
         self.host.on_done = self._done
         #: the device thread's own: the begun batches whose Started rides with their answers (_done)
         self._begun: list[_StartedBatch] = []
-        self._inline_bytes = spec.settings.deliver_inline_bytes
         # a new link wakes the I/O thread's wait with a byte here
         self._wake_r, self._wake_w = Pipe(duplex=False)
 
@@ -118,13 +117,12 @@ class Worker:
         them. Only where the device runs ahead: there the call's answers follow its start by one
         short call (an encoder's); on a CPU a call takes the whole call's time, and its requests
         would count as waiting (the front end's queue admission) until they are answered."""
-        first = batch[0]
-        if not self._inline_bytes or first.solo or first.tag is None or not first.tag[2]:
+        first, settings = batch[0], self.host.settings
+        if not settings.deliver_inline_bytes or first.solo or first.tag is None or not first.tag[2]:
             return False
-        host = self.host
-        if not (host.settings.run_ahead and getattr(host.backend, "runs_ahead", False)):
+        if not (settings.run_ahead and self.host.backend.runs_ahead):
             return False
-        return sum(ref.nbytes for ref in first.tag[2].values()) * len(batch) <= self._inline_bytes
+        return sum(ref.nbytes for ref in first.tag[2].values()) * len(batch) <= settings.deliver_inline_bytes
 
     def _done(self, batch) -> None:
         """A model call's items, all resolved (the batcher's on_done, on the device thread).
