@@ -168,13 +168,14 @@ def test_a_killed_front_end_is_reaped_and_its_arena_leaves_the_worker(tmp_path):
         wait_for(lambda: set(arenas(worker)) == mine | set(arenas(front)), 60, "both front ends connected")
         assert len(arenas(worker)) == 2  # one descriptor per front end
         os.kill(front, signal.SIGKILL)
-        killed = time.monotonic()
-        wait_for(lambda: not Path(f"/proc/{front}").exists(), 1.5, "the killed front end reaped, no zombie")
+        # each step is waited for as an event, not timed: the supervisor reaps on the child's
+        # sentinel (a zombie would keep its /proc entry for good), but how soon its thread runs on
+        # a loaded 2-core box is the machine's speed (a 1.5 s bound failed once in CI, 2026-11-30)
+        wait_for(lambda: not Path(f"/proc/{front}").exists(), 60, "the killed front end reaped, no zombie")
         assert front not in spawned(srv.proc.pid)
-        wait_for(lambda: f"(pid {front}) died (signal SIGKILL)" in srv.log_path.read_text(errors="replace"), 5,
+        wait_for(lambda: f"(pid {front}) died (signal SIGKILL)" in srv.log_path.read_text(errors="replace"), 60,
                  "its death logged with the signal")
-        wait_for(lambda: set(arenas(worker)) == mine, 5, "its arena gone from the worker")
-        assert time.monotonic() - killed < 5
+        wait_for(lambda: set(arenas(worker)) == mine, 60, "its arena gone from the worker")
 
         # the front end started in its place connects: again one arena per live front end
         wait_for(lambda: [k for k in spawned(srv.proc.pid) if k != worker], 60, "a front end started again")
