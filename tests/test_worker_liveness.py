@@ -169,8 +169,7 @@ def test_a_killed_front_end_is_reaped_and_its_arena_leaves_the_worker(tmp_path):
         assert len(arenas(worker)) == 2  # one descriptor per front end
         os.kill(front, signal.SIGKILL)
         # each step is waited for as an event, not timed: the supervisor reaps on the child's
-        # sentinel (a zombie would keep its /proc entry for good), but how soon its thread runs on
-        # a loaded 2-core box is the machine's speed (a 1.5 s bound failed once in CI, 2026-11-30)
+        # sentinel, and a zombie would keep its /proc entry for good
         wait_for(lambda: not Path(f"/proc/{front}").exists(), 60, "the killed front end reaped, no zombie")
         assert front not in spawned(srv.proc.pid)
         wait_for(lambda: f"(pid {front}) died (signal SIGKILL)" in srv.log_path.read_text(errors="replace"), 60,
