@@ -24,7 +24,6 @@ The rules this module keeps for its children (it alone starts, kills and reaps t
   fails stays up, not ready, and its requests get 503s."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import multiprocessing
 import os
@@ -35,15 +34,14 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Iterator
 
-from convkernels.registry import visible_cuda_devices
-
 from . import listen_sockets, metrics, threads
 from .ipc import heartbeat
-from .settings import Settings, parse_devices
+from .process_plan import frontend_priority_warning, frontends_for, plan_devices
+from .settings import Settings
 from .worker.model_worker import STOP_SIGNAL, WorkerSpec
 from .worker.model_worker import main as worker_main
 
@@ -58,70 +56,6 @@ WATCH_S = 0.5
 #: a child whose sentinel fired has closed its last descriptor and is exiting: its exit status
 #: is there within milliseconds (joining with no wait saw it still running, and left a zombie)
 REAP_S = 5.0
-
-
-@dataclass(frozen=True)
-class Device:
-    label: str                 # "cpu", "cuda:0", ...
-    cuda_visible: str | None   # what CUDA_VISIBLE_DEVICES is in its worker
-
-
-def plan_devices(settings: Settings) -> list[Device]:
-    """One model worker per GPU when the backend is (or, on auto, would be) cuda; else one, or,
-    when CONVSERVE_DEVICES names several ordinals, that many workers on the CPU backend, each a
-    device of its own (cpu:0, cpu:1, ...: how the tests emulate several GPUs)."""
-    want_cuda = settings.backend == "cuda" or (
-        settings.backend == "auto" and importlib.util.find_spec("cupy") is not None)
-    count = visible_cuda_devices() if want_cuda else 0
-    ordinals = parse_devices(settings.devices)
-    if count == 0:
-        if ordinals is not None and len(ordinals) > 1:
-            return [Device(f"cpu:{i}", None) for i in ordinals]
-        return [Device("mlx" if settings.backend == "mlx" else "cpu", None)]
-    ordinals = ordinals or list(range(count))
-    bad = [i for i in ordinals if i >= count]
-    if bad:
-        raise ValueError(f"CONVSERVE_DEVICES names GPU(s) {bad}, but {count} are visible")
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = [p.strip() for p in parent.split(",")] if parent else [str(i) for i in range(count)]
-    return [Device(f"cuda:{i}", physical[i]) for i in ordinals]
-
-
-def available_cpus() -> int:
-    """The cores this process may use: its CPU affinity, and a container's CPU quota (cgroup v2
-    cpu.max) where one is set; os.cpu_count() counts the whole host."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-        if quota != "max":
-            cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
-
-
-def frontends_for(settings: Settings, devices: list[Device]) -> int:
-    """--workers, or auto: one front end where the CPU computes, else every core this process may
-    use but one per model worker and one for the kernel's network work (at least 2, at most 32).
-
-    Why that many: with GPUs the front ends' CPU (bodies, image codecs) is what limits small
-    requests. ConvNeXt-T one image a request, one H200 on a 16-core host (2026-11-30, clients
-    costing 0.9 cores): 8 front ends served 7,325 img/s from uint8 .npy bodies (0.85 of the raw
-    model) and 4,491 from JPEG (0.52); 14 served 8,046 (0.97) and 5,276 (0.64)."""
-    if settings.workers:
-        return settings.workers
-    if devices[0].cuda_visible is None:
-        return 1
-    return max(2, min(32, available_cpus() - len(devices) - 1))
-
-
-def frontend_priority_warning(settings: Settings, devices: list[Device]) -> str | None:
-    """FRONTEND_NICE where the CPU computes: the model worker takes every core there, and front
-    ends below it answer (health checks too) only in its gaps."""
-    if settings.frontend_nice and devices[0].cuda_visible is None:
-        return (f"FRONTEND_NICE={settings.frontend_nice} on a CPU backend: the front ends run below the model "
-                "worker, which takes every core, and may answer late under load (health checks too); 0 is the default")
-    return None
 
 
 class _Child:
@@ -142,8 +76,11 @@ class _Child:
         self.started = time.monotonic()  # before it starts: its first beat is later than this
         self.killed_for = None
         args = self.fresh_args() if self.fresh_args else self.args
-        self.proc = ctx.Process(target=self.target, args=args, name=self.name, daemon=False)
-        self.proc.start()
+        proc = ctx.Process(target=self.target, args=args, name=self.name, daemon=False)
+        proc.start()
+        # published only once started: the watch thread reads `proc.sentinel`, which a Process
+        # still being spawned (tens of ms on a loaded box) does not have yet
+        self.proc = proc
         if self.fresh_args:  # the child has its own copies now (listen_sockets.OwnSocketArgs)
             self.fresh_args.started()
 
@@ -234,23 +171,36 @@ class Supervisor:
         limit = heartbeat.hang_limit(self.settings)
         due: dict[_Child, float] = {}  # dead children, each waiting out its pause: when it starts again
         while not self._stopping.is_set():
-            with self._lock:
-                children = [c for c in (*self.workers, *self.frontends) if c.proc is not None and c not in due]
-            sentinels = {c.proc.sentinel: c for c in children}
-            soonest = min(due.values(), default=time.monotonic() + WATCH_S)
-            for sentinel in wait(list(sentinels), timeout=min(WATCH_S, max(0.0, soonest - time.monotonic()))):
-                if self._stopping.is_set():
-                    return
-                child = sentinels[sentinel]
-                due[child] = time.monotonic() + self._reap(child)
-            now = time.monotonic()
-            for child in [c for c, at in due.items() if at <= now]:
-                if self._stopping.is_set():
-                    return
-                del due[child]
+            try:
+                self._watch_once(limit, due)
+            except Exception:  # noqa: BLE001 - this thread alone reaps and restarts: it must outlive any one error
+                log.exception("the supervisor's watch failed; watching on")
+                time.sleep(WATCH_S)
+
+    def _watch_once(self, limit: float, due: dict) -> None:
+        """One turn of `_watch`: reaps what died, starts what is due, kills what is hung."""
+        with self._lock:
+            children = [c for c in (*self.workers, *self.frontends) if c.proc is not None and c not in due]
+        sentinels = {c.proc.sentinel: c for c in children}
+        soonest = min(due.values(), default=time.monotonic() + WATCH_S)
+        for sentinel in wait(list(sentinels), timeout=min(WATCH_S, max(0.0, soonest - time.monotonic()))):
+            if self._stopping.is_set():
+                return
+            child = sentinels[sentinel]
+            due[child] = time.monotonic() + self._reap(child)
+        now = time.monotonic()
+        for child in [c for c, at in due.items() if at <= now]:
+            if self._stopping.is_set():
+                return
+            try:
                 self._start_again(child)
-            if not self._stopping.is_set():
-                self._kill_hung(limit, skip=due)
+            except Exception:  # noqa: BLE001 - e.g. out of descriptors: tried again after its pause
+                log.exception("%s could not be started again; trying again in %gs", child.name, child.pause)
+                due[child] = time.monotonic() + child.pause
+                continue
+            del due[child]
+        if not self._stopping.is_set():
+            self._kill_hung(limit, skip=due)
 
     def _kill_hung(self, limit: float, skip=()) -> None:
         """skip: dead workers waiting to start again (their pid may be another process's now)."""

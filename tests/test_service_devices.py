@@ -234,24 +234,24 @@ def test_two_front_ends_share_one_model_worker(tmp_path):
 
 
 def test_a_lower_front_end_priority_on_a_cpu_backend_is_warned_of():
-    from service import supervisor
+    from service import process_plan as plan
     from service.settings import Settings
 
-    cpu, gpu = [supervisor.Device("cpu", None)], [supervisor.Device("cuda:0", "0")]
-    assert "FRONTEND_NICE=5 on a CPU backend" in supervisor.frontend_priority_warning(Settings(frontend_nice=5), cpu)
-    assert supervisor.frontend_priority_warning(Settings(frontend_nice=5), gpu) is None
-    assert supervisor.frontend_priority_warning(Settings(), cpu) is None
+    cpu, gpu = [plan.Device("cpu", None)], [plan.Device("cuda:0", "0")]
+    assert "FRONTEND_NICE=5 on a CPU backend" in plan.frontend_priority_warning(Settings(frontend_nice=5), cpu)
+    assert plan.frontend_priority_warning(Settings(frontend_nice=5), gpu) is None
+    assert plan.frontend_priority_warning(Settings(), cpu) is None
 
 
 def test_auto_front_ends_leave_a_core_per_gpu_worker_and_one_more(monkeypatch):
     """WORKERS=0 with GPUs: the usable cores less one per model worker and one, within 2..32; one
     front end where the CPU computes; an explicit count wins."""
-    from service import supervisor
+    from service import process_plan as plan
     from service.settings import Settings
 
-    gpus = [supervisor.Device(f"cuda:{i}", str(i)) for i in range(4)]
+    gpus = [plan.Device(f"cuda:{i}", str(i)) for i in range(4)]
     for cores, devices, expected in [(16, gpus[:1], 14), (64, gpus, 32), (32, gpus[:2], 29), (2, gpus[:1], 2)]:
-        monkeypatch.setattr(supervisor, "available_cpus", lambda cores=cores: cores)
-        assert supervisor.frontends_for(Settings(workers=0), devices) == expected, (cores, len(devices))
-    assert supervisor.frontends_for(Settings(workers=0), [supervisor.Device("cpu", None)]) == 1
-    assert supervisor.frontends_for(Settings(workers=3), gpus) == 3
+        monkeypatch.setattr(plan, "available_cpus", lambda cores=cores: cores)
+        assert plan.frontends_for(Settings(workers=0), devices) == expected, (cores, len(devices))
+    assert plan.frontends_for(Settings(workers=0), [plan.Device("cpu", None)]) == 1
+    assert plan.frontends_for(Settings(workers=3), gpus) == 3

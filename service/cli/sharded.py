@@ -43,7 +43,7 @@ def decode_sharded(lat: np.ndarray, preset: str, weights: str | None, backend: s
     ok, why = cuda_status()
     if not ok:
         fail(f"--shards {shards} needs CUDA: {why}")
-    from ..supervisor import plan_devices
+    from ..process_plan import plan_devices
 
     try:  # the GPUs a server would use: CONVSERVE_DEVICES, within CUDA_VISIBLE_DEVICES
         gpus = [d.cuda_visible for d in plan_devices(settings) if d.cuda_visible is not None]
