@@ -19,6 +19,9 @@ The rules this module keeps for its children (it alone starts, kills and reaps t
   hang limit) is killed here, with SIGKILL (a stopped or deadlocked process answers nothing
   else), then reaped and restarted as any dead child. Front ends never kill: they stop sending
   to a worker whose heartbeat is late, and it is ready again if it beats before the limit.
+- One watch thread (`_watch`) does all of the above, so it must outlive anything one of its turns
+  meets: an error in a turn is logged and the next turn comes, and a child's process is visible
+  to it only once started (a Process still being spawned has no sentinel to wait on).
 - A worker's first load that fails, or its death before that load is done, ends start-up
   (`_first_loads`: `convserve serve` exits 2 with one line); a restarted worker whose load
   fails stays up, not ready, and its requests get 503s."""
