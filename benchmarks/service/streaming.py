@@ -196,19 +196,32 @@ def group_stages(url: str, model: str) -> dict[tuple[str, str], tuple[float, flo
     return {key: (total, counts.get(key, 0.0)) for key, total in sums.items()}
 
 
+def worker_calls(url: str, model: str) -> tuple[float, float]:
+    """(model calls, their compute_infer ns) so far, from the Triton statistics (the workers' own
+    records, asked of them at the time): a streamed decode's steps are its model calls."""
+    stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=30).json()["model_stats"][0]
+    return float(stats["execution_count"]), float(stats["inference_stats"]["compute_infer"]["ns"])
+
+
 class GroupStages:
     """Each route's frame groups, stage by stage (wait for the decode, encode, send), from the
-    server's own series: scraped around each call, so routes that share a format stay apart."""
+    server's own series: scraped around each call, so routes that share a format stay apart. Beside
+    them, the worker's own time a model call (a decode step), to tell a decode slowed by what runs
+    beside it from a sender that waits."""
 
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
         self.per_route: dict[str, dict[str, list[float]]] = {}
         self.calls: dict[str, int] = {}
+        self.steps: dict[str, list[float]] = {}
 
     def call(self, route: str, fn, *args, **kwargs):
-        before = group_stages(self.url, self.model)
+        before, calls0 = group_stages(self.url, self.model), worker_calls(self.url, self.model)
         result = fn(*args, **kwargs)
-        after = group_stages(self.url, self.model)
+        after, calls1 = group_stages(self.url, self.model), worker_calls(self.url, self.model)
+        steps = self.steps.setdefault(route, [0.0, 0.0])
+        steps[0] += calls1[0] - calls0[0]
+        steps[1] += calls1[1] - calls0[1]
         acc = self.per_route.setdefault(route, {})
         self.calls[route] = self.calls.get(route, 0) + 1
         for key, (total, count) in after.items():
@@ -220,11 +233,16 @@ class GroupStages:
         return result
 
     def lines(self) -> list[str]:
-        """Per route: each stage's mean per group, and its sum per call."""
-        return [f"    {route}: " + ", ".join(
-            f"{stage} {1e3 * total / max(count, 1):.1f} ms a group ({1e3 * total / self.calls[route]:.0f} a call)"
-            for stage, (total, count) in sorted(stages.items()))
-            for route, stages in self.per_route.items()]
+        """Per route: each stage's mean per group, and its sum per call; the worker's time a step."""
+        out = []
+        for route, stages in self.per_route.items():
+            calls, ns = self.steps.get(route, (0.0, 0.0))
+            worker = f"; the worker's model calls {1e-6 * ns / calls:.1f} ms each ({calls / self.calls[route]:.0f} a call)" \
+                if calls else ""
+            out.append(f"    {route}: " + ", ".join(
+                f"{stage} {1e3 * total / max(count, 1):.1f} ms a group ({1e3 * total / self.calls[route]:.0f} a call)"
+                for stage, (total, count) in sorted(stages.items())) + worker)
+        return out
 
 
 def server_ttff(url: str, model: str) -> tuple[float, float]:
@@ -345,7 +363,7 @@ def main():
                 f"{route} {med(c):.3f}" for route, c in cpu.items()), flush=True)
             print("    the server's frame groups after the first, mean by stage (wait: for the decode; the "
                   "number of groups observed):", *stages.lines(), sep="\n", flush=True)
-            stages.per_route.clear(), stages.calls.clear()
+            stages.per_route.clear(), stages.calls.clear(), stages.steps.clear()
             if args.raw:
                 raw_rows.append((shape, frames, raw, {"npy": med(full), "npy uint8": med(u8), "mp4": med(mp4),
                                                       "npy streamed": med(npyend),
