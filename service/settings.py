@@ -226,6 +226,12 @@ class Settings(BaseSettings):
     #: request) is answered by the model worker's device thread itself, not handed to its delivery
     #: thread (service/worker/model_worker.py `_done`); 0: every call goes to the delivery thread
     deliver_inline_bytes: int = Field(1 << 20, ge=0)
+    #: "on": on Linux with GPUs, each GPU's model worker runs on a core of its own (the last of the
+    #: cores the server may use, one per GPU) and every other process of the server on the rest,
+    #: where at least 4 cores a GPU worker are there (service/process_plan.py `pins`): the worker's
+    #: threads then hand the interpreter lock over on one core. Off by default: two servers that
+    #: share a host's cores (pods on one node without exclusive CPUs) would pin to the same core
+    pin_workers: Literal["off", "on"] = "off"
     #: `shards=N` requests on GPUs: the first N GPUs' workers joined by NCCL (docs/sharding.md).
     #: Off: on GPUs `shards=N` is a 501 and `auto` is 1 (a host whose GPUs must never wait on each
     #: other). CPU backends serve sharded requests always (emulated shards, or `shard_comm`)

@@ -43,7 +43,7 @@ from typing import Iterator
 
 from . import listen_sockets, metrics, threads
 from .ipc import heartbeat
-from .process_plan import frontend_priority_warning, frontends_for, plan_devices
+from .process_plan import frontend_priority_warning, frontends_for, pins, plan_devices
 from .settings import Settings
 from .worker.model_worker import STOP_SIGNAL, WorkerSpec
 from .worker.model_worker import main as worker_main
@@ -105,6 +105,7 @@ class Supervisor:
         self.settings = settings
         self.ctx = multiprocessing.get_context("spawn")
         self.devices = plan_devices(settings)
+        self.pins = pins(settings, self.devices)  # PIN_WORKERS: applied when the workers start
         self.run_dir = tempfile.mkdtemp(prefix="convserve-run-")  # 0700: only this user connects
         self.endpoints = [(d.label, os.path.join(self.run_dir, f"worker-{i}.sock"))
                           for i, d in enumerate(self.devices)]
@@ -120,8 +121,13 @@ class Supervisor:
     # ---- workers ---------------------------------------------------------------------------------
     def start_workers(self) -> None:
         group = tuple(address for _, address in self.endpoints)  # shards=N: the first N (service/worker/shard_leader.py)
-        for device, (label, address) in zip(self.devices, self.endpoints):
-            spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group)
+        if self.pins is not None:  # this process and all it starts on the rest; each worker moves to its own core
+            threads.pin_process(self.pins.rest)
+            log.info("model workers pinned to cores %s, the front ends to the other %d (PIN_WORKERS=on)",
+                     ", ".join(str(min(c)) for c in self.pins.workers), len(self.pins.rest))
+        for i, (device, (label, address)) in enumerate(zip(self.devices, self.endpoints)):
+            cpus = tuple(sorted(self.pins.workers[i])) if self.pins is not None else ()
+            spec = WorkerSpec(label, device.cuda_visible, address, self.settings, os.getpid(), group, cpus=cpus)
             child = _Child(f"convserve-worker-{label}", worker_main, (spec,))
             heartbeat.create(heartbeat.beat_path(address))
             child.beat = heartbeat.BeatReader(heartbeat.beat_path(address))
@@ -327,8 +333,8 @@ def serve(settings: Settings, sock: socket.socket, environment: dict[str, str] |
         sup.on_fatal = lambda: _thread.interrupt_main(signal.SIGINT)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            count = frontends_for(settings, sup.devices)  # before the workers' cores leave this process's set
             sup.start_workers()
-            count = frontends_for(settings, sup.devices)
             if (warning := frontend_priority_warning(settings, sup.devices)) is not None:
                 logging.getLogger("convserve").warning(warning)
             if not settings.memory_budget_bytes:  # auto: the front ends share it

@@ -73,3 +73,19 @@ def lower_priority(increment: int) -> None:
         except OSError:
             pass
     os.nice(increment)
+
+
+def pin_process(cpus) -> bool:
+    """Every thread of this process on `cpus`, and every thread they start from now on (a new
+    thread takes its creator's CPUs, and a new process its parent's). Linux only (each thread's
+    affinity is set one by one through /proc/self/task); False where it could not be set."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return False
+    cpus, done = set(cpus), False
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+            done = True
+        except OSError:  # a thread that ended meanwhile, or CPUs outside this process's cpuset
+            continue
+    return done

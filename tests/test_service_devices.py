@@ -255,3 +255,56 @@ def test_auto_front_ends_leave_a_core_per_gpu_worker_and_one_more(monkeypatch):
         assert plan.frontends_for(Settings(workers=0), devices) == expected, (cores, len(devices))
     assert plan.frontends_for(Settings(workers=0), [plan.Device("cpu", None)]) == 1
     assert plan.frontends_for(Settings(workers=3), gpus) == 3
+
+
+def test_pinned_workers_get_a_core_each_and_everything_else_the_rest():
+    """PIN_WORKERS=on: each GPU worker the last cores of the server's set, one each, in device
+    order; the rest for the supervisor and front ends. Off (the default), a CPU worker, or fewer
+    than 4 cores a GPU worker: no pinning."""
+    from service import process_plan as plan
+    from service.settings import Settings
+
+    on = Settings(pin_workers="on")
+    gpus = [plan.Device(f"cuda:{i}", str(i)) for i in range(4)]
+    one = plan.pins(on, gpus[:1], set(range(16)))
+    assert one.workers == [frozenset({15})] and one.rest == frozenset(range(15))
+    odd = {1, 3, 4, 8, 9, 10, 11, 20, 21, 22, 23, 30, 31, 33, 40, 41}  # a cpuset with holes
+    four = plan.pins(on, gpus, odd)
+    assert four.workers == [frozenset({c}) for c in (31, 33, 40, 41)]
+    assert four.rest == frozenset(odd - {31, 33, 40, 41})
+    assert plan.pins(on, gpus, set(range(15))) is None  # 3.75 cores a worker
+    assert plan.pins(Settings(), gpus[:1], set(range(16))) is None  # off by default
+    assert plan.pins(on, [plan.Device("cpu", None)], set(range(16))) is None
+
+
+PIN_PROBE = """
+import os, sys, threading, time
+sys.path.insert(0, {repo!r})
+from service import threads
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+assert threads.pin_process({{{cpu}}})
+after = threading.Thread(target=stop.wait); after.start()
+time.sleep(0.1)
+for task in sorted(os.listdir("/proc/self/task")):
+    print(task, sorted(os.sched_getaffinity(int(task))))
+stop.set()
+"""
+
+
+def test_pin_process_moves_every_thread_and_those_started_later():
+    """service/threads.py `pin_process`, in a process of its own: a thread started before and one
+    started after both end up on the given core, with the main thread."""
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpu = max(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", PIN_PROBE.format(repo=str(Path(__file__).parents[1]), cpu=cpu)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    tasks = [line for line in lines if line.strip()]
+    assert len(tasks) >= 3  # main, before, after
+    assert all(line.split(" ", 1)[1] == f"[{cpu}]" for line in tasks), out.stdout

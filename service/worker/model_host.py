@@ -44,6 +44,8 @@ class WorkerSpec:
     #: (None, or why it failed), which ends start-up on a failure; None on a restart, whose load
     #: failure is served as 503s instead (service/supervisor.py)
     report: Any = None
+    #: the cores this worker runs on (service/process_plan.py `pins`); () where it is not pinned
+    cpus: tuple[int, ...] = ()
 
 
 class SubmitTally:

@@ -258,8 +258,12 @@ def main(spec: WorkerSpec) -> None:
     """The worker process's entry point (multiprocessing, spawn)."""
     if spec.cuda_visible is not None:  # before anything initialises CUDA: this GPU is device 0 here
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible
+    # its own core (PIN_WORKERS), before its threads start: each takes its creator's CPUs
+    pinned = bool(spec.cpus) and threads.pin_process(spec.cpus)
     logging.basicConfig(level=spec.settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[{spec.device}]: %(message)s")
+    if spec.cpus and not pinned:
+        log.warning("%s: could not pin to cores %s; running unpinned", spec.device, spec.cpus)
     # the device thread and the I/O thread share the interpreter lock: a short switch interval
     # keeps the device thread from waiting up to 5 ms to launch the next batch
     sys.setswitchinterval(0.001)
