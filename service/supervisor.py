@@ -22,6 +22,8 @@ The rules this module keeps for its children (it alone starts, kills and reaps t
 - One watch thread (`_watch`) does all of the above, so it must outlive anything one of its turns
   meets: an error in a turn is logged and the next turn comes, and a child's process is visible
   to it only once started (a Process still being spawned has no sentinel to wait on).
+- Nothing starts again once a drain or stop has begun: a restart and the stop take one lock, so
+  a stop either comes first or waits for the start and then signals the child it made.
 - A worker's first load that fails, or its death before that load is done, ends start-up
   (`_first_loads`: `convserve serve` exits 2 with one line); a restarted worker whose load
   fails stays up, not ready, and its requests get 503s."""
@@ -246,11 +248,19 @@ class Supervisor:
         return 0.0 if lived >= STABLE_AFTER_S else child.pause
 
     def _start_again(self, child: _Child) -> None:
-        worker = child in self.workers
-        child.restarts += 1
-        child.start(self.ctx)
-        if worker:
+        # under the lock that stopping takes (_no_more_restarts): a stop either comes first, and
+        # nothing starts, or waits for this start and then signals the child it made
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            child.restarts += 1
+            child.start(self.ctx)
+        if child in self.workers:
             metrics.WORKER_UP.labels(self._device_of(child)).set(1)
+
+    def _no_more_restarts(self) -> None:
+        with self._lock:
+            self._stopping.set()
 
     # ---- stopping --------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -258,7 +268,7 @@ class Supervisor:
         told to drain too. From now on a child that exits has been told to, not died: nothing is
         restarted. (Set first: 11 of 13 idle front ends once exited before front end 0 had ended
         its own drain and were started again, each logged as a death.)"""
-        self._stopping.set()
+        self._no_more_restarts()
         self.signal_frontends()
 
     def signal_frontends(self, sig: int = signal.SIGTERM) -> None:
@@ -268,7 +278,7 @@ class Supervisor:
 
     def stop(self, grace_s: float) -> None:
         """Front ends first (they drain: in-flight work still needs its worker), then workers."""
-        self._stopping.set()
+        self._no_more_restarts()
         self.signal_frontends()
         deadline = time.monotonic() + grace_s + 5
         for child in self.frontends:

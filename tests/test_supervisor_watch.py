@@ -5,12 +5,15 @@ restarts and kills the server's children, on real spawned processes:
   is published only once started (the watch once read the sentinel of a Process still in
   `start()`, raised, and died: from then on nothing was reaped, and a SIGKILLed front end stayed a
   zombie for good);
-- an error in one turn of the watch is logged and the watch goes on reaping and restarting."""
+- an error in one turn of the watch is logged and the watch goes on reaping and restarting;
+- a stop that comes while the watch starts a child again leaves no child running: it either
+  comes first (nothing starts) or waits for that start and stops what it made."""
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+import threading
 import time
 
 from service import threads
@@ -25,8 +28,23 @@ def _die_young() -> None:
     os._exit(3)
 
 
+def _dies_then_idles(marker: str) -> None:
+    """Exits at once the first time (no marker yet); started again, lives until it is stopped."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(3)
+    time.sleep(120)  # SIGTERM's default action ends it
+
+
+#: how many times a _SlowStart began, and set as each begins
+STARTS: list[float] = []
+STARTING = threading.Event()
+
+
 class _SlowStart(SPAWN.Process):
     def start(self) -> None:
+        STARTS.append(time.monotonic())
+        STARTING.set()
         time.sleep(2.5 * WATCH_S)  # the watch takes at least two turns while this child is being started
         super().start()
 
@@ -98,3 +116,25 @@ def test_the_watch_outlives_an_error_in_one_turn(caplog):
     finally:
         sup.workers.remove(broken)
         sup.stop(grace_s=1.0)
+
+
+def test_a_stop_while_a_child_is_started_again_leaves_none_running(tmp_path):
+    STARTS.clear()
+    sup = Supervisor(Settings(backend="numpy"))
+    sup.ctx = _SlowSpawn()
+    child = None
+    try:
+        threads.start(sup._watch, "convserve-supervisor")
+        sup.add_frontend("convserve-frontend-1", _dies_then_idles, (str(tmp_path / "died"),))
+        [child] = sup.frontends
+        STARTING.clear()
+        deadline = time.monotonic() + 60
+        while len(STARTS) < 2:  # the watch reaped it and is inside its start again (a slow spawn)
+            assert time.monotonic() < deadline, "the dead child was never started again"
+            STARTING.wait(0.1)
+        sup.stop(grace_s=1.0)
+        time.sleep(4 * WATCH_S)  # past the slow start: a child made after the stop would be running now
+        assert child.proc is None or not child.proc.is_alive(), "a child started again after the stop runs on"
+    finally:
+        if child is not None and child.proc is not None and child.proc.is_alive():
+            child.proc.kill()
