@@ -263,48 +263,23 @@ def test_encoders_in_turn_give_the_same_clip_side_by_side_as_one_at_a_time(encod
     assert np.abs(rgb[1:] - frames[:-1] * 255).mean() > 3 * np.abs(rgb - frames * 255).mean()
 
 
-def test_the_last_groups_frames_are_split_over_tail_contexts_side_by_side(monkeypatch):
-    """The last group's encode overlaps no decode: its frames go to TAIL_CONTEXTS contexts of
-    their own (opened ahead, while the second group is encoded), a part each, side by side, each
-    part an IDR frame first; the group is still one fragment, and the clip plays as written. One
-    context alone, or x264's own thread count, keeps the last group on the groups' contexts."""
-    av = pytest.importorskip("av")
-    from service.codecs import fmp4
+def test_the_last_group_is_encoded_with_every_contexts_threads():
+    """The last group's encode overlaps no decode: it goes to a context of its own with the
+    threads of all K contexts (opened ahead, while the second group is encoded); one context
+    alone, or x264's own thread count, keeps the groups' contexts as they are."""
+    pytest.importorskip("av")
+    from service.codecs.fmp4 import FragmentedMP4Writer
 
     frames = clip(1 + 4 * 3)
     spans = [(0, 1), (1, 5), (5, 9), (9, 13)]
-    writer = fmp4.FragmentedMP4Writer(64, 48, 8.0, 90, preset="ultrafast", threads=2, encoders=3)
+    writer = FragmentedMP4Writer(64, 48, 8.0, 90, preset="ultrafast", threads=2, encoders=3)
     tail = writer._tail
-    assert len(tail) == fmp4.TAIL_CONTEXTS == 4 and all(c.codec.options["threads"] == "2" for c in tail)
-    parts = []
-    packets = writer._packets
-    # every part of the last group must be running before any may go on: parts run one after
-    # another would break the barrier
-    together = threading.Barrier(fmp4.TAIL_CONTEXTS, timeout=30)
-
-    def recorded(enc, rgb, first_pts, flush):
-        parts.append((threading.get_ident(), first_pts, len(rgb), flush))
-        if first_pts >= 9:
-            together.wait()
-        return packets(enc, rgb, first_pts, flush)
-
-    monkeypatch.setattr(writer, "_packets", recorded)
-    out = []
+    assert tail is not None and tail.codec.options["threads"] == "6"
+    assert all(c.codec.options["threads"] == "2" for c in writer._contexts)
     for i, (a, b) in enumerate(spans):
-        if b == len(frames):
-            parts.clear()
-        out.append(writer.add_group(frames[a:b], last=b == len(frames)))
-        assert all(c.codec.is_open for c in tail) == (i >= 1)
-    assert sorted(p[1:] for p in parts) == [(9, 1, True), (10, 1, True), (11, 1, True), (12, 1, True)]
-    assert len({p[0] for p in parts}) == 4
+        writer.add_group(frames[a:b], last=b == len(frames))
+        assert tail.codec.is_open == (i >= 1)
+    assert tail.next_index == len(spans) - 1 + writer.encoders  # it took the last group, and only it
     assert [c.next_index for c in writer._contexts] == [3, 4, 5]  # groups 0, 1, 2 on contexts 0, 1, 2
-    data = b"".join(out)
-    assert [k for k, _ in fmp4.top_level_boxes(data)] == ["ftyp", "moov"] + ["moof", "mdat"] * len(spans)
-    with av.open(io.BytesIO(data)) as container:
-        decoded = list(container.decode(video=0))
-    assert [f.pts for f in decoded] == sorted(f.pts for f in decoded) and len(decoded) == len(frames)
-    assert [f.key_frame for f in decoded[-4:]] == [True] * 4
-    rgb = np.stack([f.to_ndarray(format="rgb24") for f in decoded]).astype(np.float64)
-    assert np.abs(rgb - frames * 255).mean() < 6
-    assert fmp4.FragmentedMP4Writer(64, 48, 8.0, threads=2, encoders=1)._tail == []
-    assert fmp4.FragmentedMP4Writer(64, 48, 8.0, threads=0, encoders=2)._tail == []
+    assert FragmentedMP4Writer(64, 48, 8.0, threads=2, encoders=1)._tail is None
+    assert FragmentedMP4Writer(64, 48, 8.0, threads=0, encoders=2)._tail is None

@@ -2,21 +2,18 @@
 
 Every group becomes one fragment (moof + mdat) that starts with an IDR frame, and its bytes are
 ready as soon as the group is encoded. FFmpeg's mp4 muxer cuts a fragment only when the *next*
-packet arrives (frag_keyframe / frag_every_frame) or on a flush, and PyAV cannot call
-av_write_frame(NULL) to flush it, so each group is muxed by its own short-lived muxer (movflags
-frag_custom, so that its one fragment is written when it closes whatever IDR frames it holds,
-empty_moov+default_base_moof, plus frag_discont so the fragment's decode time is the frames' own
-timestamp, and fragment_index so sequence numbers run on). The first group's output also carries
-the init segment (ftyp + moov); later groups keep only moof + mdat.
+packet arrives (frag_keyframe / frag_every_frame), and PyAV cannot call av_write_frame(NULL) to
+flush it, so each group is muxed by its own short-lived muxer (movflags
+frag_keyframe+empty_moov+default_base_moof, plus frag_discont so the fragment's decode time is
+the frames' own timestamp, and fragment_index so sequence numbers run on). The first group's
+output also carries the init segment (ftyp + moov); later groups keep only moof + mdat.
 The encoder is one libx264 context for the whole clip, or several that take the groups in turn
 (tune=zerolatency: one packet out per frame in, no B-frames), with SPS/PPS in-band on each IDR so
-every group's muxer sees them. With several, the last group's frames are split over contexts of
-their own, side by side, each part starting with an IDR frame (FragmentedMP4Writer's tail)."""
+every group's muxer sees them."""
 from __future__ import annotations
 
 import io
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Callable
 
@@ -28,13 +25,6 @@ from .video import crf_for_quality, load_av, yuv420p_frames
 #: top-level boxes kept from the first group's muxer output, then from every later one
 _FIRST_KEEP = {"ftyp", "moov", "moof", "mdat"}
 _LATER_KEEP = {"moof", "mdat"}
-
-#: x264 contexts the last group's frames are split over (a part each, side by side): the video
-#: VAEs' groups are 4 frames. Why: the last group's encode overlaps no decode, so the client waits
-#: for all of it, and x264's slice threads stop paying past ~8 on one frame (4 threads 56.6 ms a
-#: 4-frame 480x832 noise group, 8 threads 37.7, 12 threads 37.6; a 16-core Xeon, 2026-11-30):
-#: more cores reach one group only through more contexts.
-TAIL_CONTEXTS = 4
 
 
 def top_level_boxes(data: bytes) -> list[tuple[str, bytes]]:
@@ -96,12 +86,10 @@ class FragmentedMP4Writer:
         self._contexts = [context(threads, i) for i in range(max(1, encoders))]
         self.encoders = len(self._contexts)
         # The last group's encode is the one part of an answer that overlaps no decode: the
-        # client waits for all of it. With several contexts its frames are split over
-        # TAIL_CONTEXTS contexts of their own, encoded side by side, since the groups' contexts
-        # have (nearly) nothing left to do by then; opened while the second group is encoded.
-        self._tail = [context(threads, 0) for _ in range(TAIL_CONTEXTS)] if self.encoders > 1 and threads else []
-        self._tail_pool = ThreadPoolExecutor(TAIL_CONTEXTS - 1, thread_name_prefix="convserve-mp4-tail") \
-            if self._tail else None
+        # client waits for all of it. With several contexts it gets one of its own with all of
+        # their threads (x264's zerolatency threads are slices of each frame: more of them make a
+        # frame's encode shorter), since the others have (nearly) nothing left to do by then.
+        self._tail = context(threads * self.encoders, 0) if self.encoders > 1 and threads else None
         self._frames = 0  # frames placed so far: the next group's first timestamp
         self._groups = 0  # groups placed so far
 
@@ -114,62 +102,35 @@ class FragmentedMP4Writer:
         index, first_pts = self._groups, self._frames
         self._groups += 1
         self._frames += int(frames01.shape[0])
-        if last and self._tail:
-            return lambda: self._encode_tail(index, first_pts, frames01)
         context = self._contexts[index % self.encoders]
+        if last and self._tail is not None:
+            context = self._tail
+            context.next_index = index
         return lambda: self._encode(context, index, first_pts, frames01, last)
 
-    def _rgb(self, frames01: np.ndarray) -> np.ndarray:
+    def _encode(self, context: _Encoder, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
+        av = self._av
         rgb = to_uint8(frames01)
         ph, pw = self.coded_height - self.height, self.coded_width - self.width
         if ph or pw:
             rgb = np.pad(rgb, ((0, 0), (0, ph), (0, pw), (0, 0)), mode="edge")
-        return rgb
-
-    def _packets(self, enc, rgb: np.ndarray, first_pts: int, flush: bool) -> list:
-        """rgb's frames through one context, the first an IDR (decodable on its own)."""
-        av, packets = self._av, []
-        for i, vf in enumerate(yuv420p_frames(av, rgb)):
-            vf.pts = first_pts + i
-            if i == 0:
-                vf.pict_type = av.video.frame.PictureType.I
-            packets += enc.encode(vf)
-        if flush:
-            packets += enc.encode(None)
-        return packets
-
-    def _encode_tail(self, index: int, first_pts: int, frames01: np.ndarray) -> bytes:
-        """The last group: its frames in up to TAIL_CONTEXTS parts in order, each part through a
-        tail context of its own, side by side; one fragment of them all."""
-        rgb = self._rgb(frames01)
-        cuts = np.linspace(0, len(rgb), min(len(rgb), len(self._tail)) + 1).round().astype(int)
-        parts = [(self._tail[k], a, b) for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-
-        def part(context: _Encoder, a: int, b: int) -> list:
-            with context.lock:
-                if not context.codec.is_open:
-                    context.codec.open()
-                return self._packets(context.codec, rgb[a:b], first_pts + a, flush=True)
-
-        later = [self._tail_pool.submit(part, *p) for p in parts[1:]]
-        packets = part(*parts[0])
-        for future in later:
-            packets += future.result()
-        self._tail_pool.shutdown(wait=False)
-        return self._fragment(index, packets)
-
-    def _encode(self, context: _Encoder, index: int, first_pts: int, frames01: np.ndarray, last: bool) -> bytes:
-        rgb = self._rgb(frames01)
+        enc = context.codec
+        packets = []
         with context.lock:
             if context.next_index != index:
                 raise RuntimeError(f"frame group {index} reached its encoder before group {context.next_index}")
             context.next_index += self.encoders
-            packets = self._packets(context.codec, rgb, first_pts, flush=last)
-        if index == 1:  # the tail's contexts opened ahead, off the last group's time (2-6 ms each)
-            for tail in self._tail:
-                with tail.lock:
-                    if not tail.codec.is_open:
-                        tail.codec.open()
+            for i, vf in enumerate(yuv420p_frames(av, rgb)):
+                vf.pts = first_pts + i
+                if i == 0:  # each fragment starts with an IDR: decodable on its own
+                    vf.pict_type = av.video.frame.PictureType.I
+                packets += enc.encode(vf)
+            if last:
+                packets += enc.encode(None)
+        if index == 1 and self._tail is not None:  # opened ahead, off the last group's time (2-6 ms)
+            with self._tail.lock:
+                if not self._tail.codec.is_open:
+                    self._tail.codec.open()
         if not last and len(packets) != len(rgb):
             # zerolatency gives each frame's packet at once; a context that held one back would
             # leave it out of this group's fragment (and another context ahead of it in time)
@@ -181,7 +142,7 @@ class FragmentedMP4Writer:
             return b""
         av = self._av
         buf = io.BytesIO()
-        options = {"movflags": "frag_custom+empty_moov+default_base_moof+frag_discont+skip_trailer",
+        options = {"movflags": "frag_keyframe+empty_moov+default_base_moof+frag_discont+skip_trailer",
                    "fragment_index": str(index + 1), "avoid_negative_ts": "disabled"}
         with av.open(buf, mode="w", format="mp4", options=options) as mux:
             stream = mux.add_mux_stream("h264", rate=self.rate, width=self.coded_width,
