@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from service.ipc import worker_protocol as wp
 from service.ipc.shm import TensorRef
 from service.settings import Settings
@@ -40,7 +42,7 @@ def worker(runs_ahead: bool = True, **settings) -> Worker:
 
 
 def batch(link: FrontEnd, rids, out=EMBED) -> list[WorkItem]:
-    items = [WorkItem("m", "key", None, None, tag=(link, rid, {"embedding": out})) for rid in rids]
+    items = [WorkItem("m", "key", np.zeros((1, 3), np.uint8), None, tag=(link, rid, {"embedding": out})) for rid in rids]
     for it in items:
         it.started = True
     return items

@@ -96,7 +96,11 @@ class WorkItem:
     tag: Any = None
     #: inputs made on another thread's device stream: the event the call's stream waits for first
     ready: Any = None
+    #: the inputs' rows (axis 0), read once: the queue's counts, the batching and the split read it
+    #: five or more times an item, and as a property it was 4 % of the device thread's interpreter
+    #: lock under one-image requests (one H200, 2026-11-30). Fixed for the item's life: the JPEG
+    #: stage swaps a file's one row for its one decoded image row.
+    rows: int = field(init=False)
 
-    @property
-    def rows(self) -> int:
-        return int(self.inputs.shape[0])
+    def __post_init__(self) -> None:
+        self.rows = int(self.inputs.shape[0])
