@@ -84,8 +84,8 @@ CLONES static void winograd_pack(const float *w, const double *g, float *out, Py
 
 /* rows x cols of the scratch tile (row stride nr) -> out, with bias, activation and residual; on
  * vectors of W floats (VF, its loads and activation), 16 in the AVX-512 tiles, 8 in the AVX2 ones */
-#define DEFINE_TILE_EPILOGUE(NAME, ATTR, VF, W, LOAD, LOAD_PART, STORE, STORE_PART, ACT)                \
-    ATTR INLINE void NAME(const float *t, Py_ssize_t nr, Py_ssize_t rows, Py_ssize_t cols, const float *bias, \
+#define DEFINE_TILE_EPILOGUE(NAME, VF, W, LOAD, LOAD_PART, STORE, STORE_PART, ACT)                      \
+    INLINE void NAME(const float *t, Py_ssize_t nr, Py_ssize_t rows, Py_ssize_t cols, const float *bias, \
                      const float *res, float *out, Py_ssize_t n, int act)                                \
     {                                                                                                    \
         for (Py_ssize_t r = 0; r < rows; r++) {                                                          \
@@ -111,13 +111,10 @@ CLONES static void winograd_pack(const float *w, const double *g, float *out, Py
         }                                                                                                \
     }
 
-DEFINE_TILE_EPILOGUE(tile_epilogue8, , vf8, ACT_VEC, vload8, vload8_part, vstore8, vstore8_part, vact)
+DEFINE_TILE_EPILOGUE(tile_epilogue8, vf8, ACT_VEC, vload8, vload8_part, vstore8, vstore8_part, vact)
+DEFINE_TILE_EPILOGUE(tile_epilogue16, vf16, DW_VEC, vload16, vload_part, vstore16, vstore_part, vact16)
 
 #ifdef HAVE_GEMM_TILES
-#define TARGET_V3 __attribute__((target("arch=x86-64-v3")))
-
-DEFINE_TILE_EPILOGUE(tile_epilogue16, TARGET_V4, vf16, DW_VEC, vload16, vload_part, vstore16, vstore_part, vact16_v4)
-
 /* all lanes = x (written out: `(vf16){0} + x` costs an add, as -0.0 + 0.0 is not -0.0) */
 #define BCAST16(x) ((vf16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x})
 #define BCAST8(x) ((vf8){x, x, x, x, x, x, x, x})
@@ -165,18 +162,10 @@ typedef void (*tile_fn)(const float *a, Py_ssize_t lda, const float *bp, Py_ssiz
  * block, shorter than MR, takes the tile of its own height (TILES[rows]), not MR rows of padding: at
  * that stage a padded 12-row tile for the 49th row cost 3x the 1-row tile. */
 #define GEMM_TASKS 16
-/* By row blocks, a task runs its row blocks `sub` at a time, every panel on each such group, not
- * every panel on one row block after another: the group's rows (at most this many bytes) stay in
- * L2 and each panel is read once a group. Row block after row block read all of B once a block:
- * from L3 where B outgrows L2 (ConvNeXt-T's third stage at batch 8: 1,568 x 384 x 1,536, a 2.4 MB
- * B, half the model's linear work), ~6 flops a byte of B, about what a core's share of L3 gives. */
-#ifndef GEMM_A_BYTES
-#define GEMM_A_BYTES (256 * 1024)
-#endif
 typedef struct {
     const float *a, *bp, *bias, *res;
     float *out;
-    Py_ssize_t lda, m, k, n, sa, sb, chunk, tasks, outer, inner, sub;
+    Py_ssize_t lda, m, k, n, sa, sb, chunk, tasks, outer, inner;
     int act, by_panel;
 } gemm_args;
 
@@ -191,26 +180,21 @@ typedef struct {
         const float *rb = g->res ? g->res + bi * m * n : NULL;                                              \
         float *ob = g->out + bi * m * n;                                                                    \
         Py_ssize_t o1 = (task + 1) * g->chunk < g->outer ? (task + 1) * g->chunk : g->outer;                \
-        /* by row blocks: `sub` of them at a time, every panel on them (see GEMM_A_BYTES) */              \
-        const Py_ssize_t sub = g->by_panel ? 1 : g->sub;                                                    \
-        for (Py_ssize_t s0 = task * g->chunk; s0 < o1; s0 += sub)                                           \
-            for (Py_ssize_t i = 0; i < g->inner; i++)                                                       \
-                for (Py_ssize_t o = s0; o < s0 + sub && o < o1; o++) {                                      \
-                    Py_ssize_t blk = g->by_panel ? i : o, p = g->by_panel ? o : i;                          \
-                    Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                             \
-                    Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                            \
-                    TILES[rows](ab + r0 * lda, lda, bb + p * k * nr, k, t);                                 \
-                    EPILOGUE(t, nr, rows, cols, g->bias ? g->bias + col : NULL,                             \
-                             rb ? rb + r0 * n + col : NULL, ob + r0 * n + col, n, g->act);                  \
-                }                                                                                           \
+        for (Py_ssize_t o = task * g->chunk; o < o1; o++)                                                   \
+            for (Py_ssize_t i = 0; i < g->inner; i++) {                                                     \
+                Py_ssize_t blk = g->by_panel ? i : o, p = g->by_panel ? o : i;                              \
+                Py_ssize_t r0 = blk * MR, rows = m - r0 < MR ? m - r0 : MR;                                 \
+                Py_ssize_t col = p * nr, cols = n - col < nr ? n - col : nr;                                \
+                TILES[rows](ab + r0 * lda, lda, bb + p * k * nr, k, t);                                     \
+                EPILOGUE(t, nr, rows, cols, g->bias ? g->bias + col : NULL, rb ? rb + r0 * n + col : NULL,  \
+                         ob + r0 * n + col, n, g->act);                                                     \
+            }                                                                                               \
     }                                                                                                       \
     static void NAME(const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res,  \
                      float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act, Py_ssize_t batch,       \
                      Py_ssize_t sa, Py_ssize_t sb)                                                          \
     {                                                                                                       \
-        gemm_args g = {a, bp, bias, res, out, lda, m, k, n, sa, sb, 0, 0, 0, 0, 1, act, n > m};             \
-        g.sub = GEMM_A_BYTES / ((Py_ssize_t)sizeof(float) * MR * k);                                        \
-        if (g.sub < 1) g.sub = 1;                                                                           \
+        gemm_args g = {a, bp, bias, res, out, lda, m, k, n, sa, sb, 0, 0, 0, 0, act, n > m};                \
         const Py_ssize_t blocks = (m + MR - 1) / MR, panels = (n + NR - 1) / NR;                           \
         g.outer = g.by_panel ? panels : blocks;                                                             \
         g.inner = g.by_panel ? blocks : panels;                                                             \
@@ -223,6 +207,8 @@ typedef struct {
             for (Py_ssize_t job = 0; job < g.tasks * batch; job++) NAME##_task(&g, job);                    \
     }
 
+#define TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+#define TARGET_V3 __attribute__((target("arch=x86-64-v3")))
 #define TILE_V4(R) DEFINE_TILE(tile_v4_##R, TARGET_V4, R, 2, vf16, 16, vload16, vstore16, BCAST16)
 #define TILE_V3(R) DEFINE_TILE(tile_v3_##R, TARGET_V3, R, 2, vf8, 8, vload8, vstore8, BCAST8)
 TILE_V4(1) TILE_V4(2) TILE_V4(3) TILE_V4(4) TILE_V4(5) TILE_V4(6)

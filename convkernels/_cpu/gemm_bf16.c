@@ -101,9 +101,9 @@ static const bf16_tile_fn tiles_bf16[BF16_MR + 1] = {
     tile_bf16_7, tile_bf16_8, tile_bf16_9, tile_bf16_10, tile_bf16_11, tile_bf16_12};
 
 /* The finished tile's rows x cols (row stride 32) -> out with bias, activation and residual: the
- * operations of gemm.c's 16-float epilogue (vec.h's vact16_v4), so the two paths differ only in the
+ * operations of gemm.c's 16-float epilogue (vec.h's vact16), so the two paths differ only in the
  * products */
-TARGET_V4 INLINE void tile_epilogue_bf16(const float *t, Py_ssize_t rows, Py_ssize_t cols, const float *bias,
+INLINE void tile_epilogue_bf16(const float *t, Py_ssize_t rows, Py_ssize_t cols, const float *bias,
                                const float *res, float *out, Py_ssize_t n, int act)
 {
     for (Py_ssize_t r = 0; r < rows; r++) {
@@ -113,7 +113,7 @@ TARGET_V4 INLINE void tile_epilogue_bf16(const float *t, Py_ssize_t rows, Py_ssi
             Py_ssize_t w = cols - c < DW_VEC ? cols - c : DW_VEC;
             vf16 v = vload16(tr + c); /* the scratch row is whole; bias, residual and out may not be */
             if (bias) v += w == DW_VEC ? vload16(bias + c) : vload_part(bias + c, w);
-            v = vact16_v4(v, act);
+            v = vact16(v, act);
             if (rr) v += w == DW_VEC ? vload16(rr + c) : vload_part(rr + c, w);
             if (w == DW_VEC) vstore16(o + c, v);
             else vstore_part(o + c, v, w);

@@ -108,13 +108,8 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
  * erf(z) as z * P(z^2) / Q(z^2) on [-4, 4] (the float32 rational fit Eigen and XLA use; no exp).
  * tanh(x) as x * P(x^2) / Q(x^2) on [-7.9, 7.9] (Eigen's float32 rational fit).
  * activation codes shared with Python: 0 none, 1 silu, 2 gelu (exact-erf form). */
-#define DEFINE_ACTIVATIONS(SFX, V, VI) DEFINE_ACTIVATIONS_AS(SFX, V, VI, , VDIVIDE)
-#define VDIVIDE(n, d) ((n) / (d))
-/* ATTR: a target attribute for the functions (gemm.c's AVX-512 tiles); RATIO(n, d): how the
- * rational fits divide (there, a reciprocal estimate refined once: vdivps was 5-27 % of a first
- * linear's time on an AVX-512 Xeon) */
-#define DEFINE_ACTIVATIONS_AS(SFX, V, VI, ATTR, RATIO)                                          \
-    ATTR INLINE V vclamp##SFX(V x, float lo, float hi)                                         \
+#define DEFINE_ACTIVATIONS(SFX, V, VI)                                                          \
+    INLINE V vclamp##SFX(V x, float lo, float hi)                                              \
     {                                                                                          \
         V l = (V){0} + lo, h = (V){0} + hi;                                                    \
         VI m = x < l;                                                                          \
@@ -122,7 +117,7 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
         m = x > h;                                                                             \
         return (V)((m & (VI)h) | (~m & (VI)x));                                                \
     }                                                                                          \
-    ATTR INLINE V verf##SFX(V z)                                                               \
+    INLINE V verf##SFX(V z)                                                                    \
     {                                                                                          \
         z = vclamp##SFX(z, -4.0f, 4.0f);                                                       \
         V z2 = z * z;                                                                          \
@@ -138,9 +133,9 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
         q = q * z2 - 1.68282697438203e-03f;                                                    \
         q = q * z2 - 7.37332916720468e-03f;                                                    \
         q = q * z2 - 1.42647390514189e-02f;                                                    \
-        return RATIO(z * p, q);                                                                \
+        return z * p / q;                                                                      \
     }                                                                                          \
-    ATTR INLINE V vtanh##SFX(V x)                                                              \
+    INLINE V vtanh##SFX(V x)                                                                   \
     {                                                                                          \
         x = vclamp##SFX(x, -7.90531110763549805f, 7.90531110763549805f);                       \
         V x2 = x * x;                                                                          \
@@ -155,9 +150,9 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
         q = q * x2 + 1.18534705686654e-04f;                                                    \
         q = q * x2 + 2.26843463243900e-03f;                                                    \
         q = q * x2 + 4.89352518554385e-03f;                                                    \
-        return RATIO(x * p, q);                                                                \
+        return x * p / q;                                                                      \
     }                                                                                          \
-    ATTR INLINE V vact##SFX(V v, int act)                                                      \
+    INLINE V vact##SFX(V v, int act)                                                           \
     {                                                                                          \
         if (act == 1) return 0.5f * v * (1.0f + vtanh##SFX(0.5f * v)); /* v * sigmoid(v) */    \
         if (act == 2) return 0.5f * v * (1.0f + verf##SFX(v * 0.70710678118654752f));          \
@@ -166,23 +161,6 @@ INLINE void vstore8_part(float *p, vf8 v, Py_ssize_t n)
 
 DEFINE_ACTIVATIONS(, vf8, vi8)
 DEFINE_ACTIVATIONS(16, vf16, vi16)
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include <immintrin.h>
-#define TARGET_V4 __attribute__((target("arch=x86-64-v4")))
-/* n / d in the AVX-512 matrix tiles' epilogues (gemm.c, gemm_bf16.c): vrcp14ps's estimate
- * (relative error < 2^-14) and one Newton step (< 2^-27, below float32's rounding), 3 cheap
- * instructions for vdivps's ~10 cycles a vector. The GELU epilogue's one division a vector cost
- * 5-27 % of a first linear alone (K = 96: 24 divisions a 12 x 32 tile against its ~1,150 cycles of
- * products; AVX-512 Xeon, 2026-11-30). */
-TARGET_V4 INLINE vf16 ratio_v4(vf16 n, vf16 d)
-{
-    vf16 r = (vf16)_mm512_rcp14_ps((__m512)d);
-    return n * (r * (2.0f - d * r));
-}
-#define RATIO_V4(n, d) ratio_v4(n, d)
-DEFINE_ACTIVATIONS_AS(16_v4, vf16, vi16, TARGET_V4, RATIO_V4)
-#endif
 
 INLINE vf8 vsplat8(float v) { return (vf8){0} + v; }
 
