@@ -104,10 +104,11 @@ class BackendBase(TensorOps):
         a handle whose release() unpins it, or None (the default: not offered)."""
         return None
 
-    def gather_rows(self, parts: list[np.ndarray], regions: list) -> Any:
+    def gather_rows(self, parts: list[np.ndarray], regions: list, addresses: list[int] | None = None) -> Any:
         """The host parts joined along axis 0 as a device array, each read where it lies in its
         pinned region (pin_host_region); None (the default, or a part outside its region): the
-        caller stacks them and uploads the stack."""
+        caller stacks them and uploads the stack. addresses: each part's first byte where the
+        caller knows it (0: not known), so it need not be read from the array."""
         return None
 
     def jpeg_decoder(self):

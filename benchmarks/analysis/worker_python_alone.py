@@ -59,6 +59,7 @@ def _host():
 def _link(arena: Arena) -> FrontendLink:
     link = FrontendLink.__new__(FrontendLink)  # no connection: messages are handed in directly
     link.host, link.view, link.items, link.streams = _host(), ArenaView(os.dup(arena.fd), arena.size), {}, {}
+    link.base = link.view.address
     link.closed, link.leader, link._send_lock = False, False, threading.Lock()
     link.conn = type("Conn", (), {"send_bytes": lambda self, b: None})()
     return link

@@ -49,6 +49,7 @@ class FrontendLink:
         self.host, self.conn = host, conn
         self._send_lock = threading.Lock()
         self.view: ArenaView | None = None
+        self.base = 0  # where the arena's mapping starts here (handshake)
         self.items: dict[int, Any] = {}
         self.streams: dict[int, tuple[HostedModel, GeneratorSteps, np.ndarray]] = {}
         self.closed = False
@@ -113,6 +114,7 @@ class FrontendLink:
             raise ValueError(f"expected a hello, got a {type(hello).__name__}")
         self.leader = isinstance(hello, wp.LeaderHello)
         self.view = ArenaView(recv_handle(self.conn), hello.arena_size)
+        self.base = self.view.address  # read once: the arena's blocks' addresses are base + offset
 
     def close(self) -> None:
         self.closed = True
@@ -170,16 +172,18 @@ class FrontendLink:
             hm = host.models[msg.model]
             if stream_step:  # a stream's step runs on its latents (what the model-call faults inspect)
                 _, steps, inputs = self._stream(options.stream)
-                call = steps.step
-            else:
+                call, address = steps.step, 0
+            else:  # the input's block in this front end's arena
                 call, inputs = host.call_for(hm, msg.op, options), self.view.array(msg.input)
+                address = self.base + msg.input.offset
             row_shape = inputs.shape[1:]
             if msg.op == "encode_jpeg":  # one file a request, of any length: they batch together
                 if inputs.dtype != np.uint8 or inputs.ndim != 2 or inputs.shape[0] != 1:
                     raise ValueError(f"encode_jpeg takes one file's bytes, 1 x n uint8; got {inputs.dtype} {inputs.shape}")
                 row_shape = ()
             key = (msg.model, msg.op, row_shape, inputs.dtype.str, options)
-            return WorkItem(msg.model, key, inputs, call, solo=stream_step, tag=(self, rid, msg.outputs))
+            return WorkItem(msg.model, key, inputs, call, solo=stream_step, tag=(self, rid, msg.outputs),
+                            host_address=address)
         except Exception as exc:
             self.answer(rid, error_info(exc))
             return None

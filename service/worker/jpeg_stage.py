@@ -92,7 +92,7 @@ class JpegStage:
                 item.outcome.set(None, failures[i])
                 failed.append(item)
                 continue
-            item.inputs, item.ready, item.call = pixels[i:i + 1], ready, call.decoded
+            item.inputs, item.ready, item.call, item.host_address = pixels[i:i + 1], ready, call.decoded, 0
             # an encode of uint8 pixels' key (FrontendLink._item): host rows batch with .npy
             # requests' rows, device rows only with each other
             item.key = (item.model, "encode", item.inputs.shape[1:], "|u1", item.key[-1]) + (

@@ -202,7 +202,7 @@ class ModelHost:
             return None
         regions = [it.tag[0].pinned_region(self.backend, self.settings.cuda_pinned_arena_bytes)
                    if it.tag is not None else None for it in batch]
-        return self.backend.gather_rows([it.inputs for it in batch], regions)
+        return self.backend.gather_rows([it.inputs for it in batch], regions, [it.host_address for it in batch])
 
     def call_for(self, hm: HostedModel, op: str, options: wp.Options):
         """The model call an op names (the ops a front end may ask for; a shard leader's are

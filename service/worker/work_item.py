@@ -101,6 +101,11 @@ class WorkItem:
     #: lock under one-image requests (one H200, 2026-11-30). Fixed for the item's life: the JPEG
     #: stage swaps a file's one row for its one decoded image row.
     rows: int = field(init=False)
+    #: where `inputs` lie in this process's memory (a host array's first byte), or 0: unknown. Known
+    #: where the item is made from an arena block (the block's offset from the mapping's start), so
+    #: the device thread's gather needs no `ndarray.ctypes` a row (2-3 us each); whoever swaps
+    #: `inputs` (the JPEG stage) sets it back to 0.
+    host_address: int = 0
 
     def __post_init__(self) -> None:
         self.rows = int(self.inputs.shape[0])

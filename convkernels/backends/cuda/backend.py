@@ -79,7 +79,7 @@ class CudaBackend(BackendBase):
         # host batches stacked in pinned buffers, or gathered from memory pinned in place (transfer.py)
         self.host_batch = lambda shape, dtype: self.arrays.staging.take(tuple(shape), dtype)
         self.pin_host_region = lambda address, nbytes: PinnedRegion(cp, address, nbytes)
-        self.gather_rows = lambda parts, regions: gather_rows(cp, parts, regions)
+        self.gather_rows = lambda parts, regions, addresses=None: gather_rows(cp, parts, regions, addresses)
         self.jpeg_decoder = lambda: HardwareJpeg(cp, self.device_id)  # raises without nvImageCodec
         self.weights = DerivedWeights(self.capture)
         # matmuls through cuBLAS's C API: CuPy's cuBLAS calls cannot be captured (blas.py)

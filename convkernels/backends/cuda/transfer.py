@@ -271,14 +271,17 @@ class PinnedRegion:
             self.cp.cuda.runtime.hostUnregister(self.address)
 
 
-def gather_rows(cp, parts: list[np.ndarray], regions: list[PinnedRegion | None]):
+def gather_rows(cp, parts: list[np.ndarray], regions: list[PinnedRegion | None], addresses: list[int] | None = None):
     """The parts (C-contiguous, one dtype and row shape; parts[i] in regions[i]) joined along axis
     0 on the device, each part's DMA queued on the current stream from where it lies; None (and
-    nothing queued) where a part is not in its live region. Each part's address is read once:
-    `ndarray.ctypes` costs ~1-2 us, a sizeable share of this function's cost a row."""
+    nothing queued) where a part is not in its live region. Each part's address is read once, or
+    not at all where `addresses` gives it (non-zero): `ndarray.ctypes` costs ~2-3 us, a sizeable
+    share of this function's cost a row; the caller vouches that a given address is the part's."""
     if not parts or any(r is None for r in regions) or any(not p.flags.c_contiguous for p in parts):
         return None
-    spans = [(p.ctypes.data, p.nbytes) for p in parts]
+    if addresses is None:
+        addresses = [0] * len(parts)
+    spans = [(a or p.ctypes.data, p.nbytes) for p, a in zip(parts, addresses)]
     held = list({id(r): r for r in regions}.values())
     for region in held:
         region.lock.acquire()
