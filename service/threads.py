@@ -75,14 +75,20 @@ def lower_priority(increment: int) -> None:
     os.nice(increment)
 
 
-def pin_process(cpus) -> bool:
-    """Every thread of this process on `cpus`, and every thread they start from now on (a new
-    thread takes its creator's CPUs, and a new process its parent's). Linux only (each thread's
-    affinity is set one by one through /proc/self/task); False where it could not be set."""
-    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+def pin_process(cpus, pid: int | str = "self") -> bool:
+    """Every thread of process `pid` (default: this one) on `cpus`, and every thread they start
+    from now on (a new thread takes its creator's CPUs, and a new process its parent's). Linux only
+    (each thread's affinity is set one by one through /proc/PID/task); False where it could not be
+    set."""
+    tasks = f"/proc/{pid}/task"
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir(tasks):
         return False
     cpus, done = set(cpus), False
-    for task in os.listdir("/proc/self/task"):
+    try:
+        names = os.listdir(tasks)
+    except OSError:  # the process ended
+        return False
+    for task in names:
         try:
             os.sched_setaffinity(int(task), cpus)
             done = True

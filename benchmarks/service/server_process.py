@@ -139,14 +139,14 @@ class ServerProcess:
         """Every thread of the model workers on `cpus`, every thread of the front ends on the
         host's other CPUs (threads started later inherit it): an experiment on how much of a
         worker's CPU a request is its sharing cores and caches with the front ends."""
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from service import threads  # noqa: PLC0415 - the server's own helper, once the repo is importable
+
         rest = os.sched_getaffinity(0) - cpus
         for role, pids in self.roles().items():
             for pid in pids:
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    try:
-                        os.sched_setaffinity(int(task.name), cpus if role == "model workers" else rest)
-                    except OSError:
-                        continue  # a thread that ended
+                threads.pin_process(cpus if role == "model workers" else rest, pid)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of the server's processes by role (roles())."""
