@@ -180,6 +180,10 @@ class Settings(BaseSettings):
     #: (each group starts with an IDR frame). One context of 4 threads took 49 ms a 4-frame group of
     #: noise-like frames there, against the decode's 37.5: it set the clip's pace (0.67 of raw)
     mp4_encoders: int = Field(2, ge=1, le=8)
+    #: x264's entropy coder: CABAC (on), CAVLC (off), or auto: CAVLC at quality >= 80 (CRF <= 10),
+    #: where CABAC's serial coding is most of the encode (the default quality 90 on noise-like
+    #: frames: 3.6x x264's time for 11 % fewer bytes; service/codecs/video.py CAVLC_MAX_CRF)
+    mp4_cabac: Literal["auto", "on", "off"] = "auto"
     #: how much lower the front ends run than the model workers (a nice increment, 0-19): under a
     #: full host, the device thread that feeds the GPU gets a core before bodies and codecs do.
     #: The model workers keep the server's own priority. Off by default: at 10, ConvNeXt-T one image

@@ -1,11 +1,12 @@
 """Whether the streamed MP4 encoder keeps pace with the decoder: the fragmented-MP4 writer the
 service uses (service/codecs/fmp4.py: libx264, tune zerolatency, one fragment per frame group)
-timed per frame group at a video's size, by x264 preset and thread count, on smooth moving frames
+timed per frame group at a video's size, by x264 preset, thread count and entropy coder (MP4_CABAC), on smooth moving frames
 (uint8, as they leave the device). The decode's own time per group is the budget: an encoder
 slower than it makes /decode?format=mp4 wait for the last groups' encode.
 
     python benchmarks/service/video_encoder.py [--size 480x832] [--frames 81] [--presets ultrafast,superfast,veryfast]
-                                               [--threads 0,2,4] [--reps 3] [--content smooth|noise]
+                                               [--threads 0,2,4] [--cabac auto,on,off] [--reps 3]
+                                               [--content smooth|noise]
 
 Printed per setting: ms per 4-frame group (median over the clip's groups and --reps), frames/s,
 and the clip's bytes; the machine line says how many cores the encoder had.
@@ -43,11 +44,11 @@ def noise(n: int, h: int, w: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
 
 
-def run(clip: np.ndarray, preset: str, threads: int) -> tuple[list[float], int]:
+def run(clip: np.ndarray, preset: str, threads: int, cabac: str = "auto") -> tuple[list[float], int]:
     """Seconds per group (the first frame alone, then groups of 4, as a causal video decoder
     gives them) and the clip's bytes."""
     f, h, w, _ = clip.shape
-    writer = FragmentedMP4Writer(w, h, 16.0, 90, preset=preset, threads=threads)
+    writer = FragmentedMP4Writer(w, h, 16.0, 90, preset=preset, threads=threads, cabac=cabac)
     bounds = [(0, 1)] + [(s, min(s + 4, f)) for s in range(1, f, 4)]
     times, size = [], 0
     for i, (a, b) in enumerate(bounds):
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=81)
     ap.add_argument("--presets", default="ultrafast,superfast,veryfast")
     ap.add_argument("--threads", default="0", help="comma-separated x264 thread counts (0: x264's choice)")
+    ap.add_argument("--cabac", default="auto", help="comma-separated MP4_CABAC values (auto: CAVLC at quality 90)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--content", choices=("smooth", "noise"), default="smooth",
                     help="smooth moving gradients (a decoded video's kind) or uniform noise (a random-init decoder's bound)")
@@ -71,19 +73,19 @@ def main() -> None:
     clip = (frames if args.content == "smooth" else noise)(args.frames, h, w)
     print(f"machine: {describe_machine()}")
     print(f"clip {args.frames}x{h}x{w} ({args.content}), groups of 4 frames after the first; median over {args.reps} runs")
-    print("| preset | threads | ms per 4-frame group (median) | ms the last group | frames/s | MB |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for preset in args.presets.split(","):
-        for threads in (int(t) for t in args.threads.split(",")):
-            groups, lasts, totals, size = [], [], [], 0
-            for _ in range(args.reps):
-                times, size = run(clip, preset, threads)
-                groups += times[1:-1]
-                lasts.append(times[-1])
-                totals.append(sum(times))
-            total = statistics.median(totals)
-            print(f"| {preset} | {threads or 'auto'} | {statistics.median(groups) * 1e3:.1f} "
-                  f"| {statistics.median(lasts) * 1e3:.1f} | {args.frames / total:.0f} | {size / 1e6:.2f} |")
+    print("| preset | threads | cabac | ms per 4-frame group (median) | ms the last group | frames/s | MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    settings = [(p, int(t), c) for p in args.presets.split(",") for t in args.threads.split(",") for c in args.cabac.split(",")]
+    for preset, threads, cabac in settings:
+        groups, lasts, totals, size = [], [], [], 0
+        for _ in range(args.reps):
+            times, size = run(clip, preset, threads, cabac)
+            groups += times[1:-1]
+            lasts.append(times[-1])
+            totals.append(sum(times))
+        total = statistics.median(totals)
+        print(f"| {preset} | {threads or 'auto'} | {cabac} | {statistics.median(groups) * 1e3:.1f} "
+              f"| {statistics.median(lasts) * 1e3:.1f} | {args.frames / total:.0f} | {size / 1e6:.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from .images import to_uint8
-from .video import crf_for_quality, load_av, yuv420p_frames
+from .video import crf_for_quality, h264_codec, load_av, x264_options, yuv420p_frames
 
 #: top-level boxes kept from the first group's muxer output, then from every later one
 _FIRST_KEEP = {"ftyp", "moov", "moof", "mdat"}
@@ -64,16 +64,16 @@ class FragmentedMP4Writer:
     them in group order (a job out of its context's order raises)."""
 
     def __init__(self, width: int, height: int, fps: float, quality: int = 90, preset: str = "veryfast",
-                 threads: int = 0, encoders: int = 1):
+                 threads: int = 0, encoders: int = 1, cabac: str = "auto"):
         """preset: x264's speed preset; threads: each encoder's (0: x264's own choice, by cores);
-        encoders: x264 contexts taking the groups in turn. benchmarks/service/video_encoder.py
-        measures preset and threads."""
+        encoders: x264 contexts taking the groups in turn; cabac: the entropy coder
+        (video.x264_options). benchmarks/service/video_encoder.py measures them."""
         av = self._av = load_av()
         self.width, self.height = width, height
         self.coded_width, self.coded_height = width + width % 2, height + height % 2
         self.rate = Fraction(fps).limit_denominator(1001)
-        name = "libx264" if "libx264" in av.codecs_available else "h264"
-        options = {"crf": str(crf_for_quality(quality)), "preset": preset, "tune": "zerolatency",
+        name = h264_codec(av)
+        options = {**x264_options(name, crf_for_quality(quality), preset, 0, cabac), "tune": "zerolatency",
                    "forced-idr": "1"}
 
         def context(threads: int, first_index: int) -> _Encoder:
@@ -153,3 +153,4 @@ class FragmentedMP4Writer:
                 mux.mux(packet)
         keep = _FIRST_KEEP if index == 0 else _LATER_KEEP
         return b"".join(box for kind, box in top_level_boxes(buf.getvalue()) if kind in keep)
+

@@ -76,9 +76,9 @@ class Mp4Fragments:
     media_type, trailer = MP4_MEDIA, b""
 
     def __init__(self, width: int, height: int, fps: float, quality: int, *, preset: str, threads: int,
-                 encoders: int):
+                 encoders: int, cabac: str = "auto"):
         self.writer = FragmentedMP4Writer(width, height, fps, quality, preset=preset, threads=threads,
-                                          encoders=encoders)
+                                          encoders=encoders, cabac=cabac)
         self.parallel = self.writer.encoders
 
     def job(self, group: np.ndarray, last: bool) -> Job:
@@ -88,4 +88,4 @@ class Mp4Fragments:
 def mp4_fragments(shape: tuple[int, ...], fps: float, quality: int, settings) -> Mp4Fragments:
     """The MP4 encoder of a clip of `shape` (N,F,H,W,3) with the server's MP4 settings."""
     return Mp4Fragments(shape[3], shape[2], fps, quality, preset=settings.mp4_preset, threads=settings.mp4_threads,
-                        encoders=settings.mp4_encoders)
+                        encoders=settings.mp4_encoders, cabac=settings.mp4_cabac)

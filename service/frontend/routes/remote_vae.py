@@ -280,7 +280,7 @@ async def remote_decode(
 
         if output_type == "mp4":
             data, media = await svc.in_pool(encode_videos, out01, fps, quality, svc.settings.mp4_preset,
-                                            svc.settings.mp4_threads)
+                                            svc.settings.mp4_threads, svc.settings.mp4_cabac)
             return Response(data, media_type=media)
         if image_file_fmt:
             data = await svc.in_pool(lambda: codecs.image_bytes(to_uint8_round(out01[0]), image_file_fmt, quality))

@@ -150,7 +150,7 @@ async def decode(name: str, request: Request,
             return ArenaResponse([head, data], svc.hand_over_lease(), codecs.NPY_MEDIA, headers)
         if hm.is_video:
             data, media = await svc.in_pool(encode_videos, out, fps, quality, svc.settings.mp4_preset,
-                                            svc.settings.mp4_threads)
+                                            svc.settings.mp4_threads, svc.settings.mp4_cabac)
         else:
             data, media = await svc.in_pool(codecs.encode_images, out, fmt, quality)
     return Response(data, media_type=media, headers=headers)
