@@ -3,6 +3,7 @@ health and metrics. The lifespan connects to the model workers (readyz turns tru
 loaded and warmed up their models) and lets go of them at the end."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from .. import gc_pauses, metrics, problems
 from ..settings import Settings
+from .codec_warmup import warm_video_encoder
 from .http.http_protocol import CloseWhenBodyUnread, http_protocol_class
 from .pipeline import Service
 from .routes import api_docs, hot_routes, kserve, remote_vae, routes_v1, streaming, triton_extensions
@@ -41,13 +43,15 @@ def create_app(settings: Settings | None = None, endpoints: list[tuple[str, str]
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
-        if accept_once_ready:
-            await svc.until_settled()
+        warming = asyncio.ensure_future(warm_video_encoder(svc))
+        if accept_once_ready:  # the encoder too, before this front end takes a connection
+            await warming
         gc_pauses.watch("frontend")
         gc_pauses.freeze_startup_heap("frontend", settings.gc_freeze)  # the app is built: its objects are for good
         try:
             yield
         finally:
+            warming.cancel()
             svc.stop()
             metrics.worker_exiting()
 
