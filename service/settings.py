@@ -181,9 +181,12 @@ class Settings(BaseSettings):
     #: noise-like frames there, against the decode's 37.5: it set the clip's pace (0.67 of raw)
     mp4_encoders: int = Field(2, ge=1, le=8)
     #: x264's entropy coder: CABAC (on), CAVLC (off), or auto: CAVLC at quality >= 80 (CRF <= 10),
-    #: where CABAC's serial coding is most of the encode (the default quality 90 on noise-like
-    #: frames: 3.6x x264's time for 11 % fewer bytes; service/codecs/video.py CAVLC_MAX_CRF)
-    mp4_cabac: Literal["auto", "on", "off"] = "auto"
+    #: where CABAC's serial coding is most of the encode. CAVLC halves x264's time a group at the
+    #: default quality 90 (480x832 noise-like frames on the H200 host: 20 ms against 52 with 4
+    #: threads) for 13-15 % more bytes; one clip's answer did not need it once the encoder was
+    #: loaded ahead (Wan 2.1 MP4 0.89-0.90 of raw either way, 2026-12-01). So on by default:
+    #: every client's files stay as they were; off or auto buys encoder CPU with bytes
+    mp4_cabac: Literal["auto", "on", "off"] = "on"
     #: how much lower the front ends run than the model workers (a nice increment, 0-19): under a
     #: full host, the device thread that feeds the GPU gets a core before bodies and codecs do.
     #: The model workers keep the server's own priority. Off by default: at 10, ConvNeXt-T one image

@@ -1,5 +1,5 @@
-"""The MP4 answers' entropy coder (MP4_CABAC): CAVLC at high quality by default, CABAC below it or
-when asked, read back from what real x264 wrote. x264 writes its whole configuration into the
+"""The MP4 answers' entropy coder (MP4_CABAC): CABAC by default, CAVLC when asked, or with `auto` at
+high quality only, read back from what real x264 wrote. x264 writes its whole configuration into the
 stream (an SEI message: "... options: cabac=0 ref=1 ..."), so the test reads the choice from the
 encoder's own bytes, not from the options we passed."""
 from __future__ import annotations
@@ -32,9 +32,10 @@ def clip01(frames: int = 5, h: int = 46, w: int = 62) -> np.ndarray:
 
 def test_options_choose_cavlc_only_for_x264_at_high_quality_or_when_told():
     assert crf_for_quality(90) == 5 <= CAVLC_MAX_CRF < crf_for_quality(70)
-    assert x264_options("libx264", 5, "veryfast", 4)["x264-params"] == "cabac=0"
-    assert x264_options("libx264", CAVLC_MAX_CRF, "veryfast", 0)["x264-params"] == "cabac=0"
-    assert "x264-params" not in x264_options("libx264", CAVLC_MAX_CRF + 1, "veryfast", 0)
+    assert "x264-params" not in x264_options("libx264", 5, "veryfast", 4)  # the default: CABAC, as always
+    assert x264_options("libx264", 5, "veryfast", 4, "auto")["x264-params"] == "cabac=0"
+    assert x264_options("libx264", CAVLC_MAX_CRF, "veryfast", 0, "auto")["x264-params"] == "cabac=0"
+    assert "x264-params" not in x264_options("libx264", CAVLC_MAX_CRF + 1, "veryfast", 0, "auto")
     assert "x264-params" not in x264_options("libx264", 5, "veryfast", 0, "on")
     assert x264_options("libx264", 30, "veryfast", 0, "off")["x264-params"] == "cabac=0"
     assert "x264-params" not in x264_options("h264", 5, "veryfast", 0, "off")  # another encoder: not x264's option
@@ -77,12 +78,13 @@ def test_the_setting_is_a_closed_choice_and_reaches_the_streamed_writer():
     from service.frontend.group_encoders import mp4_fragments
     from service.settings import Settings
 
-    assert Settings().mp4_cabac == "auto"
+    assert Settings().mp4_cabac == "on"  # files as they always were, unless asked
     with pytest.raises(ValidationError):
         Settings(mp4_cabac="yes")
     if "libx264" not in av.codecs_available:
         pytest.skip("this PyAV's FFmpeg has no libx264")
     clip = clip01(frames=1)
-    for setting, expected in (("on", 1), ("auto", 0)):
-        encoder = mp4_fragments((1, 1, 46, 62, 3), 8.0, 90, Settings(mp4_cabac=setting, mp4_threads=1))
+    for setting, expected in (("on", 1), ("auto", 0), (None, 1)):
+        settings = Settings(mp4_threads=1) if setting is None else Settings(mp4_cabac=setting, mp4_threads=1)
+        encoder = mp4_fragments((1, 1, 46, 62, 3), 8.0, 90, settings)
         assert cabac_in(encoder.job(clip[None], True)()) == expected

@@ -65,7 +65,7 @@ class FragmentedMP4Writer:
     them in group order (a job out of its context's order raises)."""
 
     def __init__(self, width: int, height: int, fps: float, quality: int = 90, preset: str = "veryfast",
-                 threads: int = 0, encoders: int = 1, cabac: str = "auto"):
+                 threads: int = 0, encoders: int = 1, cabac: str = "on"):
         """preset: x264's speed preset; threads: each encoder's (0: x264's own choice, by cores);
         encoders: x264 contexts taking the groups in turn; cabac: the entropy coder
         (video.x264_options). benchmarks/service/video_encoder.py measures them."""

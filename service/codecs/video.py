@@ -41,16 +41,17 @@ _yuv_pool: ThreadPoolExecutor | None = None
 _yuv_lock = threading.Lock()
 
 
-#: `MP4_CABAC=auto` codes with CAVLC at this x264 CRF and below (quality >= 80), CABAC above. Why:
+#: `MP4_CABAC=auto` codes with CAVLC at this x264 CRF and below (quality >= 80), CABAC above (the
+#: setting's default is `on`: CABAC always, files as they always were). Why auto draws the line here:
 #: CABAC's arithmetic coding is serial within a slice and its work grows with the bits, so at high
 #: quality it is most of x264's time: on one core of a 2-core Xeon, 4 noise-like 480x832 frames at
 #: CRF 5 (the default quality 90) took 289 ms with CABAC against 79 with CAVLC, smooth ones 198
 #: against 93, for 13-15 % more bytes; at CRF 18 the gain is 1.3-2.1x for 17-21 % more bytes
-#: (2026-12-01). Where the files are already that large, a faster answer is worth their 14 %.
+#: (2026-12-01). Where the files are already that large, half the encoder's CPU may be worth 14 %.
 CAVLC_MAX_CRF = 10
 
 
-def x264_options(codec: str, crf: int, preset: str, threads: int, cabac: str = "auto") -> dict[str, str]:
+def x264_options(codec: str, crf: int, preset: str, threads: int, cabac: str = "on") -> dict[str, str]:
     """The encoder's options for an MP4 answer: CRF, preset, threads (0: x264's own count) and the
     entropy coder (`cabac`: on, off, or auto by CAVLC_MAX_CRF; only libx264 takes the choice)."""
     options = {"crf": str(crf), "preset": preset, **({"threads": str(threads)} if threads else {})}
@@ -90,7 +91,7 @@ def yuv420p_frames(av, rgb: np.ndarray) -> list:
 
 
 def mp4_bytes(frames01: np.ndarray, fps: float, crf: int = 20, preset: str = "veryfast", threads: int = 0,
-              cabac: str = "auto") -> bytes:
+              cabac: str = "on") -> bytes:
     """F,H,W,3 in [0,1] -> H.264 MP4 (yuv420p, so odd sizes are padded to even by edge copy);
     threads: x264's (0: its own count); cabac: x264_options'."""
     av = load_av()
@@ -125,7 +126,7 @@ def crf_for_quality(quality: int) -> int:
 
 
 def encode_videos(videos01: np.ndarray, fps: float, quality: int, preset: str = "veryfast",
-                  threads: int = 0, cabac: str = "auto") -> tuple[bytes, str]:
+                  threads: int = 0, cabac: str = "on") -> tuple[bytes, str]:
     """N,F,H,W,3 -> one MP4, or a zip of video_000.mp4, ... ; quality 1..100 maps to x264 CRF 51..0;
     preset, threads and cabac: x264's (the MP4_PRESET, MP4_THREADS and MP4_CABAC settings)."""
     crf = crf_for_quality(quality)

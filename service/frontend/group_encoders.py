@@ -76,7 +76,7 @@ class Mp4Fragments:
     media_type, trailer = MP4_MEDIA, b""
 
     def __init__(self, width: int, height: int, fps: float, quality: int, *, preset: str, threads: int,
-                 encoders: int, cabac: str = "auto"):
+                 encoders: int, cabac: str = "on"):
         self.writer = FragmentedMP4Writer(width, height, fps, quality, preset=preset, threads=threads,
                                           encoders=encoders, cabac=cabac)
         self.parallel = self.writer.encoders
