@@ -21,8 +21,8 @@ every GPU completes them.
 With --raw, the raw model's own decode (`model.decode`, float32 frames back to host memory, in a
 child process, best of --reps) is timed on the same latents, and each route's time to its last
 byte is printed as raw / route (the service split's target: it delivers >= 0.9 of the raw decode's speed).
-The whole-clip .npy answers are read over a plain socket into one buffer (`--client httpx` for httpx), the
-streams and MP4 with httpx; the client's CPU per call is printed for each route. Per route, the server's own
+The whole-clip answers (.npy and MP4) are read over a plain socket into one buffer (`--client httpx` for
+httpx), the streams with httpx; the client's CPU per call is printed for each route. Per route, the server's own
 time per frame group after the first is printed by stage (convserve_stream_group_stage_seconds).
 """
 from __future__ import annotations
@@ -108,11 +108,11 @@ def timed_decode(url: str, body: bytes, fmt: str = "npy", **params) -> tuple[flo
 
 
 def raw_decode(url: str, body: bytes, fmt: str = "npy", **params) -> tuple[float, float]:
-    """timed_decode over a plain socket, for answers with a Content-Length (.npy): the answer is
-    received straight into one buffer of its length (recv_into), no HTTP library between. Why:
-    httpx's chunks cost the client 0.43-0.65 s of CPU for a 388 MB float32 clip on the H200 host,
-    most of a core over a ~0.9 s call, so the client could have set that route's figure.
-    A chunked answer (MP4) goes to timed_decode."""
+    """timed_decode over a plain socket: the answer is received straight into one buffer (recv_into)
+    where it has a Content-Length (.npy), or chunk by chunk from a buffered reader where it is
+    chunked (MP4), no HTTP library between. Why: httpx's chunks cost the client 0.43-0.65 s of
+    CPU for a 388 MB float32 clip on the H200 host, most of a core over a ~0.9 s call, so the
+    client could have set that route's figure."""
     t0, c0 = time.perf_counter(), time.thread_time()
     target = httpx.URL(url, params={"format": fmt, **params})
     with socket.create_connection((target.host, target.port)) as sock:
@@ -120,27 +120,31 @@ def raw_decode(url: str, body: bytes, fmt: str = "npy", **params) -> tuple[float
         head = (f"POST {target.raw_path.decode()} HTTP/1.1\r\nHost: {target.host}:{target.port}\r\n"
                 f"Content-Type: application/x-npy\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         sock.sendall(head.encode() + body)
-        got = bytearray()
-        while b"\r\n\r\n" not in got:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise SystemExit("decode: the connection closed before the answer's head")
-            got += chunk
-        head_end = got.index(b"\r\n\r\n") + 4
-        lines = got[:head_end].decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
-        length = {k.lower(): v for k, v in headers.items()}.get("content-length")
-        if status != 200 or length is None:
-            raise SystemExit(f"decode answered {status} without a length: {bytes(got[:300])!r}")
-        out = bytearray(int(length))
-        view, n = memoryview(out), len(got) - head_end
-        view[:n] = got[head_end:]
-        while n < len(out):
-            r = sock.recv_into(view[n:])
-            if not r:
-                raise SystemExit(f"decode answer cut short: {n} of {length} bytes")
-            n += r
+        reader = sock.makefile("rb", buffering=1 << 20)
+        status_line = reader.readline()
+        headers = {}
+        while (line := reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        status = int(status_line.split()[1]) if status_line else 0
+        length, chunked = headers.get("content-length"), headers.get("transfer-encoding", "").lower() == "chunked"
+        if status != 200 or not (length or chunked):
+            raise SystemExit(f"decode answered {status}: {status_line!r} {headers}")
+        if length is not None:
+            out = bytearray(int(length))
+            view, n = memoryview(out), 0
+            while n < len(out):
+                r = reader.readinto(view[n:])
+                if not r:
+                    raise SystemExit(f"decode answer cut short: {n} of {length} bytes")
+                n += r
+        else:  # chunked: size line, data, CRLF ... until the zero-size chunk
+            out = bytearray()
+            while (size := int(reader.readline().split(b";")[0], 16)) > 0:
+                part = reader.read(size)
+                if len(part) != size or reader.read(2) != b"\r\n":
+                    raise SystemExit("decode answer cut short inside a chunk")
+                out += part
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
@@ -284,7 +288,7 @@ def main():
     ap.add_argument("--shards", type=int, default=1, help="split each decode by rows over this many GPUs")
     ap.add_argument("--mp4-preset", default="veryfast", help="the started server's MP4_PRESET (x264's speed preset)")
     ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
-                    help="how the whole-clip .npy answers are read: a plain socket into one buffer (raw), or httpx")
+                    help="how the whole-clip answers (.npy, MP4) are read: a plain socket into one buffer (raw), or httpx")
     ap.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting of the started server (CONVSERVE_KEY), repeatable: e.g. mp4_threads=4")
     args = ap.parse_args()
@@ -337,7 +341,7 @@ def main():
             s0, st0 = server_ttff(url, args.model), server_stages(url, args.model)
             for _ in range(args.reps):  # every route once a round, the rounds after each other
                 if args.raw:
-                    mp4.append(stages.call("mp4", timed_decode, f"{base}/decode", body, "mp4", **sharded))
+                    mp4.append(stages.call("mp4", fetch, f"{base}/decode", body, "mp4", **sharded))
                     u8.append(stages.call("npy uint8", fetch, f"{base}/decode", body, "npy", dtype="uint8",
                                           **sharded))
                 wall, c = stages.call("npy", fetch, f"{base}/decode", body, **sharded)
