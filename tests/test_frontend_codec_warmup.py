@@ -1,15 +1,19 @@
 """A front end loads the video encoder before its first MP4 answer where a served model is a video
-decoder, and only there (service/frontend/codec_warmup.py). Real servers with two front ends each;
-what each front-end process has loaded is read from its memory map (PyAV's FFmpeg libraries)."""
+decoder, and only there (service/frontend/codec_warmup.py); without PyAV it still starts and serves.
+Real servers with two front ends each; what each front-end process has loaded is read from its
+memory map (PyAV's FFmpeg libraries)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
 
-from live_server import start_server
+from live_server import npy, start_server
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 av = pytest.importorskip("av")
@@ -70,5 +74,31 @@ def test_front_ends_of_image_models_leave_it_unloaded(tmp_path):
         pids = _every_front_end(srv)
         time.sleep(1.0)  # as long as a warm-up would have had
         assert not any(_has_ffmpeg(pid) for pid in pids), "an image-only server's front end mapped FFmpeg"
+    finally:
+        srv.stop()
+
+
+def test_without_pyav_a_video_server_starts_serves_npy_and_answers_mp4_with_501(tmp_path):
+    """PyAV made absent in every process of the server (None in sys.modules, as Python reads a
+    module that is not there: find_spec gives None, import raises): the warm-up is only a warning."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["av"] = None\n')
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    srv = start_server(tmp_path, models="wan=tiny-wan-vae", cli_args=("--workers", "2"), env_extra={"PYTHONPATH": path})
+    try:
+        url = f"{srv.url}/v1/models/wan/decode"
+        body = npy(np.random.default_rng(0).standard_normal((1, 4, 2, 3, 3)).astype(np.float32))
+        head = {"content-type": "application/x-npy"}
+        for _ in range(4):  # over both front ends, most likely
+            r = httpx.post(url, content=body, headers=head, params={"format": "npy"}, timeout=60)
+            assert r.status_code == 200 and r.headers["X-Output-Shape"] == "1,5,24,24,3", r.text
+            r = httpx.post(url, content=body, headers=head, params={"format": "mp4"}, timeout=60)
+            assert r.status_code == 501 and r.json()["type"].endswith("video-extra-missing"), r.text
+        assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 200
+        deadline = time.monotonic() + 30
+        while srv.log().count("did not load ahead") < 2:  # each front end said why, once
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.1)
     finally:
         srv.stop()

@@ -22,7 +22,7 @@ def cabac_in(data: bytes) -> int:
 
 
 def clip01(frames: int = 5, h: int = 46, w: int = 62) -> np.ndarray:
-    """A moving pattern with some noise, [0,1] float32 F,H,W,3 (odd-free sizes: even after padding)."""
+    """A moving pattern with some noise, [0,1] float32 F,H,W,3."""
     y, x = np.mgrid[0:h, 0:w]
     rng = np.random.default_rng(3)
     rgb = np.stack([np.stack([(x * 3 + t * 5) % 256, (y * 4 + t) % 256, (x + y + 2 * t) % 256], -1)
