@@ -183,9 +183,10 @@ class Settings(BaseSettings):
     #: x264's entropy coder: CABAC (on), CAVLC (off), or auto: CAVLC at quality >= 80 (CRF <= 10),
     #: where CABAC's serial coding is most of the encode. CAVLC halves x264's time a group at the
     #: default quality 90 (480x832 noise-like frames on the H200 host: 20 ms against 52 with 4
-    #: threads) for 13-15 % more bytes; one clip's answer did not need it once the encoder was
-    #: loaded ahead (Wan 2.1 MP4 0.89-0.90 of raw either way, 2026-12-01). So on by default:
-    #: every client's files stay as they were; off or auto buys encoder CPU with bytes
+    #: threads) for 12-19 % more bytes; one clip's answer did not need it once the encoder was loaded
+    #: ahead (Wan 2.1 MP4 against raw, four interleaved pairs: mean 0.90 against 0.89, within the
+    #: runs' spread; 2026-12-01). So on by default: every client's files stay as they were; off or
+    #: auto buys encoder CPU with bytes
     mp4_cabac: Literal["auto", "on", "off"] = "on"
     #: how much lower the front ends run than the model workers (a nice increment, 0-19): under a
     #: full host, the device thread that feeds the GPU gets a core before bodies and codecs do.
