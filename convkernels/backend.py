@@ -23,7 +23,7 @@ layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
 `attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
-[None: not fused], `mlp` [None: two linears], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
+[None: not fused], `mlp` [None: two linears], `depthwise_ln_mlp` [None: the two ops before], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
 stack a batch anywhere], `pin_host_region` and `gather_rows` [None: not offered].
 """
 from __future__ import annotations
@@ -125,6 +125,11 @@ class BackendBase(TensorOps):
     def mlp(self, x, w1, b1, w2, b2, activation, residual):
         """Two linears as one op, or None where the backend has no better way (the caller runs
         the two linears). None here."""
+        return None
+
+    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2, activation):
+        """ConvNeXt's block body in one op, or None (the caller runs depthwise_conv_layer_norm and
+        the MLP). None here."""
         return None
 
     def rms_norm_affine(self, x, weight, bias, residual, eps: float):

@@ -175,6 +175,13 @@ class Backend(Protocol):
         case: the caller then runs the two linears. Default: always None."""
         ...
 
+    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2,
+                         activation: str | None) -> Array | None:
+        """x + mlp(depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps), w1, b1, w2, b2,
+        activation) in one op (ConvNeXt's block body), or None where the backend has no better way
+        for this case: the caller then runs depthwise_conv_layer_norm and the MLP. Default: always None."""
+        ...
+
     def rms_norm_affine(self, x, weight, bias, residual, eps: float) -> Array | None:
         """rms_norm(x, weight, eps) + bias (per channel) + residual (x's shape), either may be
         None, in one op; or None where the backend has no better way (the caller runs the norm

@@ -125,6 +125,48 @@ def test_fused_depthwise_layer_norm_calls_the_conv_hook(be):
     assert seen == [((16, 7, 7, 1), ((3, 3), (3, 3)), 16)]
 
 
+@pytest.mark.parametrize("shape,kernel,activation", [((1, 9, 11, 45), (7, 7), "gelu"), ((2, 5, 7, 13), (5, 3), None),
+                                                     ((1, 14, 14, 96), (7, 7), "silu")])
+def test_depthwise_ln_mlp_is_the_three_ops_to_the_bit_and_matches_torch(be, shape, kernel, activation):
+    """ConvNeXt's block body in one compiled call: x + fc2(act(fc1(LayerNorm(dw conv(x))))), odd
+    channel counts (vector tails), a non-square kernel, several images; the same bits as
+    depthwise_conv_layer_norm and two linears, and torch's float64 within fp32 rounding. Without the
+    compiled tiles it is None (the caller runs the ops)."""
+    rng, seed = fresh_rng()
+    c, hidden = shape[-1], 4 * shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((c, *kernel, 1)).astype(np.float32) / 7
+    dwb, nw, nb = (rng.standard_normal(c).astype(np.float32) for _ in range(3))
+    w1 = (rng.standard_normal((hidden, c)) / np.sqrt(c)).astype(np.float32)
+    w2 = (rng.standard_normal((c, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    b1, b2 = rng.standard_normal(hidden).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    got = be.depthwise_ln_mlp(x, w, dwb, nw, nb, 1e-6, w1, b1, w2, b2, activation)
+    if not _cpu.AVAILABLE:
+        assert got is None
+        return
+    h = be.linear(be.depthwise_conv_layer_norm(x, w, dwb, nw, nb, 1e-6), w1, b1, activation=activation)
+    assert np.array_equal(got, be.linear(h, w2, b2, residual=x)), f"seed {seed}"
+    pad = ((kernel[0] // 2,) * 2, (kernel[1] // 2,) * 2)
+    t = F.layer_norm(t64(ref_conv(x, w, dwb, (1, 1), pad, (1, 1), c)), (c,), t64(nw), t64(nb), eps=1e-6)
+    hid = F.linear(t, t64(w1), t64(b1))
+    hid = {None: hid, "gelu": F.gelu(hid), "silu": F.silu(hid)}[activation]
+    ref = (F.linear(hid, t64(w2), t64(b2)) + t64(x)).numpy()
+    assert got.shape == shape and rel_l2(got, ref) < TOL, f"seed {seed}"
+
+
+def test_depthwise_ln_mlp_leaves_watched_convs_and_large_blocks_to_the_ops(be):
+    """None while before_conv watches each conv (fault injection inspects them one by one), and
+    where the hidden activations would outgrow the cache (mlp's blocks of rows take those)."""
+    c = 16
+    args = (np.zeros((16, 7, 7, 1), np.float32), None, None, None, 1e-6, np.zeros((4 * c, c), np.float32),
+            np.zeros(4 * c, np.float32), np.zeros((c, 4 * c), np.float32), np.zeros(c, np.float32), "gelu")
+    small, large = np.zeros((1, 8, 8, c), np.float32), np.zeros((1, 400, 300, c), np.float32)
+    assert (be.depthwise_ln_mlp(small, *args) is not None) == _cpu.AVAILABLE
+    assert be.depthwise_ln_mlp(large, *args) is None
+    be.before_conv = lambda *a: None
+    assert be.depthwise_ln_mlp(small, *args) is None
+
+
 @pytest.mark.parametrize("c,groups", [(45, 5), (45, 9), (64, 32), (12, 3)])
 @pytest.mark.parametrize("activation", [None, "silu", "gelu"])
 def test_group_norm_activation_matches_torch(be, c, groups, activation):

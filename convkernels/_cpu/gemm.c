@@ -320,3 +320,54 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
     }
     Py_RETURN_NONE;
 }
+
+/* ConvNeXt's block body in one call: the fused depthwise conv + LayerNorm, then both products of the
+ * MLP (GELU in the first one's tiles, the bias and the block's input added in the second one's), in
+ * the order and with the kernels that depthwise_layer_norm and two gemm calls use, so the result is
+ * theirs to the bit. Why one call: the Python between three calls ran 200-360 us a hand-over after
+ * the big kernels had left the caches cold (2-core Xeon, 2026-12-01: 17 ms of a ~100 ms ConvNeXt-T
+ * batch-1 encode, two thirds of it inside the blocks). t and hid are the caller's scratch. */
+PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
+{
+    Py_buffer bf[12];
+    Py_ssize_t n, h, wd, c, kh, kw, hidden, nr;
+    int has_dwb, has_lw, has_lb, act;
+    float eps;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*w*y*y*w*pppnnnnnnnfin", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4],
+                          &bf[5], &bf[6], &bf[7], &bf[8], &bf[9], &bf[10], &bf[11], &has_dwb, &has_lw, &has_lb, &n, &h,
+                          &wd, &c, &kh, &kw, &hidden, &eps, &act, &nr))
+        return NULL;
+    Py_ssize_t rows = n * h * wd;
+    Py_ssize_t p1 = nr > 0 ? (hidden + nr - 1) / nr : 0, p2 = nr > 0 ? (c + nr - 1) / nr : 0;
+    int bad = n < 1 || h < 1 || wd < 1 || c < 1 || hidden < 1 || kh < 1 || kh % 2 == 0 ||
+              (kw != 3 && kw != 5 && kw != 7) || !runs_tiles(nr) || act < 0 || act > 2 ||
+              too_small(&bf[0], rows * c) || too_small(&bf[1], kh * kw * c) || (has_dwb && too_small(&bf[2], c)) ||
+              (has_lw && too_small(&bf[3], c)) || (has_lb && too_small(&bf[4], c)) || too_small(&bf[5], rows * c) ||
+              too_small(&bf[6], p1 * c * nr) || too_small(&bf[7], hidden) || too_small(&bf[8], rows * hidden) ||
+              too_small(&bf[9], p2 * hidden * nr) || too_small(&bf[10], c) || too_small(&bf[11], rows * c);
+    int failed = 0;
+#ifdef HAVE_GEMM_TILES
+    if (!bad) {
+        const float *x = bf[0].buf;
+        float *t = bf[5].buf, *hid = bf[8].buf, *out = bf[11].buf;
+        Py_BEGIN_ALLOW_THREADS
+        ck_depthwise_ln(x, bf[1].buf, has_dwb ? bf[2].buf : NULL, has_lw ? bf[3].buf : NULL, has_lb ? bf[4].buf : NULL,
+                        t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
+        if (!failed && nr == 32) {
+            gemm_v4(t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
+            gemm_v4(hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
+        } else if (!failed) {
+            gemm_v3(t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
+            gemm_v3(hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
+        }
+        Py_END_ALLOW_THREADS
+    }
+#endif
+    release(bf, 12);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "depthwise_ln_mlp: buffer sizes, kernel, panel width or activation do not match");
+        return NULL;
+    }
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}

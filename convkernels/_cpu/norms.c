@@ -212,9 +212,9 @@ static void depthwise_ln_task(void *ctx, Py_ssize_t job)
         ln_pixel(buf + (size_t)p * c, j->lw, j->lb, ob + (size_t)p * c, c, j->eps);
 }
 
-static void depthwise_ln(const float *x, const float *taps, const float *dwb, const float *lw, const float *lb,
-                         float *out, Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh,
-                         Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed)
+void ck_depthwise_ln(const float *x, const float *taps, const float *dwb, const float *lw, const float *lb,
+                     float *out, Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh,
+                     Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed)
 {
     Py_ssize_t row_floats = wd * c;
     long long work = (long long)n * h * wd * c * kh * kw;
@@ -438,8 +438,8 @@ PyObject *ck_depthwise_layer_norm(PyObject *self, PyObject *args)
     int failed = 0;
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
-        depthwise_ln(bf[0].buf, bf[1].buf, has_bias ? bf[2].buf : NULL, has_w ? bf[3].buf : NULL,
-                     has_b ? bf[4].buf : NULL, bf[5].buf, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
+        ck_depthwise_ln(bf[0].buf, bf[1].buf, has_bias ? bf[2].buf : NULL, has_w ? bf[3].buf : NULL,
+                        has_b ? bf[4].buf : NULL, bf[5].buf, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
         Py_END_ALLOW_THREADS
     }
     release(bf, 6);

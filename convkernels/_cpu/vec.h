@@ -191,6 +191,11 @@ PyObject *ck_pack_weight(PyObject *self, PyObject *args);
 PyObject *ck_winograd_pack(PyObject *self, PyObject *args);
 PyObject *ck_rms_norm(PyObject *self, PyObject *args);
 PyObject *ck_gemm(PyObject *self, PyObject *args);
+PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args);
+/* the fused depthwise 'same' conv + LayerNorm (norms.c), callable from another kernel with the GIL released */
+void ck_depthwise_ln(const float *x, const float *taps, const float *dwb, const float *lw, const float *lb,
+                     float *out, Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh,
+                     Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed);
 /* ... and of gemm_bf16.c */
 PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight_bf16(PyObject *self, PyObject *args);

@@ -163,6 +163,12 @@ class ConvNeXtBlock(Module):
 
     def __call__(self, x):
         dw, norm, backend = self.conv_dw, self.norm, self.backend
+        fc1, fc2 = self.fc1, self.fc2
+        # a backend may run the whole body in one call (NumPy: no Python between its three kernels)
+        out = backend.depthwise_ln_mlp(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps, fc1.weight, fc1.bias,
+                                       fc2.weight, fc2.bias, self.activation)
+        if out is not None:
+            return out
         # a backend may compute conv + norm in one pass (CUDA: dw_ln, where switched on)
         h = backend.depthwise_conv_layer_norm(x, dw.weight, dw.bias, norm.weight, norm.bias, norm.eps)
         if h is None:

@@ -302,6 +302,18 @@ class NumpyBackend(BackendBase):
         return self._counted("conv2d", "depthwise_layer_norm", fused.depthwise_layer_norm, x,
                              self._wino_cache(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
 
+    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2, activation):
+        """ConvNeXt's block body (fused.depthwise_ln_mlp) in one compiled call, or None. Counted and
+        timed as one conv on its own path; not taken while before_conv watches each conv alone."""
+        w1, b1, w2, b2 = (None if a is None else self._f(a) for a in (w1, b1, w2, b2))
+        if (self.before_conv is not None or not fused.depthwise_layer_norm_applies(x, w, bias, norm_w, norm_b)
+                or not fused.depthwise_ln_mlp_applies(x, w1, b1, w2, b2, activation)):
+            return None
+        with self.activity:
+            return self._counted("conv2d", "depthwise_ln_mlp", fused.depthwise_ln_mlp, x,
+                                 self._wino_cache(w, fused.depthwise_taps), (w.shape[1], w.shape[2]), bias, norm_w,
+                                 norm_b, eps, w1, b1, w2, b2, activation, self._pack)
+
     # the norms: one compiled pass each where the C extension runs (norms.py)
     _group_norm = staticmethod(norms.group_norm)
     _layer_norm = staticmethod(norms.layer_norm)

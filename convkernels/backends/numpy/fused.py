@@ -220,3 +220,33 @@ def depthwise_layer_norm(x: np.ndarray, taps: np.ndarray, kernel: tuple[int, int
         none if norm_b is None else norm_b, out, bias is not None, norm_w is not None, norm_b is not None,
         n, h, w, c, kernel[0], kernel[1], eps)
     return out
+
+
+
+def depthwise_ln_mlp_applies(x: np.ndarray, w1, b1, w2, b2, activation: str | None) -> bool:
+    """Whether depthwise_ln_mlp takes this block (depthwise_layer_norm_applies checks the conv's
+    part): compiled tiles, float32 weights and both biases, and sizes whose hidden activations stay
+    in cache (larger ones take mlp's blocks of rows)."""
+    c = x.shape[-1]
+    rows, hidden = x.size // c, getattr(w1, "shape", (0,))[0]
+    return (bool(panel_width()) and activation in ACT_CODES and not mlp_applies(rows, hidden)
+            and all(_f32(a) for a in (w1, w2, b1, b2)) and w1.shape == (hidden, c) and w2.shape == (c, hidden)
+            and b1.shape == (hidden,) and b2.shape == (c,))
+
+
+def depthwise_ln_mlp(x: np.ndarray, taps: np.ndarray, kernel: tuple[int, int], bias, norm_w, norm_b, eps: float,
+                     w1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray, activation: str | None,
+                     packed) -> np.ndarray:
+    """ConvNeXt's block body, x + linear(act(linear(LayerNorm(dw conv(x)), w1, b1)), w2, b2), in one
+    compiled call (gemm.c depthwise_ln_mlp): the result of depthwise_layer_norm and two `linear`s to
+    the bit, without the Python between them (checked by depthwise_layer_norm_applies and
+    depthwise_ln_mlp_applies)."""
+    n, h, w, c = x.shape
+    rows, hidden = n * h * w, w1.shape[0]
+    t, hid, out = aligned_empty((rows, c)), aligned_empty((rows, hidden)), aligned_empty((n, h, w, c))
+    none = np.zeros(1, np.float32)
+    _cpu._kernels.depthwise_ln_mlp(
+        x, taps, none if bias is None else bias, none if norm_w is None else norm_w, none if norm_b is None else norm_b,
+        t, packed(w1), b1, hid, packed(w2), b2, out, bias is not None, norm_w is not None, norm_b is not None,
+        n, h, w, c, kernel[0], kernel[1], hidden, eps, ACT_CODES[activation], panel_width())
+    return out
