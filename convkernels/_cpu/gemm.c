@@ -220,6 +220,17 @@ static const tile_fn tiles_v4[13] = {NULL, tile_v4_1, tile_v4_2, tile_v4_3, tile
 static const tile_fn tiles_v3[7] = {NULL, tile_v3_1, tile_v3_2, tile_v3_3, tile_v3_4, tile_v3_5, tile_v3_6};
 DEFINE_GEMM(gemm_v4, tiles_v4, tile_epilogue16, TARGET_V4, 12, 32)
 DEFINE_GEMM(gemm_v3, tiles_v3, tile_epilogue8, TARGET_V3, 6, 16)
+
+/* the product on the tiles its panels were packed for: nr 32 (AVX-512) or 16 (AVX2) */
+static void gemm_nr(Py_ssize_t nr, const float *a, Py_ssize_t lda, const float *bp, const float *bias, const float *res,
+                    float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act, Py_ssize_t batch, Py_ssize_t sa,
+                    Py_ssize_t sb)
+{
+    if (nr == 32)
+        gemm_v4(a, lda, bp, bias, res, out, m, k, n, act, batch, sa, sb);
+    else
+        gemm_v3(a, lda, bp, bias, res, out, m, k, n, act, batch, sa, sb);
+}
 #endif
 
 /* this CPU runs the tiles of panel width nr: 32 (AVX-512), 16 (AVX2 + FMA) */
@@ -306,10 +317,7 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
         const float *a = (const float *)bf[0].buf + a_offset;
         const float *bias = has_bias ? bf[2].buf : NULL, *res = has_res ? bf[3].buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        if (nr == 32)
-            gemm_v4(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act, batch, sa, sb);
-        else
-            gemm_v3(a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act, batch, sa, sb);
+        gemm_nr(nr, a, lda, bf[1].buf, bias, res, bf[4].buf, m, k, n, act, batch, sa, sb);
         Py_END_ALLOW_THREADS
     }
 #endif
@@ -353,12 +361,9 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         ck_depthwise_ln(x, bf[1].buf, has_dwb ? bf[2].buf : NULL, has_lw ? bf[3].buf : NULL, has_lb ? bf[4].buf : NULL,
                         t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
-        if (!failed && nr == 32) {
-            gemm_v4(t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
-            gemm_v4(hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
-        } else if (!failed) {
-            gemm_v3(t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
-            gemm_v3(hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
+        if (!failed) {
+            gemm_nr(nr, t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
+            gemm_nr(nr, hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
         }
         Py_END_ALLOW_THREADS
     }
