@@ -9,7 +9,6 @@ frame group on, a lag that no later group made up (benchmarks/analysis/video_tim
 2026-12-01). Only where a video decoder is served: the import costs each front end ~18 MB."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from ..codecs import fmp4
@@ -18,14 +17,14 @@ log = logging.getLogger("convserve.frontend")
 
 
 async def warm_video_encoder(svc) -> float | None:
-    """Once the front end knows its models (until_settled): the encoder loaded, off the event loop,
-    where one of them is a video decoder. The seconds it took, or None (no video decoder, or the
+    """Once the front end knows its models (until_settled): the encoder loaded in the codec pool
+    (where MP4 answers are encoded: its thread starts now too) where one of them is a video decoder. The seconds it took, or None (no video decoder, or the
     load failed: the first MP4 answer loads it then, or says why it cannot)."""
     await svc.until_settled()
     if not any(hm.is_video for hm in svc.models.values()):
         return None
     try:
-        seconds = await asyncio.to_thread(fmp4.warm)
+        seconds = await svc.in_pool(fmp4.warm)
     except Exception as exc:  # PyAV missing or broken: the MP4 routes answer 501 with the reason
         log.warning("the video encoder did not load ahead (%s: %s); MP4 answers load it on first use",
                     exc.__class__.__name__, exc)
