@@ -23,7 +23,7 @@ layer_norm], `_rms_norm_after` [norm, then concat], `_linear` [matmul + epilogue
 `_upsample_conv2d` [nearest 2x, then the 3x3 conv]; and the optional capabilities of the
 contract: `runs_ahead` [False], `unfold_limit_bytes` [None], `attention_chunk` [None],
 `attention_score_bytes` [None], `reads_shuffled_residual` [False], `depthwise_conv_layer_norm`
-[None: not fused], `mlp` [None: two linears], `depthwise_ln_mlp` [None: the two ops before], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
+[None: not fused], `mlp` [None: two linears], `depthwise_ln_mlp` [None: the two ops before, a block at a time], `graphed` [the forward, run eagerly, recording nothing], `calls_to_warm` [1], `host_batch` [None:
 stack a batch anywhere], `pin_host_region` and `gather_rows` [None: not offered].
 """
 from __future__ import annotations
@@ -127,9 +127,9 @@ class BackendBase(TensorOps):
         the two linears). None here."""
         return None
 
-    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2, activation):
-        """ConvNeXt's block body in one op, or None (the caller runs depthwise_conv_layer_norm and
-        the MLP). None here."""
+    def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
+        """ConvNeXt's block bodies one after another in one op, or None (the caller runs each
+        block's depthwise_conv_layer_norm and MLP). None here."""
         return None
 
     def rms_norm_affine(self, x, weight, bias, residual, eps: float):
@@ -225,17 +225,20 @@ class BackendBase(TensorOps):
         when sampled (the result is ready when run returns)."""
         return self._counted(key.op, path.name, path.run, x, w, key, bias, residual, activation)
 
-    def _counted(self, op: str, path: str, fn, *args):
-        """fn(*args) counted as one `op` on `path` and, when sampled, timed on the host (a
-        synchronous device: the result is ready when fn returns). A fused op that stands for a
-        conv goes through here too, so every counted path has timings."""
+    def _counted(self, op: str, path: str, fn, *args, calls: int = 1):
+        """fn(*args) counted as `calls` `op`s on `path` and, when sampled, timed on the host (a
+        synchronous device: the result is ready when fn returns), each call observed as its share
+        of the time. A fused op that stands for convs goes through here too, so every counted path
+        has timings."""
         count, seconds = self._conv_metrics(op, path)
-        count.inc()
+        count.inc(calls)
         if not self._sampled():
             return fn(*args)
         t0 = time.perf_counter()
         out = fn(*args)
-        seconds.observe(time.perf_counter() - t0)
+        share = (time.perf_counter() - t0) / calls
+        for _ in range(calls):
+            seconds.observe(share)
         return out
 
     def _conv_metrics(self, op: str, path: str):

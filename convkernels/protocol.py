@@ -175,11 +175,11 @@ class Backend(Protocol):
         case: the caller then runs the two linears. Default: always None."""
         ...
 
-    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2,
-                         activation: str | None) -> Array | None:
-        """x + mlp(depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps), w1, b1, w2, b2,
-        activation) in one op (ConvNeXt's block body), or None where the backend has no better way
-        for this case: the caller then runs depthwise_conv_layer_norm and the MLP. Default: always None."""
+    def depthwise_ln_mlp(self, x, blocks, eps: float, activation: str | None) -> Array | None:
+        """ConvNeXt's block bodies one after another in one op: for each (w, bias, norm_w, norm_b, w1,
+        b1, w2, b2) in blocks, x = x + mlp(depthwise_conv_layer_norm(x, w, bias, norm_w, norm_b, eps),
+        w1, b1, w2, b2, activation); or None where the backend has no better way for these blocks:
+        the caller then runs each block's depthwise_conv_layer_norm and MLP. Default: always None."""
         ...
 
     def rms_norm_affine(self, x, weight, bias, residual, eps: float) -> Array | None:

@@ -125,46 +125,68 @@ def test_fused_depthwise_layer_norm_calls_the_conv_hook(be):
     assert seen == [((16, 7, 7, 1), ((3, 3), (3, 3)), 16)]
 
 
-@pytest.mark.parametrize("shape,kernel,activation", [((1, 9, 11, 45), (7, 7), "gelu"), ((2, 5, 7, 13), (5, 3), None),
-                                                     ((1, 14, 14, 96), (7, 7), "silu")])
-def test_depthwise_ln_mlp_is_the_three_ops_to_the_bit_and_matches_torch(be, shape, kernel, activation):
-    """ConvNeXt's block body in one compiled call: x + fc2(act(fc1(LayerNorm(dw conv(x))))), odd
-    channel counts (vector tails), a non-square kernel, several images; the same bits as
-    depthwise_conv_layer_norm and two linears, and torch's float64 within fp32 rounding. Without the
-    compiled tiles it is None (the caller runs the ops)."""
-    rng, seed = fresh_rng()
-    c, hidden = shape[-1], 4 * shape[-1]
-    x = rng.standard_normal(shape).astype(np.float32)
+def block_params(rng, c, kernel, present=(True, True, True)):
+    """one ConvNeXt block's (w, dw bias, norm w, norm b, w1, b1, w2, b2), fresh random weights"""
+    hidden = 4 * c
     w = rng.standard_normal((c, *kernel, 1)).astype(np.float32) / 7
-    dwb, nw, nb = (rng.standard_normal(c).astype(np.float32) for _ in range(3))
+    dwb, nw, nb = (rng.standard_normal(c).astype(np.float32) if p else None for p in present)
     w1 = (rng.standard_normal((hidden, c)) / np.sqrt(c)).astype(np.float32)
     w2 = (rng.standard_normal((c, hidden)) / np.sqrt(hidden)).astype(np.float32)
     b1, b2 = rng.standard_normal(hidden).astype(np.float32), rng.standard_normal(c).astype(np.float32)
-    got = be.depthwise_ln_mlp(x, w, dwb, nw, nb, 1e-6, w1, b1, w2, b2, activation)
+    return w, dwb, nw, nb, w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("shape,kernel,activation,blocks", [((1, 9, 11, 45), (7, 7), "gelu", 1),
+                                                            ((2, 5, 7, 13), (5, 3), None, 2),
+                                                            ((1, 14, 14, 96), (7, 7), "silu", 3)])
+def test_depthwise_ln_mlp_is_the_three_ops_to_the_bit_and_matches_torch(be, shape, kernel, activation, blocks):
+    """ConvNeXt's block bodies in one compiled call, each x = x + fc2(act(fc1(LayerNorm(dw conv(x))))):
+    odd channel counts (vector tails), a non-square kernel, several images, one to three blocks
+    (their outputs alternate between two buffers); the same bits as depthwise_conv_layer_norm and two
+    linears a block, and torch's float64 within fp32 rounding. Without the compiled tiles it is None
+    (the caller runs the ops)."""
+    rng, seed = fresh_rng()
+    c = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    params = [block_params(rng, c, kernel) for _ in range(blocks)]
+    got = be.depthwise_ln_mlp(x, params, 1e-6, activation)
     if not _cpu.AVAILABLE:
         assert got is None
         return
-    h = be.linear(be.depthwise_conv_layer_norm(x, w, dwb, nw, nb, 1e-6), w1, b1, activation=activation)
-    assert np.array_equal(got, be.linear(h, w2, b2, residual=x)), f"seed {seed}"
+    want, ref = x, t64(x)
     pad = ((kernel[0] // 2,) * 2, (kernel[1] // 2,) * 2)
-    t = F.layer_norm(t64(ref_conv(x, w, dwb, (1, 1), pad, (1, 1), c)), (c,), t64(nw), t64(nb), eps=1e-6)
-    hid = F.linear(t, t64(w1), t64(b1))
-    hid = {None: hid, "gelu": F.gelu(hid), "silu": F.silu(hid)}[activation]
-    ref = (F.linear(hid, t64(w2), t64(b2)) + t64(x)).numpy()
-    assert got.shape == shape and rel_l2(got, ref) < TOL, f"seed {seed}"
+    for w, dwb, nw, nb, w1, b1, w2, b2 in params:
+        h = be.linear(be.depthwise_conv_layer_norm(want, w, dwb, nw, nb, 1e-6), w1, b1, activation=activation)
+        want = be.linear(h, w2, b2, residual=want)
+        t = F.layer_norm(t64(ref_conv(ref.numpy(), w, dwb, (1, 1), pad, (1, 1), c)), (c,), t64(nw), t64(nb), eps=1e-6)
+        hid = F.linear(t, t64(w1), t64(b1))
+        hid = {None: hid, "gelu": F.gelu(hid), "silu": F.silu(hid)}[activation]
+        ref = F.linear(hid, t64(w2), t64(b2)) + ref
+    assert np.array_equal(got, want), f"seed {seed}"
+    assert got.shape == shape and rel_l2(got, ref.numpy()) < TOL, f"seed {seed}"
 
 
-def test_depthwise_ln_mlp_leaves_watched_convs_and_large_blocks_to_the_ops(be):
-    """None while before_conv watches each conv (fault injection inspects them one by one), and
-    where the hidden activations would outgrow the cache (mlp's blocks of rows take those)."""
-    c = 16
-    args = (np.zeros((16, 7, 7, 1), np.float32), None, None, None, 1e-6, np.zeros((4 * c, c), np.float32),
-            np.zeros(4 * c, np.float32), np.zeros((c, 4 * c), np.float32), np.zeros(c, np.float32), "gelu")
+def conv_count(be, path):
+    from convkernels.metrics import REGISTRY
+    return REGISTRY.get_sample_value("convkernels_conv_total", {"backend": be.name, "op": "conv2d", "path": path}) or 0
+
+
+def test_depthwise_ln_mlp_counts_each_block_and_leaves_the_rest_to_the_ops(be):
+    """Each block counts as one conv on its path. None while before_conv watches each conv (fault
+    injection inspects them one by one), where the hidden activations would outgrow the cache
+    (mlp's blocks of rows take those), and where the blocks differ in which parameters they have
+    (one call takes one set)."""
+    rng, c = fresh_rng()[0], 16
+    blocks = [block_params(rng, c, (7, 7), (False, True, True)) for _ in range(3)]
     small, large = np.zeros((1, 8, 8, c), np.float32), np.zeros((1, 400, 300, c), np.float32)
-    assert (be.depthwise_ln_mlp(small, *args) is not None) == _cpu.AVAILABLE
-    assert be.depthwise_ln_mlp(large, *args) is None
+    before = conv_count(be, "depthwise_ln_mlp")
+    assert (be.depthwise_ln_mlp(small, blocks, 1e-6, "gelu") is not None) == _cpu.AVAILABLE
+    assert conv_count(be, "depthwise_ln_mlp") - before == (3 if _cpu.AVAILABLE else 0)
+    assert be.depthwise_ln_mlp(large, blocks, 1e-6, "gelu") is None
+    mixed = blocks[:2] + [block_params(rng, c, (7, 7))]
+    assert be.depthwise_ln_mlp(small, mixed, 1e-6, "gelu") is None
     be.before_conv = lambda *a: None
-    assert be.depthwise_ln_mlp(small, *args) is None
+    assert be.depthwise_ln_mlp(small, blocks, 1e-6, "gelu") is None
 
 
 @pytest.mark.parametrize("c,groups", [(45, 5), (45, 9), (64, 32), (12, 3)])

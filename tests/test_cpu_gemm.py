@@ -264,33 +264,48 @@ def test_winograd_panels_are_the_float64_transform_rounded_once(m, taps):
 
 @needs_tiles
 @pytest.mark.parametrize("nr", widths())
-def test_depthwise_ln_mlp_is_depthwise_layer_norm_and_two_gemms_on_each_tile_width(nr):
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_depthwise_ln_mlp_is_depthwise_layer_norm_and_two_gemms_on_each_tile_width(nr, blocks):
     """gemm.c's depthwise_ln_mlp on every tile width this CPU runs (AVX2's panels of 16 on an AVX-512
-    machine too): the bits of the compiled depthwise conv + LayerNorm and two gemm calls on the same
-    panels, odd channels and rows; a buffer of the wrong size is a ValueError, not a read past it."""
+    machine too), one to three blocks in one call: the bits of the compiled depthwise conv + LayerNorm
+    and two gemm calls a block on the same panels, odd channels and rows. A buffer of the wrong size,
+    an output over the input and a malformed block are errors, not reads past a buffer."""
     rng, seed = fresh_rng()
     n, h, w, c, hidden = 2, 5, 9, 21, 84
     rows, none = n * h * w, np.zeros(1, np.float32)
     x = rng.standard_normal((n, h, w, c)).astype(np.float32)
-    taps = (rng.standard_normal((49, c)) / 7).astype(np.float32)
-    dwb, lw, lb, b2 = (rng.standard_normal(c).astype(np.float32) for _ in range(4))
-    b1 = rng.standard_normal(hidden).astype(np.float32)
-    w1, w2 = (rng.standard_normal(s).astype(np.float32) / 5 for s in ((hidden, c), (c, hidden)))
-    p1, p2 = packed(w1, nr), packed(w2, nr)
-    t = np.empty((rows, c), np.float32)
-    _cpu._kernels.depthwise_layer_norm(x, taps, dwb, lw, lb, t, True, True, True, n, h, w, c, 7, 7, 1e-6)
-    hid = np.empty((rows, hidden), np.float32)
-    _cpu._kernels.gemm(t, p1, b1, none, hid, rows, c, hidden, nr, True, False, fused.ACT_CODES["gelu"])
-    want = np.empty((rows, c), np.float32)
-    _cpu._kernels.gemm(hid, p2, b2, x, want, rows, hidden, c, nr, True, True, 0)
+    params, want = [], x
+    for _ in range(blocks):
+        taps = (rng.standard_normal((49, c)) / 7).astype(np.float32)
+        dwb, lw, lb, b2 = (rng.standard_normal(c).astype(np.float32) for _ in range(4))
+        b1 = rng.standard_normal(hidden).astype(np.float32)
+        w1, w2 = (rng.standard_normal(s).astype(np.float32) / 5 for s in ((hidden, c), (c, hidden)))
+        p1, p2 = packed(w1, nr), packed(w2, nr)
+        params.append((taps, dwb, lw, lb, p1, b1, p2, b2))
+        t = np.empty((rows, c), np.float32)
+        _cpu._kernels.depthwise_layer_norm(want, taps, dwb, lw, lb, t, True, True, True, n, h, w, c, 7, 7, 1e-6)
+        hid = np.empty((rows, hidden), np.float32)
+        _cpu._kernels.gemm(t, p1, b1, none, hid, rows, c, hidden, nr, True, False, fused.ACT_CODES["gelu"])
+        out = np.empty((n, h, w, c), np.float32)
+        _cpu._kernels.gemm(hid, p2, b2, want, out, rows, hidden, c, nr, True, True, 0)
+        want = out
 
-    def call(out, scratch=None):
-        _cpu._kernels.depthwise_ln_mlp(x, taps, dwb, lw, lb, np.empty((rows, c), np.float32), p1, b1,
-                                       np.empty((rows, hidden), np.float32) if scratch is None else scratch, p2, b2,
-                                       out, True, True, True, n, h, w, c, 7, 7, hidden, 1e-6,
-                                       fused.ACT_CODES["gelu"], nr)
+    def call(out, spare=None, scratch=None, given=None):
+        _cpu._kernels.depthwise_ln_mlp(x, out, np.empty_like(x) if spare is None else spare,
+                                       np.empty((rows, c), np.float32),
+                                       np.empty((rows, hidden), np.float32) if scratch is None else scratch,
+                                       params if given is None else given, True, True, True, n, h, w, c, 7, 7,
+                                       hidden, 1e-6, fused.ACT_CODES["gelu"], nr)
     got = np.full((n, h, w, c), np.nan, np.float32)
     call(got)
-    assert np.array_equal(got.reshape(rows, c), want), f"nr {nr} seed {seed}"
+    assert np.array_equal(got, want), f"nr {nr} seed {seed}"
     with pytest.raises(ValueError, match="depthwise_ln_mlp"):
         call(got, scratch=np.empty((rows, hidden - 1), np.float32))
+    with pytest.raises(ValueError, match="overlap"):
+        call(x)
+    with pytest.raises(ValueError, match="depthwise_ln_mlp"):
+        call(got, given=[])
+    with pytest.raises(TypeError, match="8 buffers"):
+        call(got, given=params[:-1] + [list(params[-1])])
+    with pytest.raises(ValueError, match="depthwise_ln_mlp"):
+        call(got, given=params[:-1] + [params[-1][:5] + (params[-1][5][:-1],) + params[-1][6:]])

@@ -329,48 +329,93 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* ConvNeXt's block body in one call: the fused depthwise conv + LayerNorm, then both products of the
- * MLP (GELU in the first one's tiles, the bias and the block's input added in the second one's), in
- * the order and with the kernels that depthwise_layer_norm and two gemm calls use, so the result is
- * theirs to the bit. Why one call: the Python between three calls ran 200-360 us a hand-over after
- * the big kernels had left the caches cold (2-core Xeon, 2026-12-01: 17 ms of a ~100 ms ConvNeXt-T
- * batch-1 encode, two thirds of it inside the blocks). t and hid are the caller's scratch. */
+/* ConvNeXt's block bodies in one call, one block after another: for each block, the fused depthwise
+ * conv + LayerNorm, then both products of the MLP (GELU in the first one's tiles, the bias and the
+ * block's input added in the second one's), in the order and with the kernels that
+ * depthwise_layer_norm and two gemm calls use, so the result is theirs to the bit. Why one call:
+ * the Python between calls ran 200-360 us a hand-over after the big kernels had left the caches
+ * cold (2-core Xeon, 2026-12-01: 17 ms of a ~100 ms ConvNeXt-T batch-1 encode); a stage's blocks
+ * share their shapes, so a stage is one call. The blocks alternate between out and spare, so the
+ * last one lands in out; t and hid are the caller's scratch, shared by all blocks. */
+#define DLM_PER_BLOCK 8 /* taps, dw bias, ln weight, ln bias, packed1, b1, packed2, b2 */
+
+static int overlaps(const Py_buffer *a, const Py_buffer *b)
+{
+    const char *p = a->buf, *q = b->buf;
+    return a->len > 0 && b->len > 0 && p < q + b->len && q < p + a->len;
+}
+
 PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
 {
-    Py_buffer bf[12];
+    Py_buffer bf[5];
+    PyObject *blocks;
     Py_ssize_t n, h, wd, c, kh, kw, hidden, nr;
     int has_dwb, has_lw, has_lb, act;
     float eps;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*y*y*w*y*y*w*pppnnnnnnnfin", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4],
-                          &bf[5], &bf[6], &bf[7], &bf[8], &bf[9], &bf[10], &bf[11], &has_dwb, &has_lw, &has_lb, &n, &h,
-                          &wd, &c, &kh, &kw, &hidden, &eps, &act, &nr))
+    if (!PyArg_ParseTuple(args, "y*w*w*w*w*Opppnnnnnnnfin", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &blocks, &has_dwb,
+                          &has_lw, &has_lb, &n, &h, &wd, &c, &kh, &kw, &hidden, &eps, &act, &nr))
         return NULL;
+    PyObject *seq = PySequence_Fast(blocks, "depthwise_ln_mlp: blocks must be a sequence of 8-tuples");
+    Py_ssize_t nb = seq ? PySequence_Fast_GET_SIZE(seq) : 0, got = 0;
+    Py_buffer *wb = seq && nb > 0 ? PyMem_Calloc((size_t)nb * DLM_PER_BLOCK, sizeof(Py_buffer)) : NULL;
+    if (!seq || (nb > 0 && !wb)) {
+        if (seq) PyErr_NoMemory();
+        Py_XDECREF(seq);
+        release(bf, 5);
+        return NULL;
+    }
+    int parsed = 1;
+    for (; got < nb && parsed; got++) {
+        Py_buffer *b = wb + got * DLM_PER_BLOCK;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, got);
+        parsed = PyTuple_Check(item) && PyArg_ParseTuple(item, "y*y*y*y*y*y*y*y*", &b[0], &b[1], &b[2], &b[3], &b[4],
+                                                         &b[5], &b[6], &b[7]);
+        if (!parsed && !PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "depthwise_ln_mlp: each block is a tuple of 8 buffers");
+    }
+    if (!parsed) got--; /* the failed tuple acquired nothing */
     Py_ssize_t rows = n * h * wd;
     Py_ssize_t p1 = nr > 0 ? (hidden + nr - 1) / nr : 0, p2 = nr > 0 ? (c + nr - 1) / nr : 0;
-    int bad = n < 1 || h < 1 || wd < 1 || c < 1 || hidden < 1 || kh < 1 || kh % 2 == 0 ||
+    int bad = !parsed || nb < 1 || n < 1 || h < 1 || wd < 1 || c < 1 || hidden < 1 || kh < 1 || kh % 2 == 0 ||
               (kw != 3 && kw != 5 && kw != 7) || !runs_tiles(nr) || act < 0 || act > 2 ||
-              too_small(&bf[0], rows * c) || too_small(&bf[1], kh * kw * c) || (has_dwb && too_small(&bf[2], c)) ||
-              (has_lw && too_small(&bf[3], c)) || (has_lb && too_small(&bf[4], c)) || too_small(&bf[5], rows * c) ||
-              too_small(&bf[6], p1 * c * nr) || too_small(&bf[7], hidden) || too_small(&bf[8], rows * hidden) ||
-              too_small(&bf[9], p2 * hidden * nr) || too_small(&bf[10], c) || too_small(&bf[11], rows * c);
+              too_small(&bf[0], rows * c) || too_small(&bf[1], rows * c) || (nb > 1 && too_small(&bf[2], rows * c)) ||
+              too_small(&bf[3], rows * c) || too_small(&bf[4], rows * hidden) ||
+              overlaps(&bf[0], &bf[1]) || (nb > 1 && (overlaps(&bf[0], &bf[2]) || overlaps(&bf[1], &bf[2])));
+    for (Py_ssize_t i = 0; i < nb && !bad; i++) {
+        Py_buffer *b = wb + i * DLM_PER_BLOCK;
+        bad = too_small(&b[0], kh * kw * c) || (has_dwb && too_small(&b[1], c)) || (has_lw && too_small(&b[2], c)) ||
+              (has_lb && too_small(&b[3], c)) || too_small(&b[4], p1 * c * nr) || too_small(&b[5], hidden) ||
+              too_small(&b[6], p2 * hidden * nr) || too_small(&b[7], c);
+    }
     int failed = 0;
 #ifdef HAVE_GEMM_TILES
     if (!bad) {
-        const float *x = bf[0].buf;
-        float *t = bf[5].buf, *hid = bf[8].buf, *out = bf[11].buf;
+        float *t = bf[3].buf, *hid = bf[4].buf;
         Py_BEGIN_ALLOW_THREADS
-        ck_depthwise_ln(x, bf[1].buf, has_dwb ? bf[2].buf : NULL, has_lw ? bf[3].buf : NULL, has_lb ? bf[4].buf : NULL,
-                        t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
-        if (!failed) {
-            gemm_nr(nr, t, c, bf[6].buf, bf[7].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
-            gemm_nr(nr, hid, hidden, bf[9].buf, bf[10].buf, x, out, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
+        const float *src = bf[0].buf;
+        for (Py_ssize_t i = 0; i < nb && !failed; i++) {
+            Py_buffer *b = wb + i * DLM_PER_BLOCK;
+            float *dst = (nb - 1 - i) % 2 == 0 ? bf[1].buf : bf[2].buf;
+            ck_depthwise_ln(src, b[0].buf, has_dwb ? b[1].buf : NULL, has_lw ? b[2].buf : NULL,
+                            has_lb ? b[3].buf : NULL, t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
+            if (!failed) {
+                gemm_nr(nr, t, c, b[4].buf, b[5].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
+                gemm_nr(nr, hid, hidden, b[6].buf, b[7].buf, src, dst, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
+            }
+            src = dst;
         }
         Py_END_ALLOW_THREADS
     }
 #endif
-    release(bf, 12);
+    for (Py_ssize_t i = 0; i < got; i++) release(wb + i * DLM_PER_BLOCK, DLM_PER_BLOCK);
+    PyMem_Free(wb);
+    Py_DECREF(seq);
+    release(bf, 5);
+    if (!parsed) return NULL;
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "depthwise_ln_mlp: buffer sizes, kernel, panel width or activation do not match");
+        PyErr_SetString(PyExc_ValueError,
+                        "depthwise_ln_mlp: buffer sizes, kernel, panel width or activation do not match, or out, spare "
+                        "and x overlap");
         return NULL;
     }
     if (failed) return PyErr_NoMemory();

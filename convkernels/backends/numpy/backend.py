@@ -274,6 +274,10 @@ class NumpyBackend(BackendBase):
         """a linear's (O, I) weight as gemm.c's panels, packed once per weight buffer"""
         return self._wino_cache(w, fused.pack_panels)
 
+    def _taps(self, w: np.ndarray) -> np.ndarray:
+        """a depthwise conv's weight as the compiled kernels' taps, once per weight buffer"""
+        return self._wino_cache(w, fused.depthwise_taps)
+
     def _tiles_matmul(self, a: np.ndarray, wt: np.ndarray) -> np.ndarray:
         """a @ wt (wt a weight's transposed view) on gemm.c's tiles where they apply"""
         return fused.matmul(a, wt, self._pack)
@@ -300,19 +304,18 @@ class NumpyBackend(BackendBase):
         if self.before_conv is not None:
             self.before_conv(x, w, ConvSpec.make(2, 1, (kernel[0] // 2, kernel[1] // 2), 1, x.shape[-1]))
         return self._counted("conv2d", "depthwise_layer_norm", fused.depthwise_layer_norm, x,
-                             self._wino_cache(w, fused.depthwise_taps), kernel, bias, norm_w, norm_b, eps)
+                             self._taps(w), kernel, bias, norm_w, norm_b, eps)
 
-    def depthwise_ln_mlp(self, x, w, bias, norm_w, norm_b, eps: float, w1, b1, w2, b2, activation):
-        """ConvNeXt's block body (fused.depthwise_ln_mlp) in one compiled call, or None. Counted and
-        timed as one conv on its own path; not taken while before_conv watches each conv alone."""
-        w1, b1, w2, b2 = (None if a is None else self._f(a) for a in (w1, b1, w2, b2))
-        if (self.before_conv is not None or not fused.depthwise_layer_norm_applies(x, w, bias, norm_w, norm_b)
-                or not fused.depthwise_ln_mlp_applies(x, w1, b1, w2, b2, activation)):
+    def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
+        """ConvNeXt's block bodies (fused.depthwise_ln_mlp) in one compiled call, or None. Counted and
+        timed as one conv a block on its own path; not taken while before_conv watches each conv alone."""
+        blocks = [(w, bias, nw, nb, *(None if a is None else self._f(a) for a in mlp))
+                  for w, bias, nw, nb, *mlp in blocks]
+        if self.before_conv is not None or not fused.depthwise_ln_mlp_applies(x, blocks, activation):
             return None
         with self.activity:
-            return self._counted("conv2d", "depthwise_ln_mlp", fused.depthwise_ln_mlp, x,
-                                 self._wino_cache(w, fused.depthwise_taps), (w.shape[1], w.shape[2]), bias, norm_w,
-                                 norm_b, eps, w1, b1, w2, b2, activation, self._pack)
+            return self._counted("conv2d", "depthwise_ln_mlp", fused.depthwise_ln_mlp, x, blocks, eps, activation,
+                                 self._taps, self._pack, calls=len(blocks))
 
     # the norms: one compiled pass each where the C extension runs (norms.py)
     _group_norm = staticmethod(norms.group_norm)

@@ -223,30 +223,44 @@ def depthwise_layer_norm(x: np.ndarray, taps: np.ndarray, kernel: tuple[int, int
 
 
 
-def depthwise_ln_mlp_applies(x: np.ndarray, w1, b1, w2, b2, activation: str | None) -> bool:
-    """Whether depthwise_ln_mlp takes this block (depthwise_layer_norm_applies checks the conv's
-    part): compiled tiles, float32 weights and both biases, and sizes whose hidden activations stay
-    in cache (larger ones take mlp's blocks of rows)."""
-    c = x.shape[-1]
-    rows, hidden = x.size // c, getattr(w1, "shape", (0,))[0]
-    return (bool(panel_width()) and activation in ACT_CODES and not mlp_applies(rows, hidden)
-            and all(_f32(a) for a in (w1, w2, b1, b2)) and w1.shape == (hidden, c) and w2.shape == (c, hidden)
-            and b1.shape == (hidden,) and b2.shape == (c,))
+def depthwise_ln_mlp_applies(x: np.ndarray, blocks, activation: str | None) -> bool:
+    """Whether depthwise_ln_mlp takes these blocks, each (w, bias, norm_w, norm_b, w1, b1, w2, b2):
+    every block's conv + norm as depthwise_layer_norm_applies, compiled tiles, float32 weights and
+    both biases, one shape and one set of parameters present for all blocks (one call runs them
+    all), and sizes whose hidden activations stay in cache (larger ones take mlp's blocks of rows)."""
+    if not blocks or not panel_width() or activation not in ACT_CODES:
+        return False
+    c, first = x.shape[-1], blocks[0]
+    rows, hidden = x.size // c, getattr(first[4], "shape", (0,))[0]
+    if mlp_applies(rows, hidden):
+        return False
+    kernel, present = first[0].shape, tuple(p is None for p in first[1:4])
+    for w, bias, norm_w, norm_b, w1, b1, w2, b2 in blocks:
+        if not (depthwise_layer_norm_applies(x, w, bias, norm_w, norm_b) and w.shape == kernel
+                and (bias is None, norm_w is None, norm_b is None) == present
+                and all(_f32(a) for a in (w1, w2, b1, b2)) and w1.shape == (hidden, c) and w2.shape == (c, hidden)
+                and b1.shape == (hidden,) and b2.shape == (c,)):
+            return False
+    return True
 
 
-def depthwise_ln_mlp(x: np.ndarray, taps: np.ndarray, kernel: tuple[int, int], bias, norm_w, norm_b, eps: float,
-                     w1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray, activation: str | None,
-                     packed) -> np.ndarray:
-    """ConvNeXt's block body, x + linear(act(linear(LayerNorm(dw conv(x)), w1, b1)), w2, b2), in one
-    compiled call (gemm.c depthwise_ln_mlp): the result of depthwise_layer_norm and two `linear`s to
-    the bit, without the Python between them (checked by depthwise_layer_norm_applies and
-    depthwise_ln_mlp_applies)."""
+def depthwise_ln_mlp(x: np.ndarray, blocks, eps: float, activation: str | None, taps_of, packed) -> np.ndarray:
+    """ConvNeXt's block bodies one after another, x = x + linear(act(linear(LayerNorm(dw conv(x)),
+    w1, b1)), w2, b2) for each block, in one compiled call (gemm.c depthwise_ln_mlp): the result of
+    depthwise_layer_norm and two `linear`s a block to the bit, without the Python between them
+    (checked by depthwise_ln_mlp_applies). taps_of and packed give a weight's transformed form."""
     n, h, w, c = x.shape
-    rows, hidden = n * h * w, w1.shape[0]
-    t, hid, out = aligned_empty((rows, c)), aligned_empty((rows, hidden)), aligned_empty((n, h, w, c))
+    kh, kw = blocks[0][0].shape[1:3]
+    rows, hidden = n * h * w, blocks[0][4].shape[0]
+    out = aligned_empty((n, h, w, c))
+    spare = aligned_empty((n, h, w, c)) if len(blocks) > 1 else out[:0]
+    t, hid = aligned_empty((rows, c)), aligned_empty((rows, hidden))
     none = np.zeros(1, np.float32)
+    prepared = [(taps_of(dw), none if bias is None else bias, none if norm_w is None else norm_w,
+                 none if norm_b is None else norm_b, packed(w1), b1, packed(w2), b2)
+                for dw, bias, norm_w, norm_b, w1, b1, w2, b2 in blocks]
+    _, bias, norm_w, norm_b = blocks[0][:4]
     _cpu._kernels.depthwise_ln_mlp(
-        x, taps, none if bias is None else bias, none if norm_w is None else norm_w, none if norm_b is None else norm_b,
-        t, packed(w1), b1, hid, packed(w2), b2, out, bias is not None, norm_w is not None, norm_b is not None,
-        n, h, w, c, kernel[0], kernel[1], hidden, eps, ACT_CODES[activation], panel_width())
+        x, out, spare, t, hid, prepared, bias is not None, norm_w is not None, norm_b is not None,
+        n, h, w, c, kh, kw, hidden, eps, ACT_CODES[activation], panel_width())
     return out
