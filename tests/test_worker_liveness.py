@@ -179,9 +179,12 @@ def test_a_killed_front_end_is_reaped_and_its_arena_leaves_the_worker(tmp_path):
         # the front end started in its place connects: again one arena per live front end
         wait_for(lambda: [k for k in spawned(srv.proc.pid) if k != worker], 60, "a front end started again")
         [again] = [k for k in spawned(srv.proc.pid) if k != worker]
-        wait_for(lambda: set(arenas(worker)) == mine | set(arenas(again)) and len(set(arenas(again))) == 1, 60,
-                 "the new front end connected")
-        assert len(arenas(worker)) == 2
+        # one descriptor per live front end, waited for as one state like the steps above: a count read
+        # once, right after the set had matched, found one descriptor on a loaded CI box (2026-12-01;
+        # 2 of 24 runs at 4x the cores, none of 54 after; the cause is not known)
+        wait_for(lambda: len(set(arenas(again))) == 1
+                 and sorted(arenas(worker)) == sorted(mine | set(arenas(again))), 60,
+                 "the new front end connected, one descriptor of each live front end's arena in the worker")
         assert devices(srv.url)[0]["pid"] == worker  # the worker was never restarted for it
     finally:
         code = srv.stop(timeout=30)
