@@ -307,3 +307,69 @@ def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
         # measured over 10 seeds (2026-11-29): embedding (1536 values) 0.53-0.59x torch's error, logits
         # (14 values, so noisier) 0.55-0.99x; ours 1.9e-3-7.7e-3, torch's 3.4e-3-1.1e-2
         assert 1e-4 < err < min(RATIO[name] * err_t, 2e-2), f"{name} seed {seed}: rel L2 {err:.2e}, torch bf16 {err_t:.2e}"
+
+
+@needs_bf16
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_a_stage_call_in_bfloat16_is_depthwise_layer_norm_and_two_bfloat16_products_a_block(blocks):
+    """gemm.c's depthwise_ln_mlp with bf16 set, one or three blocks in one call, odd channels (an odd
+    K: the last pair's second half zero): the bits of the compiled depthwise conv + LayerNorm and two
+    gemm_bf16 calls a block on the same bfloat16 panels. float32-sized panels of the bfloat16 weights'
+    shape are too small for nothing; a short bfloat16 panel is an error, not a read past it."""
+    rng, seed = fresh_rng()
+    n, h, w, c, hidden = 2, 5, 9, 21, 84
+    rows, none = n * h * w, np.zeros(1, np.float32)
+    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
+    params, want = [], x
+    for _ in range(blocks):
+        taps = (rng.standard_normal((49, c)) / 7).astype(np.float32)
+        dwb, lw, lb, b2 = (rng.standard_normal(c).astype(np.float32) for _ in range(4))
+        b1 = rng.standard_normal(hidden).astype(np.float32)
+        w1, w2 = (rng.standard_normal(s).astype(np.float32) / 5 for s in ((hidden, c), (c, hidden)))
+        p1, p2 = bf16.pack_panels(w1), bf16.pack_panels(w2)
+        params.append((taps, dwb, lw, lb, p1, b1, p2, b2))
+        t = np.empty((rows, c), np.float32)
+        _cpu._kernels.depthwise_layer_norm(want, taps, dwb, lw, lb, t, True, True, True, n, h, w, c, 7, 7, 1e-6)
+        hid = np.empty((rows, hidden), np.float32)
+        _cpu._kernels.gemm_bf16(t, p1, b1, none, hid, rows, c, hidden, True, False, fused.ACT_CODES["gelu"])
+        out = np.empty((n, h, w, c), np.float32)
+        _cpu._kernels.gemm_bf16(hid, p2, b2, want, out, rows, hidden, c, True, True, 0)
+        want = out
+
+    def call(out, given):
+        _cpu._kernels.depthwise_ln_mlp(x, out, np.empty_like(x), np.empty((rows, c), np.float32),
+                                       np.empty((rows, hidden), np.float32), given, True, True, True, n, h, w, c,
+                                       7, 7, hidden, 1e-6, fused.ACT_CODES["gelu"], 0, True)
+    got = np.full((n, h, w, c), np.nan, np.float32)
+    call(got, params)
+    assert np.array_equal(got, want), f"seed {seed}"
+    short = params[-1][:6] + (params[-1][6][:-2],) + params[-1][7:]
+    with pytest.raises(ValueError, match="depthwise_ln_mlp"):
+        call(got, params[:-1] + [short])
+
+
+@needs_bf16
+def test_convnext_blocks_take_bfloat16_products_in_one_call_or_as_ops():
+    """The bfloat16 backend's stage call is its float32 ops' twin with bfloat16 products: the bits of
+    depthwise_conv_layer_norm and its own two (bfloat16) linears a block, not the float32 backend's
+    result. Where the float32 backend would take its row-blocked MLP (hidden activations past the
+    cache) the bfloat16 one leaves the block to those linears. Both fail if a float32 product slips in."""
+    import test_cpu_fused_kernels as fk
+
+    rng, seed = fresh_rng()
+    c = 45
+    be, f32 = get_backend("numpy", dtype="bfloat16"), get_backend("numpy")
+    x = rng.standard_normal((2, 9, 11, c)).astype(np.float32)
+    params = [fk.block_params(rng, c, (7, 7)) for _ in range(2)]
+    got = be.depthwise_ln_mlp(x, params, 1e-6, "gelu")
+    want = x
+    for w, dwb, nw, nb, w1, b1, w2, b2 in params:
+        h = be.linear(be.depthwise_conv_layer_norm(want, w, dwb, nw, nb, 1e-6), w1, b1, activation="gelu")
+        want = be.linear(h, w2, b2, residual=want)
+    assert np.array_equal(got, want), f"seed {seed}"
+    theirs = f32.depthwise_ln_mlp(x, params, 1e-6, "gelu")
+    assert 1e-4 < rel_l2(got, theirs) < BF16_EPS, f"seed {seed}"
+    large = np.zeros((1, 400, 300, 16), np.float32)
+    w, dwb, nw, nb, w1, b1, w2, b2 = fk.block_params(rng, 16, (7, 7))
+    assert f32.mlp(large, w1, b1, w2, b2, "gelu", large) is not None
+    assert be.mlp(large, w1, b1, w2, b2, "gelu", large) is None

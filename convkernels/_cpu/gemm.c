@@ -336,7 +336,9 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
  * the Python between calls ran 200-360 us a hand-over after the big kernels had left the caches
  * cold (2-core Xeon, 2026-12-01: 17 ms of a ~100 ms ConvNeXt-T batch-1 encode); a stage's blocks
  * share their shapes, so a stage is one call. The blocks alternate between out and spare, so the
- * last one lands in out; t and hid are the caller's scratch, shared by all blocks. */
+ * last one lands in out; t and hid are the caller's scratch, shared by all blocks. With bf16 set (the
+ * backend's opt-in dtype=bfloat16) the products are gemm_bf16.c's on its bfloat16 panels, as its
+ * gemm_bf16 call a product runs them, and nr is not read. */
 #define DLM_PER_BLOCK 8 /* taps, dw bias, ln weight, ln bias, packed1, b1, packed2, b2 */
 
 static int overlaps(const Py_buffer *a, const Py_buffer *b)
@@ -350,10 +352,10 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
     Py_buffer bf[5];
     PyObject *blocks;
     Py_ssize_t n, h, wd, c, kh, kw, hidden, nr;
-    int has_dwb, has_lw, has_lb, act;
+    int has_dwb, has_lw, has_lb, act, bf16 = 0;
     float eps;
-    if (!PyArg_ParseTuple(args, "y*w*w*w*w*Opppnnnnnnnfin", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &blocks, &has_dwb,
-                          &has_lw, &has_lb, &n, &h, &wd, &c, &kh, &kw, &hidden, &eps, &act, &nr))
+    if (!PyArg_ParseTuple(args, "y*w*w*w*w*Opppnnnnnnnfin|p", &bf[0], &bf[1], &bf[2], &bf[3], &bf[4], &blocks,
+                          &has_dwb, &has_lw, &has_lb, &n, &h, &wd, &c, &kh, &kw, &hidden, &eps, &act, &nr, &bf16))
         return NULL;
     PyObject *seq = PySequence_Fast(blocks, "depthwise_ln_mlp: blocks must be a sequence of 8-tuples");
     Py_ssize_t nb = seq ? PySequence_Fast_GET_SIZE(seq) : 0, got = 0;
@@ -376,16 +378,19 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
     if (!parsed) got--; /* the failed tuple acquired nothing */
     Py_ssize_t rows = n * h * wd;
     Py_ssize_t p1 = nr > 0 ? (hidden + nr - 1) / nr : 0, p2 = nr > 0 ? (c + nr - 1) / nr : 0;
+    /* each weight's panels, in floats (bfloat16 ones: two to a float, rounded up) */
+    Py_ssize_t size1 = bf16 ? (ck_bf16_panels_size(hidden, c) + 1) / 2 : p1 * c * nr;
+    Py_ssize_t size2 = bf16 ? (ck_bf16_panels_size(c, hidden) + 1) / 2 : p2 * hidden * nr;
     int bad = !parsed || nb < 1 || n < 1 || h < 1 || wd < 1 || c < 1 || hidden < 1 || kh < 1 || kh % 2 == 0 ||
-              (kw != 3 && kw != 5 && kw != 7) || !runs_tiles(nr) || act < 0 || act > 2 ||
+              (kw != 3 && kw != 5 && kw != 7) || (bf16 ? !ck_runs_bf16() : !runs_tiles(nr)) || act < 0 || act > 2 ||
               too_small(&bf[0], rows * c) || too_small(&bf[1], rows * c) || (nb > 1 && too_small(&bf[2], rows * c)) ||
               too_small(&bf[3], rows * c) || too_small(&bf[4], rows * hidden) ||
               overlaps(&bf[0], &bf[1]) || (nb > 1 && (overlaps(&bf[0], &bf[2]) || overlaps(&bf[1], &bf[2])));
     for (Py_ssize_t i = 0; i < nb && !bad; i++) {
         Py_buffer *b = wb + i * DLM_PER_BLOCK;
         bad = too_small(&b[0], kh * kw * c) || (has_dwb && too_small(&b[1], c)) || (has_lw && too_small(&b[2], c)) ||
-              (has_lb && too_small(&b[3], c)) || too_small(&b[4], p1 * c * nr) || too_small(&b[5], hidden) ||
-              too_small(&b[6], p2 * hidden * nr) || too_small(&b[7], c);
+              (has_lb && too_small(&b[3], c)) || too_small(&b[4], size1) || too_small(&b[5], hidden) ||
+              too_small(&b[6], size2) || too_small(&b[7], c);
     }
     int failed = 0;
 #ifdef HAVE_GEMM_TILES
@@ -398,7 +403,10 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
             float *dst = (nb - 1 - i) % 2 == 0 ? bf[1].buf : bf[2].buf;
             ck_depthwise_ln(src, b[0].buf, has_dwb ? b[1].buf : NULL, has_lw ? b[2].buf : NULL,
                             has_lb ? b[3].buf : NULL, t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
-            if (!failed) {
+            if (!failed && bf16) {
+                failed = ck_gemm_bf16_rows(t, c, b[4].buf, b[5].buf, NULL, hid, rows, c, hidden, act) ||
+                         ck_gemm_bf16_rows(hid, hidden, b[6].buf, b[7].buf, src, dst, rows, hidden, c, 0);
+            } else if (!failed) {
                 gemm_nr(nr, t, c, b[4].buf, b[5].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
                 gemm_nr(nr, hid, hidden, b[6].buf, b[7].buf, src, dst, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);
             }

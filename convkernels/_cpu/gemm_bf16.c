@@ -35,6 +35,12 @@
 #define BF16_NR 32
 #define BF16_MR 12
 
+/* bfloat16 elements in the panels of an (N, K) weight: 32 columns x 2 per k pair, per panel */
+Py_ssize_t ck_bf16_panels_size(Py_ssize_t n, Py_ssize_t k)
+{
+    return n > 0 && k > 0 ? (n + BF16_NR - 1) / BF16_NR * ((k + 1) / 2) * 2 * BF16_NR : 0;
+}
+
 /* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN), as PyTorch rounds */
 static inline uint16_t bf16_round(float f)
 {
@@ -218,8 +224,20 @@ static int gemm_bf16(const float *a, Py_ssize_t lda, const uint16_t *bp, const f
 }
 #endif
 
+/* the product for gemm.c's depthwise_ln_mlp in bfloat16 (a ConvNeXt stage's products, as
+ * ck_gemm_bf16 runs them one call each): 0, or -1 where the scratch for A could not be had */
+int ck_gemm_bf16_rows(const float *a, Py_ssize_t lda, const uint16_t *bp, const float *bias, const float *res,
+                      float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)
+{
+#ifdef HAVE_BF16_TILES
+    return gemm_bf16(a, lda, bp, bias, res, out, m, k, n, act, 1, 0, ck_bf16_panels_size(n, k));
+#else
+    return -1;
+#endif
+}
+
 /* this CPU runs the tiles: AVX-512 BF16 (Cooper Lake, Sapphire Rapids and later Xeons; Zen 4 and 5) */
-static int runs_bf16(void)
+int ck_runs_bf16(void)
 {
 #ifdef HAVE_BF16_TILES
     __builtin_cpu_init();
@@ -233,14 +251,14 @@ static int runs_bf16(void)
 
 INLINE int too_small_u16(Py_buffer *buf, Py_ssize_t count) { return buf->len < (Py_ssize_t)sizeof(uint16_t) * count; }
 
-PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args) { return PyBool_FromLong(runs_bf16()); }
+PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args) { return PyBool_FromLong(ck_runs_bf16()); }
 
 PyObject *ck_pack_weight_bf16(PyObject *self, PyObject *args)
 {
     Py_buffer bf[2];
     Py_ssize_t n, k;
     if (!PyArg_ParseTuple(args, "y*w*nn", &bf[0], &bf[1], &n, &k)) return NULL;
-    Py_ssize_t size = (n + BF16_NR - 1) / BF16_NR * ((k + 1) / 2) * 2 * BF16_NR;
+    Py_ssize_t size = ck_bf16_panels_size(n, k);
     int bad = n < 1 || k < 1 || too_small(&bf[0], n * k) || too_small_u16(&bf[1], size);
     if (!bad) {
         Py_BEGIN_ALLOW_THREADS
@@ -264,11 +282,11 @@ PyObject *ck_gemm_bf16(PyObject *self, PyObject *args)
                           &has_bias, &has_res, &act, &a_offset, &lda, &batch, &sa, &sb))
         return NULL;
     if (lda < 0) lda = k;
-    Py_ssize_t size = n > 0 && k > 0 ? (n + BF16_NR - 1) / BF16_NR * ((k + 1) / 2) * 2 * BF16_NR : 0;
+    Py_ssize_t size = ck_bf16_panels_size(n, k);
     if (sb < 0) sb = size;
     /* as gemm.c's: product i reads A at a_offset + i sa, the panels at i sb (in bfloat16 elements),
      * writes out (and reads the residual) at i m n */
-    int bad = m < 0 || k < 1 || n < 1 || !runs_bf16() || a_offset < 0 || lda < k || batch < 1 || sa < 0 ||
+    int bad = m < 0 || k < 1 || n < 1 || !ck_runs_bf16() || a_offset < 0 || lda < k || batch < 1 || sa < 0 ||
               sb < size || (batch > 1 && m > 0 && sa < 1) ||
               (m > 0 && too_small(&bf[0], a_offset + (batch - 1) * sa + (m - 1) * lda + k)) ||
               too_small_u16(&bf[1], (batch - 1) * sb + size) || (has_bias && too_small(&bf[2], n)) ||

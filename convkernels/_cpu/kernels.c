@@ -593,10 +593,11 @@ static PyMethodDef methods[] = {
      "or 16 for the AVX2 tiles on an AVX-512 CPU)"},
     {"depthwise_ln_mlp", ck_depthwise_ln_mlp, METH_VARARGS,
      "depthwise_ln_mlp(x, out, spare, t, hid, blocks, has_dw_bias, has_ln_w, has_ln_b, n, h, w, c, kh, kw, hidden, "
-     "eps, act, nr): ConvNeXt's block bodies one after another in one call, each block a tuple (taps, dw_bias, ln_w, "
+     "eps, act, nr, bf16=False): ConvNeXt's block bodies one after another in one call, each block a tuple (taps, dw_bias, ln_w, "
      "ln_b, packed1, b1, packed2, b2): t = LayerNorm(depthwise 'same' conv(x) + dw_bias), hid = act(t @ w1^T + b1), "
      "x = hid @ w2^T + b2 + x, as depthwise_layer_norm and two gemm calls would compute them; the blocks alternate "
-     "between out and spare (unused for one block) so the last lands in out"},
+     "between out and spare (unused for one block) so the last lands in out; bf16: the products in bfloat16 on "
+     "pack_weight_bf16's panels, as gemm_bf16 computes them (nr not read)"},
     {"gemm_bf16_available", ck_gemm_bf16_available, METH_NOARGS,
      "gemm_bf16_available(): whether this CPU runs gemm_bf16 (AVX-512 BF16)"},
     {"pack_weight_bf16", ck_pack_weight_bf16, METH_VARARGS,

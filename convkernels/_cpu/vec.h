@@ -4,6 +4,7 @@
 #define CONVKERNELS_VEC_H
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #if defined(CONVKERNELS_NO_CLONES) /* one build for one ISA (benchmarks of a clone's code) */
@@ -196,7 +197,11 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args);
 void ck_depthwise_ln(const float *x, const float *taps, const float *dwb, const float *lw, const float *lb,
                      float *out, Py_ssize_t n, Py_ssize_t h, Py_ssize_t wd, Py_ssize_t c, Py_ssize_t kh,
                      Py_ssize_t kw, Py_ssize_t ph, Py_ssize_t pw, float eps, int *failed);
-/* ... and of gemm_bf16.c */
+/* ... and of gemm_bf16.c: the first three for gemm.c's depthwise_ln_mlp in bfloat16 */
+int ck_runs_bf16(void);
+Py_ssize_t ck_bf16_panels_size(Py_ssize_t n, Py_ssize_t k);
+int ck_gemm_bf16_rows(const float *a, Py_ssize_t lda, const uint16_t *bp, const float *bias, const float *res,
+                      float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act);
 PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight_bf16(PyObject *self, PyObject *args);
 PyObject *ck_gemm_bf16(PyObject *self, PyObject *args);

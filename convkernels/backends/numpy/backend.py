@@ -309,13 +309,16 @@ class NumpyBackend(BackendBase):
     def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
         """ConvNeXt's block bodies (fused.depthwise_ln_mlp) in one compiled call, or None. Counted and
         timed as one conv a block on its own path; not taken while before_conv watches each conv alone."""
+        return self._stage_call(x, blocks, eps, activation, self._pack)
+
+    def _stage_call(self, x, blocks, eps, activation, packed, bf16: bool = False):
         blocks = [(w, bias, nw, nb, *(None if a is None else self._f(a) for a in mlp))
                   for w, bias, nw, nb, *mlp in blocks]
         if self.before_conv is not None or not fused.depthwise_ln_mlp_applies(x, blocks, activation):
             return None
         with self.activity:
             return self._counted("conv2d", "depthwise_ln_mlp", fused.depthwise_ln_mlp, x, blocks, eps, activation,
-                                 self._taps, self._pack, calls=len(blocks))
+                                 self._taps, packed, bf16, calls=len(blocks))
 
     # the norms: one compiled pass each where the C extension runs (norms.py)
     _group_norm = staticmethod(norms.group_norm)

@@ -106,6 +106,14 @@ class NumpyBf16Backend(NumpyBackend):
         if key.spec.groups == 1 and not key.spec.transpose:
             self._pack_bf16(self._f(w).reshape(w.shape[0], -1))
 
+    def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
+        """a ConvNeXt stage in one compiled call, as the float32 backend's, with its products in bfloat16"""
+        return self._stage_call(x, blocks, eps, activation, self._pack_bf16, bf16=True)
+
+    def mlp(self, x, w1, b1, w2, b2, activation, residual):
+        """None: the float32 MLP over blocks of rows has no bfloat16 form; the two linears run as ours"""
+        return None
+
     def _linear_run(self, x, weight, bias, residual, activation):
         xs, w = self._operands(x, weight)
         x2 = xs.reshape(-1, xs.shape[-1])

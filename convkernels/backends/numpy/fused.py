@@ -244,11 +244,13 @@ def depthwise_ln_mlp_applies(x: np.ndarray, blocks, activation: str | None) -> b
     return True
 
 
-def depthwise_ln_mlp(x: np.ndarray, blocks, eps: float, activation: str | None, taps_of, packed) -> np.ndarray:
+def depthwise_ln_mlp(x: np.ndarray, blocks, eps: float, activation: str | None, taps_of, packed,
+                     bf16: bool = False) -> np.ndarray:
     """ConvNeXt's block bodies one after another, x = x + linear(act(linear(LayerNorm(dw conv(x)),
     w1, b1)), w2, b2) for each block, in one compiled call (gemm.c depthwise_ln_mlp): the result of
     depthwise_layer_norm and two `linear`s a block to the bit, without the Python between them
-    (checked by depthwise_ln_mlp_applies). taps_of and packed give a weight's transformed form."""
+    (checked by depthwise_ln_mlp_applies). taps_of and packed give a weight's transformed form; bf16:
+    packed gives bfloat16 panels (bf16.pack_panels), and the products are gemm_bf16's."""
     n, h, w, c = x.shape
     kh, kw = blocks[0][0].shape[1:3]
     rows, hidden = n * h * w, blocks[0][4].shape[0]
@@ -262,5 +264,5 @@ def depthwise_ln_mlp(x: np.ndarray, blocks, eps: float, activation: str | None, 
     _, bias, norm_w, norm_b = blocks[0][:4]
     _cpu._kernels.depthwise_ln_mlp(
         x, out, spare, t, hid, prepared, bias is not None, norm_w is not None, norm_b is not None,
-        n, h, w, c, kh, kw, hidden, eps, ACT_CODES[activation], panel_width())
+        n, h, w, c, kh, kw, hidden, eps, ACT_CODES[activation], panel_width(), bf16)
     return out
