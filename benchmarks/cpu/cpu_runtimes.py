@@ -133,7 +133,8 @@ def header(args, cpu: dict) -> None:
     else:
         print(f"# threads: ORT intra-op, OpenVINO and PyTorch {cpu['physical_cores']} (the physical cores); "
               f"ours as it ships")
-    print(f"# ours' dtype: {args.dtype}")
+    print(f"# ours' dtype: {args.dtype}; OpenVINO's precision: {'bf16' if args.dtype == 'bfloat16' else 'f32'}; "
+          "ONNX Runtime and PyTorch: float32")
     print(f"# load average at start: {load_average()}")
     print(f"# runs: {args.rounds} rounds, each run >= {args.min_run_s:.2f} s, {args.warmup} warm-up calls; a run is "
           f"discarded when other processes used >= {args.limit_cores} cores (read to +-"
@@ -316,7 +317,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="threads for every contender (default: ORT, OpenVINO and PyTorch "
                     "the physical cores, ours as it ships); with taskset, a per-core comparison on a shared box")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="ours' dtype; bfloat16: its matrix products in bfloat16 (CPUs with AVX-512 BF16)")
+                    help="ours' dtype; bfloat16: its matrix products in bfloat16 (CPUs with AVX-512 BF16), and "
+                    "OpenVINO's inference precision bf16 beside it (its CPU plugin's own bfloat16)")
     args = ap.parse_args()
     if args.threads:
         os.environ[THREADS_ENV] = str(args.threads)

@@ -157,9 +157,12 @@ def build(contender: str, spec: dict, workdir: Path, store: str | None = None):
     import openvino as ov
     import openvino.properties as props
     import openvino.properties.hint as hints
-    # f32 asked for: on CPUs with bf16 or AMX, OpenVINO's default precision would be bf16
+    # OpenVINO in ours' dtype: f32 asked for beside ours' float32 (on CPUs with bf16 or AMX its default
+    # would be bf16), bf16 beside ours' bfloat16 (its like for like: the graph in bfloat16 where it can)
+    bf16 = os.environ.get("CPU_RUNTIMES_OURS_DTYPE") == "bfloat16"
     compiled = ov.Core().compile_model(str(onnx), "CPU", {
-        hints.inference_precision: ov.Type.f32, hints.performance_mode: hints.PerformanceMode.LATENCY,
+        hints.inference_precision: ov.Type.bf16 if bf16 else ov.Type.f32,
+        hints.performance_mode: hints.PerformanceMode.LATENCY,
         props.inference_num_threads: THREADS})
     request = compiled.create_infer_request()
     return (lambda x: request.infer({0: x})[0]), compiled.get_property(props.inference_num_threads)
