@@ -262,16 +262,16 @@ def test_winograd_panels_are_the_float64_transform_rounded_once(m, taps):
                                     fused.panel_width())
 
 
-@needs_tiles
-@pytest.mark.parametrize("nr", widths())
-@pytest.mark.parametrize("blocks", [1, 2, 3])
-def test_depthwise_ln_mlp_is_depthwise_layer_norm_and_two_gemms_on_each_tile_width(nr, blocks):
-    """gemm.c's depthwise_ln_mlp on every tile width this CPU runs (AVX2's panels of 16 on an AVX-512
-    machine too), one to three blocks in one call: the bits of the compiled depthwise conv + LayerNorm
-    and two gemm calls a block on the same panels, odd channels and rows. A buffer of the wrong size,
-    an output over the input and a malformed block are errors, not reads past a buffer."""
+#: the stage the depthwise_ln_mlp tests run: two images, odd rows and channels (an odd K), 7x7
+STAGE = (2, 5, 9, 21, 84)
+
+
+def stage_case(blocks: int, pack, gemm) -> tuple:
+    """x, the blocks as depthwise_ln_mlp takes them (weights packed by pack(w)) and the expected output:
+    the compiled depthwise conv + LayerNorm, then gemm(a, panels, bias, residual, out, m, k, n,
+    has_residual, act) twice, a block at a time; fresh random values"""
     rng, seed = fresh_rng()
-    n, h, w, c, hidden = 2, 5, 9, 21, 84
+    n, h, w, c, hidden = STAGE
     rows, none = n * h * w, np.zeros(1, np.float32)
     x = rng.standard_normal((n, h, w, c)).astype(np.float32)
     params, want = [], x
@@ -280,15 +280,31 @@ def test_depthwise_ln_mlp_is_depthwise_layer_norm_and_two_gemms_on_each_tile_wid
         dwb, lw, lb, b2 = (rng.standard_normal(c).astype(np.float32) for _ in range(4))
         b1 = rng.standard_normal(hidden).astype(np.float32)
         w1, w2 = (rng.standard_normal(s).astype(np.float32) / 5 for s in ((hidden, c), (c, hidden)))
-        p1, p2 = packed(w1, nr), packed(w2, nr)
+        p1, p2 = pack(w1), pack(w2)
         params.append((taps, dwb, lw, lb, p1, b1, p2, b2))
         t = np.empty((rows, c), np.float32)
         _cpu._kernels.depthwise_layer_norm(want, taps, dwb, lw, lb, t, True, True, True, n, h, w, c, 7, 7, 1e-6)
         hid = np.empty((rows, hidden), np.float32)
-        _cpu._kernels.gemm(t, p1, b1, none, hid, rows, c, hidden, nr, True, False, fused.ACT_CODES["gelu"])
+        gemm(t, p1, b1, none, hid, rows, c, hidden, False, fused.ACT_CODES["gelu"])
         out = np.empty((n, h, w, c), np.float32)
-        _cpu._kernels.gemm(hid, p2, b2, want, out, rows, hidden, c, nr, True, True, 0)
+        gemm(hid, p2, b2, want, out, rows, hidden, c, True, 0)
         want = out
+    return x, params, want, seed
+
+
+@needs_tiles
+@pytest.mark.parametrize("nr", widths())
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_depthwise_ln_mlp_is_depthwise_layer_norm_and_two_gemms_on_each_tile_width(nr, blocks):
+    """gemm.c's depthwise_ln_mlp on every tile width this CPU runs (AVX2's panels of 16 on an AVX-512
+    machine too), one to three blocks in one call: the bits of the compiled depthwise conv + LayerNorm
+    and two gemm calls a block on the same panels, odd channels and rows. A buffer of the wrong size,
+    an output over the input and a malformed block are errors, not reads past a buffer."""
+    def gemm(a, p, bias, res, out, m, k, n, has_res, act):
+        _cpu._kernels.gemm(a, p, bias, res, out, m, k, n, nr, True, has_res, act)
+    x, params, want, seed = stage_case(blocks, lambda w: packed(w, nr), gemm)
+    n, h, w, c, hidden = STAGE
+    rows = n * h * w
 
     def call(out, spare=None, scratch=None, given=None):
         _cpu._kernels.depthwise_ln_mlp(x, out, np.empty_like(x) if spare is None else spare,

@@ -314,27 +314,15 @@ def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
 def test_a_stage_call_in_bfloat16_is_depthwise_layer_norm_and_two_bfloat16_products_a_block(blocks):
     """gemm.c's depthwise_ln_mlp with bf16 set, one or three blocks in one call, odd channels (an odd
     K: the last pair's second half zero): the bits of the compiled depthwise conv + LayerNorm and two
-    gemm_bf16 calls a block on the same bfloat16 panels. float32-sized panels of the bfloat16 weights'
-    shape are too small for nothing; a short bfloat16 panel is an error, not a read past it."""
-    rng, seed = fresh_rng()
-    n, h, w, c, hidden = 2, 5, 9, 21, 84
-    rows, none = n * h * w, np.zeros(1, np.float32)
-    x = rng.standard_normal((n, h, w, c)).astype(np.float32)
-    params, want = [], x
-    for _ in range(blocks):
-        taps = (rng.standard_normal((49, c)) / 7).astype(np.float32)
-        dwb, lw, lb, b2 = (rng.standard_normal(c).astype(np.float32) for _ in range(4))
-        b1 = rng.standard_normal(hidden).astype(np.float32)
-        w1, w2 = (rng.standard_normal(s).astype(np.float32) / 5 for s in ((hidden, c), (c, hidden)))
-        p1, p2 = bf16.pack_panels(w1), bf16.pack_panels(w2)
-        params.append((taps, dwb, lw, lb, p1, b1, p2, b2))
-        t = np.empty((rows, c), np.float32)
-        _cpu._kernels.depthwise_layer_norm(want, taps, dwb, lw, lb, t, True, True, True, n, h, w, c, 7, 7, 1e-6)
-        hid = np.empty((rows, hidden), np.float32)
-        _cpu._kernels.gemm_bf16(t, p1, b1, none, hid, rows, c, hidden, True, False, fused.ACT_CODES["gelu"])
-        out = np.empty((n, h, w, c), np.float32)
-        _cpu._kernels.gemm_bf16(hid, p2, b2, want, out, rows, hidden, c, True, True, 0)
-        want = out
+    gemm_bf16 calls a block on the same bfloat16 panels. A bfloat16 panel one pair short is an error, not a
+    read past it."""
+    from test_cpu_gemm import STAGE, stage_case
+
+    def gemm(a, p, bias, res, out, m, k, n, has_res, act):
+        _cpu._kernels.gemm_bf16(a, p, bias, res, out, m, k, n, True, has_res, act)
+    x, params, want, seed = stage_case(blocks, bf16.pack_panels, gemm)
+    n, h, w, c, hidden = STAGE
+    rows = n * h * w
 
     def call(out, given):
         _cpu._kernels.depthwise_ln_mlp(x, out, np.empty_like(x), np.empty((rows, c), np.float32),
