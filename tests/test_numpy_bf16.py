@@ -340,8 +340,9 @@ def test_a_stage_call_in_bfloat16_is_depthwise_layer_norm_and_two_bfloat16_produ
 def test_convnext_blocks_take_bfloat16_products_in_one_call_or_as_ops():
     """The bfloat16 backend's stage call is its float32 ops' twin with bfloat16 products: the bits of
     depthwise_conv_layer_norm and its own two (bfloat16) linears a block, not the float32 backend's
-    result. Where the float32 backend would take its row-blocked MLP (hidden activations past the
-    cache) the bfloat16 one leaves the block to those linears. Both fail if a float32 product slips in."""
+    result. Where the hidden activations outgrow the cache, its MLP in blocks of rows gives the bits
+    of its two whole bfloat16 linears (rows odd, the last block short). Both fail if a float32
+    product slips in."""
     import test_cpu_fused_kernels as fk
 
     rng, seed = fresh_rng()
@@ -357,7 +358,9 @@ def test_convnext_blocks_take_bfloat16_products_in_one_call_or_as_ops():
     assert np.array_equal(got, want), f"seed {seed}"
     theirs = f32.depthwise_ln_mlp(x, params, 1e-6, "gelu")
     assert 1e-4 < rel_l2(got, theirs) < BF16_EPS, f"seed {seed}"
-    large = np.zeros((1, 400, 300, 16), np.float32)
+    large = rng.standard_normal((1, 401, 299, 16)).astype(np.float32)
     w, dwb, nw, nb, w1, b1, w2, b2 = fk.block_params(rng, 16, (7, 7))
-    assert f32.mlp(large, w1, b1, w2, b2, "gelu", large) is not None
-    assert be.mlp(large, w1, b1, w2, b2, "gelu", large) is None
+    blocked = be.mlp(large, w1, b1, w2, b2, "gelu", large)
+    whole = be.linear(be.linear(large, w1, b1, activation="gelu"), w2, b2, residual=large)
+    assert blocked is not None and np.array_equal(blocked, whole), f"seed {seed}"
+    assert 1e-4 < rel_l2(blocked, f32.mlp(large, w1, b1, w2, b2, "gelu", large)) < BF16_EPS, f"seed {seed}"

@@ -49,10 +49,11 @@ def pack_panels(weight: np.ndarray) -> np.ndarray:
     return out
 
 
-def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None, packed):
+def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str | None, packed, out=None):
     """act(x2 @ weight.T + bias) + residual with bfloat16 operands and float32 sums; None where
     the tiles do not take it (another dtype, a broadcast residual, an unknown activation): the
-    float32 path then runs it"""
+    float32 path then runs it. `out`: a C-contiguous float32 (rows, O) to write, else a new array
+    (fused.linear's contract, so fused.mlp's row blocks can take this product)."""
     if activation not in fused.ACT_CODES or not fused._f32(x2) or weight.dtype != np.float32 or weight.ndim != 2:
         return None
     rows, o = x2.shape[0], weight.shape[0]
@@ -63,7 +64,7 @@ def linear(x2: np.ndarray, weight: np.ndarray, bias, residual, activation: str |
     if not fused._vector(bias, o) or x2.shape[1] != weight.shape[1] or rows == 0:
         return None
     none = np.zeros(1, np.float32)
-    out = fused.aligned_empty((rows, o))
+    out = fused.aligned_empty((rows, o)) if out is None else out
     _cpu._kernels.gemm_bf16(x2, packed(weight), none if bias is None else bias,
                             none if residual is None else residual, out, rows, x2.shape[1], o,
                             bias is not None, residual is not None, fused.ACT_CODES[activation])
@@ -111,8 +112,16 @@ class NumpyBf16Backend(NumpyBackend):
         return self._stage_call(x, blocks, eps, activation, self._pack_bf16, bf16=True)
 
     def mlp(self, x, w1, b1, w2, b2, activation, residual):
-        """None: the float32 MLP over blocks of rows has no bfloat16 form; the two linears run as ours"""
-        return None
+        """the float32 backend's MLP over blocks of rows (fused.mlp) with bfloat16 products, or None"""
+        x, w1 = self._operands(x, w1)
+        if not fused.mlp_applies(x.size // x.shape[-1], w1.shape[0]):
+            return None
+        w2 = self._f(w2)
+        b1, b2 = (None if b is None else self._f(b) for b in (b1, b2))
+        with self.activity:
+            out = fused.mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, self._f(residual),
+                            self._pack_bf16, product=linear)
+        return None if out is None else out.reshape(*x.shape[:-1], w2.shape[0])
 
     def _linear_run(self, x, weight, bias, residual, activation):
         xs, w = self._operands(x, weight)

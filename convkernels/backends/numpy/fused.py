@@ -109,10 +109,12 @@ def mlp_applies(rows: int, hidden: int) -> bool:
 
 
 def mlp(x2: np.ndarray, w1: np.ndarray, b1, w2: np.ndarray, b2, activation: str | None, residual: np.ndarray,
-        packed) -> np.ndarray | None:
+        packed, product=None) -> np.ndarray | None:
     """linear(act(linear(x2, w1, b1)), w2, b2) + residual, over blocks of rows whose hidden
     activations stay in cache; None where the compiled tiles do not apply. Each row's sums run
-    in the same order as in the two whole products: the result is the same to the bit."""
+    in the same order as in the two whole products: the result is the same to the bit. product:
+    `linear`'s twin that runs each product (bf16.linear, on the panels `packed` gives), else linear."""
+    product = product or linear
     rows, hidden = x2.shape[0], w1.shape[0]
     if not mlp_applies(rows, hidden) or w2.ndim != 2 or w2.shape[1] != hidden or residual.size != rows * w2.shape[0]:
         return None
@@ -122,8 +124,8 @@ def mlp(x2: np.ndarray, w1: np.ndarray, b1, w2: np.ndarray, b2, activation: str 
     res = residual.reshape(rows, w2.shape[0])
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
-        h = linear(x2[r0:r1], w1, b1, None, activation, packed, out=scratch[:r1 - r0])
-        if h is None or linear(h, w2, b2, res[r0:r1], None, packed, out=out[r0:r1]) is None:
+        h = product(x2[r0:r1], w1, b1, None, activation, packed, out=scratch[:r1 - r0])
+        if h is None or product(h, w2, b2, res[r0:r1], None, packed, out=out[r0:r1]) is None:
             return None
     return out
 
