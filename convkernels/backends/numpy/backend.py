@@ -14,8 +14,7 @@ from .activations import apply_activation, c_ready, gelu
 from .autotune import time_paths
 from .background import Activity
 from .blas import BlasThreads
-from .memory import retain_freed_memory
-from .memory import watch as watch_memory
+from .memory import retain_freed_memory, watch as watch_memory
 from .path_choice import MeasuredChoices
 from .path_store import PathStore
 from .weight_cache import TransformedWeights
@@ -283,16 +282,20 @@ class NumpyBackend(BackendBase):
         return fused.matmul(a, wt, self._pack)
 
     # ---- other ops ------------------------------------------------------------------------
+    def _block_products(self) -> tuple:
+        """How ConvNeXt's block calls multiply: (a weight's panels, bfloat16?, fused.linear's twin or None)"""
+        return self._pack, False, None
+
     def mlp(self, x, w1, b1, w2, b2, activation, residual):
         """The two products over blocks of rows (fused.mlp) where their hidden activations would
         not stay in cache, else None (the caller runs the two linears)."""
         x, w1 = self._operands(x, w1)
         if not fused.mlp_applies(x.size // x.shape[-1], w1.shape[0]):
             return None
-        w2 = self._f(w2)
-        b1, b2 = (None if b is None else self._f(b) for b in (b1, b2))
+        w2, b1, b2 = (None if a is None else self._f(a) for a in (w2, b1, b2))
         with self.activity:
-            out = fused.mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, self._f(residual), self._pack)
+            out = fused.mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, self._f(residual),
+                            *self._block_products()[::2])
         return None if out is None else out.reshape(*x.shape[:-1], w2.shape[0])
 
     def depthwise_conv_layer_norm(self, x, w, bias, norm_w, norm_b, eps: float):
@@ -309,16 +312,13 @@ class NumpyBackend(BackendBase):
     def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
         """ConvNeXt's block bodies (fused.depthwise_ln_mlp) in one compiled call, or None. Counted and
         timed as one conv a block on its own path; not taken while before_conv watches each conv alone."""
-        return self._stage_call(x, blocks, eps, activation, self._pack)
-
-    def _stage_call(self, x, blocks, eps, activation, packed, bf16: bool = False):
         blocks = [(w, bias, nw, nb, *(None if a is None else self._f(a) for a in mlp))
                   for w, bias, nw, nb, *mlp in blocks]
         if self.before_conv is not None or not fused.depthwise_ln_mlp_applies(x, blocks, activation):
             return None
         with self.activity:
             return self._counted("conv2d", "depthwise_ln_mlp", fused.depthwise_ln_mlp, x, blocks, eps, activation,
-                                 self._taps, packed, bf16, calls=len(blocks))
+                                 self._taps, *self._block_products()[:2], calls=len(blocks))
 
     # the norms: one compiled pass each where the C extension runs (norms.py)
     _group_norm = staticmethod(norms.group_norm)

@@ -107,21 +107,9 @@ class NumpyBf16Backend(NumpyBackend):
         if key.spec.groups == 1 and not key.spec.transpose:
             self._pack_bf16(self._f(w).reshape(w.shape[0], -1))
 
-    def depthwise_ln_mlp(self, x, blocks, eps: float, activation):
-        """a ConvNeXt stage in one compiled call, as the float32 backend's, with its products in bfloat16"""
-        return self._stage_call(x, blocks, eps, activation, self._pack_bf16, bf16=True)
-
-    def mlp(self, x, w1, b1, w2, b2, activation, residual):
-        """the float32 backend's MLP over blocks of rows (fused.mlp) with bfloat16 products, or None"""
-        x, w1 = self._operands(x, w1)
-        if not fused.mlp_applies(x.size // x.shape[-1], w1.shape[0]):
-            return None
-        w2 = self._f(w2)
-        b1, b2 = (None if b is None else self._f(b) for b in (b1, b2))
-        with self.activity:
-            out = fused.mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, activation, self._f(residual),
-                            self._pack_bf16, product=linear)
-        return None if out is None else out.reshape(*x.shape[:-1], w2.shape[0])
+    def _block_products(self) -> tuple:
+        """ConvNeXt's stage calls and row-blocked MLPs multiply in bfloat16, as its linears do"""
+        return self._pack_bf16, True, linear
 
     def _linear_run(self, x, weight, bias, residual, activation):
         xs, w = self._operands(x, weight)
