@@ -266,12 +266,12 @@ def test_winograd_panels_are_the_float64_transform_rounded_once(m, taps):
 STAGE = (2, 5, 9, 21, 84)
 
 
-def stage_case(blocks: int, pack, gemm) -> tuple:
+def stage_case(blocks: int, pack, gemm, shape: tuple = STAGE) -> tuple:
     """x, the blocks as depthwise_ln_mlp takes them (weights packed by pack(w)) and the expected output:
     the compiled depthwise conv + LayerNorm, then gemm(a, panels, bias, residual, out, m, k, n,
-    has_residual, act) twice, a block at a time; fresh random values"""
+    has_residual, act) twice, a block at a time; fresh random values. shape: (n, h, w, c, hidden)"""
     rng, seed = fresh_rng()
-    n, h, w, c, hidden = STAGE
+    n, h, w, c, hidden = shape
     rows, none = n * h * w, np.zeros(1, np.float32)
     x = rng.standard_normal((n, h, w, c)).astype(np.float32)
     params, want = [], x

@@ -311,23 +311,28 @@ def test_whole_convnext_within_torchs_bfloat16_error(tmp_path_factory):
 
 @needs_bf16
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_a_stage_call_in_bfloat16_is_depthwise_layer_norm_and_two_bfloat16_products_a_block(blocks):
+@pytest.mark.parametrize("hidden", [84, 13])
+def test_a_stage_call_in_bfloat16_is_depthwise_layer_norm_and_two_bfloat16_products_a_block(blocks, hidden):
     """gemm.c's depthwise_ln_mlp with bf16 set, one or three blocks in one call, odd channels (an odd
     K: the last pair's second half zero): the bits of the compiled depthwise conv + LayerNorm and two
-    gemm_bf16 calls a block on the same bfloat16 panels. A bfloat16 panel one pair short is an error, not a
-    read past it."""
+    gemm_bf16 calls a block on the same bfloat16 panels, although the call hands the hidden rows from one
+    product to the next in bfloat16. hidden 84: the layer norm's pairs fit in the hidden scratch's upper
+    part; 13: they do not (a scratch of their own), and the hidden rows' odd end is a pad that must be
+    zero (the scratch starts as NaN, which a pad left unwritten would carry into the result). A bfloat16
+    panel one pair short is an error, not a read past it."""
     from test_cpu_gemm import STAGE, stage_case
 
     def gemm(a, p, bias, res, out, m, k, n, has_res, act):
         _cpu._kernels.gemm_bf16(a, p, bias, res, out, m, k, n, True, has_res, act)
-    x, params, want, seed = stage_case(blocks, bf16.pack_panels, gemm)
-    n, h, w, c, hidden = STAGE
+    shape = STAGE[:4] + (hidden,)
+    x, params, want, seed = stage_case(blocks, bf16.pack_panels, gemm, shape)
+    n, h, w, c, _ = shape
     rows = n * h * w
 
     def call(out, given):
         _cpu._kernels.depthwise_ln_mlp(x, out, np.empty_like(x), np.empty((rows, c), np.float32),
-                                       np.empty((rows, hidden), np.float32), given, True, True, True, n, h, w, c,
-                                       7, 7, hidden, 1e-6, fused.ACT_CODES["gelu"], 0, True)
+                                       np.full((rows, hidden), np.nan, np.float32), given, True, True, True, n, h,
+                                       w, c, 7, 7, hidden, 1e-6, fused.ACT_CODES["gelu"], 0, True)
     got = np.full((n, h, w, c), np.nan, np.float32)
     call(got, params)
     assert np.array_equal(got, want), f"seed {seed}"

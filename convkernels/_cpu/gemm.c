@@ -337,8 +337,8 @@ PyObject *ck_gemm(PyObject *self, PyObject *args)
  * cold (2-core Xeon, 2026-12-01: 17 ms of a ~100 ms ConvNeXt-T batch-1 encode); a stage's blocks
  * share their shapes, so a stage is one call. The blocks alternate between out and spare, so the
  * last one lands in out; t and hid are the caller's scratch, shared by all blocks. With bf16 set (the
- * backend's opt-in dtype=bfloat16) the products are gemm_bf16.c's on its bfloat16 panels, as its
- * gemm_bf16 call a product runs them, and nr is not read. */
+ * backend's opt-in dtype=bfloat16) the products are gemm_bf16.c's on its bfloat16 panels (ck_bf16_mlp:
+ * the bits of its gemm_bf16 call a product, the hidden rows handed on in bfloat16), and nr is not read. */
 #define DLM_PER_BLOCK 8 /* taps, dw bias, ln weight, ln bias, packed1, b1, packed2, b2 */
 
 static int overlaps(const Py_buffer *a, const Py_buffer *b)
@@ -404,8 +404,7 @@ PyObject *ck_depthwise_ln_mlp(PyObject *self, PyObject *args)
             ck_depthwise_ln(src, b[0].buf, has_dwb ? b[1].buf : NULL, has_lw ? b[2].buf : NULL,
                             has_lb ? b[3].buf : NULL, t, n, h, wd, c, kh, kw, kh / 2, kw / 2, eps, &failed);
             if (!failed && bf16) {
-                failed = ck_gemm_bf16_rows(t, c, b[4].buf, b[5].buf, NULL, hid, rows, c, hidden, act) ||
-                         ck_gemm_bf16_rows(hid, hidden, b[6].buf, b[7].buf, src, dst, rows, hidden, c, 0);
+                failed = ck_bf16_mlp(t, c, b[4].buf, b[5].buf, b[6].buf, b[7].buf, src, dst, hid, rows, hidden, act);
             } else if (!failed) {
                 gemm_nr(nr, t, c, b[4].buf, b[5].buf, NULL, hid, rows, c, hidden, act, 1, 0, p1 * c * nr);
                 gemm_nr(nr, hid, hidden, b[6].buf, b[7].buf, src, dst, rows, hidden, c, 0, 1, 0, p2 * hidden * nr);

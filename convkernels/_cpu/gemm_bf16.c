@@ -127,6 +127,30 @@ INLINE void tile_epilogue_bf16(const float *t, Py_ssize_t rows, Py_ssize_t cols,
     }
 }
 
+/* The same epilogue (no residual: a first product's), its result rounded to bfloat16 as the next
+ * product's A: rows of n2 (n rounded up to even) bfloat16, the odd n's pad zero. vcvtneps2bf16
+ * rounds as convert_task's vcvtne2ps2bf16 does, so the next product reads the bits it would have
+ * read from float32 rows converted on their own, without that pass over memory (write 4 bytes an
+ * element, read 4, write 2: at batch 8 most of a ConvNeXt stage's hidden rows left the caches) */
+TARGET_BF16 INLINE void tile_epilogue_to_bf16(const float *t, Py_ssize_t rows, Py_ssize_t cols, const float *bias,
+                                              uint16_t *out, Py_ssize_t n2, int act, int pad)
+{
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *tr = t + r * BF16_NR;
+        uint16_t *o = out + r * n2;
+        for (Py_ssize_t c = 0; c < cols; c += DW_VEC) {
+            Py_ssize_t w = cols - c < DW_VEC ? cols - c : DW_VEC;
+            vf16 v = vload16(tr + c);
+            if (bias) v += w == DW_VEC ? vload16(bias + c) : vload_part(bias + c, w);
+            v = vact16(v, act);
+            __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+            if (w == DW_VEC) _mm256_storeu_si256((__m256i *)(o + c), h);
+            else _mm256_mask_storeu_epi16(o + c, (__mmask16)((1u << w) - 1), h);
+        }
+        if (pad) o[cols] = 0;
+    }
+}
+
 /* ---- A's rows rounded to bfloat16 pairs, once per call ---------------------------------------- */
 
 typedef struct {
@@ -168,7 +192,8 @@ typedef struct {
     const uint16_t *bp;
     const float *bias, *res;
     float *out;
-    Py_ssize_t m, kp, n, sb, chunk, tasks, outer, inner;
+    uint16_t *out16; /* set: the output as bfloat16 rows of n2 (tile_epilogue_to_bf16), out not written */
+    Py_ssize_t m, kp, n, n2, sb, chunk, tasks, outer, inner;
     int act, by_panel;
 } bf16_args;
 
@@ -191,9 +216,42 @@ TARGET_BF16 static void gemm_bf16_task(void *ctx, Py_ssize_t job)
             Py_ssize_t r0 = blk * BF16_MR, rows = m - r0 < BF16_MR ? m - r0 : BF16_MR;
             Py_ssize_t col = p * BF16_NR, cols = n - col < BF16_NR ? n - col : BF16_NR;
             tiles_bf16[rows](ab + r0 * kp, kp, bb + p * kp * 2 * BF16_NR, kp, t);
-            tile_epilogue_bf16(t, rows, cols, g->bias ? g->bias + col : NULL, rb ? rb + r0 * n + col : NULL,
-                               ob + r0 * n + col, n, g->act);
+            if (g->out16)
+                tile_epilogue_to_bf16(t, rows, cols, g->bias ? g->bias + col : NULL,
+                                      g->out16 + (bi * m + r0) * g->n2 + col, g->n2, g->act, col + cols == n && n < g->n2);
+            else
+                tile_epilogue_bf16(t, rows, cols, g->bias ? g->bias + col : NULL, rb ? rb + r0 * n + col : NULL,
+                                   ob + r0 * n + col, n, g->act);
         }
+}
+
+/* A's rows (a, lda floats apart, product i at a + i sa) -> bfloat16 pairs at ab (kp a row) */
+static void convert_rows(const float *a, Py_ssize_t lda, Py_ssize_t sa, uint32_t *ab, Py_ssize_t m, Py_ssize_t k,
+                         Py_ssize_t batch, int parallel)
+{
+    const Py_ssize_t kp = (k + 1) / 2;
+    convert_args c = {a, ab, m, k, kp, lda, sa, CONVERT_ROWS, (m + CONVERT_ROWS - 1) / CONVERT_ROWS};
+    if (parallel) ck_pool_run(convert_task, &c, c.tasks_per_product * batch);
+    else
+        for (Py_ssize_t job = 0; job < c.tasks_per_product * batch; job++) convert_task(&c, job);
+}
+
+/* The products on A's pairs (ab, kp a row): out (float32, with residual) or, with out16 set, out16
+ * (bfloat16 rows of n rounded up to even, no residual) */
+static void gemm_bf16_pairs(const uint32_t *ab, const uint16_t *bp, const float *bias, const float *res,
+                            float *out, uint16_t *out16, Py_ssize_t m, Py_ssize_t kp, Py_ssize_t n, int act,
+                            Py_ssize_t batch, Py_ssize_t sb, int parallel)
+{
+    bf16_args g = {ab, bp, bias, res, out, out16, m, kp, n, (n + 1) / 2 * 2, sb, 0, 0, 0, 0, act, n > m};
+    const Py_ssize_t blocks = (m + BF16_MR - 1) / BF16_MR, panels = (n + BF16_NR - 1) / BF16_NR;
+    g.outer = g.by_panel ? panels : blocks;
+    g.inner = g.by_panel ? blocks : panels;
+    const Py_ssize_t want = batch >= BF16_TASKS ? 1 : (BF16_TASKS + batch - 1) / batch;
+    g.chunk = (g.outer + want - 1) / want;
+    g.tasks = (g.outer + g.chunk - 1) / g.chunk;
+    if (parallel) ck_pool_run(gemm_bf16_task, &g, g.tasks * batch);
+    else
+        for (Py_ssize_t job = 0; job < g.tasks * batch; job++) gemm_bf16_task(&g, job);
 }
 
 /* 0 on success, -1 where the scratch for A could not be had */
@@ -205,32 +263,33 @@ static int gemm_bf16(const float *a, Py_ssize_t lda, const uint16_t *bp, const f
     const int parallel = (double)m * k * n * batch > PARALLEL_MIN_WORK;
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)(batch * m * kp) + 64);
     if (!ab) return -1;
-    convert_args c = {a, ab, m, k, kp, lda, sa, CONVERT_ROWS, (m + CONVERT_ROWS - 1) / CONVERT_ROWS};
-    if (parallel) ck_pool_run(convert_task, &c, c.tasks_per_product * batch);
-    else
-        for (Py_ssize_t job = 0; job < c.tasks_per_product * batch; job++) convert_task(&c, job);
-    bf16_args g = {ab, bp, bias, res, out, m, kp, n, sb, 0, 0, 0, 0, act, n > m};
-    const Py_ssize_t blocks = (m + BF16_MR - 1) / BF16_MR, panels = (n + BF16_NR - 1) / BF16_NR;
-    g.outer = g.by_panel ? panels : blocks;
-    g.inner = g.by_panel ? blocks : panels;
-    const Py_ssize_t want = batch >= BF16_TASKS ? 1 : (BF16_TASKS + batch - 1) / batch;
-    g.chunk = (g.outer + want - 1) / want;
-    g.tasks = (g.outer + g.chunk - 1) / g.chunk;
-    if (parallel) ck_pool_run(gemm_bf16_task, &g, g.tasks * batch);
-    else
-        for (Py_ssize_t job = 0; job < g.tasks * batch; job++) gemm_bf16_task(&g, job);
+    convert_rows(a, lda, sa, ab, m, k, batch, parallel);
+    gemm_bf16_pairs(ab, bp, bias, res, out, NULL, m, kp, n, act, batch, sb, parallel);
     free(ab);
     return 0;
 }
 #endif
 
-/* the product for gemm.c's depthwise_ln_mlp in bfloat16 (a ConvNeXt stage's products, as
- * ck_gemm_bf16 runs them one call each): 0, or -1 where the scratch for A could not be had */
-int ck_gemm_bf16_rows(const float *a, Py_ssize_t lda, const uint16_t *bp, const float *bias, const float *res,
-                      float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act)
+/* A ConvNeXt block's two products for gemm.c's depthwise_ln_mlp in bfloat16: dst = (act(t @ w1^T + b1)
+ * @ w2^T + b2) + res, t (rows, c), the panels p1 (hidden, c) and p2 (c, hidden). Their results are the
+ * bits of two gemm_bf16 calls; the hidden rows go from the first product's epilogue to the second as
+ * bfloat16 (tile_epilogue_to_bf16), in hid (rows x hidden floats, the caller's), and t's pairs in
+ * hid's upper part where they fit there, else in a scratch of their own. 0, or -1 where that scratch
+ * could not be had. */
+int ck_bf16_mlp(const float *t, Py_ssize_t c, const uint16_t *p1, const float *b1, const uint16_t *p2,
+                const float *b2, const float *res, float *dst, float *hid, Py_ssize_t rows, Py_ssize_t hidden, int act)
 {
 #ifdef HAVE_BF16_TILES
-    return gemm_bf16(a, lda, bp, bias, res, out, m, k, n, act, 1, 0, ck_bf16_panels_size(n, k));
+    const Py_ssize_t kc = (c + 1) / 2, kh = (hidden + 1) / 2;
+    const int parallel = (double)rows * c * hidden > PARALLEL_MIN_WORK;
+    uint32_t *hid_pairs = (uint32_t *)hid, *t_pairs = NULL, *own = NULL;
+    if (kh + kc <= hidden) t_pairs = hid_pairs + rows * kh;
+    else if (!(t_pairs = own = malloc(sizeof(uint32_t) * (size_t)(rows * kc) + 64))) return -1;
+    convert_rows(t, c, 0, t_pairs, rows, c, 1, parallel);
+    gemm_bf16_pairs(t_pairs, p1, b1, NULL, NULL, (uint16_t *)hid_pairs, rows, kc, hidden, act, 1, 0, parallel);
+    gemm_bf16_pairs(hid_pairs, p2, b2, res, dst, NULL, rows, kh, c, 0, 1, 0, parallel);
+    free(own);
+    return 0;
 #else
     return -1;
 #endif

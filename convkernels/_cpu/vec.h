@@ -200,8 +200,8 @@ void ck_depthwise_ln(const float *x, const float *taps, const float *dwb, const 
 /* ... and of gemm_bf16.c: the first three for gemm.c's depthwise_ln_mlp in bfloat16 */
 int ck_runs_bf16(void);
 Py_ssize_t ck_bf16_panels_size(Py_ssize_t n, Py_ssize_t k);
-int ck_gemm_bf16_rows(const float *a, Py_ssize_t lda, const uint16_t *bp, const float *bias, const float *res,
-                      float *out, Py_ssize_t m, Py_ssize_t k, Py_ssize_t n, int act);
+int ck_bf16_mlp(const float *t, Py_ssize_t c, const uint16_t *p1, const float *b1, const uint16_t *p2,
+                const float *b2, const float *res, float *dst, float *hid, Py_ssize_t rows, Py_ssize_t hidden, int act);
 PyObject *ck_gemm_bf16_available(PyObject *self, PyObject *args);
 PyObject *ck_pack_weight_bf16(PyObject *self, PyObject *args);
 PyObject *ck_gemm_bf16(PyObject *self, PyObject *args);
