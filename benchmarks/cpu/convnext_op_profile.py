@@ -4,7 +4,11 @@ both). Ours is timed by wrapping the backend's kernels in place (the maths and t
 ones a real call takes; a fused op counts once, under its fused name), exclusive of nested ops.
 ORT runs in a child process (its thread pool never meets ours) with SessionOptions.enable_profiling.
 
-    python benchmarks/cpu/convnext_op_profile.py [--batch 1] [--reps 10] [--no-ort] [--workdir DIR]
+    python benchmarks/cpu/convnext_op_profile.py [--batch 1] [--reps 10] [--no-ort] [--openvino]
+        [--dtype float32|bfloat16] [--workdir DIR]
+
+--dtype bfloat16: ours with the backend's bfloat16 products (AVX-512 BF16 CPUs), and OpenVINO (--openvino,
+its per-node performance counters) in its bf16 inference precision beside it; ORT stays float32.
 
 Times are per encode (sum over the calls of one forward); the shared 2-core box is noisy, so
 read the shares and the ratios more than the absolute numbers. The load average is printed.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -138,6 +143,41 @@ def profile_ort(workdir: Path, reps: int) -> tuple[float, dict]:
     return total, {r: (s / reps, calls[r] // reps) for r, s in per.items()}
 
 
+def profile_openvino(workdir: Path, reps: int) -> tuple[float, dict]:
+    """OpenVINO's own per-node times (PERF_COUNT), by the type its plugin ran each node as, in the
+    precision cpu_runtimes_worker.build compiles it in (bf16 beside ours' bfloat16)."""
+    import openvino.properties as props
+    from cpu_runtimes_worker import THREADS, build
+    spec = json.loads((workdir / "spec.json").read_text())
+    x = np.load(workdir / "input.npy")
+    run, _ = build("openvino", spec, workdir)
+    for _ in range(2):
+        run(x)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run(x)
+    total = (time.perf_counter() - t0) / reps
+    import openvino as ov
+    core = ov.Core()
+    bf16 = os.environ.get("CPU_RUNTIMES_OURS_DTYPE") == "bfloat16"
+    compiled = core.compile_model(str(workdir / "model.onnx"), "CPU", {
+        "INFERENCE_PRECISION_HINT": ov.Type.bf16 if bf16 else ov.Type.f32, "PERFORMANCE_HINT": "LATENCY",
+        props.inference_num_threads: THREADS, props.enable_profiling: True})
+    request = compiled.create_infer_request()
+    for _ in range(2):
+        request.infer({0: x})
+    per: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for _ in range(reps):
+        request.infer({0: x})
+        for info in request.profiling_info:
+            if info.real_time.total_seconds() > 0:
+                role = f"{info.node_type} [{info.exec_type}]"
+                per[role] += info.real_time.total_seconds()
+                calls[role] += 1
+    return total, {r: (s / reps, calls[r] // reps) for r, s in per.items()}
+
+
 def table(title: str, total: float, rows: dict) -> None:
     print(f"\n{title}: {total * 1e3:.1f} ms per encode (wall)")
     for role, (s, n) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
@@ -153,17 +193,22 @@ def main():
     ap.add_argument("--preset", default="convnext-tiny")
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--no-ort", action="store_true")
+    ap.add_argument("--openvino", action="store_true", help="OpenVINO's per-node profile too")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="ours' products (and OpenVINO's inference precision); ORT stays float32")
     ap.add_argument("--workdir", default=None, help="reuse a prepared workdir (else a fresh temporary one)")
     ap.add_argument("--row-block-bytes", type=int, default=None,
                     help="what-if: the fused linear's output block (convkernels/backends/numpy/fused.py)")
-    ap.add_argument("--child", choices=["ort", "prepare"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["ort", "openvino", "prepare"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    # read by cpu_runtimes_worker.build, here and in the children
+    os.environ["CPU_RUNTIMES_OURS_DTYPE"] = args.dtype
     if args.child == "prepare":  # torch (the weights, the ONNX export) only ever in this child
         from cpu_runtimes_worker import prepare
         print(json.dumps(prepare(Path(args.workdir))))
         return
     if args.child:
-        total, rows = profile_ort(Path(args.workdir), args.reps)
+        total, rows = (profile_ort if args.child == "ort" else profile_openvino)(Path(args.workdir), args.reps)
         print(json.dumps({"total": total, "rows": rows}))
         return
     tmp = None
@@ -187,7 +232,7 @@ def main():
     with open("/proc/loadavg") as f:
         print("load average at start:", " ".join(f.read().split()[:3]))
     total, rows = profile_ours(workdir, args.reps)
-    table(f"ours (numpy backend), {args.preset} {args.size} batch {args.batch}", total, rows)
+    table(f"ours (numpy backend, {args.dtype}), {args.preset} {args.size} batch {args.batch}", total, rows)
     if not args.no_ort and (workdir / "model.onnx").exists():
         out = subprocess.run([sys.executable, __file__, "--child", "ort", "--workdir", str(workdir),
                               "--reps", str(args.reps)], capture_output=True, text=True, check=True)
@@ -195,6 +240,14 @@ def main():
         table("ONNX Runtime (node kernel times; the total is an unprofiled session's)", got["total"],
               {k: tuple(v) for k, v in got["rows"].items()})
         print(f"\nours / ORT: {total / got['total']:.2f}")
+    if args.openvino and (workdir / "model.onnx").exists():
+        out = subprocess.run([sys.executable, __file__, "--child", "openvino", "--workdir", str(workdir),
+                              "--reps", str(args.reps), "--dtype", args.dtype], capture_output=True, text=True,
+                             check=True)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        table(f"OpenVINO ({'bf16' if args.dtype == 'bfloat16' else 'f32'}; its per-node counters; the total is an "
+              "unprofiled request's)", got["total"], {k: tuple(v) for k, v in got["rows"].items()})
+        print(f"\nours / OpenVINO: {total / got['total']:.2f}")
     with open("/proc/loadavg") as f:
         print("load average at end:", " ".join(f.read().split()[:3]))
     if tmp:
